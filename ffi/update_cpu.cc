@@ -1,0 +1,95 @@
+// CPU kernel and XLA FFI handler of the fused update: a serial loop over every
+// tensor of every group, calling the shared arithmetic of scaling_math.h.
+#include "update_cpu.h"
+
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <xmmintrin.h>
+#endif
+
+#include "ffi_decode.h"
+#include "scaling_math.h"
+
+namespace jax_fp8 {
+namespace {
+
+// XLA's CPU threads may run with flush-to-zero / denormals-are-zero set; SPEC.md
+// requires IEEE subnormals, so clear those modes for the duration of the update.
+class ScopedIeeeSubnormals {
+ public:
+  ScopedIeeeSubnormals() {
+#if defined(__x86_64__) || defined(_M_X64)
+    saved_ = _mm_getcsr();
+    _mm_setcsr(saved_ & ~(0x8000u | 0x0040u));  // FTZ (bit 15), DAZ (bit 6)
+#elif defined(__aarch64__)
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(saved_));
+    uint64_t cleared = saved_ & ~(uint64_t{1} << 24);  // FZ
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(cleared));
+#endif
+  }
+  ~ScopedIeeeSubnormals() {
+#if defined(__x86_64__) || defined(_M_X64)
+    _mm_setcsr(saved_);
+#elif defined(__aarch64__)
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(saved_));
+#endif
+  }
+  ScopedIeeeSubnormals(const ScopedIeeeSubnormals&) = delete;
+  ScopedIeeeSubnormals& operator=(const ScopedIeeeSubnormals&) = delete;
+
+ private:
+#if defined(__aarch64__)
+  uint64_t saved_ = 0;
+#else
+  unsigned int saved_ = 0;
+#endif
+};
+
+void UpdateTensor(float* h, float* scale, float* scale_inv, const float* amax, int64_t len,
+                  float scaled_max, const UpdateOptions& opt) {
+  const float h0 = merge_amax(h[0], amax);
+  const float prev = *scale;
+  if (is_unused(h0, opt)) {
+    *scale_inv = scale_inverse(prev);
+    return;
+  }
+  // One pass: fold old[j] into the max, then move it to j - 1 (in place, forward).
+  float rest = 0.0f;
+  h[0] = 0.0f;
+  if (len > 1) rest = fmax_num(rest, h[1]);
+  for (int64_t j = 2; j < len; ++j) {
+    const float v = h[j];
+    rest = fmax_num(rest, v);
+    h[j - 1] = v;
+  }
+  h[len - 1] = last_slot_value(h0, len);
+  const float s = new_scale(reduced_amax(h0, rest, opt), prev, scaled_max, opt);
+  *scale = s;
+  *scale_inv = scale_inverse(s);
+}
+
+ffi::Error UpdateCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
+                         ffi::Span<const float> scaled_max, int32_t algo,
+                         bool power_of_2_scale, bool skip_unused, bool has_scale_inv,
+                         bool has_amax) {
+  auto opt = DecodeOptions(algo, power_of_2_scale, skip_unused);
+  if (!opt.has_value()) return opt.error();
+  auto groups = DecodeGroups(args, rets, scaled_max, has_scale_inv, has_amax);
+  if (!groups.has_value()) return groups.error();
+  ScopedIeeeSubnormals ieee;
+  for (const TensorGroup& g : *groups) {
+    for (int64_t t = 0; t < g.count; ++t) {
+      UpdateTensor(g.history + t * g.len, g.scale + t, g.scale_inv + t,
+                   g.amax ? g.amax + t : nullptr, g.len, g.scaled_max, *opt);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp8UpdateCpu, UpdateCpuImpl,
+                              JAX_FP8_UPDATE_ATTRS(ffi::Ffi::Bind().RemainingArgs().RemainingRets()));
+
+}  // namespace jax_fp8
