@@ -17,6 +17,14 @@ from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 
+def require_devices_during_lowering(prim) -> None:
+    """custom_partitioning needs the device assignment when it is lowered; JAX only
+    provides it for primitives in this (internal) set, as custom_partitioning's own."""
+    from jax._src import dispatch  # no public equivalent as of jax 0.11
+
+    dispatch.prim_requires_devices_during_lowering.add(prim)
+
+
 def needs_partitioning(ctx) -> bool:
     """True under a jit over several devices (not inside shard_map or pmap)."""
     return getattr(ctx.module_context.axis_context, "num_devices", 1) > 1

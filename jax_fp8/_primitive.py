@@ -24,6 +24,7 @@ from jax_fp8 import _jnp_update, _partition, _registration
 
 fp8_update_p = Primitive("jax_fp8_update")
 fp8_update_p.multiple_results = True
+_partition.require_devices_during_lowering(fp8_update_p)
 
 ALGOS = {"max": 0, "most_recent": 1}
 # "auto": the kernel where built (partitioned under a multi-device jit), else jnp;
