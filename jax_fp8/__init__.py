@@ -25,3 +25,9 @@ __all__ = [
     "scaled_max",
     "update_states",
 ]
+
+# Training layer (jax_fp8.ops): quantize, FP8 dot_general with delayed scaling, step update.
+from jax_fp8.ops import (Fp8Meta, combine_fp8_grads, compute_amax, dequantize,  # noqa: E402
+                         fp8_dot_general, fp8_einsum, new_fp8_state, quantize)
+__all__ += ["Fp8Meta", "combine_fp8_grads", "compute_amax", "dequantize", "fp8_dot_general",
+            "fp8_einsum", "new_fp8_state", "quantize"]

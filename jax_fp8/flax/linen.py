@@ -1,0 +1,173 @@
+"""Flax linen: FP8 dot_general / einsum modules and a TrainState that keeps FP8 state apart.
+
+Usage::
+
+    dense = nn.Dense(features, dot_general_cls=jax_fp8.flax.Fp8DotGeneral)
+    variables = model.init(rng, x)           # {"params": ..., "fp8_meta": ...}
+    state = Fp8TrainState.create(apply_fn=model.apply, variables=variables, tx=optax.adamw(...))
+
+    @jax.jit
+    def train_step(state, x, y):
+        def loss_fn(params, fp8):
+            logits = state.apply_model(params, fp8, x)
+            return xent(logits, y)
+        loss, (grads, fp8_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
+            state.params, state.fp8)
+        return state.apply_gradients(grads=grads, fp8_grads=fp8_grads), loss
+
+The FP8 state lives in its own variable collection ("fp8_meta"), one ``ScalingState``
+per tensor (``input``, ``kernel``, ``grad``) under each FP8 module. The optimizer only
+ever sees ``params``; the FP8 collection is replaced, once per step, by the result of one
+fused ``update_states`` call (`jax_fp8.new_fp8_state`).
+
+Several uses of one module per step: the module writes the threaded meta back to its
+variables when the collection is mutable, so the next call consumes that, and the amaxes
+of all calls combine by max (see `jax_fp8.ops`). `Fp8TrainState.apply_model` applies with
+the collection mutable; do the same if you call ``apply`` yourself for training. Under
+``nn.scan`` give the collection ``variable_axes={"fp8_meta": 0}`` (a state per layer), or
+``variable_carry="fp8_meta"`` for one module reused by every iteration.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+from flax import struct
+from flax.training import train_state
+
+from jax_fp8 import recipe as recipe_lib
+from jax_fp8.ops import Fp8Meta, fp8_dot_general, fp8_einsum, new_fp8_state
+from jax_fp8.state import ScalingState
+
+FP8_COLLECTION = "fp8_meta"
+_NAMES = ("input", "kernel", "grad")
+
+
+def _meta_variables(module: nn.Module, recipe, collection):
+    fwd, bwd = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
+    dtypes = {"input": fwd, "kernel": fwd, "grad": bwd}
+    return [module.variable(collection, name, ScalingState.create, (), recipe.history_len,
+                            dtypes[name]) for name in _NAMES]
+
+
+def _read(vs) -> Fp8Meta:
+    return Fp8Meta(*(v.value for v in vs))
+
+
+def _write(module: nn.Module, vs, meta: Fp8Meta, collection):
+    # Thread the meta: the next call of this module consumes what this one returned, so
+    # the amaxes of all calls combine by max. Only possible when the collection is mutable.
+    if module.is_mutable_collection(collection):
+        for v, name in zip(vs, _NAMES):
+            v.value = getattr(meta, name)
+
+
+class Fp8DotGeneral(nn.Module):
+    """Drop-in ``dot_general_cls`` for ``nn.Dense`` / ``nn.DenseGeneral``: FP8 delayed scaling.
+
+    Attributes:
+      recipe: the DelayedScaling recipe (history length, FP8 format) for fresh states.
+      collection: the variable collection holding the FP8 state.
+    """
+
+    recipe: recipe_lib.DelayedScaling = recipe_lib.DelayedScaling()
+    collection: str = FP8_COLLECTION
+
+    @nn.compact
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None,
+                 preferred_element_type=None, **kwargs):
+        del kwargs  # e.g. out_sharding
+        vs = _meta_variables(self, self.recipe, self.collection)
+        out, meta = fp8_dot_general(lhs, rhs, dimension_numbers, _read(vs), precision,
+                                    preferred_element_type)
+        _write(self, vs, meta, self.collection)
+        return out
+
+
+class Fp8Einsum(nn.Module):
+    """Two-operand FP8 einsum: ``Fp8Einsum()("bsd,dh->bsh", x, kernel)``; rhs is the kernel."""
+
+    recipe: recipe_lib.DelayedScaling = recipe_lib.DelayedScaling()
+    collection: str = FP8_COLLECTION
+
+    @nn.compact
+    def __call__(self, eqn, lhs, rhs, precision=None, preferred_element_type=None):
+        del precision
+        vs = _meta_variables(self, self.recipe, self.collection)
+        out, meta = fp8_einsum(eqn, lhs, rhs, _read(vs),
+                               preferred_element_type=preferred_element_type)
+        _write(self, vs, meta, self.collection)
+        return out
+
+
+def split_fp8(variables, collection: str = FP8_COLLECTION):
+    """``{"params": p, "fp8_meta": f, ...}`` -> (everything but the FP8 collection, f)."""
+    variables = dict(variables)
+    fp8 = variables.pop(collection, {})
+    return variables, fp8
+
+
+class Fp8TrainState(train_state.TrainState):
+    """``flax.training.train_state.TrainState`` plus the FP8 state, outside the optimizer.
+
+    ``params`` and ``opt_state`` are exactly those of a plain TrainState (the FP8
+    collection never reaches optax: no Adam moments, clipping or weight decay for it).
+    ``fp8`` holds the FP8 collection; `apply_gradients` replaces it with one fused
+    ``update_states`` call driven by ``fp8_grads``.
+    """
+
+    fp8: Any = None
+    recipe: recipe_lib.DelayedScaling = struct.field(pytree_node=False,
+                                                     default=recipe_lib.DelayedScaling())
+    fp8_collection: str = struct.field(pytree_node=False, default=FP8_COLLECTION)
+
+    @classmethod
+    def create(cls, *, apply_fn, tx, variables=None, params=None, fp8=None,
+               recipe: recipe_lib.DelayedScaling | None = None,
+               fp8_collection: str = FP8_COLLECTION, **kwargs):
+        """From ``variables`` (as returned by ``model.init``), or ``params`` and ``fp8``."""
+        if variables is not None:
+            if params is not None or fp8 is not None:
+                raise ValueError("pass either variables, or params (and fp8), not both")
+            rest, fp8 = split_fp8(variables, fp8_collection)
+            if set(rest) != {"params"}:
+                raise ValueError(f"variables has collections {sorted(rest)}; expected only "
+                                 f"'params' and {fp8_collection!r}. Pass params= and fp8= "
+                                 "and keep the other collections yourself")
+            params = rest["params"]
+        recipe = recipe_lib.DelayedScaling() if recipe is None else recipe
+        return super().create(apply_fn=apply_fn, params=params, tx=tx,
+                              fp8={} if fp8 is None else fp8, recipe=recipe,
+                              fp8_collection=fp8_collection, **kwargs)
+
+    def variables(self, params=None, fp8=None) -> dict:
+        return {"params": self.params if params is None else params,
+                self.fp8_collection: self.fp8 if fp8 is None else fp8}
+
+    def apply_model(self, params, fp8, *args, mutable=(), **kwargs):
+        """``apply_fn`` with the FP8 collection mutable (so reused modules thread their state).
+
+        Returns the output; with extra ``mutable`` collections, (output, their updates).
+        """
+        extra = [mutable] if isinstance(mutable, str) else list(mutable)
+        out, updates = self.apply_fn(self.variables(params, fp8), *args,
+                                     mutable=[self.fp8_collection, *extra], **kwargs)
+        if extra:
+            updates = dict(updates)
+            updates.pop(self.fp8_collection, None)
+            return out, updates
+        return out
+
+    def apply_gradients(self, *, grads, fp8_grads=None, **kwargs):
+        """The optimizer step on ``params``, and the FP8 state from ONE ``update_states``."""
+        new = super().apply_gradients(grads=grads, **kwargs)
+        if fp8_grads is None:
+            return new
+        return new.replace(fp8=new_fp8_state(self.fp8, fp8_grads, self.recipe))
+
+
+def fp8_value_and_grad(loss_fn: Callable, has_aux: bool = False):
+    """``loss_fn(params, fp8, *args)`` -> f returning ``(loss[, aux]), (grads, fp8_grads)``."""
+    return jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=has_aux)

@@ -1,0 +1,366 @@
+"""FP8 ops for training with delayed scaling: quantize, an FP8 dot_general, the step update.
+
+Convention (SPEC.md): ``x_fp8 = saturate_cast(x * scale)``, ``x ~= x_fp8 * scale_inv``.
+
+How the observed amaxes get out of the step
+-------------------------------------------
+`fp8_dot_general` never updates state. It quantizes with the *current* scales (delayed
+scaling) and reports what it observed -- the amax of its input, of its kernel and, in the
+backward pass, of the incoming gradient -- as the **cotangent of its `Fp8Meta` argument**:
+the "gradient" w.r.t. each state's ``amax_history`` is zero except in the staging slot
+``[..., 0]``, which holds the observed amax (Flax's ``_overwrite_with_gradient`` idea, but
+the gradient is an amax, not a new state). `new_fp8_state(meta, meta_grads, recipe)` then
+reads those slots and updates the whole model's FP8 state with ONE `update_states` call.
+
+Why amaxes combine by max and never by sum
+------------------------------------------
+JAX adds the cotangents of a value that is used twice, so two uses of one `Fp8Meta`
+would report ``amax_1 + amax_2``. The op is therefore *threaded*: it returns the meta as
+a second output, ``out, meta = fp8_dot_general(x, w, dn, meta)``, and its backward rule
+emits ``fmax(cotangent of the meta it returned, its own amax)`` as the cotangent of the
+meta it was given. A meta that flows ``meta0 -> use 1 -> meta1 -> use 2 -> meta2`` thus
+gets ``max(amax_2, amax_1)``: every use along the chain is max-combined and no value is
+ever consumed twice, so JAX never sums. In particular:
+
+* a layer called several times per step: pass the returned meta to the next call (the
+  Flax modules in `jax_fp8.flax` do this for you by writing it back to their variable);
+* `lax.scan` over a stack of layers: give the per-layer metas as ``xs`` (each iteration
+  has its own slice; nothing is shared); a layer reused in every iteration: put its meta
+  in the *carry* and return the threaded meta, never close over it;
+* gradient accumulation / microbatching: each microbatch's gradient is computed
+  separately; combine the FP8 parts with `combine_fp8_grads` (max), not ``+``.
+
+NaN: `compute_amax` propagates NaN; combining uses ``fmax`` and the update ``fmaxf``,
+which ignore NaN, as SPEC.md does for the staging slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_fp8 import recipe as recipe_lib
+from jax_fp8.state import ScalingState
+from jax_fp8.update import update_states
+
+__all__ = [
+    "Fp8Meta",
+    "amax_cotangents",
+    "combine_fp8_grads",
+    "compute_amax",
+    "dequantize",
+    "fp8_dot_general",
+    "fp8_einsum",
+    "new_fp8_state",
+    "quantize",
+]
+
+
+# --------------------------------------------------------------------------- basics
+
+def compute_amax(x) -> jax.Array:
+    """max |x| over the whole tensor, as a float32 scalar (NaN propagates; 0 if empty)."""
+    x = jnp.asarray(x)
+    if x.size == 0:
+        return jnp.zeros((), jnp.float32)
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def _broadcast_to_leading(s, ndim):
+    """A per-tensor factor of shape [...] (leading axes of x) as [..., 1, 1, ...]."""
+    s = jnp.asarray(s)
+    if s.ndim > ndim:
+        raise ValueError(f"state has shape {s.shape} but the tensor has only {ndim} axes")
+    return s.reshape(s.shape + (1,) * (ndim - s.ndim))
+
+
+def quantize(x, state: ScalingState) -> jax.Array:
+    """Saturating cast of ``x * state.scale`` to ``state.fp8_dtype``.
+
+    Computed in float32: ``clip(x * scale, -fp8_max, fp8_max).astype(fp8_dtype)``. Values
+    beyond the range (infinities included) saturate to +-fp8_max; NaN stays NaN (also for
+    E4M3, which has a NaN but no infinity). A state with leading axes [...] scales the
+    matching leading axes of ``x``.
+    """
+    x = jnp.asarray(x)
+    dtype = state.fp8_dtype
+    fmax = np.float32(recipe_lib.fp8_max(dtype))
+    y = x.astype(jnp.float32) * _broadcast_to_leading(state.scale.astype(jnp.float32), x.ndim)
+    return jnp.clip(y, -fmax, fmax).astype(dtype)
+
+
+def dequantize(q, state: ScalingState, dtype=jnp.float32) -> jax.Array:
+    """``q * state.scale_inv`` in float32, cast to ``dtype``."""
+    q = jnp.asarray(q)
+    y = q.astype(jnp.float32) * _broadcast_to_leading(state.scale_inv.astype(jnp.float32),
+                                                      q.ndim)
+    return y.astype(dtype)
+
+
+# --------------------------------------------------------------------------- Fp8Meta
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Meta:
+    """The FP8 state of one GEMM: its input (lhs), its kernel (rhs) and its output gradient.
+
+    A registered pytree of three `ScalingState`s. With a `DelayedScaling` recipe the input
+    and kernel use ``fp8_format.fwd_dtype`` and the gradient ``fp8_format.bwd_dtype``
+    (E5M2 under HYBRID).
+    """
+
+    input: ScalingState
+    kernel: ScalingState
+    grad: ScalingState
+
+    @classmethod
+    def create(cls, recipe: recipe_lib.DelayedScaling | None = None, shape=(),
+               history_len: int | None = None) -> "Fp8Meta":
+        recipe = recipe_lib.DelayedScaling() if recipe is None else recipe
+        n = recipe.history_len if history_len is None else history_len
+        fwd, bwd = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
+        return cls(input=ScalingState.create(shape, n, fwd),
+                   kernel=ScalingState.create(shape, n, fwd),
+                   grad=ScalingState.create(shape, n, bwd))
+
+
+jax.tree_util.register_dataclass(Fp8Meta, data_fields=["input", "kernel", "grad"],
+                                 meta_fields=[])
+
+
+def _is_state(x):
+    return isinstance(x, ScalingState)
+
+
+def _amax_cotangent(ct: ScalingState, amax) -> ScalingState:
+    """The cotangent a use hands back: fmax(downstream uses' amax, this use's amax)."""
+    h = ct.amax_history
+    staged = jnp.fmax(h[..., 0], jnp.asarray(amax, jnp.float32))
+    new_h = jnp.zeros_like(h).at[..., 0].set(staged)
+    return ScalingState(new_h, jnp.zeros_like(ct.scale), jnp.zeros_like(ct.scale_inv),
+                        fp8_dtype=ct.fp8_dtype)
+
+
+def amax_cotangents(fp8_grads):
+    """The observed amaxes carried by FP8 gradients: each ScalingState -> its staging slot."""
+    return jax.tree.map(lambda g: g.amax_history[..., 0], fp8_grads, is_leaf=_is_state)
+
+
+def new_fp8_state(fp8_states, fp8_grads, recipe: recipe_lib.DelayedScaling | None = None,
+                  *, implementation: str = "auto"):
+    """The step's new FP8 state: ONE `update_states` call for every state of the model.
+
+    Args:
+      fp8_states: any pytree of ScalingStates (e.g. Fp8Metas, a Flax collection).
+      fp8_grads: the gradient of the loss w.r.t. ``fp8_states`` (same structure); the
+        staging slot ``amax_history[..., 0]`` of each holds the amax observed this step.
+      recipe: the DelayedScaling recipe (margin, algorithm, ...).
+    """
+    recipe = recipe_lib.DelayedScaling() if recipe is None else recipe
+    return update_states(fp8_states, amax_cotangents(fp8_grads), recipe=recipe,
+                         implementation=implementation)
+
+
+def combine_fp8_grads(*fp8_grads):
+    """Combines the FP8 gradients of several microbatches (or steps) by max, never sum."""
+    if not fp8_grads:
+        raise ValueError("combine_fp8_grads needs at least one gradient tree")
+
+    def combine(*gs):
+        first = gs[0]
+        if not _is_state(first):
+            return first
+        staged = functools.reduce(jnp.fmax, [g.amax_history[..., 0] for g in gs])
+        return ScalingState(jnp.zeros_like(first.amax_history).at[..., 0].set(staged),
+                            jnp.zeros_like(first.scale), jnp.zeros_like(first.scale_inv),
+                            fp8_dtype=first.fp8_dtype)
+
+    return jax.tree.map(combine, *fp8_grads, is_leaf=_is_state)
+
+
+# --------------------------------------------------------------------------- dot_general
+
+def _remaining(original, *removed_lists):
+    removed = set()
+    for r in removed_lists:
+        removed.update(r)
+    return [i for i in original if i not in removed]
+
+
+def _ranges_like(*xs):
+    start = 0
+    for x in xs:
+        yield range(start, start + len(x))
+        start += len(x)
+
+
+def _transpose_lhs(g, x_ndim, y, dimension_numbers, out_dtype, swap_ans=False):
+    """d(dot_general(x, y))/dx applied to g (JAX's own rule, written for any y dtype)."""
+    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
+    x_kept = _remaining(range(x_ndim), x_contract, x_batch)
+    y_kept = _remaining(range(y.ndim), y_contract, y_batch)
+    if swap_ans:
+        ans_batch, ans_y, _ = _ranges_like(x_batch, y_kept, x_kept)
+    else:
+        ans_batch, _, ans_y = _ranges_like(x_batch, x_kept, y_kept)
+    dims = ((tuple(ans_y), tuple(y_kept)), (tuple(ans_batch), tuple(y_batch)))
+    x_contract_sorted_by_y = list(np.take(x_contract, np.argsort(y_contract)))
+    out_axes = np.argsort(list(x_batch) + x_kept + x_contract_sorted_by_y)
+    out = lax.dot_general(g, y, dims, preferred_element_type=out_dtype)
+    return lax.transpose(out, tuple(int(a) for a in out_axes))
+
+
+def _transpose_rhs(g, x, y_ndim, dimension_numbers, out_dtype):
+    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
+    swapped = ((y_contract, x_contract), (y_batch, x_batch))
+    return _transpose_lhs(g, y_ndim, x, swapped, out_dtype, swap_ans=True)
+
+
+def _scaled(out, factor, dtype):
+    """Dequantizes a GEMM result: out * factor in float32, then cast to dtype."""
+    return (out.astype(jnp.float32) * factor).astype(dtype)
+
+
+def _fp8_dot_fwd(lhs, rhs, meta, dimension_numbers, out_dtype):
+    q_lhs = quantize(lhs, meta.input)
+    q_rhs = quantize(rhs, meta.kernel)
+    # FP8 operands straight into the dot (XLA rewrites this into a cuBLASLt FP8 GEMM on
+    # Hopper/Ada), the result dequantized by the product of the two scale_invs.
+    out = lax.dot_general(q_lhs, q_rhs, dimension_numbers, preferred_element_type=out_dtype)
+    out = _scaled(out, meta.input.scale_inv * meta.kernel.scale_inv, out_dtype)
+    # The meta is returned unchanged: its only job is to carry the cotangent chain.
+    res = (q_lhs, q_rhs, meta, compute_amax(lhs), compute_amax(rhs))
+    return (out, meta), res
+
+
+def _fp8_dot_bwd(dimension_numbers, out_dtype, lhs_dtype, rhs_dtype, res, cts):
+    q_lhs, q_rhs, meta, amax_lhs, amax_rhs = res
+    g, ct_meta = cts
+    amax_g = compute_amax(g)
+    q_g = quantize(g, meta.grad)
+    grad_lhs = _transpose_lhs(q_g, q_lhs.ndim, q_rhs, dimension_numbers, lhs_dtype)
+    grad_lhs = _scaled(grad_lhs, meta.grad.scale_inv * meta.kernel.scale_inv, lhs_dtype)
+    grad_rhs = _transpose_rhs(q_g, q_lhs, q_rhs.ndim, dimension_numbers, rhs_dtype)
+    grad_rhs = _scaled(grad_rhs, meta.grad.scale_inv * meta.input.scale_inv, rhs_dtype)
+    ct_meta_in = Fp8Meta(input=_amax_cotangent(ct_meta.input, amax_lhs),
+                         kernel=_amax_cotangent(ct_meta.kernel, amax_rhs),
+                         grad=_amax_cotangent(ct_meta.grad, amax_g))
+    return grad_lhs, grad_rhs, ct_meta_in
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _fp8_dot_threaded(lhs, rhs, meta, dimension_numbers, out_dtype, lhs_dtype, rhs_dtype):
+    del lhs_dtype, rhs_dtype
+    return _fp8_dot_fwd(lhs, rhs, meta, dimension_numbers, out_dtype)[0]
+
+
+def _fp8_dot_fwd_rule(lhs, rhs, meta, dimension_numbers, out_dtype, lhs_dtype, rhs_dtype):
+    del lhs_dtype, rhs_dtype
+    return _fp8_dot_fwd(lhs, rhs, meta, dimension_numbers, out_dtype)
+
+
+_fp8_dot_threaded.defvjp(_fp8_dot_fwd_rule, _fp8_dot_bwd)
+
+
+def _check_meta(meta):
+    if not isinstance(meta, Fp8Meta):
+        raise TypeError(f"meta must be a jax_fp8.Fp8Meta, got {type(meta).__name__}")
+    for name in ("input", "kernel", "grad"):
+        st = getattr(meta, name)
+        if not isinstance(st, ScalingState):
+            raise TypeError(f"meta.{name} must be a ScalingState, got {type(st).__name__}")
+        if tuple(st.scale.shape) != ():
+            raise ValueError(f"meta.{name} must be the state of one tensor (scale shape ()), "
+                             f"got scale shape {tuple(st.scale.shape)}; for stacked layers "
+                             f"slice the meta per layer (lax.scan xs / nn.scan)")
+
+
+def _canonical_dn(dimension_numbers):
+    (lc, rc), (lb, rb) = dimension_numbers
+    return ((tuple(int(i) for i in lc), tuple(int(i) for i in rc)),
+            (tuple(int(i) for i in lb), tuple(int(i) for i in rb)))
+
+
+def fp8_dot_general(lhs, rhs, dimension_numbers, meta: Fp8Meta, precision=None,
+                    preferred_element_type=None, **unused_kwargs):
+    """FP8 ``lax.dot_general`` with delayed scaling; returns ``(out, meta)``.
+
+    Forward: lhs (input) and rhs (kernel) are quantized with ``meta.input`` /
+    ``meta.kernel`` current scales (E4M3), the FP8 arrays go straight into
+    ``lax.dot_general`` and the result is multiplied by both scale_invs. Backward: the
+    incoming gradient is quantized with ``meta.grad`` (E5M2 under HYBRID) and both the
+    input and the kernel gradient are FP8 GEMMs.
+
+    No state is updated here. The observed amaxes come out as the gradient w.r.t. ``meta``
+    (see the module docstring); the returned ``meta`` is the same values, to be passed to a
+    later use of the same state so the amaxes of all uses combine by max. ``precision`` is
+    ignored (FP8 GEMMs have one precision); other keyword arguments (e.g. Flax's
+    ``out_sharding``) are accepted and ignored.
+
+    Returns:
+      (out, meta): ``out`` in ``preferred_element_type`` (default: the result type of
+      lhs and rhs), and the meta to thread to the next use.
+    """
+    del precision, unused_kwargs
+    _check_meta(meta)
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    for name, x in (("lhs", lhs), ("rhs", rhs)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must be a floating array, got {x.dtype}")
+    out_dtype = np.dtype(preferred_element_type if preferred_element_type is not None
+                         else jnp.result_type(lhs, rhs))
+    return _fp8_dot_threaded(lhs, rhs, meta, _canonical_dn(dimension_numbers), out_dtype,
+                             np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+
+
+def fp8_einsum(eqn: str, lhs, rhs, meta: Fp8Meta, preferred_element_type=None):
+    """Two-operand einsum (``"...,...->..."``) as one `fp8_dot_general`; returns (out, meta).
+
+    Letters in both operands and the output are batch axes, in both operands only are
+    contracted, in one operand only are kept (or summed first when absent from the output).
+    Repeated letters within one operand (diagonals) and ellipses are not supported.
+    """
+    eqn = eqn.replace(" ", "")
+    if "..." in eqn:
+        raise ValueError("fp8_einsum does not support '...'")
+    if "->" not in eqn:
+        raise ValueError("fp8_einsum needs an explicit output: 'ab,bc->ac'")
+    ins, out = eqn.split("->")
+    parts = ins.split(",")
+    if len(parts) != 2:
+        raise ValueError(f"fp8_einsum takes exactly two operands, got {eqn!r}")
+    a, b = parts
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    for name, spec, x in (("lhs", a, lhs), ("rhs", b, rhs)):
+        if len(set(spec)) != len(spec):
+            raise ValueError(f"fp8_einsum: repeated letter in {name} spec {spec!r}")
+        if len(spec) != x.ndim:
+            raise ValueError(f"fp8_einsum: {name} spec {spec!r} has {len(spec)} letters but "
+                             f"{name} has {x.ndim} axes")
+    if len(set(out)) != len(out) or not set(out) <= set(a) | set(b):
+        raise ValueError(f"fp8_einsum: bad output spec {out!r}")
+    # Sum away letters that appear in one operand only and not in the output.
+    for side in (0, 1):
+        spec, other = (a, b) if side == 0 else (b, a)
+        drop = [i for i, c in enumerate(spec) if c not in other and c not in out]
+        if drop:
+            keep = "".join(c for i, c in enumerate(spec) if i not in drop)
+            if side == 0:
+                lhs, a = jnp.sum(lhs, axis=tuple(drop)), keep
+            else:
+                rhs, b = jnp.sum(rhs, axis=tuple(drop)), keep
+    batch = [c for c in a if c in b and c in out]
+    contract = [c for c in a if c in b and c not in out]
+    dn = ((tuple(a.index(c) for c in contract), tuple(b.index(c) for c in contract)),
+          (tuple(a.index(c) for c in batch), tuple(b.index(c) for c in batch)))
+    y, meta = fp8_dot_general(lhs, rhs, dn, meta, preferred_element_type=preferred_element_type)
+    produced = batch + [c for c in a if c not in b] + [c for c in b if c not in a]
+    perm = tuple(produced.index(c) for c in out)
+    if perm != tuple(range(len(perm))):
+        y = jnp.transpose(y, perm)
+    return y, meta
