@@ -1,0 +1,54 @@
+"""Shared fixtures: which backends the kernel tests run on, and a guard that the
+NumPy reference keeps IEEE subnormals for the whole session.
+
+Kernel tests take the `backend` fixture (or `device`), parametrized over "cpu"
+(always) and "gpu" (marked `gpu`; it runs when jax has a GPU device *and* the
+CUDA kernel was built, and skips cleanly otherwise). Computations follow their
+data: inputs are `jax.device_put` on the chosen device, and a jitted function
+runs there (see helpers.run_on).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import helpers
+import ieee_reference
+
+
+def pytest_collection_modifyitems(config, items):
+    del config
+    skip = pytest.mark.skip(reason=helpers.GPU_SKIP_REASON)
+    for item in items:
+        if "gpu" in item.keywords and not helpers.HAS_GPU:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=helpers.BACKENDS)
+def backend(request):
+    """"cpu", or "gpu" where a GPU and the CUDA kernel are present (skips otherwise)."""
+    if request.param == "gpu" and not helpers.HAS_GPU:
+        pytest.skip(helpers.GPU_SKIP_REASON)
+    return request.param
+
+
+@pytest.fixture
+def device(backend):
+    """The first jax device of `backend`."""
+    return helpers.backend_device(backend)
+
+
+@pytest.fixture
+def gpu_device():
+    """The first GPU device; skips when there is none or no CUDA kernel."""
+    if not helpers.HAS_GPU:
+        pytest.skip(helpers.GPU_SKIP_REASON)
+    return helpers.GPU_DEVICES[0]
+
+
+@pytest.fixture(autouse=True)
+def _numpy_keeps_subnormals():
+    """XLA runs its own float32 code with flush-to-zero; it must never leave that
+    mode on the Python thread, or the NumPy reference would stop being IEEE."""
+    yield
+    ieee_reference.assert_no_ftz()

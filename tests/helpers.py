@@ -1,0 +1,185 @@
+"""Test helpers: backends, running on a device, bit-exact comparisons, case making."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import jax_fp8
+
+F32 = np.float32
+FLT_MAX = F32(np.finfo(np.float32).max)
+
+
+def _gpu_devices():
+    # Ask for the GPU backend by name: jax.devices() alone is only the default
+    # backend (which may be the CPU, e.g. under JAX_PLATFORMS=cpu,gpu ordering).
+    try:
+        return [d for d in jax.devices("gpu") if d.platform == "gpu"]
+    except RuntimeError:  # no GPU backend at all
+        return []
+
+
+GPU_DEVICES = _gpu_devices()
+HAS_GPU = bool(GPU_DEVICES) and jax_fp8.HAS_CUDA_KERNEL
+GPU_SKIP_REASON = (f"needs a CUDA GPU and the CUDA kernel (gpu devices: {len(GPU_DEVICES)}, "
+                   f"HAS_CUDA_KERNEL: {jax_fp8.HAS_CUDA_KERNEL})")
+BACKENDS = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
+
+
+def backend_device(backend: str):
+    if backend == "gpu":
+        if not HAS_GPU:
+            pytest.skip(GPU_SKIP_REASON)
+        return GPU_DEVICES[0]
+    return jax.devices("cpu")[0]
+
+
+def run_on(device, fn, *args, jit=True, **jit_kwargs):
+    """Runs fn(*args) on `device` (inputs are put there; the computation follows
+    them) and returns the outputs as NumPy arrays (a pytree like fn's result)."""
+    args = jax.device_put(args, device)
+    f = jax.jit(fn, **jit_kwargs) if jit else fn
+    out = f(*args)
+    for leaf in jax.tree.leaves(out):
+        if isinstance(leaf, jax.Array):
+            assert leaf.devices() == {device}, (leaf.devices(), device)
+    return jax.tree.map(lambda x: np.array(x), out)
+
+
+def bits(x):
+    return np.array(x, np.float32, copy=True).view(np.uint32)  # keeps 0-d shapes
+
+
+def assert_bits_equal(actual, expected, what="", context=None):
+    """Bit-for-bit equality of float32 arrays (NaN payloads and signed zeros count).
+
+    `context`: optional dict of arrays with the same leading shape as `actual`'s
+    mismatching rows, printed for the first mismatches to make failures readable.
+    """
+    actual = np.asarray(actual, np.float32)
+    expected = np.asarray(expected, np.float32)
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    a, e = bits(actual), bits(expected)
+    if not np.array_equal(a, e):
+        bad = np.argwhere(a != e)
+        lines = [f"{what}: {len(bad)} of {a.size} elements differ"]
+        for idx in bad[:8]:
+            idx = tuple(int(i) for i in idx)
+            lines.append(f"  at {idx}: got {actual[idx]!r} (0x{a[idx]:08x}), "
+                         f"want {expected[idx]!r} (0x{e[idx]:08x})")
+            if context:
+                for name, arr in context.items():
+                    arr = np.asarray(arr)
+                    sub = arr[idx[:arr.ndim]] if arr.ndim else arr
+                    lines.append(f"    {name}{idx[:arr.ndim]} = {np.array2string(np.asarray(sub), threshold=20)}")
+        np.testing.assert_array_equal(a, e, err_msg="\n".join(lines))
+
+
+# ----------------------------------------------------------------------------
+# Random cases full of edge values.
+
+def _from_bits(*b):
+    return np.array(b, np.uint32).view(np.float32)
+
+
+NANS = _from_bits(0x7FC00000, 0xFFC00000, 0x7FC12345, 0xFFFFFFFF, 0x7FA00001)  # last: signaling
+SUBNORMALS = np.array([1e-45, 1e-40, 2.9387359e-39, 1.1754942e-38, -1e-45, -1e-40],
+                      np.float32)
+SPECIAL_AMAX = np.concatenate([
+    NANS,
+    np.array([np.inf, -np.inf, 0.0, -0.0, FLT_MAX, -FLT_MAX, 1e38, 3e38,
+              np.finfo(np.float32).tiny, 448 / float(FLT_MAX) / 2, 1e-37, 5e-36, 1e-35,
+              -1.0, -3.5, 3.5, 1.0, 448.0, 57344.0, 0.5, 2.0 ** -20], np.float32),
+    SUBNORMALS,
+]).astype(np.float32)
+SPECIAL_SCALE = np.concatenate([
+    NANS[:3],
+    np.array([1.0, 0.0, -0.0, -1.0, -2.5, np.inf, -np.inf, FLT_MAX, 3.0, 0.1, 2.0 ** 126,
+              2.0 ** 127, 1e38, 2.0 ** -126, 2.0 ** -140], np.float32),
+    SUBNORMALS,
+]).astype(np.float32)
+
+
+def random_amax_values(rng, shape, special_p=0.3):
+    """Mostly positive normals over the whole exponent range, some edge values."""
+    n = int(np.prod(shape))
+    kind = rng.random(n)
+    out = np.empty(n, np.float32)
+    lg = kind < 0.4
+    out[lg] = (10.0 ** rng.uniform(-38, 38.5, lg.sum())).astype(np.float32)
+    small = (kind >= 0.4) & (kind < 1 - special_p)
+    out[small] = rng.uniform(0, 1000, small.sum()).astype(np.float32)
+    sp = kind >= 1 - special_p
+    out[sp] = rng.choice(SPECIAL_AMAX, sp.sum())
+    return out.reshape(shape)
+
+
+def make_cases(rng, lead, L, with_amax, special_p=0.3, scrub_subnormals=0.0):
+    """history [*lead, L], scale [*lead], amax [*lead] or None, full of edge cases.
+
+    Rows get extra zero / -0 / NaN staging slots (h0 == 0 drives skip_unused), and
+    some whole-history rows are all zeros, all NaN, or all negative. A fraction
+    `scrub_subnormals` of the tensors has every subnormal input replaced by 0.
+    """
+    lead = tuple(lead)
+    h = random_amax_values(rng, lead + (L,), special_p)
+    n = int(np.prod(lead)) if lead else 1
+    flat = h.reshape(n, L)
+    r = rng.random(n)
+    flat[r < 0.15, 0] = 0.0
+    flat[(r >= 0.15) & (r < 0.25), 0] = -0.0
+    flat[(r >= 0.25) & (r < 0.3), 0] = np.nan
+    # Whole rows: all +0, all -0, all NaN, all negative, one subnormal among zeros.
+    r2 = rng.random(n)
+    flat[r2 < 0.04] = 0.0
+    flat[(r2 >= 0.04) & (r2 < 0.07)] = -0.0
+    flat[(r2 >= 0.07) & (r2 < 0.09)] = NANS[2]
+    neg = (r2 >= 0.09) & (r2 < 0.11)
+    flat[neg] = -np.abs(flat[neg])
+    sub = np.flatnonzero((r2 >= 0.11) & (r2 < 0.13))
+    flat[sub] = 0.0
+    if L > 1 and sub.size:
+        flat[sub, rng.integers(1, L, sub.size)] = F32(1e-45)
+    h = flat.reshape(lead + (L,))
+
+    scale = rng.choice(SPECIAL_SCALE, n)
+    normal = rng.random(n) < 0.4
+    scale[normal] = (2.0 ** rng.uniform(-20, 20, normal.sum())).astype(np.float32)
+    scale = scale.reshape(lead).astype(np.float32)
+
+    amax = None
+    if with_amax:
+        amax = random_amax_values(rng, (n,), special_p)
+        ra = rng.random(n)
+        amax[ra < 0.15] = 0.0
+        amax[(ra >= 0.15) & (ra < 0.22)] = -0.0
+        amax[(ra >= 0.22) & (ra < 0.27)] = NANS[1]
+        amax = amax.reshape(lead).astype(np.float32)
+    if scrub_subnormals:
+        rows = (rng.random(n) < scrub_subnormals).reshape(lead)
+        for arr, hist in ((h, True), (scale, False), (amax, False)):
+            if arr is None:
+                continue
+            b = bits(arr) & np.uint32(0x7FFFFFFF)
+            sub = (b != 0) & (b < np.uint32(0x00800000))
+            sub &= rows[..., None] if hist else rows
+            arr[sub] = 0.0
+    return np.ascontiguousarray(h, np.float32), scale, amax
+
+
+def subnormal_rows(*arrays_and_lead):
+    """Per tensor (leading index): True where any of the arrays has a subnormal.
+
+    Each argument is (array, has_history_axis)."""
+    out = None
+    for arr, is_hist in arrays_and_lead:
+        if arr is None:
+            continue
+        b = bits(arr) & np.uint32(0x7FFFFFFF)
+        sub = (b != 0) & (b < np.uint32(0x00800000))
+        if is_hist:
+            sub = sub.any(axis=-1)
+        out = sub if out is None else (out | sub)
+    return out
