@@ -156,7 +156,15 @@ def _jvp_rule(primals, tangents, **params):
     # The FP8 state is bookkeeping, not a function to differentiate: zero tangents.
     del tangents
     outs = fp8_update_p.bind(*primals, **params)
-    return outs, [ad.Zero.from_primal_value(o) for o in outs]
+    return outs, [_zero_tangent(o) for o in outs]
+
+
+def _zero_tangent(x):
+    # ad.Zero.from_primal_value is gone in newer jax (0.10 has no such method).
+    from_primal = getattr(ad.Zero, "from_primal_value", None)
+    if from_primal is not None:
+        return from_primal(x)
+    return ad.Zero(jax.typeof(x).to_tangent_aval())
 
 
 ad.primitive_jvps[fp8_update_p] = _jvp_rule
