@@ -10,18 +10,32 @@ runs there (see helpers.run_on).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import helpers
 import ieee_reference
 
 
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False,
+                     help="also run tests marked slow (or set JAX_FP8_RUN_SLOW=1)")
+
+
+def _run_slow(config):
+    return config.getoption("--runslow") or os.environ.get("JAX_FP8_RUN_SLOW") == "1"
+
+
 def pytest_collection_modifyitems(config, items):
-    del config
-    skip = pytest.mark.skip(reason=helpers.GPU_SKIP_REASON)
+    skip_gpu = pytest.mark.skip(reason=helpers.GPU_SKIP_REASON)
+    skip_slow = pytest.mark.skip(reason="slow: run with --runslow or JAX_FP8_RUN_SLOW=1")
+    run_slow = _run_slow(config)
     for item in items:
         if "gpu" in item.keywords and not helpers.HAS_GPU:
-            item.add_marker(skip)
+            item.add_marker(skip_gpu)
+        if "slow" in item.keywords and not run_slow:
+            item.add_marker(skip_slow)
 
 
 @pytest.fixture(params=helpers.BACKENDS)
