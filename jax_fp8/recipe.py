@@ -43,8 +43,12 @@ def scaled_max(fp8_dtype, margin) -> float:
     Returned as the Python float equal to that float32 value.
     """
     margin = check_margin(margin)
+    try:
+        factor = 2.0 ** -margin
+    except OverflowError:  # a hugely negative margin: report it below, naming margin
+        factor = math.inf
     with np.errstate(over="ignore", under="ignore"):
-        value = np.float32(fp8_max(fp8_dtype)) * np.float32(2.0 ** -margin)
+        value = np.float32(fp8_max(fp8_dtype)) * np.float32(factor)
     if not (np.isfinite(value) and value >= np.finfo(np.float32).tiny):
         raise ValueError(f"margin={margin} leaves no usable range: fp8_max * 2**-margin = "
                          f"{value} in float32")
