@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import glob
 import gzip
 import json
@@ -347,13 +348,15 @@ def summarize_trace(events, platform_name):
         def keep(e):
             args = e.get("args") or {}
             return "hlo_op" in args and not str(e.get("name", "")).startswith("end: ")
-    total, count, by_thread = 0.0, 0, {}
+    total, count, by_thread, by_run = 0.0, 0, {}, {}
     for e in events:
         if e.get("ph") != "X" or not keep(e):
             continue
         dur = float(e.get("dur", 0.0))
         total += dur
         count += 1
+        run_id = (e.get("args") or {}).get("run_id")
+        by_run[run_id] = by_run.get(run_id, 0.0) + dur
         key = f"{pnames.get(e.get('pid'), e.get('pid'))} / " \
               f"{tnames.get((e.get('pid'), e.get('tid')), e.get('tid'))}"
         slot = by_thread.setdefault(key, [0, 0.0])
@@ -361,7 +364,9 @@ def summarize_trace(events, platform_name):
         slot[1] += dur
     if count == 0:
         return None
-    return {"total_us": total, "events": count,
+    # Per-execution totals where the events carry the XLA run_id (the CPU runtime's do).
+    run_totals = None if None in by_run else sorted(by_run.values())
+    return {"total_us": total, "events": count, "run_totals_us": run_totals,
             "by_thread": {k: {"events": v[0], "us": round(v[1], 3)} for k, v in by_thread.items()}}
 
 
@@ -386,7 +391,15 @@ def traced_device_time(call, state, reps, platform_name, keep_dir=None):
         if summary is None:
             info["error"] = "no device events found in the trace"
         else:
-            info["device_us"] = summary["total_us"] / reps
+            info["device_us_mean"] = summary["total_us"] / reps
+            runs = summary["run_totals_us"]
+            info["device_us_median"] = (float(np.median(runs)) if runs and len(runs) == reps
+                                        else None)
+            # GPU: the mean over the R calls, as MEASURING.md measured. CPU: the median
+            # over the calls (one preempted op on a shared CPU would swing the mean).
+            info["device_us"] = (info["device_us_median"]
+                                 if platform_name != "gpu" and info["device_us_median"]
+                                 is not None else info["device_us_mean"])
             info["events_per_call"] = summary["events"] / reps
             info["by_thread"] = summary["by_thread"]
     except Exception as err:  # noqa: BLE001 - a measurement must not end the run
@@ -476,21 +489,44 @@ def run_config(n, hist_len, args, platform_name):
             c["state"] = call(c["state"])
         jax.block_until_ready(c["state"])
 
-    # Wall time: round-robin over the columns so slow drifts hit all of them alike.
-    samples = {key: [] for key in columns}
+    # Wall time. Each column gets a number of calls that fits its share of
+    # --wall-seconds (at least --min-calls), timed in --wall-blocks blocks that
+    # alternate between the columns, so a slow drift of the machine hits all of them
+    # alike. Within a block the column runs back to back, after one untimed call:
+    # calling a cheap update right after one that released thousands of buffers
+    # measures that release, not the update. The garbage collector is off while
+    # timing (as in timeit).
     calls = {key: call_of(key) for key in columns}
-    t_start = time.perf_counter()
-    rounds = 0
-    while rounds < args.max_calls:
+    samples = {key: [] for key in columns}
+    budget = {}
+    for key in columns:
+        c = cols[key]
+        t0 = time.perf_counter()
+        c["state"] = calls[key](c["state"])
+        jax.block_until_ready(c["state"])
+        est = max(time.perf_counter() - t0, 1e-6)
+        budget[key] = int(min(args.max_calls, max(args.min_calls,
+                                                  args.wall_seconds / len(columns) / est)))
+    blocks = max(1, args.wall_blocks)
+    for b in range(blocks):
         for key in columns:
             c = cols[key]
-            t0 = time.perf_counter()
-            c["state"] = calls[key](c["state"])
+            todo = budget[key] * (b + 1) // blocks - budget[key] * b // blocks
+            if todo <= 0:
+                continue
+            c["state"] = calls[key](c["state"])  # settle (untimed)
             jax.block_until_ready(c["state"])
-            samples[key].append(time.perf_counter() - t0)
-        rounds += 1
-        if rounds >= args.min_calls and time.perf_counter() - t_start >= args.wall_seconds:
-            break
+            gc_was_enabled = gc.isenabled()
+            gc.disable()
+            try:
+                for _ in range(todo):
+                    t0 = time.perf_counter()
+                    c["state"] = calls[key](c["state"])
+                    jax.block_until_ready(c["state"])
+                    samples[key].append(time.perf_counter() - t0)
+            finally:
+                if gc_was_enabled:
+                    gc.enable()
     for key in columns:
         s = np.asarray(samples[key]) * 1e6
         cols[key]["row"].update(wall_us_median=float(np.median(s)), wall_us_min=float(s.min()),
@@ -509,6 +545,8 @@ def run_config(n, hist_len, args, platform_name):
         row["trace_reps"] = reps
         if "device_us" in info:
             row["device_us"] = info["device_us"]
+            row["device_us_mean"] = info["device_us_mean"]
+            row["device_us_median"] = info["device_us_median"]
             row["kernels_trace"] = info["events_per_call"]
             row["trace_by_thread"] = info["by_thread"]
         else:
@@ -556,6 +594,8 @@ def measure_launch_floor(args, platform_name):
         out["trace_reps"] = reps
         if "device_us" in info:
             out["device_us"] = info["device_us"]
+            out["device_us_mean"] = info["device_us_mean"]
+            out["device_us_median"] = info["device_us_median"]
             out["kernels_trace"] = info["events_per_call"]
         else:
             out["trace_error"] = info.get("error")
@@ -739,9 +779,10 @@ def markdown_report(data):
     table("Kernels launched per update (compiled HLO" + (" / trace events" if gpu else "")
           + ")", lambda r: _fmt_kernels(r) if gpu else f"{r['kernels_hlo']}")
     if any_dev:
-        table(f"{dev_name} per update (profiler trace: sum of "
-              + ("GPU-stream kernel durations" if gpu else "XLA CPU op durations")
-              + " over R calls / R)", lambda r: _fmt_time(r.get("device_us")))
+        table(f"{dev_name} per update (profiler trace: "
+              + ("sum of GPU-stream kernel durations over R calls / R"
+                 if gpu else "XLA CPU op durations of one call, median over R calls")
+              + ")", lambda r: _fmt_time(r.get("device_us")))
     table("Wall time per jitted call (median, block_until_ready each)",
           lambda r: _fmt_time(r.get("wall_us_median")))
 
@@ -841,12 +882,16 @@ def build_parser():
     p.add_argument("--warmup", type=int, default=None, help="warm-up calls per column "
                    "(default 3; --quick 1)")
     p.add_argument("--min-calls", type=int, default=None,
-                   help="minimum timed calls per column for the wall time (default 20; --quick 5)")
+                   help="minimum timed calls per column for the wall time (default 10; --quick 3)")
     p.add_argument("--max-calls", type=int, default=None,
-                   help="maximum timed calls per column (default 500; --quick 50)")
+                   help="maximum timed calls per column (default 2000; --quick 100)")
     p.add_argument("--wall-seconds", type=float, default=None,
-                   help="time spent on wall-time rounds per configuration, once --min-calls "
-                        "is reached (default 1.5; --quick 0.3)")
+                   help="wall-time budget per configuration, shared by the columns; a column "
+                        "gets max(--min-calls, its share / its call time) calls, at most "
+                        "--max-calls (default 1.5; --quick 0.3)")
+    p.add_argument("--wall-blocks", type=int, default=None,
+                   help="timed blocks per column, alternating between the columns "
+                        "(default 4; --quick 2)")
     p.add_argument("--trace-reps", type=int, default=None,
                    help="calls R in each profiler trace (lowered for configurations with very "
                         f"many kernels to keep each trace under ~{MAX_TRACE_EVENTS} events; "
@@ -876,8 +921,8 @@ def _finalize_args(args):
         args.sizes = list(QUICK_SIZES if quick else DEFAULT_SIZES)
     if args.lengths is None:
         args.lengths = list(DEFAULT_LENGTHS)
-    defaults = dict(warmup=(1, 3), min_calls=(5, 20), max_calls=(50, 500),
-                    wall_seconds=(0.3, 1.5), trace_reps=(5, 20))
+    defaults = dict(warmup=(1, 3), min_calls=(3, 10), max_calls=(100, 2000),
+                    wall_seconds=(0.3, 1.5), wall_blocks=(2, 4), trace_reps=(5, 20))
     for name, (q, full) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, q if quick else full)
@@ -922,13 +967,15 @@ def collect_meta(args, argv):
         "command": cmd,
         "settings": {k: getattr(args, k) for k in (
             "sizes", "lengths", "columns", "quick", "warmup", "min_calls", "max_calls",
-            "wall_seconds", "trace_reps", "no_trace", "per_tensor_max_n", "time_limit")},
+            "wall_seconds", "wall_blocks", "trace_reps", "no_trace", "per_tensor_max_n", "time_limit")},
         "notes": {
             "per_tensor_jnp": "Flax fp8_ops arithmetic (jnp.max, jnp.where x2, 1/x, jnp.roll, "
                               ".at[0].set(0)) per tensor on a (L,) history + scalar, one jit",
             "floor": "history * one, scale * one over [N, L] + [N] (one: runtime scalar)",
-            "device_us": "GPU: sum of GPU-stream kernel durations in a perfetto trace / R; "
-                         "CPU: sum of XLA CPU runtime op (thunk) durations / R",
+            "device_us": "GPU: sum of GPU-stream kernel durations in a perfetto trace / R "
+                         "(device_us_mean); CPU: median over the R calls of the sum of the "
+                         "XLA CPU runtime's op (thunk) durations per call (device_us_median; "
+                         "device_us_mean is the sum / R)",
             "kernels_hlo": "non-trivial instructions in the compiled entry computation",
         },
     }
