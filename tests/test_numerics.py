@@ -466,3 +466,69 @@ def test_update_states_jnp_matches_reference_except_subnormals(backend):
             w = np.asarray(w).reshape((-1,) + tail)
             assert_bits_equal(g[clean], w[clean], f"{name} {fname}")
     assert n_clean > 400, n_clean
+
+
+@pytest.mark.gpu
+def test_cpu_and_gpu_kernels_give_identical_bits(gpu_device):
+    """SPEC.md: the CPU and CUDA kernels produce identical bits for every input."""
+    cpu = jax.devices("cpu")[0]
+    rng = np.random.default_rng(11)
+    for L, lead in ((1, (300,)), (16, (7, 9)), (1024, (33,)), (1025, (5,)), (1026, (4,)),
+                    (3000, (2,))):
+        h, s, a = helpers.make_cases(rng, lead, L, True, special_p=0.5)
+        for kw in (dict(), dict(amax_compute_algo="most_recent", power_of_2_scale=True),
+                   dict(skip_unused=True, margin=2.5)):
+            f = lambda h, s, a: jax_fp8.amax_and_scale_update(h, s, a, **kw)
+            on_cpu = run_on(cpu, f, h, s, a)
+            on_gpu = run_on(gpu_device, f, h, s, a)
+            for name, c, g in zip(("history", "scale", "scale_inv"), on_cpu, on_gpu):
+                assert_bits_equal(g, c, f"GPU vs CPU {name}, L={L}, {kw}")
+            want = ref.update(h, s, a, **kw)
+            for name, g, w in zip(("history", "scale", "scale_inv"), on_gpu, want):
+                assert_bits_equal(g, w, f"GPU vs reference {name}, L={L}, {kw}")
+
+
+@pytest.mark.gpu
+def test_gpu_many_groups_and_chunks(gpu_device):
+    """Past the kernel-parameter limit the CUDA launch is split into chunks; more
+    than 16 distinct scaled maxima also start a new chunk. Every state must still
+    get exactly its own update (1,400 states, more than one launch's 1,360 groups)."""
+    rng = np.random.default_rng(12)
+    n = 1400
+    raw, tree = [], []
+    for i in range(n):
+        L = (1, 2, 16, 1024, 5)[i % 5]
+        dt = FP8_DTYPES[i % 4]
+        h, s, _ = helpers.make_cases(rng, ((i % 3) + 1,), L, False)
+        raw.append((h, s, dt))
+        tree.append(jax_fp8.ScalingState(h, s, np.zeros_like(s), fp8_dtype=dt))
+    out = run_on(gpu_device, lambda t: jax_fp8.update_states(
+        t, recipe=jax_fp8.DelayedScaling(margin=1.0)), tree)
+    for i, ((h, s, dt), st) in enumerate(zip(raw, out)):
+        want = ref.update(h, s, fp8_dtype=dt, margin=1.0)
+        for name, g, w in zip(("history", "scale", "scale_inv"),
+                              (st.amax_history, st.scale, st.scale_inv), want):
+            assert_bits_equal(g, w, f"state {i} {name}")
+
+
+def test_more_than_16_scaled_maxima_in_one_call(backend):
+    """The CUDA launch holds at most 16 distinct scaled maxima and starts a new
+    chunk past that. The public API cannot produce that many in one call (one
+    margin per call, a few FP8 dtypes), so this binds the primitive through the
+    internal helper with 40 distinct maxima, each state checked against its own."""
+    from jax_fp8 import update as update_lib
+
+    rng = np.random.default_rng(13)
+    maxima = [float(np.float32(448.0) * np.float32(2.0 ** (-k / 8))) for k in range(40)]
+    cases = [helpers.make_cases(rng, (3,), (1, 2, 16, 1024)[i % 4], True) for i in range(40)]
+
+    def f(cases):
+        hs, ss, si = update_lib._bind([c[0] for c in cases], [c[1] for c in cases], None,
+                                      [c[2] for c in cases], maxima, "max", False, False, "auto")
+        return hs, ss, si
+
+    hs, ss, sis = run_on(helpers.backend_device(backend), f, cases)
+    for i, (h, s, a) in enumerate(cases):
+        want = ref.update(h, s, a, smax=np.float32(maxima[i]))
+        for name, g, w in zip(("history", "scale", "scale_inv"), (hs[i], ss[i], sis[i]), want):
+            assert_bits_equal(g, w, f"state {i} (scaled max {maxima[i]}) {name}")
