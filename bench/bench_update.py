@@ -451,21 +451,56 @@ def _trace_reps(kernels, requested):
     return int(max(2, min(requested, MAX_TRACE_EVENTS // max(kernels, 1))))
 
 
+def _skip_column(args, n, hist_len, key, reason):
+    args.skipped_columns.append({"n": n, "l": hist_len, "column": key, "reason": reason})
+    log(f"  [N={n} L={hist_len}] {key:15s} skipped: {reason}")
+
+
+def _predict_compile_s(compile_log, key, n):
+    """A pessimistic guess of `key`'s compile time at n from its compiles at smaller N.
+
+    Power law through the two largest smaller N (exponent at least 1; 3 from one
+    point), times 2. Compile times that grow superlinearly with the number of
+    separate arrays (the per-tensor layouts) are what this guards against.
+    """
+    pts = sorted(p for p in compile_log.get(key, ()) if p[0] < n)
+    if not pts:
+        return None
+    n1, c1 = pts[-1]
+    exponent = 3.0
+    if len(pts) >= 2:
+        n0, c0 = pts[-2]
+        if n0 < n1 and c0 > 0 and c1 > 0:
+            exponent = max(1.0, math.log(c1 / c0) / math.log(n1 / n0))
+    return 2.0 * c1 * (n / n1) ** exponent
+
+
 def run_config(n, hist_len, args, platform_name):
     """Measures the five columns at (n, hist_len). Returns a list of result dicts."""
     base = initial_history(n, hist_len)
     one = jnp.ones((), jnp.float32)
     cols = {}
-    columns = [k for k in args.columns if not (
-        k == "per_tensor_jnp" and args.per_tensor_max_n is not None and n > args.per_tensor_max_n)]
-    if len(columns) < len(args.columns):
-        log(f"  [N={n} L={hist_len}] per_tensor_jnp skipped (--per-tensor-max-n "
-            f"{args.per_tensor_max_n})")
+    columns = []
+    for key in args.columns:
+        limit = args.max_n.get(key)
+        if limit is not None and n > limit:
+            _skip_column(args, n, hist_len, key, f"--max-n/--per-tensor-max-n {limit}")
+            continue
+        if args.deadline is not None:
+            guess = _predict_compile_s(args.compile_log, key, n)
+            left = args.deadline - time.perf_counter()
+            if guess is not None and guess > left:
+                _skip_column(args, n, hist_len, key,
+                             f"predicted compile {guess:.0f} s > {max(left, 0):.0f} s left "
+                             f"of --time-limit")
+                continue
+        columns.append(key)
     for key in columns:
         t0 = time.perf_counter()
         state = make_state(key, base)
         extra = (one,) if key == "floor" else ()
         compiled, compile_s = _compile(FUNCTIONS[key], state, extra)
+        args.compile_log.setdefault(key, []).append((n, compile_s))
         kernels, by_opcode = count_kernels_hlo(compiled.as_text())
         cols[key] = {
             "compiled": compiled, "state": state, "extra": extra,
@@ -828,8 +863,13 @@ def markdown_report(data):
         lines.append(f"- [{verdict}] {t['description']}: measured {val}")
     lines.append("")
     if data.get("skipped"):
-        lines.append("Skipped (time limit): " + ", ".join(
+        lines.append("Configurations skipped (time limit): " + ", ".join(
             f"N={s['n']} L={s['l']}" for s in data["skipped"]))
+        lines.append("")
+    if data.get("skipped_columns"):
+        lines.append("Columns skipped (— in the tables): " + "; ".join(
+            f"{s['column']} at N={s['n']} L={s['l']} ({s['reason']})"
+            for s in data["skipped_columns"]))
         lines.append("")
     for f in data.get("failures") or ():
         where = "launch floor" if f.get("launch_floor") else f"N={f.get('n')} L={f.get('l')}"
@@ -897,11 +937,17 @@ def build_parser():
                         f"many kernels to keep each trace under ~{MAX_TRACE_EVENTS} events; "
                         "default 20; --quick 5)")
     p.add_argument("--per-tensor-max-n", type=int, default=None, metavar="N",
-                   help="skip the per_tensor_jnp column for N above this (its compile time "
-                        "grows fast with N; the other columns are still measured)")
+                   help="skip the two per-tensor layouts (per_tensor_jnp, fused_pytree) for N "
+                        "above this: their compile times grow faster than linearly with the "
+                        "number of separate arrays; the other columns are still measured")
+    p.add_argument("--max-n", action="append", default=[], metavar="COLUMN=N",
+                   help="skip COLUMN for N above this (repeatable; overrides "
+                        "--per-tensor-max-n for that column)")
     p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
-                   help="start no new configuration after this many seconds (the rest are "
-                        "listed as skipped; results so far are reported and written)")
+                   help="start no new configuration after this many seconds, and skip a "
+                        "column whose compile time, extrapolated from smaller N, would not "
+                        "fit in the time left (skips are listed; results so far are "
+                        "reported and written)")
     p.add_argument("--no-trace", action="store_true",
                    help="skip the profiler traces (no GPU/CPU op time; wall time only)")
     p.add_argument("--no-launch-floor", action="store_true",
@@ -926,6 +972,19 @@ def _finalize_args(args):
     for name, (q, full) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, q if quick else full)
+    max_n = {}
+    if args.per_tensor_max_n is not None:
+        max_n = {"per_tensor_jnp": args.per_tensor_max_n, "fused_pytree": args.per_tensor_max_n}
+    for item in args.max_n:
+        key, _, value = item.partition("=")
+        if key not in COLUMN_KEYS or not value.strip().isdigit():
+            raise SystemExit(f"--max-n expects COLUMN=N with COLUMN in {COLUMN_KEYS}, "
+                             f"got {item!r}")
+        max_n[key] = int(value)
+    args.max_n = max_n
+    args.compile_log = {}
+    args.skipped_columns = []
+    args.deadline = None
     args.min_calls = max(1, args.min_calls)
     args.max_calls = max(args.min_calls, args.max_calls)
     args.trace_reps = max(1, args.trace_reps)
@@ -967,7 +1026,7 @@ def collect_meta(args, argv):
         "command": cmd,
         "settings": {k: getattr(args, k) for k in (
             "sizes", "lengths", "columns", "quick", "warmup", "min_calls", "max_calls",
-            "wall_seconds", "wall_blocks", "trace_reps", "no_trace", "per_tensor_max_n", "time_limit")},
+            "wall_seconds", "wall_blocks", "trace_reps", "no_trace", "max_n", "time_limit")},
         "notes": {
             "per_tensor_jnp": "Flax fp8_ops arithmetic (jnp.max, jnp.where x2, 1/x, jnp.roll, "
                               ".at[0].set(0)) per tensor on a (L,) history + scalar, one jit",
@@ -995,6 +1054,8 @@ def run(argv=None):
     if platform_name == "cpu" and not meta["has_cpu_kernel"]:
         log("WARNING: jax_fp8's CPU kernel is not loaded; the fused columns run the jnp fallback")
     t_all = time.perf_counter()
+    if args.time_limit is not None:
+        args.deadline = t_all + args.time_limit
     results = []
     failures = []
     skipped = []
@@ -1004,7 +1065,9 @@ def run(argv=None):
         out_json = out_json or os.path.join(args.outdir, "results.json")
     for hist_len in args.lengths:
         for n in args.sizes:
-            if args.time_limit is not None and time.perf_counter() - t_all > args.time_limit:
+            attempted = bool(results or failures)  # the first configuration always runs
+            if (args.time_limit is not None and attempted
+                    and time.perf_counter() - t_all > args.time_limit):
                 skipped.append({"n": n, "l": hist_len})
                 log(f"[N={n} L={hist_len}] skipped (--time-limit {args.time_limit:g} s)")
                 continue
@@ -1037,7 +1100,8 @@ def run(argv=None):
             "results": results, "launch_floor": launch_floor,
             "ratios": compute_ratios(results, args.sizes, args.lengths),
             "targets": evaluate_targets(results, launch_floor, platform_name),
-            "failures": failures, "skipped": skipped}
+            "failures": failures, "skipped": skipped,
+            "skipped_columns": args.skipped_columns}
     report = markdown_report(data)
     data["report_markdown"] = report
 

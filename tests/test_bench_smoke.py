@@ -179,7 +179,7 @@ def test_gpu_report_and_plot(tmp_path):
     assert "GPU time per update" in report
     assert "[MET] N=1152, L=1024: fused pytree launches 1 kernel (HLO)" in report
     assert "| 1152 | 1024 | 5760 |" in report
-    assert "FAILED N=48 L=16" in report and "Skipped" in report
+    assert "FAILED N=48 L=16" in report and "skipped (time limit): N=4608 L=16" in report
     pytest.importorskip("matplotlib")
     import plot as bench_plot
 
@@ -193,5 +193,22 @@ def test_per_tensor_max_n_skips_only_that_column():
                              "--min-calls", "1", "--max-calls", "1", "--wall-seconds", "0",
                              "--no-trace", "--no-launch-floor", "--per-tensor-max-n", "2"])
     cols = sorted(r["column"] for r in data["results"])
-    assert cols == sorted(c for c in ALL_COLUMNS if c != "per_tensor_jnp")
+    assert cols == sorted(c for c in ALL_COLUMNS if c not in ("per_tensor_jnp", "fused_pytree"))
     assert "device_us" not in data["results"][0]
+
+
+def test_compile_time_guard():
+    log = {"fused_pytree": [(3, 0.06), (48, 0.3), (384, 10.9)]}
+    guess = bench_update._predict_compile_s(log, "fused_pytree", 1152)
+    assert guess > 2 * 10.9 * 3  # superlinear, pessimistic
+    assert bench_update._predict_compile_s(log, "fused_pytree", 3) is None
+    assert bench_update._predict_compile_s({"x": [(3, 1.0)]}, "x", 6) == pytest.approx(16.0)
+    # --time-limit 0: the first configuration still runs, later ones are skipped.
+    data = bench_update.run(["--sizes", "3,4", "--lengths", "4", "--warmup", "0",
+                             "--min-calls", "1", "--max-calls", "1", "--wall-seconds", "0",
+                             "--no-trace", "--no-launch-floor", "--time-limit", "0",
+                             "--max-n", "floor=1"])
+    assert {r["n"] for r in data["results"]} == {3}
+    assert data["skipped"] == [{"n": 4, "l": 4}]
+    assert [s["column"] for s in data["skipped_columns"]] == ["floor"]
+    assert "Columns skipped" in data["report_markdown"]
