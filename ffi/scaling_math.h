@@ -96,7 +96,11 @@ JAX_FP8_HD float new_scale(float amax, float prev_scale, float scaled_max,
   return s;
 }
 
-JAX_FP8_HD float scale_inverse(float scale) { return 1.0f / scale; }
+// 1 / scale. A NaN scale gives that NaN, quieted (what x86 and numpy do); CUDA's
+// division would return its canonical NaN instead, so both paths spell it out.
+JAX_FP8_HD float scale_inverse(float scale) {
+  return is_nan(scale) ? bits_float(float_bits(scale) | 0x00400000u) : 1.0f / scale;
+}
 
 // The rolled history, written as where each old element goes: the staging slot
 // becomes 0, old[j] moves to j - 1 for 2 <= j < L (old[1], the oldest, drops out),

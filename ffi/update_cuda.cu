@@ -17,8 +17,10 @@
 namespace jax_fp8 {
 namespace {
 
-constexpr int kMaxThreads = 256;
-constexpr int kValuesPerThread = 4;    // history values each thread holds per pass
+// 128 threads x 8 values cover a 1024-long history in one pass, and 16 such blocks
+// fit on an SM, so 1,152 tensors run in one wave on an H100/H200 (132 SMs).
+constexpr int kMaxThreads = 128;
+constexpr int kValuesPerThread = 8;    // history values each thread holds per pass
 constexpr int kMaxScaledMax = 16;
 constexpr uint32_t kLenBits = 28;      // len_fmt = len << 4 | scaled_max index
 
@@ -48,56 +50,76 @@ __device__ __forceinline__ float BlockMax(float v, float* warp_max) {
   return r;
 }
 
+// The group of block b: block_start[g] <= b < block_start[g + 1]. Since every group
+// has at least one block, g <= b; when all groups before b are single tensors (a
+// per-tensor pytree) g == b, found with two reads instead of a binary search.
 template <int K, typename Off>
-__global__ void __launch_bounds__(kMaxThreads)
-    UpdateKernel(const __grid_constant__ LaunchParams<K, Off> p) {
-  __shared__ float warp_max[kMaxThreads / 32];
-  // Which group this block's tensor belongs to: binary search of block_start.
-  const uint32_t b = blockIdx.x;
-  int lo = 0, hi = static_cast<int>(p.num_groups) - 1;
+__device__ __forceinline__ int FindGroup(const LaunchParams<K, Off>& p, uint32_t b) {
+  int hi = min(static_cast<int>(b), static_cast<int>(p.num_groups) - 1);
+  if (p.block_start[hi] <= b) return hi;
+  int lo = 0;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
     if (p.block_start[mid] <= b) lo = mid; else hi = mid - 1;
   }
-  const int64_t t = b - p.block_start[lo];
-  const int64_t len = p.len_fmt[lo] >> 4;
-  float* hist = p.base + p.history[lo] + t * len;
-  float* scale = p.base + p.scale[lo] + t;
-  float* scale_inv = p.base + p.scale_inv[lo] + t;
-  const float* amax = p.has_amax ? p.base + p.amax[lo] + t : nullptr;
+  return lo;
+}
 
+template <int K, typename Off>
+__global__ void __launch_bounds__(kMaxThreads)
+    UpdateKernel(const __grid_constant__ LaunchParams<K, Off> p) {
+  __shared__ float warp_max[kMaxThreads / 32];
+  const int g = FindGroup(p, blockIdx.x);
+  const int64_t t = blockIdx.x - p.block_start[g];
+  const int64_t len = p.len_fmt[g] >> 4;
+  float* hist = p.base + p.history[g] + t * len;
+  float* scale = p.base + p.scale[g] + t;
+  float* scale_inv = p.base + p.scale_inv[g] + t;
+  const float* amax = p.has_amax ? p.base + p.amax[g] + t : nullptr;
+  const int64_t step = static_cast<int64_t>(blockDim.x) * kValuesPerThread;
+
+  // Issue every load the first pass needs at once (history values, the staging
+  // slot, amax, the previous scale), so the block waits for one memory round trip.
+  float v[kValuesPerThread];
+#pragma unroll
+  for (int k = 0; k < kValuesPerThread; ++k) {
+    const int64_t j = 1 + k * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+    v[k] = j < len ? hist[j] : 0.0f;  // 0 is neutral: the max starts from 0
+  }
+  const float prev_scale = threadIdx.x == 0 ? *scale : 0.0f;
   // Every thread reads the staging slot before any thread writes slot 0.
   const float h0 = merge_amax(hist[0], amax);
   if (is_unused(h0, p.opt)) {  // uniform across the block
-    if (threadIdx.x == 0) *scale_inv = scale_inverse(*scale);
+    if (threadIdx.x == 0) *scale_inv = scale_inverse(prev_scale);
     return;
   }
-  // Roll in place, one pass of blockDim * kValuesPerThread values at a time: read
-  // old[j] for the pass into registers, barrier, write them to j - 1. A pass only
-  // writes below its own reads, and the next pass's writes wait at its barrier
-  // for every read of this one, so no value is overwritten before it is read.
+  // Roll in place, one pass of `step` values at a time: old[j] for the pass is in
+  // registers, a barrier, then each goes to j - 1. A pass only writes below its
+  // own reads, and the next pass's writes wait at its barrier for every read of
+  // this one, so no value is overwritten before it is read.
   float rest = 0.0f;
-  const int64_t step = static_cast<int64_t>(blockDim.x) * kValuesPerThread;
-  for (int64_t c0 = 1; c0 < len; c0 += step) {
-    float v[kValuesPerThread];
+  for (int64_t c0 = 1;;) {
 #pragma unroll
-    for (int k = 0; k < kValuesPerThread; ++k) {
-      const int64_t j = c0 + k * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-      v[k] = j < len ? hist[j] : 0.0f;  // 0 is neutral: the max starts from 0
-      rest = fmax_num(rest, v[k]);
-    }
+    for (int k = 0; k < kValuesPerThread; ++k) rest = fmax_num(rest, v[k]);
     __syncthreads();
 #pragma unroll
     for (int k = 0; k < kValuesPerThread; ++k) {
       const int64_t j = c0 + k * static_cast<int64_t>(blockDim.x) + threadIdx.x;
       if (j < len) hist[j - 1] = (j == 1) ? 0.0f : v[k];
     }
+    c0 += step;
+    if (c0 >= len) break;
+#pragma unroll
+    for (int k = 0; k < kValuesPerThread; ++k) {
+      const int64_t j = c0 + k * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+      v[k] = j < len ? hist[j] : 0.0f;
+    }
   }
   rest = BlockMax(rest, warp_max);
   if (threadIdx.x == 0) {
     hist[len - 1] = last_slot_value(h0, len);
-    const float s = new_scale(reduced_amax(h0, rest, p.opt), *scale,
-                              p.scaled_max[p.len_fmt[lo] & 15u], p.opt);
+    const float s = new_scale(reduced_amax(h0, rest, p.opt), prev_scale,
+                              p.scaled_max[p.len_fmt[g] & 15u], p.opt);
     *scale = s;
     *scale_inv = scale_inverse(s);
   }

@@ -1,0 +1,128 @@
+"""Quick CUDA-vs-CPU kernel check and one GPU timing (run on a GPU machine).
+
+Compares the CUDA kernel with the CPU kernel bit for bit on adversarial inputs
+(NaN, inf, signed zeros, subnormals, huge), then times update_states on 1,152
+per-tensor states of history 1024 from a profiler trace.
+
+  python scripts/kernel_check.py [--trace-dir DIR]
+"""
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_fp8
+
+SPECIALS = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 1e-45, 1e-40, -1e-42,
+                     np.finfo(np.float32).max, 1e38, 448 / np.finfo(np.float32).max / 2,
+                     3.5, 1.0, -2.0, 7e-3], np.float32)
+
+
+def adversarial(rng, shape):
+    x = np.asarray(np.abs(rng.standard_normal(shape)) * 10.0 ** rng.integers(-5, 5, shape),
+                   np.float32).reshape(shape)
+    mask = np.asarray(rng.random(shape) < 0.3).reshape(shape)
+    x[mask] = rng.choice(SPECIALS, size=int(mask.sum()))
+    return x.astype(np.float32)
+
+
+def run_on(device, fn, *args):
+    args = jax.device_put(args, device)
+    return [np.asarray(o) for o in jax.tree.leaves(jax.jit(fn)(*args))]
+
+
+def check_bits(gpu, cpu):
+    """One update_states call per option combination, all shapes in it: few compiles."""
+    checked = 0
+    rng = np.random.default_rng(0)
+    shapes = [lead + (L,) for L in (1, 2, 3, 16, 1023, 1024, 1025, 4096, 5000)
+              for lead in ((), (7,), (2, 33))]
+    for algo in ("max", "most_recent"):
+        for p2 in (False, True):
+            for skip in (False, True):
+                for with_amax in (False, True):
+                    tree, amaxes = [], []
+                    for k, shape in enumerate(shapes):
+                        h = adversarial(rng, shape)
+                        if skip:
+                            h[..., 0].flat[::2] = 0.0
+                        tree.append(jax_fp8.ScalingState(
+                            h, adversarial(rng, shape[:-1]), adversarial(rng, shape[:-1]),
+                            jnp.float8_e5m2 if k % 2 else jnp.float8_e4m3fn))
+                        amaxes.append(adversarial(rng, shape[:-1]))
+                    recipe = jax_fp8.DelayedScaling(amax_compute_algo=algo, power_of_2_scale=p2,
+                                                    skip_unused=skip, margin=0.5 if p2 else 0.0)
+                    f = lambda t, a: jax_fp8.update_states(t, a, recipe=recipe)
+                    a = amaxes if with_amax else None
+                    og, oc = run_on(gpu, f, tree, a), run_on(cpu, f, tree, a)
+                    for x, y in zip(og, oc):
+                        if not np.array_equal(x.view(np.uint32), y.view(np.uint32)):
+                            bad = np.nonzero(x.view(np.uint32) != y.view(np.uint32))
+                            print("MISMATCH", recipe, with_amax, x.shape, bad, x[bad][:5], y[bad][:5])
+                            sys.exit(1)
+                    checked += len(shapes)
+    # 1,500 states of mixed shapes in one call: two launches past the parameter limit.
+    tree = [jax_fp8.ScalingState(adversarial(rng, (i % 3, 17 * (i % 5) + 1)),
+                                 adversarial(rng, (i % 3,)), np.ones((i % 3,), np.float32),
+                                 jnp.float8_e5m2 if i % 2 else jnp.float8_e4m3fn)
+            for i in range(1500)]
+    amaxes = [adversarial(rng, (i % 3,)) for i in range(1500)]
+    f = lambda t, a: jax_fp8.update_states(t, a)
+    og, oc = run_on(gpu, f, tree, amaxes), run_on(cpu, f, tree, amaxes)
+    assert all(np.array_equal(x.view(np.uint32), y.view(np.uint32)) for x, y in zip(og, oc))
+    checked += 1500
+    print(f"bitwise CUDA == CPU on {checked} states")
+
+
+def gpu_time(fn, state, reps, logdir):
+    state = fn(state)
+    jax.block_until_ready(state)
+    with jax.profiler.trace(logdir, create_perfetto_trace=True):
+        for _ in range(reps):
+            state = fn(state)
+        jax.block_until_ready(state)
+    path = sorted(glob.glob(os.path.join(logdir, "**", "*perfetto_trace.json.gz"), recursive=True))[-1]
+    with gzip.open(path) as fh:
+        events = json.load(fh)["traceEvents"]
+    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids]
+    names = {}
+    for e in kernels:
+        names[e["name"]] = names.get(e["name"], 0) + 1
+    return sum(e["dur"] for e in kernels) / reps, len(kernels) / reps, names
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--trace-dir", default=tempfile.mkdtemp())
+    args = ap.parse_args()
+    gpu = jax.devices("gpu")[0]
+    cpu = jax.devices("cpu")[0]
+    print("jax", jax.__version__, gpu.device_kind, "cuda kernel:", jax_fp8.HAS_CUDA_KERNEL)
+    t0 = time.time()
+    check_bits(gpu, cpu)
+    print(f"check took {time.time() - t0:.1f}s")
+    for n, L, stacked in ((1152, 1024, False), (1152, 1024, True), (1152, 16, False),
+                          (3, 16, False), (1, 1, False)):
+        if stacked:
+            tree = jax_fp8.ScalingState.create((n,), L)
+        else:
+            tree = [jax_fp8.ScalingState.create((), L) for _ in range(n)]
+        tree = jax.device_put(tree, gpu)
+        fn = jax.jit(lambda t: jax_fp8.update_states(t), donate_argnums=0)
+        us, nk, names = gpu_time(fn, tree, 50, os.path.join(args.trace_dir, f"{n}_{L}_{stacked}"))
+        print(f"N={n} L={L} stacked={stacked}: {us:.2f} us GPU, {nk:.1f} kernels/update {names}")
+
+
+if __name__ == "__main__":
+    main()
