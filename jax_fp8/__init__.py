@@ -10,7 +10,7 @@ Public API (see SPEC.md):
 from jax_fp8._registration import HAS_CPU_KERNEL, HAS_CUDA_KERNEL
 from jax_fp8.recipe import DelayedScaling, Format, fp8_max, scaled_max
 from jax_fp8.state import ScalingState
-from jax_fp8.update import amax_and_scale_update, update_states
+from jax_fp8.update import amax_and_scale_update, reduce_amaxes, update_states
 
 __version__ = "0.1.0"
 
@@ -23,6 +23,7 @@ __all__ = [
     "amax_and_scale_update",
     "fp8_max",
     "scaled_max",
+    "reduce_amaxes",
     "update_states",
 ]
 

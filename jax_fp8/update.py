@@ -89,8 +89,30 @@ def _is_state(x):
     return isinstance(x, ScalingState)
 
 
+def reduce_amaxes(amaxes, axis_name):
+    """Global max of a pytree of amaxes over `axis_name`, as ONE collective.
+
+    Every leaf is flattened into one float32 vector, reduced with a single
+    `lax.pmax`, and split back (the packing TE does before its all-reduce). NaN
+    entries become -inf first, so a NaN on one device is ignored, as the kernel
+    ignores a NaN amax, instead of poisoning every replica.
+    """
+    leaves, treedef = jax.tree.flatten(amaxes)
+    if not leaves:
+        return amaxes
+    for x in leaves:
+        _check_array(x, "amaxes leaf")
+    flat = jnp.concatenate([jnp.ravel(x) for x in leaves])
+    flat = jax.lax.pmax(jnp.where(jnp.isnan(flat), -jnp.inf, flat), axis_name)
+    out, start = [], 0
+    for x in leaves:
+        out.append(flat[start:start + x.size].reshape(x.shape))
+        start += x.size
+    return jax.tree.unflatten(treedef, out)
+
+
 def update_states(tree, amaxes=None, *, recipe=recipe_lib.DelayedScaling(),
-                  implementation="auto"):
+                  axis_name=None, implementation="auto"):
     """Updates every ScalingState leaf of `tree` with one fused op.
 
     Args:
@@ -100,6 +122,8 @@ def update_states(tree, amaxes=None, *, recipe=recipe_lib.DelayedScaling(),
         observed amax, already reduced across devices).
       recipe: a DelayedScaling; margin, algorithm, power-of-two rounding and
         skip_unused come from it, fp8_max from each state's own dtype.
+      axis_name: inside shard_map/pmap, the mesh axis (or axes) to max-reduce the
+        amaxes over first, with one collective for the whole tree (reduce_amaxes).
       implementation: "auto" (the fused kernel where built) or "jnp".
 
     Returns:
@@ -119,6 +143,10 @@ def update_states(tree, amaxes=None, *, recipe=recipe_lib.DelayedScaling(),
     index = [i for i, leaf in enumerate(leaves) if _is_state(leaf)]
     if not index:
         return tree
+    if amaxes is not None and axis_name is not None:
+        reduced = reduce_amaxes([amax_leaves[i] for i in index], axis_name)
+        for i, a in zip(index, reduced):
+            amax_leaves[i] = a
     states = [leaves[i] for i in index]
     paths = None
     for i, st in zip(index, states):
