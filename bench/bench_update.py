@@ -790,6 +790,9 @@ def markdown_report(data):
     lines.append(f"Device: {meta['device']} ({meta['platform']}), jax {meta['jax_version']}, "
                  f"jaxlib {meta['jaxlib_version']}, jax_fp8 {meta['jax_fp8_version']} "
                  f"(CPU kernel: {meta['has_cpu_kernel']}, CUDA kernel: {meta['has_cuda_kernel']})")
+    if meta.get("machine"):
+        lines.append(f"Host: {meta['machine']}, Python {meta.get('python', '?')}, "
+                     f"git {meta.get('git_commit') or '?'}")
     lines.append(f"Date: {meta['date']}")
     lines.append(f"Command: `{meta['command']}`")
     lines.append("")
@@ -820,6 +823,8 @@ def markdown_report(data):
               + ")", lambda r: _fmt_time(r.get("device_us")))
     table("Wall time per jitted call (median, block_until_ready each)",
           lambda r: _fmt_time(r.get("wall_us_median")))
+    table("Compile time (lower + compile, once per configuration)",
+          lambda r: "n/a" if r.get("compile_s") is None else f"{r['compile_s']:.2f} s")
 
     present = [(k, num, den, label) for k, num, den, label in RATIOS
                if num in cols and den in cols]
@@ -956,6 +961,9 @@ def build_parser():
                    help="copy every profiler trace under DIR")
     p.add_argument("--out", metavar="JSON", default=None, help="write the results as JSON (also rewritten after every "
                    "configuration, so an interrupted run keeps what it measured)")
+    p.add_argument("--from-json", metavar="JSON", default=None,
+                   help="measure nothing: print the report of a results JSON (also a partial "
+                        "one from an interrupted run) and write --out/--outdir from it")
     p.add_argument("--outdir", metavar="DIR", default=None,
                    help="write DIR/results.json, DIR/results.md and DIR/bench_update.png")
     return p
@@ -1002,6 +1010,17 @@ def _git_commit():
         return None
 
 
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo") as fp:
+            for line in fp:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def collect_meta(args, argv):
     dev = jax.devices()[0]
     try:
@@ -1020,7 +1039,8 @@ def collect_meta(args, argv):
         "has_cpu_kernel": bool(getattr(jax_fp8, "HAS_CPU_KERNEL", False)),
         "has_cuda_kernel": bool(getattr(jax_fp8, "HAS_CUDA_KERNEL", False)),
         "python": platform.python_version(),
-        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores",
+        "machine": f"{platform.system()} {platform.machine()}, {_cpu_model()}, "
+                   f"{os.cpu_count()} CPU cores",
         "git_commit": _git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "command": cmd,
@@ -1044,6 +1064,8 @@ def run(argv=None):
     """Runs the benchmark; returns the result dict (also written/printed per the flags)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _finalize_args(build_parser().parse_args(argv))
+    if args.from_json:
+        return rerender(args.from_json, args.out, args.outdir)
     platform_name = _platform()
     meta = collect_meta(args, argv)
     log(f"jax_fp8 bench: {meta['device']} ({platform_name}), jax {meta['jax_version']}, "
@@ -1083,7 +1105,8 @@ def run(argv=None):
                 f"(total {time.perf_counter() - t_all:.1f} s)")
             if out_json:  # partial results survive an interrupted run
                 _write_json(out_json, {"meta": meta, "results": results, "partial": True,
-                                       "failures": failures})
+                                       "failures": failures, "skipped": skipped,
+                                       "skipped_columns": args.skipped_columns})
     launch_floor = None
     if not args.no_launch_floor:
         try:
@@ -1095,35 +1118,67 @@ def run(argv=None):
             traceback.print_exc(file=sys.stderr)
             failures.append({"launch_floor": True, "error": f"{type(err).__name__}: {err}"})
     meta["total_s"] = round(time.perf_counter() - t_all, 1)
-    data = {"meta": meta, "columns": [{"key": k, "label": v} for k, v in COLUMNS
-                                      if k in args.columns],
-            "results": results, "launch_floor": launch_floor,
-            "ratios": compute_ratios(results, args.sizes, args.lengths),
-            "targets": evaluate_targets(results, launch_floor, platform_name),
-            "failures": failures, "skipped": skipped,
-            "skipped_columns": args.skipped_columns}
-    report = markdown_report(data)
-    data["report_markdown"] = report
-
+    data = assemble(meta, results, launch_floor, failures, skipped, args.skipped_columns)
     if out_json:
         _write_json(out_json, data)
         log(f"wrote {out_json}")
-    if args.outdir:
-        with open(os.path.join(args.outdir, "results.md"), "w") as fp:
-            fp.write(report + "\n")
-        png = os.path.join(args.outdir, "bench_update.png")
-        try:
-            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-            import plot as bench_plot
-            bench_plot.plot(data, png)
-            log(f"wrote {png}")
-        except ImportError as err:
-            log(f"no PNG ({err}); draw it elsewhere with: python bench/plot.py {out_json} "
-                f"--png bench_update.png")
-        except Exception as err:  # noqa: BLE001 - the numbers are written already
-            traceback.print_exc(file=sys.stderr)
-            log(f"plotting failed: {err}")
-    print(report)
+    _write_extras(data, args.outdir, out_json)
+    print(data["report_markdown"])
+    return data
+
+
+def assemble(meta, results, launch_floor, failures=(), skipped=(), skipped_columns=()):
+    """The full result dict (ratios, targets, markdown report) from the measurements."""
+    settings = meta["settings"]
+    data = {"meta": meta,
+            "columns": [{"key": k, "label": v} for k, v in COLUMNS if k in settings["columns"]],
+            "results": list(results), "launch_floor": launch_floor,
+            "ratios": compute_ratios(results, settings["sizes"], settings["lengths"]),
+            "targets": evaluate_targets(results, launch_floor, meta["platform"]),
+            "failures": list(failures), "skipped": list(skipped),
+            "skipped_columns": list(skipped_columns)}
+    data["report_markdown"] = markdown_report(data)
+    return data
+
+
+def _write_extras(data, outdir, out_json):
+    """DIR/results.md and DIR/bench_update.png (the PNG only where matplotlib is)."""
+    if not outdir:
+        return
+    os.makedirs(outdir, exist_ok=True)
+    with open(os.path.join(outdir, "results.md"), "w") as fp:
+        fp.write(data["report_markdown"] + "\n")
+    png = os.path.join(outdir, "bench_update.png")
+    try:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import plot as bench_plot
+        bench_plot.plot(data, png)
+        log(f"wrote {png}")
+    except ImportError as err:
+        log(f"no PNG ({err}); draw it elsewhere with: python bench/plot.py "
+            f"{out_json or 'results.json'} --png bench_update.png")
+    except Exception as err:  # noqa: BLE001 - the numbers are written already
+        traceback.print_exc(file=sys.stderr)
+        log(f"plotting failed: {err}")
+
+
+def rerender(path, out_json=None, outdir=None):
+    """Report (and --outdir files) from a results JSON, also a partial one."""
+    with open(path) as fp:
+        saved = json.load(fp)
+    data = assemble(saved["meta"], saved.get("results", []), saved.get("launch_floor"),
+                    saved.get("failures", []), saved.get("skipped", []),
+                    saved.get("skipped_columns", []))
+    if saved.get("partial"):
+        data["partial"] = True
+        data["report_markdown"] = ("(partial results: the run was interrupted)\n\n"
+                                   + data["report_markdown"])
+    if outdir and not out_json:
+        out_json = os.path.join(outdir, "results.json")
+    if out_json:
+        _write_json(out_json, data)
+    _write_extras(data, outdir, out_json)
+    print(data["report_markdown"])
     return data
 
 

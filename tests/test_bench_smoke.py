@@ -212,3 +212,15 @@ def test_compile_time_guard():
     assert data["skipped"] == [{"n": 4, "l": 4}]
     assert [s["column"] for s in data["skipped_columns"]] == ["floor"]
     assert "Columns skipped" in data["report_markdown"]
+
+
+def test_from_json_rerenders_a_partial_run(tmp_path):
+    data = _fake_gpu_data()
+    partial = {"meta": data["meta"], "results": data["results"], "partial": True,
+               "failures": [], "skipped": [], "skipped_columns": []}
+    src = tmp_path / "partial.json"
+    src.write_text(json.dumps(partial))
+    out = bench_update.run(["--from-json", str(src), "--outdir", str(tmp_path / "o")])
+    assert out["report_markdown"].startswith("(partial results")
+    assert (tmp_path / "o" / "results.md").exists()
+    assert json.loads((tmp_path / "o" / "results.json").read_text())["targets"]
