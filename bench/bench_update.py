@@ -206,7 +206,8 @@ _HEADER_RE = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s.*\{\s*$")
 _INSTR_RE = re.compile(r"^\s+(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
 _OPCODE_RE = re.compile(r"(?<![\w.%\-])([a-z][a-z0-9\-]*)\(")
 _CALLEE_RE = re.compile(
-    r"\b(?:to_apply|calls|body|branch_computations|called_computations)=\{?([^}\s]+(?:,\s*[^}\s]+)*)\}?")
+    r"\b(?:to_apply|calls|body|branch_computations|called_computations)="
+    r"\{?([^}\s]+(?:,\s*[^}\s]+)*)\}?")
 
 
 def _strip_shape(rest):
@@ -495,11 +496,18 @@ def run_config(n, hist_len, args, platform_name):
                              f"of --time-limit")
                 continue
         columns.append(key)
-    for key in columns:
+    for key in list(columns):
         t0 = time.perf_counter()
-        state = make_state(key, base)
-        extra = (one,) if key == "floor" else ()
-        compiled, compile_s = _compile(FUNCTIONS[key], state, extra)
+        try:
+            state = make_state(key, base)
+            extra = (one,) if key == "floor" else ()
+            compiled, compile_s = _compile(FUNCTIONS[key], state, extra)
+        except Exception as err:  # noqa: BLE001 - the other columns still run
+            traceback.print_exc(file=sys.stderr)
+            args.column_failures.append({"n": n, "l": hist_len, "column": key,
+                                         "error": f"compile: {type(err).__name__}: {err}"})
+            columns.remove(key)
+            continue
         args.compile_log.setdefault(key, []).append((n, compile_s))
         kernels, by_opcode = count_kernels_hlo(compiled.as_text())
         cols[key] = {
@@ -517,12 +525,19 @@ def run_config(n, hist_len, args, platform_name):
         return lambda st: compiled(st, *extra)
 
     # Warm up (also checks that donation/threading works: the state is replaced).
-    for key in columns:
+    for key in list(columns):
         c = cols[key]
         call = call_of(key)
-        for _ in range(args.warmup):
-            c["state"] = call(c["state"])
-        jax.block_until_ready(c["state"])
+        try:
+            for _ in range(args.warmup):
+                c["state"] = call(c["state"])
+            jax.block_until_ready(c["state"])
+        except Exception as err:  # noqa: BLE001 - the other columns still run
+            traceback.print_exc(file=sys.stderr)
+            args.column_failures.append({"n": n, "l": hist_len, "column": key,
+                                         "error": f"run: {type(err).__name__}: {err}"})
+            columns.remove(key)
+            del cols[key]
 
     # Wall time. Each column gets a number of calls that fits its share of
     # --wall-seconds (at least --min-calls), timed in --wall-blocks blocks that
@@ -877,7 +892,8 @@ def markdown_report(data):
             for s in data["skipped_columns"]))
         lines.append("")
     for f in data.get("failures") or ():
-        where = "launch floor" if f.get("launch_floor") else f"N={f.get('n')} L={f.get('l')}"
+        where = "launch floor" if f.get("launch_floor") else (
+            f"N={f.get('n')} L={f.get('l')}" + (f" {f['column']}" if f.get("column") else ""))
         lines.append(f"FAILED {where}: {f['error']}")
     if data.get("failures"):
         lines.append("")
@@ -959,7 +975,8 @@ def build_parser():
                    help="skip the launch-floor measurement")
     p.add_argument("--keep-traces", metavar="DIR", default=None,
                    help="copy every profiler trace under DIR")
-    p.add_argument("--out", metavar="JSON", default=None, help="write the results as JSON (also rewritten after every "
+    p.add_argument("--out", metavar="JSON", default=None,
+                   help="write the results as JSON (also rewritten after every "
                    "configuration, so an interrupted run keeps what it measured)")
     p.add_argument("--from-json", metavar="JSON", default=None,
                    help="measure nothing: print the report of a results JSON (also a partial "
@@ -992,6 +1009,7 @@ def _finalize_args(args):
     args.max_n = max_n
     args.compile_log = {}
     args.skipped_columns = []
+    args.column_failures = []
     args.deadline = None
     args.min_calls = max(1, args.min_calls)
     args.max_calls = max(args.min_calls, args.max_calls)
@@ -1105,7 +1123,8 @@ def run(argv=None):
                 f"(total {time.perf_counter() - t_all:.1f} s)")
             if out_json:  # partial results survive an interrupted run
                 _write_json(out_json, {"meta": meta, "results": results, "partial": True,
-                                       "failures": failures, "skipped": skipped,
+                                       "failures": args.column_failures + failures,
+                                       "skipped": skipped,
                                        "skipped_columns": args.skipped_columns})
     launch_floor = None
     if not args.no_launch_floor:
@@ -1118,6 +1137,7 @@ def run(argv=None):
             traceback.print_exc(file=sys.stderr)
             failures.append({"launch_floor": True, "error": f"{type(err).__name__}: {err}"})
     meta["total_s"] = round(time.perf_counter() - t_all, 1)
+    failures = args.column_failures + failures
     data = assemble(meta, results, launch_floor, failures, skipped, args.skipped_columns)
     if out_json:
         _write_json(out_json, data)

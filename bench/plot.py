@@ -68,8 +68,8 @@ def plot(data, png, metric="auto", dpi=80):
             if not pts:
                 continue
             xs, ys = zip(*pts)
-            ax.plot(xs, ys, STYLES.get(col, "o-"), color=COLORS.get(col), label=LABELS.get(col, col),
-                    markersize=4, linewidth=1.2)
+            ax.plot(xs, ys, STYLES.get(col, "o-"), color=COLORS.get(col),
+                    label=LABELS.get(col, col), markersize=4, linewidth=1.2)
         lf = (data.get("launch_floor") or {}).get(key)
         if lf:
             ax.axhline(lf, color="black", linewidth=0.7, linestyle="-.", alpha=0.6,

@@ -98,8 +98,10 @@ def test_count_kernels_hlo():
 def _gpu_trace_events():
     meta = [
         {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
-        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0 (NVIDIA)"}},
-        {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7(Compute)"}},
+        {"ph": "M", "pid": 2, "name": "process_name",
+         "args": {"name": "/device:GPU:0 (NVIDIA)"}},
+        {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name",
+         "args": {"name": "Stream #7(Compute)"}},
         {"ph": "M", "pid": 2, "tid": 9, "name": "thread_name", "args": {"name": "XLA Ops"}},
     ]
     kernels = [{"ph": "X", "pid": 2, "tid": 7, "ts": 10.0 * i, "dur": 1.5, "name": "k"}
@@ -224,3 +226,17 @@ def test_from_json_rerenders_a_partial_run(tmp_path):
     assert out["report_markdown"].startswith("(partial results")
     assert (tmp_path / "o" / "results.md").exists()
     assert json.loads((tmp_path / "o" / "results.json").read_text())["targets"]
+
+
+def test_a_failing_column_does_not_stop_the_others(monkeypatch):
+    def broken(state):
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setitem(bench_update.FUNCTIONS, "fused_stacked", broken)
+    data = bench_update.run(["--sizes", "3", "--lengths", "4", "--warmup", "1",
+                             "--min-calls", "1", "--max-calls", "1", "--wall-seconds", "0",
+                             "--no-trace", "--no-launch-floor"])
+    cols = {r["column"] for r in data["results"]}
+    assert cols == set(ALL_COLUMNS) - {"fused_stacked"}
+    assert data["failures"][0]["column"] == "fused_stacked"
+    assert "FAILED N=3 L=4 fused_stacked" in data["report_markdown"]
