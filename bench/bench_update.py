@@ -802,14 +802,14 @@ def markdown_report(data):
     gpu = meta["platform"] == "gpu"
     dev_name = "GPU time" if gpu else "CPU op time"
     lines = []
-    lines.append(f"Device: {meta['device']} ({meta['platform']}), jax {meta['jax_version']}, "
+    lines.append(f"- Device: {meta['device']} ({meta['platform']}), jax {meta['jax_version']}, "
                  f"jaxlib {meta['jaxlib_version']}, jax_fp8 {meta['jax_fp8_version']} "
                  f"(CPU kernel: {meta['has_cpu_kernel']}, CUDA kernel: {meta['has_cuda_kernel']})")
     if meta.get("machine"):
-        lines.append(f"Host: {meta['machine']}, Python {meta.get('python', '?')}, "
+        lines.append(f"- Host: {meta['machine']}, Python {meta.get('python', '?')}, "
                      f"git {meta.get('git_commit') or '?'}")
-    lines.append(f"Date: {meta['date']}")
-    lines.append(f"Command: `{meta['command']}`")
+    lines.append(f"- Date: {meta['date']}")
+    lines.append(f"- Command: `{meta['command']}`")
     lines.append("")
     header = "| N | L | " + " | ".join(SHORT_LABELS[c] for c in cols) + " |"
     sep = "|---:|---:|" + "---:|" * len(cols)
