@@ -213,6 +213,10 @@ def from_te(amax_history, scale, scale_inv=None, *, like=None,
     if like is None:
         return ScalingState(hist, scale, scale_inv, fp8_dtype=fp8_dtype)
     leaves, treedef = jax.tree.flatten(like, is_leaf=_is_state)
+    total = sum(int(np.prod(leaf.scale.shape, dtype=np.int64)) for leaf in leaves
+                if _is_state(leaf))
+    if total != n:
+        raise ValueError(f"like holds {total} tensors but amax_history has N = {n}")
     out, offset = [], 0
     for leaf in leaves:
         if not _is_state(leaf):
@@ -227,8 +231,6 @@ def from_te(amax_history, scale, scale_inv=None, *, like=None,
         out.append(ScalingState(hist[sl].reshape(lead + (length,)), scale[sl].reshape(lead),
                                 scale_inv[sl].reshape(lead), fp8_dtype=leaf.fp8_dtype))
         offset += count
-    if offset != n:
-        raise ValueError(f"like holds {offset} tensors but amax_history has N = {n}")
     return jax.tree.unflatten(treedef, out)
 
 
