@@ -71,6 +71,13 @@ JAX_FP8_HD float fmax_num(float a, float b) {
   return a > b ? a : b;
 }
 
+// One step of the max over the history, which starts from +0: `x > acc` is false
+// for a NaN x, so NaN is ignored exactly as fmax_num ignores it. It can differ from
+// fmax_num only in the sign of a zero result, and the reduced amax is only ever
+// tested with `> 0` and divided by when positive, so the scale bits are the same.
+// It is a plain compare-select, which the CPU compiler turns into SIMD max (maxps).
+JAX_FP8_HD float running_max(float acc, float x) { return x > acc ? x : acc; }
+
 // The staging slot after merging the newly observed amax (h0 in SPEC.md).
 JAX_FP8_HD float merge_amax(float staged, const float* amax) {
   return amax ? fmax_num(staged, *amax) : staged;

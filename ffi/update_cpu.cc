@@ -2,6 +2,7 @@
 // tensor of every group, calling the shared arithmetic of scaling_math.h.
 #include "update_cpu.h"
 
+#include <cstring>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -46,6 +47,21 @@ class ScopedIeeeSubnormals {
 #endif
 };
 
+// Max over h[1..len), from +0, with kLanes independent accumulators so the loop
+// vectorises (running_max is associative up to the sign of zero, see scaling_math.h).
+float HistoryMax(const float* h, int64_t len) {
+  constexpr int kLanes = 16;
+  float acc[kLanes] = {};
+  int64_t j = 1;
+  for (; j + kLanes <= len; j += kLanes) {
+    for (int k = 0; k < kLanes; ++k) acc[k] = running_max(acc[k], h[j + k]);
+  }
+  for (; j < len; ++j) acc[0] = running_max(acc[0], h[j]);
+  float rest = 0.0f;
+  for (int k = 0; k < kLanes; ++k) rest = running_max(rest, acc[k]);
+  return rest;
+}
+
 void UpdateTensor(float* h, float* scale, float* scale_inv, const float* amax, int64_t len,
                   float scaled_max, const UpdateOptions& opt) {
   const float h0 = merge_amax(h[0], amax);
@@ -54,15 +70,10 @@ void UpdateTensor(float* h, float* scale, float* scale_inv, const float* amax, i
     *scale_inv = scale_inverse(prev);
     return;
   }
-  // One pass: fold old[j] into the max, then move it to j - 1 (in place, forward).
-  float rest = 0.0f;
+  const float rest = HistoryMax(h, len);
+  // Roll in place: old[j] -> j - 1 for j >= 2, slot 0 cleared, h0 last.
+  if (len > 2) std::memmove(h + 1, h + 2, static_cast<size_t>(len - 2) * sizeof(float));
   h[0] = 0.0f;
-  if (len > 1) rest = fmax_num(rest, h[1]);
-  for (int64_t j = 2; j < len; ++j) {
-    const float v = h[j];
-    rest = fmax_num(rest, v);
-    h[j - 1] = v;
-  }
   h[len - 1] = last_slot_value(h0, len);
   const float s = new_scale(reduced_amax(h0, rest, opt), prev, scaled_max, opt);
   *scale = s;

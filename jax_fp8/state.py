@@ -11,6 +11,9 @@ import jax.numpy as jnp
 from jax_fp8 import recipe as recipe_lib
 
 
+_CANONICAL: dict = {}  # fp8_dtype as given -> np.dtype (only valid FP8 dtypes are stored)
+
+
 @dataclasses.dataclass(frozen=True)
 class ScalingState:
     """A registered pytree; leaves amax_history, scale, scale_inv; fp8_dtype is static.
@@ -28,8 +31,16 @@ class ScalingState:
     fp8_dtype: Any = dataclasses.field(default=jnp.float8_e4m3fn)
 
     def __post_init__(self):
-        # One spelling of the dtype, so tree structures compare and hash equal.
-        object.__setattr__(self, "fp8_dtype", recipe_lib.canonical_fp8_dtype(self.fp8_dtype))
+        # One spelling of the dtype, so tree structures compare and hash equal. JAX
+        # rebuilds states on every unflatten, so the common case is a dict lookup.
+        try:
+            dtype = _CANONICAL.get(self.fp8_dtype)
+        except TypeError:  # unhashable: let canonical_fp8_dtype name the problem
+            dtype = recipe_lib.canonical_fp8_dtype(self.fp8_dtype)
+        if dtype is None:
+            dtype = recipe_lib.canonical_fp8_dtype(self.fp8_dtype)
+            _CANONICAL[self.fp8_dtype] = dtype
+        object.__setattr__(self, "fp8_dtype", dtype)
 
     @classmethod
     def create(cls, shape=(), history_len: int = 1024, fp8_dtype=jnp.float8_e4m3fn,
