@@ -1,0 +1,167 @@
+"""The compiled train step: ONE fused update for the whole model, in place when donated.
+
+On a GPU with FP8 tensor cores (Hopper/Ada) it also checks that the FP8 GEMMs became
+cuBLASLt FP8 matmuls; elsewhere that test is skipped.
+"""
+
+import functools
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_fp8
+from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8TrainState
+
+L = 24                       # a history length no other tensor in the step has
+N_LAYERS = 8
+RECIPE = jax_fp8.DelayedScaling(history_len=L)
+DG = functools.partial(Fp8DotGeneral, recipe=RECIPE)
+UPDATE = 'custom_call_target="jax_fp8_update"'
+needs_kernel = pytest.mark.skipif(not (jax_fp8.HAS_CPU_KERNEL or jax_fp8.HAS_CUDA_KERNEL),
+                                  reason="jax_fp8 kernels not built")
+
+
+class Deep(nn.Module):
+    width: int = 32
+    n_layers: int = N_LAYERS
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(self.n_layers):
+            x = nn.gelu(nn.Dense(self.width, dot_general_cls=DG)(x))
+        return x
+
+
+class Layer(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, x, _):
+        return nn.gelu(nn.Dense(self.width, dot_general_cls=DG)(x)), None
+
+
+class ScannedDeep(nn.Module):
+    width: int = 32
+    n_layers: int = N_LAYERS
+
+    @nn.compact
+    def __call__(self, x):
+        stack = nn.scan(Layer, variable_axes={"params": 0, FP8_COLLECTION: 0},
+                        split_rngs={"params": True}, length=self.n_layers)
+        return stack(self.width, name="layers")(x, None)[0]
+
+
+def _state(model, x):
+    v = jax.jit(model.init)(jax.random.key(0), x)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    return Fp8TrainState.create(apply_fn=model.apply, variables=v, tx=tx, recipe=RECIPE)
+
+
+def train_step(state, x, y):
+    def loss(params, fp8):
+        return jnp.mean((state.apply_model(params, fp8, x) - y) ** 2)
+    val, (g, fg) = jax.value_and_grad(loss, argnums=(0, 1))(state.params, state.fp8)
+    return state.apply_gradients(grads=g, fp8_grads=fg), val
+
+
+def split_step(rest, fp8, x, y):
+    """train_step with the FP8 state as its own argument (to donate it alone)."""
+    new, val = train_step(rest.replace(fp8=fp8), x, y)
+    return new.replace(fp8=None), new.fp8, val
+
+
+def _fp8_bytes(fp8):
+    return sum(a.nbytes for a in jax.tree.leaves(fp8))
+
+
+def _n_states(fp8):
+    return sum(isinstance(s, jax_fp8.ScalingState)
+               for s in jax.tree.leaves(fp8, is_leaf=lambda s: isinstance(
+                   s, jax_fp8.ScalingState)))
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(0)
+    return (jnp.asarray(rng.standard_normal((16, 32)), jnp.float32),
+            jnp.asarray(rng.standard_normal((16, 32)), jnp.float32))
+
+
+@needs_kernel
+def test_one_fused_update_and_in_place_fp8_state(data):
+    x, y = data
+    state = _state(Deep(), x)
+    assert _n_states(state.fp8) == 3 * N_LAYERS
+    rest = state.replace(fp8=None)
+    compiled = jax.jit(split_step, donate_argnums=(1,)).lower(rest, state.fp8, x, y).compile()
+    hlo = compiled.as_text()
+    # The whole model's 24 FP8 states: one custom call.
+    assert hlo.count(UPDATE) == 1
+    # Donated: every FP8 byte is aliased input -> output ...
+    assert compiled.memory_analysis().alias_size_in_bytes == _fp8_bytes(state.fp8)
+    # ... and no amax history is copied (only 4-byte scales read by the GEMMs may be).
+    assert not re.search(rf"f32\[{L}\]\{{0\}} copy\(", hlo)
+    # Undonated, the same step leaves the caller's state intact.
+    new, fp8, _ = jax.jit(split_step)(rest, state.fp8, x, y)
+    assert float(state.fp8["Dense_0"]["Fp8DotGeneral_0"]["input"].amax_history[-1]) == 0.0
+    assert float(fp8["Dense_0"]["Fp8DotGeneral_0"]["input"].amax_history[-1]) > 0.0
+
+
+@needs_kernel
+def test_donating_the_whole_train_state(data):
+    x, y = data
+    state = _state(Deep(), x)
+    compiled = jax.jit(train_step, donate_argnums=(0,)).lower(state, x, y).compile()
+    assert compiled.as_text().count(UPDATE) == 1
+    assert compiled.memory_analysis().alias_size_in_bytes >= _fp8_bytes(state.fp8)
+    new, _ = compiled(state, x, y)      # runs, and the result is usable
+    assert int(new.step) == 1
+
+
+@needs_kernel
+def test_scanned_layers_one_fused_update(data):
+    x, y = data
+    state = _state(ScannedDeep(), x)
+    st = state.fp8["layers"]["Dense_0"]["Fp8DotGeneral_0"]["grad"]
+    assert st.amax_history.shape == (N_LAYERS, L)
+    hlo = jax.jit(train_step).lower(state, x, y).compile().as_text()
+    assert hlo.count(UPDATE) == 1
+
+
+def _gpu_with_fp8():
+    try:
+        devs = jax.devices("gpu")
+    except RuntimeError:
+        return None
+    if not devs:
+        return None
+    cc = getattr(devs[0], "compute_capability", "0")
+    major, minor = (int(p) for p in (str(cc).split(".") + ["0"])[:2])
+    return devs[0] if (major, minor) >= (8, 9) else None
+
+
+@pytest.mark.gpu
+def test_fp8_gemms_become_cublaslt_fp8_on_gpu():
+    dev = _gpu_with_fp8()
+    if dev is None:
+        pytest.skip("needs a GPU with FP8 tensor cores (compute capability >= 8.9)")
+    width, n_layers = 128, N_LAYERS
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((64, width)), jnp.bfloat16)
+    y = jnp.asarray(rng.standard_normal((64, width)), jnp.bfloat16)
+    model = Deep(width=width, n_layers=n_layers)
+    state = _state(model, x)
+    compiled = jax.jit(train_step, donate_argnums=(0,)).lower(state, x, y).compile()
+    hlo = compiled.as_text()
+    n_fp8_gemms = hlo.count("__cublas$lt$matmul$f8")
+    # Forward, input-gradient and kernel-gradient GEMM of every layer (the first layer's
+    # input gradient is not needed and may be pruned).
+    assert n_fp8_gemms >= 3 * n_layers - 1, n_fp8_gemms
+    assert hlo.count(UPDATE) == 1
+    new, loss = compiled(state, x, y)
+    assert bool(jnp.isfinite(loss))
