@@ -75,7 +75,8 @@ JAX_FP8_HD float fmax_num(float a, float b) {
 // for a NaN x, so NaN is ignored exactly as fmax_num ignores it. It can differ from
 // fmax_num only in the sign of a zero result, and the reduced amax is only ever
 // tested with `> 0` and divided by when positive, so the scale bits are the same.
-// It is a plain compare-select, which the CPU compiler turns into SIMD max (maxps).
+// It is a plain compare-select, which the CPU compiler turns into SIMD max (maxps);
+// the CUDA kernel keeps fmax_num (the version validated on the H200).
 JAX_FP8_HD float running_max(float acc, float x) { return x > acc ? x : acc; }
 
 // The staging slot after merging the newly observed amax (h0 in SPEC.md).

@@ -41,12 +41,12 @@ constexpr int kSmallLaunch = 32;  // a smaller parameter block for calls with fe
 
 __device__ __forceinline__ float BlockMax(float v, float* warp_max) {
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v = running_max(v, __shfl_xor_sync(0xFFFFFFFFu, v, off));
+  for (int off = 16; off > 0; off >>= 1) v = fmax_num(v, __shfl_xor_sync(0xFFFFFFFFu, v, off));
   const int warp = threadIdx.x / 32;
   if ((threadIdx.x & 31) == 0) warp_max[warp] = v;
   __syncthreads();
   float r = warp_max[0];
-  for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) r = running_max(r, warp_max[w]);
+  for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) r = fmax_num(r, warp_max[w]);
   return r;
 }
 
@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   float rest = 0.0f;
   for (int64_t c0 = 1;;) {
 #pragma unroll
-    for (int k = 0; k < kValuesPerThread; ++k) rest = running_max(rest, v[k]);
+    for (int k = 0; k < kValuesPerThread; ++k) rest = fmax_num(rest, v[k]);
     __syncthreads();
 #pragma unroll
     for (int k = 0; k < kValuesPerThread; ++k) {
