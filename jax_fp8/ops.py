@@ -211,7 +211,10 @@ def _transpose_lhs(g, x_ndim, y, dimension_numbers, out_dtype, swap_ans=False):
     dims = ((tuple(ans_y), tuple(y_kept)), (tuple(ans_batch), tuple(y_batch)))
     x_contract_sorted_by_y = list(np.take(x_contract, np.argsort(y_contract)))
     out_axes = np.argsort(list(x_batch) + x_kept + x_contract_sorted_by_y)
-    out = lax.dot_general(g, y, dims, preferred_element_type=out_dtype)
+    # HIGHEST: no fast (reduced-precision) FP8 accumulation for the gradient GEMMs, as
+    # Flax and Transformer Engine do; the forward GEMM may use it (DEFAULT).
+    out = lax.dot_general(g, y, dims, precision=lax.Precision.HIGHEST,
+                          preferred_element_type=out_dtype)
     return lax.transpose(out, tuple(int(a) for a in out_axes))
 
 

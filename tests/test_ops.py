@@ -1,5 +1,7 @@
 """jax_fp8.ops: quantize/dequantize, the FP8 dot_general and how its amaxes combine."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,8 +12,18 @@ from jax_fp8 import ops
 from jax_fp8.ops import Fp8Meta, ScalingState
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+HI = jax.lax.Precision.HIGHEST
 DN = (((1,), (0,)), ((), ()))
 RECIPE = jax_fp8.DelayedScaling(history_len=4)
+
+
+@pytest.fixture(autouse=True)
+def _on_cpu():
+    """These tests pin the op's semantics bit for bit, so they run on the CPU backend
+    (deterministic GEMM accumulation order, like for like with the references). FP8
+    GEMMs on a GPU are exercised by tests/test_train_step_hlo.py."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 def state(scale, dtype=E4M3, length=4):
@@ -79,7 +91,8 @@ def _manual(x, w, g, meta):
     """The same computation spelled out: quantize-dequantize everything, f32 GEMMs."""
     qdq = lambda t, st: ops.dequantize(ops.quantize(t, st), st)  # noqa: E731
     xq, wq, gq = qdq(x, meta.input), qdq(w, meta.kernel), qdq(g, meta.grad)
-    return xq @ wq, gq @ wq.T, xq.T @ gq
+    mm = functools.partial(jnp.matmul, precision=HI)      # no TF32 in the reference
+    return mm(xq, wq), mm(gq, wq.T), mm(xq.T, gq)
 
 
 def test_dot_general_forward_backward_match_quantized_reference():
@@ -150,7 +163,8 @@ def test_dot_general_dimension_numbers(shapes, dn):
         f = lambda x, w: jnp.sum(jnp.cos(ops.fp8_dot_general(x, w, dn, meta)[0]))  # noqa: E731
         qdq = lambda t, st: ops.dequantize(ops.quantize(t, st), st)  # noqa: E731
         # Reference: lax.dot_general on the dequantized operands, gradient quantized too.
-        out, vjp = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, dn), qdq(x, meta.input),
+        out, vjp = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, dn, precision=HI),
+                           qdq(x, meta.input),
                            qdq(w, meta.kernel))
         ref = (out, *vjp(qdq(-jnp.sin(out), meta.grad)))
         got = (ops.fp8_dot_general(x, w, dn, meta)[0], *jax.grad(f, argnums=(0, 1))(x, w))
@@ -363,9 +377,10 @@ def test_einsum_matches_jnp(eqn, sa, sb):
         qdq = lambda t, st: ops.dequantize(ops.quantize(t, st), st)  # noqa: E731
         out, _ = ops.fp8_einsum(eqn, a, b, meta)
         if "c" in eqn:   # the summed axis is reduced before quantization
-            want = jnp.einsum("ab,d->abd", qdq(a, meta.input), qdq(b.sum(0), meta.kernel))
+            want = jnp.einsum("ab,d->abd", qdq(a, meta.input), qdq(b.sum(0), meta.kernel),
+                              precision=HI)
         else:
-            want = jnp.einsum(eqn, qdq(a, meta.input), qdq(b, meta.kernel))
+            want = jnp.einsum(eqn, qdq(a, meta.input), qdq(b, meta.kernel), precision=HI)
         ga = jax.grad(lambda a: jnp.sum(ops.fp8_einsum(eqn, a, b, meta)[0]))(a)
         return out, want, ga
 
