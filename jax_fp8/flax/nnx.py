@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import jax
 from flax import nnx
 
 from jax_fp8 import recipe as recipe_lib
