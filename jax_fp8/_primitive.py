@@ -127,6 +127,7 @@ if _registration.HAS_CPU_KERNEL:
 if _registration.HAS_CUDA_KERNEL:
     mlir.register_lowering(fp8_update_p, _lowering, platform="cuda")
 
+
 @functools.lru_cache(maxsize=None)
 def _jitted_bind(params):
     return jax.jit(functools.partial(fp8_update_p.bind, **dict(params)))
@@ -156,15 +157,7 @@ def _jvp_rule(primals, tangents, **params):
     # The FP8 state is bookkeeping, not a function to differentiate: zero tangents.
     del tangents
     outs = fp8_update_p.bind(*primals, **params)
-    return outs, [_zero_tangent(o) for o in outs]
-
-
-def _zero_tangent(x):
-    # ad.Zero.from_primal_value is gone in newer jax (0.10 has no such method).
-    from_primal = getattr(ad.Zero, "from_primal_value", None)
-    if from_primal is not None:
-        return from_primal(x)
-    return ad.Zero(jax.typeof(x).to_tangent_aval())
+    return outs, [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in outs]
 
 
 ad.primitive_jvps[fp8_update_p] = _jvp_rule
