@@ -107,6 +107,9 @@ def main():
     ap.add_argument("--trace-dir", default=tempfile.mkdtemp())
     ap.add_argument("--skip-bits", action="store_true",
                     help="only the timings (tests/ checks the bits too)")
+    ap.add_argument("--scale", default="",
+                    help="also time one call on this many per-tensor states, e.g. 5000,50000 "
+                         "(checks bits against the CPU kernel and reports compile time)")
     args = ap.parse_args()
     gpu = jax.devices("gpu")[0]
     cpu = jax.devices("cpu")[0]
@@ -115,8 +118,10 @@ def main():
         t0 = time.time()
         check_bits(gpu, cpu)
         print(f"check took {time.time() - t0:.1f}s")
-    for n, L, stacked in ((1152, 1024, False), (1152, 1024, True), (1152, 16, False),
-                          (3, 16, False), (1, 1, False)):
+    configs = [(1152, 1024, False), (1152, 1024, True), (1152, 16, False), (3, 16, False),
+               (1, 1, False)]
+    configs += [(int(n), 16, False) for n in args.scale.split(",") if n]
+    for n, L, stacked in configs:
         if stacked:
             tree = jax_fp8.ScalingState.create((n,), L)
         else:
@@ -128,6 +133,16 @@ def main():
         print(f"  compile N={n} L={L} stacked={stacked}: {time.time() - t0:.1f}s")
         us, nk, names = gpu_time(fn, tree, 50, os.path.join(args.trace_dir, f"{n}_{L}_{stacked}"))
         print(f"N={n} L={L} stacked={stacked}: {us:.2f} us GPU, {nk:.1f} kernels/update {names}")
+        if n >= 5000:  # past the parameter limit: several launches, one custom call
+            hlo = fn.as_text()
+            rng = np.random.default_rng(n)
+            tree = [jax_fp8.ScalingState(adversarial(rng, (L,)), adversarial(rng, ()),
+                                         np.ones((), np.float32)) for _ in range(n)]
+            f = lambda t: jax_fp8.update_states(t)
+            same = all(np.array_equal(x.view(np.uint32), y.view(np.uint32)) for x, y in
+                       zip(run_on(gpu, f, tree), run_on(cpu, f, tree)))
+            calls = hlo.count('custom_call_target="jax_fp8_update"')
+            print(f"  custom calls: {calls}, bitwise CUDA == CPU: {same}")
 
 
 if __name__ == "__main__":
