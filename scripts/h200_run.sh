@@ -11,7 +11,8 @@ nvidia-smi --query-gpu=name,driver_version --format=csv
 python3 -m pip install --no-build-isolation --no-deps . >"$OUT/install.log" 2>&1 \
   || { tail -30 "$OUT/install.log"; exit 1; }
 python3 -c "import jax, jax_fp8; print(jax.__version__, jax.devices(), jax_fp8.HAS_CUDA_KERNEL)" 2>&1 | tail -1
-for section in "${@:-kernel tests bench}"; do
+[ $# -gt 0 ] || set -- kernel tests bench
+for section in "$@"; do
   echo "=== $section"
   case $section in
     kernel) timeout 150 python3 scripts/kernel_check.py --skip-bits 2>&1 | quiet | tee "$OUT/kernel.log" ;;
