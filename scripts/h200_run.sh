@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 (device tool) checks, by section, results under $OUT. Build first (kept on
-# a warm machine), then any of: kernel tests bench e2e sanitize scale.
+# a warm machine), then any of: kernel tests bench e2e e2e_small sanitize scale.
 #   bash scripts/h200_run.sh kernel tests bench      # one device call (~8 min)
 #   bash scripts/h200_run.sh e2e sanitize            # a second one
 set -u
@@ -21,8 +21,9 @@ for section in "$@"; do
     bench) timeout 220 python3 bench/bench_update.py --lengths 1024,16 --per-tensor-max-n 1152 \
              --time-limit 150 --outdir "$OUT/bench" > "$OUT/bench.log" 2>&1
            tail -60 "$OUT/bench/results.md" 2>/dev/null || tail -30 "$OUT/bench.log" ;;
-    e2e) timeout 300 python3 bench/bench_train_step.py --sizes 2048x4096,1024x1024 \
-           --outdir "$OUT/e2e" 2>&1 | tail -40 ;;
+    e2e) timeout 235 python3 bench/bench_train_step.py --time-limit 200 --outdir "$OUT/e2e" 2>&1 | tail -40 ;;
+    e2e_small) timeout 235 python3 bench/bench_train_step.py --small --time-limit 200 \
+           --outdir "$OUT/e2e_small" 2>&1 | tail -40 ;;
     sanitize) timeout 400 bash scripts/sanitize.sh "$OUT/sanitize" ;;
     *) echo "unknown section $section" ;;
   esac
