@@ -198,8 +198,13 @@ def _ranges_like(*xs):
         start += len(x)
 
 
-def _transpose_lhs(g, x_ndim, y, dimension_numbers, out_dtype, swap_ans=False):
-    """d(dot_general(x, y))/dx applied to g (JAX's own rule, written for any y dtype)."""
+def _transpose_lhs(g, x, y, dimension_numbers, out_dtype, swap_ans=False):
+    """d(dot_general(x, y))/dx applied to g (JAX's own rule, written for any y dtype).
+
+    Like JAX's rule it asks for x's own sharding on the result, which a mesh with
+    Explicit axes needs when the contraction runs over a sharded (batch) axis.
+    """
+    x_ndim = x.ndim
     (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
     x_kept = _remaining(range(x_ndim), x_contract, x_batch)
     y_kept = _remaining(range(y.ndim), y_contract, y_batch)
@@ -209,18 +214,30 @@ def _transpose_lhs(g, x_ndim, y, dimension_numbers, out_dtype, swap_ans=False):
         ans_batch, _, ans_y = _ranges_like(x_batch, x_kept, y_kept)
     dims = ((tuple(ans_y), tuple(y_kept)), (tuple(ans_batch), tuple(y_batch)))
     x_contract_sorted_by_y = list(np.take(x_contract, np.argsort(y_contract)))
-    out_axes = np.argsort(list(x_batch) + x_kept + x_contract_sorted_by_y)
+    unsorted_axes = list(x_batch) + x_kept + x_contract_sorted_by_y
+    out_axes = np.argsort(unsorted_axes)
     # HIGHEST: no fast (reduced-precision) FP8 accumulation for the gradient GEMMs, as
     # Flax and Transformer Engine do; the forward GEMM may use it (DEFAULT).
     out = lax.dot_general(g, y, dims, precision=lax.Precision.HIGHEST,
-                          preferred_element_type=out_dtype)
+                          preferred_element_type=out_dtype,
+                          out_sharding=_permuted_sharding(x, unsorted_axes))
     return lax.transpose(out, tuple(int(a) for a in out_axes))
 
 
-def _transpose_rhs(g, x, y_ndim, dimension_numbers, out_dtype):
+def _permuted_sharding(x, axes):
+    """x's sharding with its spec reordered to `axes`, or None without a mesh."""
+    sharding = jax.typeof(x).sharding
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty:
+        return None
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    return sharding.update(spec=jax.sharding.PartitionSpec(*(spec[a] for a in axes)))
+
+
+def _transpose_rhs(g, x, y, dimension_numbers, out_dtype):
     (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
     swapped = ((y_contract, x_contract), (y_batch, x_batch))
-    return _transpose_lhs(g, y_ndim, x, swapped, out_dtype, swap_ans=True)
+    return _transpose_lhs(g, y, x, swapped, out_dtype, swap_ans=True)
 
 
 def _scaled(out, factor, dtype):
@@ -245,9 +262,9 @@ def _fp8_dot_bwd(dimension_numbers, out_dtype, lhs_dtype, rhs_dtype, res, cts):
     g, ct_meta = cts
     amax_g = compute_amax(g)
     q_g = quantize(g, meta.grad)
-    grad_lhs = _transpose_lhs(q_g, q_lhs.ndim, q_rhs, dimension_numbers, lhs_dtype)
+    grad_lhs = _transpose_lhs(q_g, q_lhs, q_rhs, dimension_numbers, lhs_dtype)
     grad_lhs = _scaled(grad_lhs, meta.grad.scale_inv * meta.kernel.scale_inv, lhs_dtype)
-    grad_rhs = _transpose_rhs(q_g, q_lhs, q_rhs.ndim, dimension_numbers, rhs_dtype)
+    grad_rhs = _transpose_rhs(q_g, q_lhs, q_rhs, dimension_numbers, rhs_dtype)
     grad_rhs = _scaled(grad_rhs, meta.grad.scale_inv * meta.input.scale_inv, rhs_dtype)
     ct_meta_in = Fp8Meta(input=_amax_cotangent(ct_meta.input, amax_lhs),
                          kernel=_amax_cotangent(ct_meta.kernel, amax_rhs),
