@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The H200 (device tool) checks, by section, results under $OUT. Build first (kept on
-# a warm machine), then any of: kernel tests bench e2e e2e_small sanitize scale.
+# a warm machine), then any of: kernel tests bench e2e e2e_small sanitize scale
+# multigpu (the last on nvidia-h200-x2 / -x4).
 #   bash scripts/h200_run.sh kernel tests bench      # one device call (~8 min)
 #   bash scripts/h200_run.sh e2e sanitize            # a second one
 set -u
@@ -24,6 +25,7 @@ for section in "$@"; do
     e2e) timeout 235 python3 bench/bench_train_step.py --time-limit 200 --outdir "$OUT/e2e" 2>&1 | tail -40 ;;
     e2e_small) timeout 235 python3 bench/bench_train_step.py --small --time-limit 200 \
            --outdir "$OUT/e2e_small" 2>&1 | tail -40 ;;
+    multigpu) NCCL_NVLS_ENABLE=0 timeout 300 python3 scripts/multigpu_dp.py --trace 2>&1 | quiet | tee "$OUT/multigpu.log" ;;
     sanitize) timeout 400 bash scripts/sanitize.sh "$OUT/sanitize" ;;
     *) echo "unknown section $section" ;;
   esac
