@@ -1,0 +1,49 @@
+"""A tensor-parallel FP8 train step on a (data 4 x model 2) mesh of 8 host devices;
+run by test_tensor_parallel.py. Prints one JSON line: all-reduces by kind and the
+jax_fp8_update count of the compiled step."""
+
+import json
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jax_fp8
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+from multigpu_dp import all_reduce_kinds  # noqa: E402
+
+mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
+DN = (((1,), (0,)), ((), ()))
+LAYERS, D = 8, 64
+recipe = jax_fp8.DelayedScaling(history_len=16)
+rng = np.random.default_rng(0)
+# Megatron-style: column-parallel then row-parallel weights.
+ws = [jax.device_put((rng.random((D, D)) / 8).astype(np.float32),
+                     NamedSharding(mesh, P(None, "model") if i % 2 == 0 else P("model", None)))
+      for i in range(LAYERS)]
+fp8 = jax.device_put([jax_fp8.Fp8Meta.create(recipe) for _ in range(LAYERS)],
+                     NamedSharding(mesh, P()))
+x = jax.device_put(rng.random((128, D)).astype(np.float32), NamedSharding(mesh, P("data", None)))
+
+
+def loss(ws, fp8, x):
+    h = x
+    for w, m in zip(ws, fp8):
+        h, _ = jax_fp8.fp8_dot_general(h, w, DN, m)
+        h = jax.nn.gelu(h)
+    return jnp.mean(h ** 2)
+
+
+def step(ws, fp8, x):
+    g, fg = jax.grad(loss, argnums=(0, 1))(ws, fp8, x)
+    return [w - 0.1 * gw for w, gw in zip(ws, g)], jax_fp8.new_fp8_state(fp8, fg, recipe)
+
+
+hlo = jax.jit(step).lower(ws, fp8, x).compile().as_text()
+print("RESULTS " + json.dumps({"all_reduces": all_reduce_kinds(hlo),
+                               "updates": hlo.count('custom_call_target="jax_fp8_update"')}))
