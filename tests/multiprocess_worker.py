@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
+import os
 import sys
 
 import jax
@@ -115,17 +115,9 @@ def train_step(params, opt_state, fp8, x, y):
     return params, opt_state, fp8, loss
 
 
-def all_reduce_kinds(text):
-    """{"add": n, "maximum": m, ...}: the all-reduces of an HLO text by reduction op."""
-    bodies = {}
-    for m in re.finditer(r"^(%[\w.\-]+) \(.*?\n}", text, re.M | re.S):
-        bodies[m.group(1)] = m.group(0)
-    kinds = {}
-    for m in re.finditer(r"\sall-reduce(?:-start)?\(.*?to_apply=(%[\w.\-]+)", text):
-        root = re.search(r"ROOT \S+ = \S+ (\w+)\(", bodies.get(m.group(1), ""))
-        kind = root.group(1) if root else "unknown"
-        kinds[kind] = kinds.get(kind, 0) + 1
-    return kinds
+# all_reduce_kinds: {"add": n, "maximum": m, ...} of an HLO text (scripts/multigpu_dp.py).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+from multigpu_dp import all_reduce_kinds  # noqa: E402
 
 
 def batch(step):
