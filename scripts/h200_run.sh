@@ -9,8 +9,11 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 quiet() { grep -v "^WARNING\|^I0000\|^E0000"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv
-python3 -m pip install --no-build-isolation --no-deps . >"$OUT/install.log" 2>&1 \
-  || { tail -30 "$OUT/install.log"; exit 1; }
+# SKIP_INSTALL=1 reuses the package installed by an earlier call on a warm machine.
+if [ "${SKIP_INSTALL:-0}" != 1 ] || ! python3 -c "import jax_fp8" 2>/dev/null; then
+  python3 -m pip install --no-build-isolation --no-deps . >"$OUT/install.log" 2>&1 \
+    || { tail -30 "$OUT/install.log"; exit 1; }
+fi
 python3 -c "import jax, jax_fp8; print(jax.__version__, jax.devices(), jax_fp8.HAS_CUDA_KERNEL)" 2>&1 | tail -1
 [ $# -gt 0 ] || set -- kernel tests bench
 for section in "$@"; do
