@@ -460,19 +460,20 @@ def _skip_column(args, n, hist_len, key, reason):
 def _predict_compile_s(compile_log, key, n):
     """A pessimistic guess of `key`'s compile time at n from its compiles at smaller N.
 
-    Power law through the two largest smaller N (exponent at least 1; 3 from one
-    point), times 2. Compile times that grow superlinearly with the number of
-    separate arrays (the per-tensor layouts) are what this guards against.
+    Power law through the two largest smaller N (exponent clamped to [1, 3]; 1.5 from
+    one point, whose time is mostly fixed overhead), times 2. Compile times that grow
+    superlinearly with the number of separate arrays (the per-tensor layouts) are what
+    this guards against.
     """
     pts = sorted(p for p in compile_log.get(key, ()) if p[0] < n)
     if not pts:
         return None
     n1, c1 = pts[-1]
-    exponent = 3.0
+    exponent = 1.5
     if len(pts) >= 2:
         n0, c0 = pts[-2]
         if n0 < n1 and c0 > 0 and c1 > 0:
-            exponent = max(1.0, math.log(c1 / c0) / math.log(n1 / n0))
+            exponent = min(3.0, max(1.0, math.log(c1 / c0) / math.log(n1 / n0)))
     return 2.0 * c1 * (n / n1) ** exponent
 
 

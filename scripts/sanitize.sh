@@ -11,7 +11,7 @@ status=0
 for tool in memcheck racecheck initcheck synccheck; do
   echo "== $tool"
   XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool "$tool" \
-    --kernel-name regex:UpdateKernel --error-exitcode 3 \
+    --kernel-name kns=UpdateKernel --error-exitcode 3 \
     python3 "$here/sanitize_driver.py" > "$out/sanitize_$tool.log" 2>&1
   rc=$?
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitize driver done" "$out/sanitize_$tool.log"
