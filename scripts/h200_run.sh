@@ -31,11 +31,12 @@ for section in "$@"; do
     # XLA's per-fusion autotune cache: later variants reuse the GEMM autotuning of earlier
     # ones (same kernels chosen, ~90 s less compile per FP8 variant).
     e2e) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_per_fusion_autotune_cache_dir=/tmp/xla_autotune" \
-           timeout $(( ${E2E_LIMIT:-200} + 35 )) python3 bench/bench_train_step.py \
-           --sizes "${E2E_SIZES:-2048x4096}" --time-limit "${E2E_LIMIT:-200}" --outdir "$OUT/e2e" 2>&1 | tail -60 ;;
+           timeout $(( ${E2E_TIMEOUT:-${E2E_LIMIT:-200}} + 35 )) python3 bench/bench_train_step.py \
+           --sizes "${E2E_SIZES:-2048x4096}" --variants "${E2E_VARIANTS:-bf16,flax_fp8,flax_fp8_noupdate,jax_fp8,jax_fp8_noupdate}" \
+           $([ "${E2E_LIMIT:-200}" = 0 ] || echo --time-limit "${E2E_LIMIT:-200}") --outdir "$OUT/e2e" 2>&1 | tail -60 ;;
     e2e_small) timeout 235 python3 bench/bench_train_step.py --small --time-limit 200 \
            --outdir "$OUT/e2e_small" 2>&1 | tail -40 ;;
-    multigpu) NCCL_NVLS_ENABLE=0 timeout 300 python3 scripts/multigpu_dp.py --trace 2>&1 | quiet | tee "$OUT/multigpu.log" ;;
+    multigpu) NCCL_NVLS_ENABLE=0 timeout "${MULTIGPU_LIMIT:-300}" python3 scripts/multigpu_dp.py --trace 2>&1 | quiet | tee "$OUT/multigpu.log" ;;
     sanitize) timeout "${SANITIZE_LIMIT:-400}" bash scripts/sanitize.sh "$OUT/sanitize" ;;
     *) echo "unknown section $section" ;;
   esac

@@ -8,7 +8,7 @@ out=${1:-.}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")" && pwd)
 status=0
-for tool in memcheck racecheck initcheck synccheck; do
+for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
   echo "== $tool"
   XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool "$tool" \
     --kernel-name kns=UpdateKernel --error-exitcode 3 \
