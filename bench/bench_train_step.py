@@ -471,10 +471,18 @@ def _peak_bytes():
         return None
 
 
-def measure_variant(variant, args, x, y, platform_name):
+def measure_variant(variant, args, x, y, platform_name, start_state=None):
+    """Measures one variant; returns (result dict, its final train state).
+
+    start_state: the train state to start from (default: a fresh one). A no-update twin
+    starts from its updating twin's final state, so it runs with the same calibrated
+    scales: from a fresh state its scales stay 1 and the E5M2 gradients underflow to
+    zero, which makes the backward GEMMs faster (zeros) and the model stop training.
+    """
     r = {"variant": variant, "d": args.d, "tokens": args.tokens, "blocks": args.blocks}
     t0 = time.perf_counter()
-    state = make_state(variant, args, x)
+    state = make_state(variant, args, x) if start_state is None else start_state
+    r["start"] = "fresh" if start_state is None else "the updating twin's final state"
     jax.block_until_ready(state)
     r["init_s"] = time.perf_counter() - t0
     r["state_arrays"] = len(jax.tree.leaves(state))
@@ -549,7 +557,7 @@ def measure_variant(variant, args, x, y, platform_name):
     if hist is not None:
         r["fp8_state_moved"] = bool(not np.array_equal(np.asarray(hist), hist0))
     r["peak_bytes"] = _peak_bytes()
-    del state, compiled
+    del compiled
     gc.collect()
     extra = "".join(f", {k.split('_')[0]} {r[k]:.3f} ms" for k in
                     ("dispatch_ms", "pipelined_ms", "device_ms") if k in r)
@@ -557,7 +565,7 @@ def measure_variant(variant, args, x, y, platform_name):
         f"loss {r['loss_first']:.4g} -> {r['loss_last']:.4g}"
         + ("" if "fp8_state_moved" not in r else
            f"; FP8 state {'updated' if r['fp8_state_moved'] else 'unchanged'}"))
-    return r
+    return r, state
 
 
 # --------------------------------------------------------------------------------------
@@ -642,7 +650,8 @@ def markdown_report(data):
                  "steps dispatched back to back (per step); device time: the sum of the "
                  "device's op/kernel durations per step in a profiler trace (GPU: the "
                  "kernels); dispatch: host time until the call returns; × vs bf16 > 1 is "
-                 "faster; bookkeeping = the variant − its no-update twin.")
+                 "faster; bookkeeping = the variant − its no-update twin (which starts from "
+                 "the updating variant's final state: both run with calibrated scales).")
     for size, per_metric in data["derived"].items():
         rows = {r["variant"]: r for r in data["results"]
                 if f"{r['d']}x{r['tokens']}" == size}
@@ -893,6 +902,7 @@ def run(argv=None):
         out_json = os.path.join(args.outdir, "results.json")
     t_all = time.perf_counter()
     results, failures, skipped, slowest = [], [], [], 0.0
+    finals = {}  # no-update twin -> its updating twin's final train state
     for d, tokens in args.sizes:
         args.d, args.tokens = d, tokens
         size = f"{d}x{tokens}"
@@ -912,7 +922,12 @@ def run(argv=None):
                 continue
             t0 = time.perf_counter()
             try:
-                results.append(measure_variant(variant, args, x, y, platform_name))
+                r, final_state = measure_variant(variant, args, x, y, platform_name,
+                                                 start_state=finals.pop(variant, None))
+                results.append(r)
+                if TWIN.get(variant) in args.order:  # the twin starts where this ended
+                    finals[TWIN[variant]] = final_state
+                del final_state
             except AssertionError:
                 raise
             except Exception as err:  # noqa: BLE001 - keep the other variants
@@ -928,6 +943,7 @@ def run(argv=None):
                 _write_outputs(args.outdir, assemble(meta, results, failures, skipped,
                                                      partial=True))
         del x, y
+        finals.clear()
         _INIT_CACHE.clear()
         gc.collect()
     meta["total_s"] = round(time.perf_counter() - t_all, 1)
