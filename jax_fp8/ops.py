@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_fp8 import _amax
 from jax_fp8 import recipe as recipe_lib
 from jax_fp8.state import ScalingState
 from jax_fp8.update import update_states
@@ -68,7 +69,9 @@ def compute_amax(x) -> jax.Array:
     x = jnp.asarray(x)
     if x.size == 0:
         return jnp.zeros((), jnp.float32)
-    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+    # Under a multi-device jit: a max over all devices, so the step's amaxes share one
+    # all-reduce (see _amax.py).
+    return _amax.amax(x)
 
 
 def _broadcast_to_leading(s, ndim):
@@ -151,7 +154,7 @@ def amax_cotangents(fp8_grads):
 
 
 def new_fp8_state(fp8_states, fp8_grads, recipe: recipe_lib.DelayedScaling | None = None,
-                  *, implementation: str = "auto"):
+                  *, axis_name=None, implementation: str = "auto"):
     """The step's new FP8 state: ONE `update_states` call for every state of the model.
 
     Args:
@@ -159,10 +162,12 @@ def new_fp8_state(fp8_states, fp8_grads, recipe: recipe_lib.DelayedScaling | Non
       fp8_grads: the gradient of the loss w.r.t. ``fp8_states`` (same structure); the
         staging slot ``amax_history[..., 0]`` of each holds the amax observed this step.
       recipe: the DelayedScaling recipe (margin, algorithm, ...).
+      axis_name: inside ``shard_map`` / ``pmap``, the axis (or axes) whose devices'
+        amaxes are combined, with one ``pmax`` for all of them (see ``update_states``).
     """
     recipe = recipe_lib.DelayedScaling() if recipe is None else recipe
     return update_states(fp8_states, amax_cotangents(fp8_grads), recipe=recipe,
-                         implementation=implementation)
+                         axis_name=axis_name, implementation=implementation)
 
 
 def combine_fp8_grads(*fp8_grads):

@@ -44,6 +44,17 @@ def step(ws, fp8, x):
     return [w - 0.1 * gw for w, gw in zip(ws, g)], jax_fp8.new_fp8_state(fp8, fg, recipe)
 
 
-hlo = jax.jit(step).lower(ws, fp8, x).compile().as_text()
+compiled = jax.jit(step).lower(ws, fp8, x).compile()
+hlo = compiled.as_text()
+_, new_fp8 = compiled(ws, fp8, x)
+# The same step on one device: the amaxes (so the new scales and histories) must be the
+# global ones, bit for bit.
+one = jax.devices()[0]
+_, want_fp8 = jax.jit(step)(*jax.device_put((ws, fp8, x), one))
+same = all(np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+           for a, b in zip(jax.tree.leaves(new_fp8), jax.tree.leaves(want_fp8)))
+staged = [float(np.asarray(st.amax_history)[-1]) for m in new_fp8 for st in (m.input, m.kernel, m.grad)]
 print("RESULTS " + json.dumps({"all_reduces": all_reduce_kinds(hlo),
-                               "updates": hlo.count('custom_call_target="jax_fp8_update"')}))
+                               "updates": hlo.count('custom_call_target="jax_fp8_update"'),
+                               "fp8_state_equals_one_device": bool(same),
+                               "amaxes_nonzero": all(v > 0 for v in staged)}))

@@ -1,7 +1,7 @@
 """Tensor-parallel FP8 train step (8 host devices, data 4 x model 2): one fused update,
-and (the goal of issue 5) the whole model's amaxes in ONE max all-reduce. Today XLA
-leaves 2 (forward and backward amaxes), so that assertion is a strict xfail: it will
-start failing, as a signal, once amaxes are packed into one collective."""
+the whole model's amaxes in ONE max all-reduce (each amax is a max over all devices,
+jax_fp8/_amax.py, so XLA combines them), and the new FP8 state equal, bit for bit, to
+the same step on one device."""
 
 import pytest
 
@@ -18,7 +18,10 @@ def test_one_fused_update_in_tensor_parallel_step(results):
     assert results["all_reduces"].get("maximum", 0) >= 1, results  # amaxes are global
 
 
-@pytest.mark.xfail(strict=True, reason="XLA leaves forward and backward amax all-reduces "
-                   "separate under tensor parallelism; packing them is issue 5's open work")
 def test_amaxes_cross_devices_in_one_collective(results):
     assert results["all_reduces"].get("maximum", 0) == 1, results
+
+
+def test_fp8_state_is_the_single_device_one(results):
+    assert results["amaxes_nonzero"], results
+    assert results["fp8_state_equals_one_device"], results
