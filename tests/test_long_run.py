@@ -74,3 +74,51 @@ def test_replayed_step_with_moving_buffers_matches_cpu(gpu_device):
         helpers.assert_bits_equal(a, b, "200 replayed steps, GPU vs CPU")
     hlo = f.lower(tree, steps[0], jnp.ones((64, 64))).compile().as_text()
     assert hlo.count('custom_call_target="jax_fp8_update"') == 1
+
+
+def _computations_calling(hlo_text, target):
+    """Names of the HLO computations that hold a custom call to `target`."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    import bench_update  # the benchmark's HLO parser (computations by name)
+    comps, _ = bench_update.parse_hlo_computations(hlo_text)
+    return [name for name, lines in comps.items()
+            if any(f'custom_call_target="{target}"' in line for _, line in lines)]
+
+
+def test_update_runs_inside_a_cuda_graph(gpu_device):
+    """XLA command buffers (CUDA graphs) on, as by default, with the smallest graph size
+    allowed: the update custom call (kCmdBufferCompatible) is outlined into a
+    command_buffer computation with its neighbours, and 60 replays with fresh buffers
+    every call equal the CPU kernel bit for bit."""
+    rng = np.random.default_rng(5)
+    tree = [jax_fp8.ScalingState.create((4,), 16 * (i + 1)) for i in range(6)]
+    steps = [[helpers.random_amax_values(rng, st.scale.shape) for st in tree]
+             for _ in range(60)]
+
+    def step(states, amaxes, x):
+        y = jnp.tanh(x @ x) + 1.0
+        return jax_fp8.update_states(states, amaxes), (y * 2.0).sum(), jnp.exp(x).max()
+
+    x = jnp.ones((64, 64))
+    compiled = jax.jit(step).lower(*jax.device_put((tree, steps[0], x), gpu_device)).compile(
+        compiler_options={"xla_gpu_graph_min_graph_size": 1})
+    hlo = compiled.as_text()
+    holders = _computations_calling(hlo, "jax_fp8_update")
+    assert len(holders) == 1, holders
+    assert "command_buffer" in holders[0], (
+        f"jax_fp8_update is in computation {holders[0]!r}, not in a command buffer")
+    st = jax.device_put(tree, gpu_device)
+    keep = []
+    for i, am in enumerate(steps):
+        st, _, _ = compiled(st, jax.device_put(am, gpu_device), jax.device_put(x, gpu_device))
+        if i % 5 == 0:
+            keep.append(jnp.zeros((4096 + i,), device=gpu_device))  # move the allocator
+    cpu = jax.devices("cpu")[0]
+    want = jax.device_put(tree, cpu)
+    update = jax.jit(jax_fp8.update_states)
+    for am in steps:
+        want = update(want, jax.device_put(am, cpu))
+    for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(want)):
+        helpers.assert_bits_equal(np.asarray(a), np.asarray(b), "CUDA graph replays vs CPU")
