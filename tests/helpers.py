@@ -188,7 +188,7 @@ def subnormal_rows(*arrays_and_lead):
     return out
 
 
-def run_8_device_worker(script: str, timeout: int = 300) -> dict:
+def run_8_device_worker(script: str, *args: str, timeout: int = 300) -> dict:
     """Runs tests/<script> in a fresh process with 8 host CPU devices and returns the
     dict it printed on its "RESULTS <json>" line (the pytest process may already hold a
     1-device jax, so multi-device checks run in a subprocess)."""
@@ -200,7 +200,7 @@ def run_8_device_worker(script: str, timeout: int = 300) -> dict:
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    proc = subprocess.run([sys.executable, os.path.join(here, script)], cwd=here, env=env,
+    proc = subprocess.run([sys.executable, os.path.join(here, script), *args], cwd=here, env=env,
                           capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]

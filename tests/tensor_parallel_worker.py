@@ -1,6 +1,7 @@
-"""A tensor-parallel FP8 train step on a (data 4 x model 2) mesh of 8 host devices;
-run by test_tensor_parallel.py. Prints one JSON line: all-reduces by kind and the
-jax_fp8_update count of the compiled step."""
+"""A tensor-parallel (argument "tp") or FSDP ("fsdp") FP8 train step on a (data 4 x
+model 2) mesh of 8 host devices; run by test_tensor_parallel.py. Prints one JSON line:
+all-reduces by kind, the jax_fp8_update count, and whether the new FP8 state equals
+the same step's on one device."""
 
 import json
 import os
@@ -17,15 +18,18 @@ import jax_fp8
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
 from multigpu_dp import all_reduce_kinds  # noqa: E402
 
+MODE = sys.argv[1] if len(sys.argv) > 1 else "tp"
 mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
 DN = (((1,), (0,)), ((), ()))
 LAYERS, D = 8, 64
 recipe = jax_fp8.DelayedScaling(history_len=16)
 rng = np.random.default_rng(0)
-# Megatron-style: column-parallel then row-parallel weights.
-ws = [jax.device_put((rng.random((D, D)) / 8).astype(np.float32),
-                     NamedSharding(mesh, P(None, "model") if i % 2 == 0 else P("model", None)))
-      for i in range(LAYERS)]
+if MODE == "tp":  # Megatron-style: column-parallel then row-parallel weights
+    specs = [P(None, "model") if i % 2 == 0 else P("model", None) for i in range(LAYERS)]
+else:  # "fsdp": every weight's rows sharded over all 8 devices, gathered for the GEMM
+    specs = [P(("data", "model"), None)] * LAYERS
+ws = [jax.device_put((rng.random((D, D)) / 8).astype(np.float32), NamedSharding(mesh, spec))
+      for spec in specs]
 fp8 = jax.device_put([jax_fp8.Fp8Meta.create(recipe) for _ in range(LAYERS)],
                      NamedSharding(mesh, P()))
 x = jax.device_put(rng.random((128, D)).astype(np.float32), NamedSharding(mesh, P("data", None)))

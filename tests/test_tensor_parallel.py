@@ -1,4 +1,4 @@
-"""Tensor-parallel FP8 train step (8 host devices, data 4 x model 2): one fused update,
+"""Tensor-parallel and FSDP FP8 train steps (8 host devices, data 4 x model 2): one fused update,
 the whole model's amaxes in ONE max all-reduce (each amax is a max over all devices,
 jax_fp8/_amax.py, so XLA combines them), and the new FP8 state equal, bit for bit, to
 the same step on one device."""
@@ -8,9 +8,9 @@ import pytest
 import helpers
 
 
-@pytest.fixture(scope="module")
-def results():
-    return helpers.run_8_device_worker("tensor_parallel_worker.py")
+@pytest.fixture(scope="module", params=["tp", "fsdp"])
+def results(request):
+    return helpers.run_8_device_worker("tensor_parallel_worker.py", request.param)
 
 
 def test_one_fused_update_in_tensor_parallel_step(results):
