@@ -110,6 +110,10 @@ def main():
     ap.add_argument("--scale", default="",
                     help="also time one call on this many per-tensor states, e.g. 5000,50000 "
                          "(checks bits against the CPU kernel and reports compile time)")
+    ap.add_argument("--scale-groups", default="",
+                    help="also update N tensors held as G stacked states in one call, "
+                         "N:G[,N:G...], e.g. 50000:1400 (G past the 1,360 groups of one "
+                         "launch); bits checked against tests/ieee_reference.py")
     args = ap.parse_args()
     gpu = jax.devices("gpu")[0]
     cpu = jax.devices("cpu")[0]
@@ -143,6 +147,39 @@ def main():
                        zip(run_on(gpu, f, tree), run_on(cpu, f, tree)))
             calls = hlo.count('custom_call_target="jax_fp8_update"')
             print(f"  custom calls: {calls}, bitwise CUDA == CPU: {same}")
+    for spec in filter(None, args.scale_groups.split(",")):
+        n, g = (int(v) for v in spec.split(":"))
+        scale_groups(gpu, n, g, os.path.join(args.trace_dir, f"groups_{n}_{g}"))
+
+
+def scale_groups(gpu, n, g, logdir, hist_len=16):
+    """n tensors as g stacked states (sizes differ by at most one) in ONE update_states
+    call: compile time, GPU time, launches, custom calls, and the bits against the IEEE
+    reference of SPEC.md (numpy; the CPU kernel's compile of thousands of operands is
+    what would take long, see README)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    import ieee_reference as ref
+    rng = np.random.default_rng(n + g)
+    sizes = [n // g + (i < n % g) for i in range(g)]
+    host = [(adversarial(rng, (k, hist_len)), adversarial(rng, (k,)),
+             jnp.float8_e5m2 if i % 2 else jnp.float8_e4m3fn) for i, k in enumerate(sizes)]
+    tree = [jax_fp8.ScalingState(h, s, np.ones_like(s), dt) for h, s, dt in host]
+    fn = jax.jit(jax_fp8.update_states)
+    t0 = time.time()
+    compiled = fn.lower(jax.device_put(tree, gpu)).compile()
+    compile_s = time.time() - t0
+    calls = compiled.as_text().count('custom_call_target="jax_fp8_update"')
+    out = compiled(jax.device_put(tree, gpu))
+    same = True
+    for (h, s, dt), st in zip(host, out):
+        want = ref.update(h, s, fp8_dtype=jnp.dtype(dt).name)
+        for got, w in zip((st.amax_history, st.scale, st.scale_inv), want):
+            same &= np.array_equal(np.asarray(got).view(np.uint32), w.view(np.uint32))
+    donated = jax.jit(jax_fp8.update_states, donate_argnums=0)
+    us, nk, names = gpu_time(donated, jax.device_put(tree, gpu), 20, logdir)
+    print(f"N={n} tensors in {g} stacked states, L={hist_len}: compile {compile_s:.1f}s, "
+          f"{calls} custom call(s), {us:.2f} us GPU, {nk:.1f} kernels/update {names}, "
+          f"bitwise == IEEE reference: {same}")
 
 
 if __name__ == "__main__":
