@@ -549,6 +549,7 @@ def measure_variant(variant, args, x, y, platform_name, start_state=None):
         if "device_us" in tinfo:
             r["device_ms"] = tinfo["device_us"] / 1e3
             r["device_events_per_step"] = tinfo.get("events_per_call")
+            r["top_kernels"] = tinfo.get("top_kernels")  # to diff variants kernel by kernel
         else:
             r["device_error"] = tinfo.get("error")
     r["loss_first"], r["loss_last"] = losses[0], losses[-1]

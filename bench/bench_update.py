@@ -349,7 +349,7 @@ def summarize_trace(events, platform_name):
         def keep(e):
             args = e.get("args") or {}
             return "hlo_op" in args and not str(e.get("name", "")).startswith("end: ")
-    total, count, by_thread, by_run = 0.0, 0, {}, {}
+    total, count, by_thread, by_run, by_name = 0.0, 0, {}, {}, {}
     for e in events:
         if e.get("ph") != "X" or not keep(e):
             continue
@@ -363,12 +363,19 @@ def summarize_trace(events, platform_name):
         slot = by_thread.setdefault(key, [0, 0.0])
         slot[0] += 1
         slot[1] += dur
+        named = by_name.setdefault(str(e.get("name", "?")), [0, 0.0])
+        named[0] += 1
+        named[1] += dur
     if count == 0:
         return None
     # Per-execution totals where the events carry the XLA run_id (the CPU runtime's do).
     run_totals = None if None in by_run else sorted(by_run.values())
     return {"total_us": total, "events": count, "run_totals_us": run_totals,
-            "by_thread": {k: {"events": v[0], "us": round(v[1], 3)} for k, v in by_thread.items()}}
+            "by_thread": {k: {"events": v[0], "us": round(v[1], 3)} for k, v in by_thread.items()},
+            "by_name": by_name}
+
+
+TOP_KERNELS = 40
 
 
 def traced_device_time(call, state, reps, platform_name, keep_dir=None):
@@ -403,6 +410,11 @@ def traced_device_time(call, state, reps, platform_name, keep_dir=None):
                                  is not None else info["device_us_mean"])
             info["events_per_call"] = summary["events"] / reps
             info["by_thread"] = summary["by_thread"]
+            # Where the time goes: the kernels (ops) with the most device time, per call.
+            top = sorted(summary["by_name"].items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
+            info["top_kernels"] = [{"name": name[:200], "per_call": count / reps,
+                                    "us_per_call": round(us / reps, 3)}
+                                   for name, (count, us) in top]
     except Exception as err:  # noqa: BLE001 - a measurement must not end the run
         info["error"] = f"{type(err).__name__}: {err}"
         if started:
