@@ -22,6 +22,8 @@ loss. Variants (each a jitted train step with the whole train state donated):
                      exactly one jax_fp8_update custom call in the compiled HLO)
   jax_fp8_noupdate   the same with the FP8 state returned unchanged (asserted: no
                      jax_fp8_update custom call)
+  jax_fp8_packed     jax_fp8 with Fp8TrainState(pack_fp8=True): the FP8 state as one
+                     stacked state per (FP8 dtype, history length), fewer step arguments
 
 For each: compile time; the median wall time of --steps steps after --warmup steps,
 each followed by block_until_ready ("wall, median"); the wall time per step of --steps
@@ -84,9 +86,11 @@ from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8TrainState
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_update  # noqa: E402  (HLO parsing, profiler traces)
 
-VARIANTS = ("bf16", "flax_fp8", "flax_fp8_noupdate", "jax_fp8", "jax_fp8_noupdate")
+VARIANTS = ("bf16", "flax_fp8", "flax_fp8_noupdate", "jax_fp8", "jax_fp8_noupdate",
+            "jax_fp8_packed")
 # Run order: what the targets need first (a --time-limit skips from the end).
-RUN_ORDER = ("bf16", "jax_fp8", "jax_fp8_noupdate", "flax_fp8", "flax_fp8_noupdate")
+RUN_ORDER = ("bf16", "jax_fp8", "jax_fp8_noupdate", "flax_fp8", "flax_fp8_noupdate",
+             "jax_fp8_packed")
 TWIN = {"flax_fp8": "flax_fp8_noupdate", "jax_fp8": "jax_fp8_noupdate"}
 LABELS = {
     "bf16": "bf16 (nn.Dense)",
@@ -94,6 +98,7 @@ LABELS = {
     "flax_fp8_noupdate": "Flax FP8, update_fp8_meta patched out",
     "jax_fp8": "jax_fp8 (Fp8DotGeneral + Fp8TrainState)",
     "jax_fp8_noupdate": "jax_fp8, FP8 state not updated",
+    "jax_fp8_packed": "jax_fp8, FP8 state packed (Fp8TrainState(pack_fp8=True))",
 }
 TARGET_SIZE = (2048, 4096)
 TARGETS = (  # (key, description, threshold)
@@ -195,7 +200,7 @@ def make_state(variant, args, x):
                                              params={"params": params, FLAX_OWG: owg})
     fp8 = _init_fn("jax_fp8", args, FP8_COLLECTION)(rng, x)
     return Fp8TrainState.create(apply_fn=model.apply, params=params, fp8=fp8, tx=tx,
-                                recipe=recipe_for(args))
+                                recipe=recipe_for(args), pack_fp8=variant == "jax_fp8_packed")
 
 
 def bf16_step(state, x, y):
@@ -231,6 +236,7 @@ STEPS = {
     "flax_fp8_noupdate": flax_fp8_step,
     "jax_fp8": functools.partial(_jax_fp8_step, update=True),
     "jax_fp8_noupdate": functools.partial(_jax_fp8_step, update=False),
+    "jax_fp8_packed": functools.partial(_jax_fp8_step, update=True),
 }
 
 
@@ -421,7 +427,7 @@ def analyze_hlo(hlo_text):
 def check_update_calls(variant, hlo):
     """jax_fp8: exactly one jax_fp8_update custom call; its no-update twin: none."""
     n = hlo["jax_fp8_update"]
-    if variant == "jax_fp8":
+    if variant in ("jax_fp8", "jax_fp8_packed"):
         assert n == 1, (f"jax_fp8 step: expected exactly one {UPDATE_TARGET} custom call in the "
                         f"compiled HLO, found {n} (is jax_fp8's kernel for this backend "
                         f"built? HAS_CPU_KERNEL={jax_fp8.HAS_CPU_KERNEL}, "
@@ -507,7 +513,8 @@ def measure_variant(variant, args, x, y, platform_name, start_state=None):
     check_update_calls(variant, hlo)
     if variant.startswith("jax_fp8"):
         log(f"  {variant}: {hlo['jax_fp8_update']} {UPDATE_TARGET} custom call(s) in the "
-            f"compiled step, as asserted ({'exactly one' if variant == 'jax_fp8' else 'none'})")
+            f"compiled step, as asserted "
+            f"({'none' if variant == 'jax_fp8_noupdate' else 'exactly one'})")
 
     hist0 = _first_history(variant, state)
     hist0 = None if hist0 is None else np.asarray(hist0).copy()

@@ -32,3 +32,7 @@ from jax_fp8.ops import (Fp8Meta, combine_fp8_grads, compute_amax, dequantize,  
                          fp8_dot_general, fp8_einsum, new_fp8_state, quantize)
 __all__ += ["Fp8Meta", "combine_fp8_grads", "compute_amax", "dequantize", "fp8_dot_general",
             "fp8_einsum", "new_fp8_state", "quantize"]
+
+# A model's FP8 states as a few stacked arrays (fewer jit arguments).
+from jax_fp8.packing import PackedStates, pack_states, unpack_states  # noqa: E402
+__all__ += ["PackedStates", "pack_states", "unpack_states"]

@@ -17,19 +17,21 @@ import jax_fp8
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "bench_train_step.py")
-VARIANTS = ("bf16", "flax_fp8", "flax_fp8_noupdate", "jax_fp8", "jax_fp8_noupdate")
+VARIANTS = ("bf16", "flax_fp8", "flax_fp8_noupdate", "jax_fp8", "jax_fp8_noupdate",
+            "jax_fp8_packed")
+UPDATING = ("jax_fp8", "jax_fp8_packed")  # exactly one jax_fp8_update each
 
 
 @pytest.mark.skipif(not jax_fp8.HAS_CPU_KERNEL,
                     reason="jax_fp8's CPU kernel not built (the jax_fp8 step asserts one custom "
                            "call)")
-def test_tiny_run_all_five_variants(tmp_path):
+def test_tiny_run_all_variants(tmp_path):
     outdir = tmp_path / "out"
     env = dict(os.environ, JAX_PLATFORMS="cpu")   # a CPU smoke run, also on a GPU machine
     proc = subprocess.run(
         [sys.executable, SCRIPT, "--blocks", "2", "--d", "64", "--tokens", "64", "--steps", "2",
          "--warmup", "1", "--outdir", str(outdir)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     data = json.loads((outdir / "results.json").read_text())
@@ -40,14 +42,15 @@ def test_tiny_run_all_five_variants(tmp_path):
         assert r["step_ms"] > 0 and r["pipelined_ms"] > 0, v
         assert r["loss_finite"], v
         assert r["hlo"]["kernels"] > 0 and r["hlo"]["fusions"] > 0, v
-    # ONE fused update in the jax_fp8 step, none in its no-update twin or elsewhere.
-    assert rows["jax_fp8"]["hlo"]["jax_fp8_update"] == 1
-    assert rows["jax_fp8"]["hlo"]["custom_call_targets"].get("jax_fp8_update") == 1
+    # ONE fused update in the jax_fp8 steps, none in the no-update twin or elsewhere.
     for v in VARIANTS:
-        if v != "jax_fp8":
-            assert rows[v]["hlo"]["jax_fp8_update"] == 0, v
+        assert rows[v]["hlo"]["jax_fp8_update"] == (1 if v in UPDATING else 0), v
+    assert rows["jax_fp8"]["hlo"]["custom_call_targets"].get("jax_fp8_update") == 1
+    # Packed: 3 arrays per (dtype, history length) group instead of 3 per FP8 tensor.
+    assert rows["jax_fp8_packed"]["state_arrays"] < rows["jax_fp8"]["state_arrays"] - 40
     # The updating variants move their FP8 state, the no-update twins leave it alone.
     assert rows["jax_fp8"]["fp8_state_moved"] and rows["flax_fp8"]["fp8_state_moved"]
+    assert rows["jax_fp8_packed"]["fp8_state_moved"]
     assert not rows["jax_fp8_noupdate"]["fp8_state_moved"]
     assert not rows["flax_fp8_noupdate"]["fp8_state_moved"]
     # Patching out Flax's update_fp8_meta removes kernels from its step.

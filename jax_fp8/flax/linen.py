@@ -39,6 +39,7 @@ from flax.training import train_state
 
 from jax_fp8 import recipe as recipe_lib
 from jax_fp8.ops import Fp8Meta, fp8_dot_general, fp8_einsum, new_fp8_state
+from jax_fp8.packing import PackedStates, pack_states, unpack_states
 from jax_fp8.state import ScalingState
 
 FP8_COLLECTION = "fp8_meta"
@@ -126,8 +127,14 @@ class Fp8TrainState(train_state.TrainState):
     @classmethod
     def create(cls, *, apply_fn, tx, variables=None, params=None, fp8=None,
                recipe: recipe_lib.DelayedScaling | None = None,
-               fp8_collection: str = FP8_COLLECTION, **kwargs):
-        """From ``variables`` (as returned by ``model.init``), or ``params`` and ``fp8``."""
+               fp8_collection: str = FP8_COLLECTION, pack_fp8: bool = False, **kwargs):
+        """From ``variables`` (as returned by ``model.init``), or ``params`` and ``fp8``.
+
+        pack_fp8: keep the FP8 collection packed into one stacked state per (FP8 dtype,
+          history length) (`jax_fp8.pack_states`): the step then takes 3 arrays per group
+          instead of 3 per FP8 tensor, which cuts JAX's per-argument host cost, and the
+          fused update runs on stacked states. The layers still see their own states.
+        """
         if variables is not None:
             if params is not None or fp8 is not None:
                 raise ValueError("pass either variables, or params (and fp8), not both")
@@ -138,13 +145,17 @@ class Fp8TrainState(train_state.TrainState):
                                  "and keep the other collections yourself")
             params = rest["params"]
         recipe = recipe_lib.DelayedScaling() if recipe is None else recipe
-        return super().create(apply_fn=apply_fn, params=params, tx=tx,
-                              fp8={} if fp8 is None else fp8, recipe=recipe,
+        fp8 = {} if fp8 is None else fp8
+        if pack_fp8 and not isinstance(fp8, PackedStates):
+            fp8 = pack_states(fp8)
+        return super().create(apply_fn=apply_fn, params=params, tx=tx, fp8=fp8, recipe=recipe,
                               fp8_collection=fp8_collection, **kwargs)
 
     def variables(self, params=None, fp8=None) -> dict:
+        """The model's variables; a packed FP8 state is handed to the layers unpacked."""
+        fp8 = self.fp8 if fp8 is None else fp8
         return {"params": self.params if params is None else params,
-                self.fp8_collection: self.fp8 if fp8 is None else fp8}
+                self.fp8_collection: unpack_states(fp8)}
 
     def apply_model(self, params, fp8, *args, mutable=(), **kwargs):
         """``apply_fn`` with the FP8 collection mutable (so reused modules thread their state).
