@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+import pytest
 from flax import nnx
 
 import jax_fp8
@@ -57,21 +58,23 @@ def _step(state, x, y):
     return state.apply_gradients(grads=g, fp8_grads=fg), val
 
 
-def test_linen_train_state_checkpoint_and_resume(tmp_path):
+@pytest.mark.parametrize("pack", [False, True], ids=["per_tensor", "packed"])
+def test_linen_train_state_checkpoint_and_resume(tmp_path, pack):
     x, y = rand(0, (16, 8), 4.0), rand(1, (16, 4))
     model = MLP()
     v = jax.jit(model.init)(jax.random.key(0), x)
     state = Fp8TrainState.create(apply_fn=model.apply, variables=v, tx=optax.adam(1e-2),
-                                 recipe=RECIPE)
+                                 recipe=RECIPE, pack_fp8=pack)
     for _ in range(3):
         state, _ = _step(state, x, y)
     fresh = Fp8TrainState.create(apply_fn=model.apply, variables=v, tx=optax.adam(1e-2),
-                                 recipe=RECIPE)
+                                 recipe=RECIPE, pack_fp8=pack)
     restored = _save_restore(tmp_path / "ckpt", state, fresh)
+    assert jax.tree.structure(restored.fp8) == jax.tree.structure(state.fp8)
     _assert_same_states(restored.fp8, state.fp8)
     assert int(restored.step) == 3
     # Histories were non-trivial (three steps recorded), so this is a real check.
-    h = state.fp8["Dense_0"]["Fp8DotGeneral_0"]["input"].amax_history
+    h = jax_fp8.unpack_states(state.fp8)["Dense_0"]["Fp8DotGeneral_0"]["input"].amax_history
     assert int(jnp.sum(h > 0)) == 3
     # Training resumes identically from the restored state.
     a, la = _step(state, x, y)
