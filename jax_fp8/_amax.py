@@ -91,6 +91,19 @@ def _lowering(ctx, x):
 mlir.register_lowering(amax_p, _lowering)
 
 
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes x varies over inside shard_map (empty elsewhere)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
+    if mat is not None:  # jax >= 0.10
+        return frozenset(getattr(mat, "varying", ()))
+    return frozenset(getattr(aval, "vma", ()))  # earlier spelling
+
+
 def amax(x) -> jax.Array:
     """max |x| over the whole tensor as a float32 scalar (NaN propagates)."""
+    if varying_axes(x):
+        # Inside shard_map a per-device value: plain jnp keeps its manual-axis type
+        # (the user, or fp8_dot_general's backward, reduces it across devices).
+        return _local_amax(x)
     return amax_p.bind(x)

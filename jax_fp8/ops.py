@@ -258,12 +258,28 @@ def _fp8_dot_fwd(lhs, rhs, meta, dimension_numbers, out_dtype):
     out = lax.dot_general(q_lhs, q_rhs, dimension_numbers, preferred_element_type=out_dtype)
     out = _scaled(out, meta.input.scale_inv * meta.kernel.scale_inv, out_dtype)
     # The meta is returned unchanged: its only job is to carry the cotangent chain.
-    res = (q_lhs, q_rhs, meta, compute_amax(lhs), compute_amax(rhs))
+    # lhs[:0], rhs[:0]: empty arrays that carry the primal inputs' manual-axis types
+    # (shard_map's vma) to the backward rule.
+    res = (q_lhs, q_rhs, meta, compute_amax(lhs), compute_amax(rhs),
+           jnp.ravel(lhs)[:0], jnp.ravel(rhs)[:0])
     return (out, meta), res
 
 
+def _to_primal_vma(ct, primal_like, reduce):
+    """Inside shard_map (check_vma): a cotangent varying over manual axes its primal
+    does not vary over is reduced over them: summed for a gradient, as the transpose of
+    JAX's implicit broadcast is, and max-ed for an amax."""
+    extra = tuple(sorted(_amax.varying_axes(ct) - _amax.varying_axes(primal_like)))
+    return reduce(ct, extra) if extra else ct
+
+
+def _pmax_ignoring_nan(x, axes):
+    # As reduce_amaxes: a NaN amax on one device is ignored, not spread to all.
+    return lax.pmax(jnp.where(jnp.isnan(x), -jnp.inf, x), axes)
+
+
 def _fp8_dot_bwd(dimension_numbers, out_dtype, lhs_dtype, rhs_dtype, res, cts):
-    q_lhs, q_rhs, meta, amax_lhs, amax_rhs = res
+    q_lhs, q_rhs, meta, amax_lhs, amax_rhs, lhs_like, rhs_like = res
     g, ct_meta = cts
     amax_g = compute_amax(g)
     q_g = quantize(g, meta.grad)
@@ -274,6 +290,10 @@ def _fp8_dot_bwd(dimension_numbers, out_dtype, lhs_dtype, rhs_dtype, res, cts):
     ct_meta_in = Fp8Meta(input=_amax_cotangent(ct_meta.input, amax_lhs),
                          kernel=_amax_cotangent(ct_meta.kernel, amax_rhs),
                          grad=_amax_cotangent(ct_meta.grad, amax_g))
+    grad_lhs = _to_primal_vma(grad_lhs, lhs_like, lax.psum)
+    grad_rhs = _to_primal_vma(grad_rhs, rhs_like, lax.psum)
+    ct_meta_in = jax.tree.map(
+        lambda ct, primal: _to_primal_vma(ct, primal, _pmax_ignoring_nan), ct_meta_in, meta)
     return grad_lhs, grad_rhs, ct_meta_in
 
 

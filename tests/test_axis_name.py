@@ -19,3 +19,12 @@ def test_new_fp8_state_axis_name_in_a_shard_map_train_step():
     assert res["dp_custom_calls"] == 1, res
     assert res["dp_amaxes_nonzero"], res
     assert res["dp_equal"], res
+
+
+def test_shard_map_with_check_vma_needs_no_collective_in_user_code():
+    """shard_map's default check_vma=True: the replicated weight's gradient comes back
+    summed over the data axis and the amaxes max-reduced, from fp8_dot_general's own
+    backward; the FP8 state equals the one-device step's bit for bit."""
+    res = helpers.run_8_device_worker("axis_name_worker.py")
+    assert res["vma_fp8_equal"], res
+    assert res["vma_weight_grads_close"], res
