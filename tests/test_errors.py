@@ -226,3 +226,19 @@ def test_failed_call_leaves_state_intact():
             jax.jit(lambda h, s: _call(h, s, **kw), donate_argnums=(0, 1))(h, s)
         assert not h.is_deleted() and not s.is_deleted()
         assert np.all(np.asarray(h) == 2.0) and np.all(np.asarray(s) == 7.0)
+
+
+def test_donating_one_state_twice_is_refused_and_loses_nothing():
+    """The same buffers twice in a donated tree: JAX refuses the call before running it
+    (its runtime check, at call time: buffer identity is not known while tracing), with
+    an error that says so; nothing is consumed and the state still updates afterwards.
+    Not donated, the same state twice is simply updated twice, independently."""
+    st = jax_fp8.ScalingState(jnp.full((4,), 2.0, F32), jnp.ones((), F32), jnp.ones((), F32))
+    donated = jax.jit(jax_fp8.update_states, donate_argnums=0)
+    with pytest.raises(Exception, match="donate the same buffer twice"):
+        donated([st, st])
+    assert not any(x.is_deleted() for x in jax.tree.leaves(st))
+    assert np.asarray(st.amax_history).tolist() == [2.0] * 4
+    a, b = jax.jit(jax_fp8.update_states)([st, st])
+    assert_bits_equal(np.asarray(a.scale), np.asarray(b.scale), "same state twice")
+    assert float(donated(st).scale) == 224.0  # 448 / max(2, 2, 2)
