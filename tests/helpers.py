@@ -80,6 +80,15 @@ def assert_bits_equal(actual, expected, what="", context=None):
         np.testing.assert_array_equal(a, e, err_msg="\n".join(lines))
 
 
+UPDATE_OUTPUTS = ("history", "scale", "scale_inv")
+
+
+def assert_update_equal(got, want, what="", context=None):
+    """assert_bits_equal on each of an update's (history, scale, scale_inv)."""
+    for name, g, w in zip(UPDATE_OUTPUTS, got, want):
+        assert_bits_equal(g, w, f"{what} {name}".strip(), context)
+
+
 # ----------------------------------------------------------------------------
 # Random cases full of edge values.
 

@@ -193,8 +193,7 @@ def test_jnp_differs_from_kernel_only_on_subnormal_tensors():
 
     k, j = run_on(jax.devices("cpu")[0], both, h, s, a)
     want = ref.update(h, s, a, **args)
-    for name, kk, w in zip(("history", "scale", "scale_inv"), k, want):
-        assert_bits_equal(kk, w, f"kernel {name}")
+    helpers.assert_update_equal(k, want, "kernel")
     differ = np.zeros(h.shape[0], bool)
     for kk, jj in zip(k, j):
         d = helpers.bits(kk) != helpers.bits(jj)
@@ -340,8 +339,7 @@ def test_history_nan_payloads_and_signed_zeros_move_unchanged(backend):
                      lambda h, s: jax_fp8.amax_and_scale_update(h, s, amax_compute_algo=algo),
                      h, s)
         want = ref.update(h, s, amax_compute_algo=algo)
-        for name, g, w in zip(("history", "scale", "scale_inv"), got, want):
-            assert_bits_equal(g, w, f"{algo} {name}")
+        helpers.assert_update_equal(got, want, algo)
 
 
 def test_fmax_reference_semantics():
@@ -395,8 +393,7 @@ def test_skip_unused_leaves_state_untouched(backend):
                  lambda h, s, a: jax_fp8.amax_and_scale_update(h, s, a, skip_unused=True),
                  h, s, a)
     want = ref.update(h, s, a, skip_unused=True)
-    for name, g, w in zip(("history", "scale", "scale_inv"), got, want):
-        assert_bits_equal(g, w, name)
+    helpers.assert_update_equal(got, want)
     # Rows 0-3 were unused (h0 is ±0), rows 4-5 were used (the subnormal counts).
     assert_bits_equal(got[0][:4], h[:4], "untouched history")
     assert_bits_equal(got[1][:4], s[:4], "untouched scale")
@@ -417,8 +414,7 @@ def test_odd_previous_scales(backend):
                      lambda h, s: jax_fp8.amax_and_scale_update(h, s, power_of_2_scale=pow2),
                      h, prev)
         want = ref.update(h, prev, power_of_2_scale=pow2)
-        for name, g, w in zip(("history", "scale", "scale_inv"), got, want):
-            assert_bits_equal(g, w, f"pow2={pow2} {name}")
+        helpers.assert_update_equal(got, want, f"pow2={pow2}")
         if pow2:
             assert_bits_equal(got[1][3:], np.array([2.0 ** 127, 2.0 ** 127, np.inf, 0.0, -0.0,
                                                     2.0], np.float32), "pow2 kept scales")
@@ -550,11 +546,9 @@ def test_cpu_and_gpu_kernels_give_identical_bits(gpu_device):
             f = lambda h, s, a: jax_fp8.amax_and_scale_update(h, s, a, **kw)
             on_cpu = run_on(cpu, f, h, s, a)
             on_gpu = run_on(gpu_device, f, h, s, a)
-            for name, c, g in zip(("history", "scale", "scale_inv"), on_cpu, on_gpu):
-                assert_bits_equal(g, c, f"GPU vs CPU {name}, L={L}, {kw}")
+            helpers.assert_update_equal(on_gpu, on_cpu, f"GPU vs CPU, L={L}, {kw}:")
             want = ref.update(h, s, a, **kw)
-            for name, g, w in zip(("history", "scale", "scale_inv"), on_gpu, want):
-                assert_bits_equal(g, w, f"GPU vs reference {name}, L={L}, {kw}")
+            helpers.assert_update_equal(on_gpu, want, f"GPU vs reference, L={L}, {kw}:")
 
 
 @pytest.mark.gpu
@@ -575,9 +569,8 @@ def test_gpu_many_groups_and_chunks(gpu_device):
         t, recipe=jax_fp8.DelayedScaling(margin=1.0)), tree)
     for i, ((h, s, dt), st) in enumerate(zip(raw, out)):
         want = ref.update(h, s, fp8_dtype=dt, margin=1.0)
-        for name, g, w in zip(("history", "scale", "scale_inv"),
-                              (st.amax_history, st.scale, st.scale_inv), want):
-            assert_bits_equal(g, w, f"state {i} {name}")
+        helpers.assert_update_equal((st.amax_history, st.scale, st.scale_inv), want,
+                                    f"state {i}")
 
 
 def test_more_than_16_scaled_maxima_in_one_call(backend):
@@ -599,5 +592,5 @@ def test_more_than_16_scaled_maxima_in_one_call(backend):
     hs, ss, sis = run_on(helpers.backend_device(backend), f, cases)
     for i, (h, s, a) in enumerate(cases):
         want = ref.update(h, s, a, smax=np.float32(maxima[i]))
-        for name, g, w in zip(("history", "scale", "scale_inv"), (hs[i], ss[i], sis[i]), want):
-            assert_bits_equal(g, w, f"state {i} (scaled max {maxima[i]}) {name}")
+        helpers.assert_update_equal((hs[i], ss[i], sis[i]), want,
+                                    f"state {i} (scaled max {maxima[i]})")
