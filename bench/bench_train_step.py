@@ -53,16 +53,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import functools
 import gc
 import gzip
 import json
 import math
 import os
-import platform
 import re
-import shlex
 import statistics
 import sys
 import time
@@ -836,29 +833,11 @@ def _finalize(args):
 
 
 def collect_meta(args, argv):
-    dev = jax.devices()[0]
-    try:
-        import jaxlib
-        jaxlib_version = jaxlib.__version__
-    except Exception:  # noqa: BLE001
-        jaxlib_version = None
     return {
-        "device": getattr(dev, "device_kind", str(dev)),
-        "platform": bench_update._platform(),
-        "jax_version": jax.__version__, "jaxlib_version": jaxlib_version,
+        **bench_update.environment_meta(__file__, argv),
         "flax_version": getattr(flax, "__version__", None),
         "optax_version": getattr(optax, "__version__", None),
-        "jax_fp8_version": getattr(jax_fp8, "__version__", None),
-        "has_cpu_kernel": bool(jax_fp8.HAS_CPU_KERNEL),
-        "has_cuda_kernel": bool(jax_fp8.HAS_CUDA_KERNEL),
         "flax_fp8_op": f"flax.linen.fp8_ops.{FLAX_OP.__name__}",
-        "python": platform.python_version(),
-        "machine": f"{platform.system()} {platform.machine()}, {bench_update._cpu_model()}, "
-                   f"{os.cpu_count()} CPU cores",
-        "xla_flags": os.environ.get("XLA_FLAGS"),
-        "git_commit": bench_update._git_commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "command": shlex.join(["python", os.path.relpath(os.path.abspath(__file__))] + argv),
         "settings": {"blocks": args.blocks, "sizes": [f"{d}x{t}" for d, t in args.sizes],
                      "variants": list(args.variants), "steps": args.steps,
                      "warmup": args.warmup, "trace_steps": args.trace_steps,

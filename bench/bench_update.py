@@ -49,7 +49,6 @@ import platform
 import re
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -1052,14 +1051,15 @@ def _cpu_model():
     return platform.processor() or "unknown CPU"
 
 
-def collect_meta(args, argv):
+def environment_meta(script, argv):
+    """What ran where (device, versions, machine, commit, date, command): the part of a
+    benchmark's metadata that every benchmark script records."""
     dev = jax.devices()[0]
     try:
         import jaxlib
         jaxlib_version = jaxlib.__version__
     except Exception:  # noqa: BLE001
         jaxlib_version = None
-    cmd = shlex.join(["python", os.path.relpath(os.path.abspath(__file__))] + list(argv))
     return {
         "device": getattr(dev, "device_kind", str(dev)),
         "platform": _platform(),
@@ -1072,9 +1072,16 @@ def collect_meta(args, argv):
         "python": platform.python_version(),
         "machine": f"{platform.system()} {platform.machine()}, {_cpu_model()}, "
                    f"{os.cpu_count()} CPU cores",
+        "xla_flags": os.environ.get("XLA_FLAGS"),
         "git_commit": _git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "command": cmd,
+        "command": shlex.join(["python", os.path.relpath(os.path.abspath(script))] + list(argv)),
+    }
+
+
+def collect_meta(args, argv):
+    return {
+        **environment_meta(__file__, argv),
         "settings": {k: getattr(args, k) for k in (
             "sizes", "lengths", "columns", "quick", "warmup", "min_calls", "max_calls",
             "wall_seconds", "wall_blocks", "trace_reps", "no_trace", "max_n", "time_limit")},
