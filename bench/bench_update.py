@@ -310,6 +310,12 @@ def load_trace_events(logdir):
     return trace["traceEvents"] if isinstance(trace, dict) else trace
 
 
+def traced_kernels(logdir, platform_name):
+    """{kernel (GPU) or op (CPU) name: [count, total µs]} of the trace under logdir."""
+    summary = summarize_trace(load_trace_events(logdir), platform_name)
+    return {} if summary is None else summary["by_name"]
+
+
 _DERIVED_LINE_RE = re.compile(
     r"XLA Ops|XLA Modules|XLA TraceMe|Framework|TensorFlow|Steps|Source|Launch Stats|"
     r"Name Scope|Async XLA Ops", re.IGNORECASE)

@@ -8,9 +8,6 @@ per-tensor states of history 1024 from a profiler trace.
 """
 
 import argparse
-import glob
-import gzip
-import json
 import os
 import sys
 import tempfile
@@ -21,6 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fp8
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+import bench_update  # noqa: E402  (profiler trace parsing)
 
 SPECIALS = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 1e-45, 1e-40, -1e-42,
                      np.finfo(np.float32).max, 1e38, 448 / np.finfo(np.float32).max / 2,
@@ -83,23 +83,18 @@ def check_bits(gpu, cpu):
     print(f"bitwise CUDA == CPU on {checked} states")
 
 
-def gpu_time(fn, state, reps, logdir):
+def gpu_time(fn, state, reps, logdir, platform_name="gpu"):
+    """(µs of kernels per call, kernels per call, {kernel name: count}) from a trace."""
     state = fn(state)
     jax.block_until_ready(state)
     with jax.profiler.trace(logdir, create_perfetto_trace=True):
         for _ in range(reps):
             state = fn(state)
         jax.block_until_ready(state)
-    path = sorted(glob.glob(os.path.join(logdir, "**", "*perfetto_trace.json.gz"), recursive=True))[-1]
-    with gzip.open(path) as fh:
-        events = json.load(fh)["traceEvents"]
-    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-                and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids]
-    names = {}
-    for e in kernels:
-        names[e["name"]] = names.get(e["name"], 0) + 1
-    return sum(e["dur"] for e in kernels) / reps, len(kernels) / reps, names
+    kernels = bench_update.traced_kernels(logdir, platform_name)
+    return (sum(us for _, us in kernels.values()) / reps,
+            sum(n for n, _ in kernels.values()) / reps,
+            {name: n for name, (n, _) in kernels.items()})
 
 
 def main():

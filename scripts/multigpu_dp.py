@@ -11,11 +11,10 @@ of the collective kernels per step (profiler trace).
 """
 
 import argparse
-import glob
-import gzip
 import json
 import os
 import re
+import sys
 import tempfile
 import time
 
@@ -26,6 +25,9 @@ import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_fp8
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+import bench_update  # noqa: E402  (profiler trace parsing)
 
 DN = (((1,), (0,)), ((), ()))
 
@@ -40,20 +42,16 @@ def all_reduce_kinds(text):
     return kinds
 
 
-def collective_gpu_us(step, args, reps, logdir):
+def collective_gpu_us(step, args, reps, logdir, platform_name="gpu"):
+    """µs of collective kernels per step and device, from a profiler trace."""
     with jax.profiler.trace(logdir, create_perfetto_trace=True):
         for _ in range(reps):
             args = step(*args)
         jax.block_until_ready(args)
-    path = sorted(glob.glob(os.path.join(logdir, "**", "*perfetto_trace.json.gz"), recursive=True))[-1]
-    with gzip.open(path) as fh:
-        events = json.load(fh)["traceEvents"]
-    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-           and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
-    coll = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu
-            and re.search(r"nccl|all.?reduce", e.get("name", ""), re.I)]
-    ndev = max(1, len(gpu))
-    return sum(e["dur"] for e in coll) / reps / ndev, args
+    kernels = bench_update.traced_kernels(logdir, platform_name)
+    coll_us = sum(us for name, (_, us) in kernels.items()
+                  if re.search(r"nccl|all.?reduce", name, re.I))
+    return coll_us / reps / jax.local_device_count(), args
 
 
 def main():
