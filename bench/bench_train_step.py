@@ -549,7 +549,8 @@ def measure_variant(variant, args, x, y, platform_name, start_state=None):
         losses.append(float(loss))
     if args.trace_steps > 0:
         state, tinfo = bench_update.traced_device_time(lambda s: step(s)[0], state,
-                                                       args.trace_steps, platform_name)
+                                                       args.trace_steps, platform_name,
+                                                       top_n=args.top_kernels)
         if "device_us" in tinfo:
             r["device_ms"] = tinfo["device_us"] / 1e3
             r["device_events_per_step"] = tinfo.get("events_per_call")
@@ -808,6 +809,9 @@ def build_parser():
     p.add_argument("--compile-cache", metavar="DIR", default=None,
                    help="JAX's persistent compilation cache directory (a rerun on the same "
                         "machine then skips most compile time)")
+    p.add_argument("--top-kernels", type=int, default=40, metavar="N",
+                   help="record the N kernels with the most device time per variant in "
+                        "results.json (default 40)")
     p.add_argument("--save-hlo", action="store_true",
                    help="also write each compiled HLO to OUTDIR/hlo_<size>_<variant>.txt.gz")
     p.add_argument("--outdir", metavar="DIR", default=None,

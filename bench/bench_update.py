@@ -383,7 +383,7 @@ def summarize_trace(events, platform_name):
 TOP_KERNELS = 40
 
 
-def traced_device_time(call, state, reps, platform_name, keep_dir=None):
+def traced_device_time(call, state, reps, platform_name, keep_dir=None, top_n=None):
     """Runs `state = call(state)` reps times under the profiler.
 
     Returns (state, info); info has device_us (per call), events_per_call, or error.
@@ -416,7 +416,8 @@ def traced_device_time(call, state, reps, platform_name, keep_dir=None):
             info["events_per_call"] = summary["events"] / reps
             info["by_thread"] = summary["by_thread"]
             # Where the time goes: the kernels (ops) with the most device time, per call.
-            top = sorted(summary["by_name"].items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
+            top = sorted(summary["by_name"].items(),
+                         key=lambda kv: -kv[1][1])[:top_n or TOP_KERNELS]
             info["top_kernels"] = [{"name": name[:200], "per_call": count / reps,
                                     "us_per_call": round(us / reps, 3)}
                                    for name, (count, us) in top]

@@ -6,6 +6,7 @@
 #   bash scripts/h200_run.sh e2e sanitize            # a second one
 #   bash scripts/h200_run.sh tests scale             # issue 6: CUDA-graph test, 5,000 / 50,000 states
 #   E2E_SIZES=1024x1024 bash scripts/h200_run.sh e2e # the small train-step size
+#   E2E_ARGS='--blocks 4 --save-hlo --top-kernels 1000' ...  # extra bench_train_step flags
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -24,7 +25,7 @@ for section in "$@"; do
     kernel) timeout 150 python3 scripts/kernel_check.py --skip-bits 2>&1 | quiet | tee "$OUT/kernel.log" ;;
     # 5,000 separate states (one custom call, 4 launches), and 50,000 tensors as 1,400
     # stacked states (50,000 separate arrays would not compile in reasonable time).
-    scale) timeout 400 python3 scripts/kernel_check.py --skip-bits --scale 5000 \
+    scale) timeout "${SCALE_LIMIT:-400}" python3 scripts/kernel_check.py --skip-bits --scale 5000 \
              --scale-groups 50000:1400 2>&1 | quiet | tee "$OUT/scale.log" ;;
     tests_from) # TESTS_FROM=file of node ids: the part of the suite a cut-off run missed
            (cd tests && timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -rs \
@@ -42,7 +43,8 @@ for section in "$@"; do
     e2e) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_per_fusion_autotune_cache_dir=/tmp/xla_autotune" \
            timeout $(( ${E2E_TIMEOUT:-${E2E_LIMIT:-200}} + 35 )) python3 bench/bench_train_step.py \
            --sizes "${E2E_SIZES:-2048x4096}" --variants "${E2E_VARIANTS:-bf16,flax_fp8,flax_fp8_noupdate,jax_fp8,jax_fp8_noupdate}" \
-           $([ "${E2E_LIMIT:-200}" = 0 ] || echo --time-limit "${E2E_LIMIT:-200}") --outdir "$OUT/e2e" 2>&1 | tail -60 ;;
+           $([ "${E2E_LIMIT:-200}" = 0 ] || echo --time-limit "${E2E_LIMIT:-200}") ${E2E_ARGS:-} \
+           --outdir "$OUT/e2e" 2>&1 | tail -60 ;;
     e2e_small) timeout 235 python3 bench/bench_train_step.py --small --time-limit 200 \
            --outdir "$OUT/e2e_small" 2>&1 | tail -40 ;;
     multigpu) NCCL_NVLS_ENABLE=0 timeout "${MULTIGPU_LIMIT:-300}" python3 scripts/multigpu_dp.py --trace 2>&1 | quiet | tee "$OUT/multigpu.log" ;;
