@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from jax_fp8 import _amax
 from jax_fp8 import recipe as recipe_lib
@@ -139,13 +140,25 @@ def _is_state(x):
     return isinstance(x, ScalingState)
 
 
-def _amax_cotangent(ct: ScalingState, amax) -> ScalingState:
-    """The cotangent a use hands back: fmax(downstream uses' amax, this use's amax)."""
+def _amax_cotangent(ct: ScalingState, amax, primal: ScalingState) -> ScalingState:
+    """The cotangent a use hands back: fmax(downstream uses' amax, this use's amax).
+
+    Where nothing downstream used the threaded meta (a symbolic zero cotangent), the
+    staging slot is this use's amax itself: fmax(0, amax) would change nothing that the
+    update's own fmaxf(h[0], amax) does not already do, and skipping it spares the step
+    one scalar kernel per state.
+    """
     h = ct.amax_history
-    staged = jnp.fmax(h[..., 0], jnp.asarray(amax, jnp.float32))
-    new_h = jnp.zeros_like(h).at[..., 0].set(staged)
-    return ScalingState(new_h, jnp.zeros_like(ct.scale), jnp.zeros_like(ct.scale_inv),
-                        fp8_dtype=ct.fp8_dtype)
+    amax = jnp.asarray(amax, jnp.float32)
+    if isinstance(h, SymbolicZero):
+        zeros = jnp.zeros_like(primal.amax_history)
+        staged = amax
+    else:
+        zeros = jnp.zeros_like(h)
+        staged = jnp.fmax(h[..., 0], amax)
+    scale_zeros = jnp.zeros_like(primal.scale)
+    return ScalingState(zeros.at[..., 0].set(staged), scale_zeros, scale_zeros,
+                        fp8_dtype=primal.fp8_dtype)
 
 
 def amax_cotangents(fp8_grads):
@@ -207,7 +220,8 @@ def _transpose_lhs(g, x, y, dimension_numbers, out_dtype, swap_ans=False):
     """d(dot_general(x, y))/dx applied to g (JAX's own rule, written for any y dtype).
 
     Like JAX's rule it asks for x's own sharding on the result, which a mesh with
-    Explicit axes needs when the contraction runs over a sharded (batch) axis.
+    Explicit axes needs when the contraction runs over a sharded (batch) axis. x may be
+    an array or just its abstract value (only its rank and sharding are read).
     """
     x_ndim = x.ndim
     (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
@@ -230,13 +244,25 @@ def _transpose_lhs(g, x, y, dimension_numbers, out_dtype, swap_ans=False):
 
 
 def _permuted_sharding(x, axes):
-    """x's sharding with its spec reordered to `axes`, or None without a mesh."""
-    sharding = jax.typeof(x).sharding
+    """x's sharding (x an array or an abstract value) with its spec reordered to `axes`,
+    or None without a mesh."""
+    sharding = getattr(x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x),
+                       "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or mesh.empty:
         return None
     spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
     return sharding.update(spec=jax.sharding.PartitionSpec(*(spec[a] for a in axes)))
+
+
+def _untransposed_aval(x_t, perm):
+    """The abstract value of x, given x_t = transpose(x, perm): shape and sharding."""
+    aval = jax.typeof(x_t)
+    inv = [int(i) for i in np.argsort(perm)]
+    shape = tuple(aval.shape[i] for i in inv)
+    sharding = _permuted_sharding(x_t, inv)
+    return aval.update(shape=shape, sharding=sharding) if sharding is not None else \
+        aval.update(shape=shape)
 
 
 def _transpose_rhs(g, x, y, dimension_numbers, out_dtype):
@@ -260,9 +286,48 @@ def _fp8_dot_fwd(lhs, rhs, meta, dimension_numbers, out_dtype):
     # The meta is returned unchanged: its only job is to carry the cotangent chain.
     # lhs[:0], rhs[:0]: empty arrays that carry the primal inputs' manual-axis types
     # (shard_map's vma) to the backward rule.
-    res = (q_lhs, q_rhs, meta, compute_amax(lhs), compute_amax(rhs),
-           jnp.ravel(lhs)[:0], jnp.ravel(rhs)[:0])
+    res = (_lhs_for_kernel_grad(q_lhs, dimension_numbers), q_rhs, meta, compute_amax(lhs),
+           compute_amax(rhs), jnp.ravel(lhs)[:0], jnp.ravel(rhs)[:0])
     return (out, meta), res
+
+
+def _kernel_grad_layout(dimension_numbers, lhs_ndim):
+    """Without batch axes: the order [contracting..., free...] of lhs's axes in which the
+    kernel-gradient GEMM contracts over its minor axes (cuBLASLt's FP8 GEMMs take only
+    that layout). None with batch axes (the general rule is used then)."""
+    (lc, _), (lb, _) = dimension_numbers
+    if lb:
+        return None
+    return tuple(lc) + tuple(_remaining(range(lhs_ndim), lc))
+
+
+def _lhs_for_kernel_grad(q_lhs, dimension_numbers):
+    """The residual for the kernel gradient: the quantized input, already transposed to
+    the layout that GEMM wants. XLA would otherwise transpose it in the backward pass, a
+    kernel of its own; here the transpose is written in the forward pass, where XLA can
+    emit it from the quantizing fusion that already holds the values."""
+    perm = _kernel_grad_layout(dimension_numbers, q_lhs.ndim)
+    if perm is None or perm == tuple(range(q_lhs.ndim)):
+        return q_lhs
+    return lax.transpose(q_lhs, perm)
+
+
+def _kernel_grad(q_g, lhs_t, q_rhs, dimension_numbers, out_dtype):
+    """d(dot_general(lhs, rhs))/d rhs applied to q_g, from `_lhs_for_kernel_grad`'s
+    residual: both FP8 operands contract over their minor axes. Shapes, without batch
+    axes: lhs_t [C..., F_l...], q_g [F_l..., F_r...] -> [C..., F_r...], returned in rhs's
+    axis order."""
+    (lc, rc), _ = dimension_numbers
+    n_c, n_fl = len(lc), q_g.ndim - (q_rhs.ndim - len(rc))
+    n_fr = q_g.ndim - n_fl
+    g_t = lax.transpose(q_g, tuple(range(n_fl, q_g.ndim)) + tuple(range(n_fl)))
+    dims = ((tuple(range(n_c, lhs_t.ndim)), tuple(range(n_fr, g_t.ndim))), ((), ()))
+    rhs_free = _remaining(range(q_rhs.ndim), rc)
+    unsorted_axes = list(rc) + rhs_free
+    out = lax.dot_general(lhs_t, g_t, dims, precision=lax.Precision.HIGHEST,
+                          preferred_element_type=out_dtype,
+                          out_sharding=_permuted_sharding(q_rhs, unsorted_axes))
+    return lax.transpose(out, tuple(int(a) for a in np.argsort(unsorted_axes)))
 
 
 def _to_primal_vma(ct, primal_like, reduce):
@@ -279,17 +344,24 @@ def _pmax_ignoring_nan(x, axes):
 
 
 def _fp8_dot_bwd(dimension_numbers, out_dtype, lhs_dtype, rhs_dtype, res, cts):
-    q_lhs, q_rhs, meta, amax_lhs, amax_rhs, lhs_like, rhs_like = res
+    lhs_res, q_rhs, meta, amax_lhs, amax_rhs, lhs_like, rhs_like = res
     g, ct_meta = cts
+    if isinstance(g, SymbolicZero):  # only the threaded meta is used downstream
+        g = jnp.zeros(g.aval.shape, g.aval.dtype)
     amax_g = compute_amax(g)
     q_g = quantize(g, meta.grad)
-    grad_lhs = _transpose_lhs(q_g, q_lhs, q_rhs, dimension_numbers, lhs_dtype)
+    perm = _kernel_grad_layout(dimension_numbers, lhs_res.ndim)
+    lhs_aval = lhs_res if perm is None else _untransposed_aval(lhs_res, perm)
+    grad_lhs = _transpose_lhs(q_g, lhs_aval, q_rhs, dimension_numbers, lhs_dtype)
     grad_lhs = _scaled(grad_lhs, meta.grad.scale_inv * meta.kernel.scale_inv, lhs_dtype)
-    grad_rhs = _transpose_rhs(q_g, q_lhs, q_rhs, dimension_numbers, rhs_dtype)
+    if perm is None:
+        grad_rhs = _transpose_rhs(q_g, lhs_res, q_rhs, dimension_numbers, rhs_dtype)
+    else:
+        grad_rhs = _kernel_grad(q_g, lhs_res, q_rhs, dimension_numbers, rhs_dtype)
     grad_rhs = _scaled(grad_rhs, meta.grad.scale_inv * meta.input.scale_inv, rhs_dtype)
-    ct_meta_in = Fp8Meta(input=_amax_cotangent(ct_meta.input, amax_lhs),
-                         kernel=_amax_cotangent(ct_meta.kernel, amax_rhs),
-                         grad=_amax_cotangent(ct_meta.grad, amax_g))
+    ct_meta_in = Fp8Meta(input=_amax_cotangent(ct_meta.input, amax_lhs, meta.input),
+                         kernel=_amax_cotangent(ct_meta.kernel, amax_rhs, meta.kernel),
+                         grad=_amax_cotangent(ct_meta.grad, amax_g, meta.grad))
     grad_lhs = _to_primal_vma(grad_lhs, lhs_like, lax.psum)
     grad_rhs = _to_primal_vma(grad_rhs, rhs_like, lax.psum)
     ct_meta_in = jax.tree.map(
@@ -305,10 +377,14 @@ def _fp8_dot_threaded(lhs, rhs, meta, dimension_numbers, out_dtype, lhs_dtype, r
 
 def _fp8_dot_fwd_rule(lhs, rhs, meta, dimension_numbers, out_dtype, lhs_dtype, rhs_dtype):
     del lhs_dtype, rhs_dtype
+    lhs, rhs, meta = jax.tree.map(lambda p: p.value, (lhs, rhs, meta),
+                                  is_leaf=lambda p: isinstance(p, CustomVJPPrimal))
     return _fp8_dot_fwd(lhs, rhs, meta, dimension_numbers, out_dtype)
 
 
-_fp8_dot_threaded.defvjp(_fp8_dot_fwd_rule, _fp8_dot_bwd)
+# symbolic_zeros: the backward rule sees which cotangents are known zeros (an unused
+# threaded meta), see _amax_cotangent.
+_fp8_dot_threaded.defvjp(_fp8_dot_fwd_rule, _fp8_dot_bwd, symbolic_zeros=True)
 
 
 def _check_meta(meta):
