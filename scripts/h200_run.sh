@@ -19,9 +19,11 @@ if [ "${SKIP_INSTALL:-0}" != 1 ] || ! python3 -c "import jax_fp8" 2>/dev/null; t
 fi
 (cd /tmp && python3 -c "import jax, jax_fp8; print(jax.__version__, jax.devices(), 'CUDA kernel:', jax_fp8.HAS_CUDA_KERNEL)" 2>&1 | tail -1)
 [ $# -gt 0 ] || set -- kernel tests bench
-# XLA's GEMM autotuning results from an earlier call (run with carry: [".xla_autotune"]):
-# an FP8 train step then compiles in seconds instead of ~85 s. Written back at the end.
-[ -d .xla_autotune ] && mkdir -p /tmp/xla_autotune && cp -r .xla_autotune/. /tmp/xla_autotune/
+export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_per_fusion_autotune_cache_dir=/tmp/xla_autotune"
+# XLA's GEMM autotuning results from an earlier call (run with carry:
+# [".xla_autotune.tgz"]): an FP8 train step then compiles in seconds instead of ~85 s.
+# Written back to $OUT at the end (one archive: the device tool returns few files).
+[ -f .xla_autotune.tgz ] && tar xzf .xla_autotune.tgz -C /tmp
 for section in "$@"; do
   echo "=== $section"
   case $section in
@@ -43,11 +45,11 @@ for section in "$@"; do
            tail -60 "$OUT/bench/results.md" 2>/dev/null || tail -30 "$OUT/bench.log" ;;
     # XLA's per-fusion autotune cache: later variants reuse the GEMM autotuning of earlier
     # ones (same kernels chosen, ~90 s less compile per FP8 variant).
-    e2e) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_per_fusion_autotune_cache_dir=/tmp/xla_autotune" \
-           timeout $(( ${E2E_TIMEOUT:-${E2E_LIMIT:-200}} + 35 )) python3 bench/bench_train_step.py \
+    e2e) timeout $(( ${E2E_TIMEOUT:-${E2E_LIMIT:-200}} + 35 )) python3 bench/bench_train_step.py \
            --sizes "${E2E_SIZES:-2048x4096}" --variants "${E2E_VARIANTS:-bf16,flax_fp8,flax_fp8_noupdate,jax_fp8,jax_fp8_noupdate}" \
            $([ "${E2E_LIMIT:-200}" = 0 ] || echo --time-limit "${E2E_LIMIT:-200}") ${E2E_ARGS:-} \
            --outdir "$OUT/e2e" 2>&1 | tail -60 ;;
+    probe) timeout "${PROBE_LIMIT:-400}" python3 scripts/fusion_probe.py "$OUT/probe" 2>&1 | grep "PROBE\|Error" ;;
     e2e_small) timeout 235 python3 bench/bench_train_step.py --small --time-limit 200 \
            --outdir "$OUT/e2e_small" 2>&1 | tail -40 ;;
     multigpu) NCCL_NVLS_ENABLE=0 timeout "${MULTIGPU_LIMIT:-300}" python3 scripts/multigpu_dp.py --trace 2>&1 | quiet | tee "$OUT/multigpu.log" ;;
@@ -55,5 +57,5 @@ for section in "$@"; do
     *) echo "unknown section $section" ;;
   esac
 done
-[ -d /tmp/xla_autotune ] && cp -r /tmp/xla_autotune "$OUT/xla_autotune"
+[ -d /tmp/xla_autotune ] && tar czf "$OUT/xla_autotune.tgz" -C /tmp xla_autotune
 true
