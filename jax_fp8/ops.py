@@ -216,7 +216,7 @@ def _ranges_like(*xs):
         start += len(x)
 
 
-def _transpose_lhs(g, x, y, dimension_numbers, out_dtype, swap_ans=False):
+def _transpose_lhs(g, x, y, dimension_numbers, out_dtype, factor, swap_ans=False):
     """d(dot_general(x, y))/dx applied to g (JAX's own rule, written for any y dtype).
 
     Like JAX's rule it asks for x's own sharding on the result, which a mesh with
@@ -240,7 +240,7 @@ def _transpose_lhs(g, x, y, dimension_numbers, out_dtype, swap_ans=False):
     out = lax.dot_general(g, y, dims, precision=lax.Precision.HIGHEST,
                           preferred_element_type=out_dtype,
                           out_sharding=_permuted_sharding(x, unsorted_axes))
-    return lax.transpose(out, tuple(int(a) for a in out_axes))
+    return lax.transpose(_scaled(out, factor, out_dtype), tuple(int(a) for a in out_axes))
 
 
 def _permuted_sharding(x, axes):
@@ -265,14 +265,25 @@ def _untransposed_aval(x_t, perm):
         aval.update(shape=shape)
 
 
-def _transpose_rhs(g, x, y, dimension_numbers, out_dtype):
+def _transpose_rhs(g, x, y, dimension_numbers, out_dtype, factor):
     (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
     swapped = ((y_contract, x_contract), (y_batch, x_batch))
-    return _transpose_lhs(g, y, x, swapped, out_dtype, swap_ans=True)
+    return _transpose_lhs(g, y, x, swapped, out_dtype, factor, swap_ans=True)
 
 
 def _scaled(out, factor, dtype):
-    """Dequantizes a GEMM result: out * factor in float32, then cast to dtype."""
+    """Dequantizes a GEMM result (already in `dtype`): out * factor.
+
+    For bfloat16 and float32 results the product is taken in `dtype`, right on the GEMM's
+    output: XLA then folds the factor into the cuBLASLt FP8 GEMM as its scale (one
+    rounding, in float32, inside the GEMM) instead of leaving a multiply for the next
+    fusion, which made XLA fuse LayerNorm's backward badly. The factor itself is
+    rounded to bfloat16 there (relative error <= 2**-9, the same as one rounding of the
+    output). Other dtypes (float16, whose range the factor can exceed) multiply in
+    float32.
+    """
+    if np.dtype(dtype) in (np.dtype(jnp.bfloat16), np.dtype(np.float32)):
+        return out * jnp.asarray(factor).astype(dtype)
     return (out.astype(jnp.float32) * factor).astype(dtype)
 
 
@@ -312,7 +323,7 @@ def _lhs_for_kernel_grad(q_lhs, dimension_numbers):
     return lax.transpose(q_lhs, perm)
 
 
-def _kernel_grad(q_g, lhs_t, q_rhs, dimension_numbers, out_dtype):
+def _kernel_grad(q_g, lhs_t, q_rhs, dimension_numbers, out_dtype, factor):
     """d(dot_general(lhs, rhs))/d rhs applied to q_g, from `_lhs_for_kernel_grad`'s
     residual: both FP8 operands contract over their minor axes. Shapes, without batch
     axes: lhs_t [C..., F_l...], q_g [F_l..., F_r...] -> [C..., F_r...], returned in rhs's
@@ -327,7 +338,8 @@ def _kernel_grad(q_g, lhs_t, q_rhs, dimension_numbers, out_dtype):
     out = lax.dot_general(lhs_t, g_t, dims, precision=lax.Precision.HIGHEST,
                           preferred_element_type=out_dtype,
                           out_sharding=_permuted_sharding(q_rhs, unsorted_axes))
-    return lax.transpose(out, tuple(int(a) for a in np.argsort(unsorted_axes)))
+    return lax.transpose(_scaled(out, factor, out_dtype),
+                         tuple(int(a) for a in np.argsort(unsorted_axes)))
 
 
 def _to_primal_vma(ct, primal_like, reduce):
@@ -352,13 +364,13 @@ def _fp8_dot_bwd(dimension_numbers, out_dtype, lhs_dtype, rhs_dtype, res, cts):
     q_g = quantize(g, meta.grad)
     perm = _kernel_grad_layout(dimension_numbers, lhs_res.ndim)
     lhs_aval = lhs_res if perm is None else _untransposed_aval(lhs_res, perm)
-    grad_lhs = _transpose_lhs(q_g, lhs_aval, q_rhs, dimension_numbers, lhs_dtype)
-    grad_lhs = _scaled(grad_lhs, meta.grad.scale_inv * meta.kernel.scale_inv, lhs_dtype)
+    grad_lhs = _transpose_lhs(q_g, lhs_aval, q_rhs, dimension_numbers, lhs_dtype,
+                              meta.grad.scale_inv * meta.kernel.scale_inv)
+    rhs_factor = meta.grad.scale_inv * meta.input.scale_inv
     if perm is None:
-        grad_rhs = _transpose_rhs(q_g, lhs_res, q_rhs, dimension_numbers, rhs_dtype)
+        grad_rhs = _transpose_rhs(q_g, lhs_res, q_rhs, dimension_numbers, rhs_dtype, rhs_factor)
     else:
-        grad_rhs = _kernel_grad(q_g, lhs_res, q_rhs, dimension_numbers, rhs_dtype)
-    grad_rhs = _scaled(grad_rhs, meta.grad.scale_inv * meta.input.scale_inv, rhs_dtype)
+        grad_rhs = _kernel_grad(q_g, lhs_res, q_rhs, dimension_numbers, rhs_dtype, rhs_factor)
     ct_meta_in = Fp8Meta(input=_amax_cotangent(ct_meta.input, amax_lhs, meta.input),
                          kernel=_amax_cotangent(ct_meta.kernel, amax_rhs, meta.kernel),
                          grad=_amax_cotangent(ct_meta.grad, amax_g, meta.grad))
