@@ -30,7 +30,30 @@ def barrier_bwd(dimension_numbers, out_dtype, lhs_dtype, rhs_dtype, res, cts):
     return BASE_BWD(dimension_numbers, out_dtype, lhs_dtype, rhs_dtype, res, (g, ct_meta))
 
 
-VARIANTS = {"base": BASE_BWD, "barrier": barrier_bwd}
+BASE_FWD = ops._fp8_dot_fwd
+
+
+def amax_with_quantize_fwd(lhs, rhs, meta, dimension_numbers, out_dtype):
+    """The forward's amaxes tied to the quantized values by an optimization barrier: XLA
+    must compute them in the forward pass, beside the quantization that reads the same
+    values, instead of recomputing the input in a backward-pass fusion."""
+    (out, meta_out), res = BASE_FWD(lhs, rhs, meta, dimension_numbers, out_dtype)
+    lhs_res, q_rhs, m, amax_lhs, amax_rhs, lhs_like, rhs_like = res
+    lhs_res, q_rhs, amax_lhs, amax_rhs = lax.optimization_barrier(
+        (lhs_res, q_rhs, amax_lhs, amax_rhs))
+    return (out, meta_out), (lhs_res, q_rhs, m, amax_lhs, amax_rhs, lhs_like, rhs_like)
+
+
+def fwd_rule(fwd):
+    def rule(lhs, rhs, meta, dimension_numbers, out_dtype, lhs_dtype, rhs_dtype):
+        lhs, rhs, meta = jax.tree.map(lambda p: p.value, (lhs, rhs, meta),
+                                      is_leaf=lambda p: isinstance(p, ops.CustomVJPPrimal))
+        return fwd(lhs, rhs, meta, dimension_numbers, out_dtype)
+    return rule
+
+
+VARIANTS = {"base": (BASE_FWD, BASE_BWD), "barrier": (BASE_FWD, barrier_bwd),
+            "amax_fwd_barrier": (amax_with_quantize_fwd, BASE_BWD)}
 
 
 def main():
@@ -38,9 +61,11 @@ def main():
     names = sys.argv[2:] or list(VARIANTS)
     summary = []
     for name in names:
-        ops._fp8_dot_threaded.defvjp(ops._fp8_dot_fwd_rule, VARIANTS[name], symbolic_zeros=True)
+        fwd, bwd = VARIANTS[name]
+        ops._fp8_dot_threaded.defvjp(fwd_rule(fwd), bwd, symbolic_zeros=True)
         jax.clear_caches()
-        data = bench_train_step.run(["--blocks", "4", "--variants", "jax_fp8,jax_fp8_noupdate",
+        data = bench_train_step.run(["--blocks", "4", "--variants",
+                                     os.environ.get("PROBE_VARIANTS", "jax_fp8,jax_fp8_noupdate"),
                                      "--top-kernels", "3000", "--save-hlo",
                                      "--outdir", os.path.join(outdir, name)])
         for r in data["results"]:
