@@ -100,10 +100,22 @@ def varying_axes(x) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))  # earlier spelling
 
 
+def on_explicit_mesh(x) -> bool:
+    """Whether x's type carries a mesh with Explicit axes (sharding in types)."""
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    if mesh is None or getattr(mesh, "empty", True):
+        return False
+    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+    return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()))
+
+
 def amax(x) -> jax.Array:
     """max |x| over the whole tensor as a float32 scalar (NaN propagates)."""
-    if varying_axes(x):
+    if varying_axes(x) or on_explicit_mesh(x):
         # Inside shard_map a per-device value: plain jnp keeps its manual-axis type
-        # (the user, or fp8_dot_general's backward, reduces it across devices).
+        # (the user, or fp8_dot_general's backward, reduces it across devices). On a
+        # mesh with Explicit axes JAX types the max itself (replicated result, its own
+        # all-reduce); custom_partitioning's pmax there lowers, on jax 0.11, to an
+        # all-reduce whose reducer XLA's CPU backend rejects.
         return _local_amax(x)
     return amax_p.bind(x)

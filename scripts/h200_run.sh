@@ -38,7 +38,7 @@ for section in "$@"; do
     # pytest-xdist is on the device image: 8 workers, each growing its GPU memory on
     # demand (8 preallocating processes would not fit). One process alone took > 190 s.
     tests) (cd tests && XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TEST_TIMEOUT:-240}" \
-              python3 -m pytest -q -p no:cacheprovider -rs $(python3 -c "import xdist" \
+              python3 -m pytest -q -p no:cacheprovider -rfEs $(python3 -c "import xdist" \
               2>/dev/null && printf "%s" "-n 8") . 2>&1 | tail -40) | tee "$OUT/pytest.log" ;;
     bench) timeout $(( ${BENCH_LIMIT:-150} + 70 )) python3 bench/bench_update.py --lengths 1024,16 --per-tensor-max-n 1152 \
              --time-limit "${BENCH_LIMIT:-150}" --outdir "$OUT/bench" > "$OUT/bench.log" 2>&1
