@@ -5,9 +5,11 @@
 // memory for descriptors, so nothing to allocate or copy and the launch can be
 // captured in a CUDA graph). To fit ~1,360 groups into the 32 KB parameter space,
 // each buffer is a 32-bit element offset from one base pointer, and the
-// per-group scaled fp8 max is an index into a 16-entry table. A new chunk (one
-// more launch) starts only when a limit is hit: group count, an address span
-// beyond 2^32 floats, more than 16 distinct scaled maxima, or 2^31 blocks.
+// per-group scaled fp8 max is an index into a 16-entry table. Where the call's
+// buffers span more than 2^32 floats (16 GB: a large model's state next to amaxes
+// XLA placed in its temporary buffer), the offsets are 64-bit and a launch takes
+// ~800 groups. A new chunk (one more launch) starts only when a limit is hit: group
+// count, more than 16 distinct scaled maxima, or 2^31 blocks.
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -36,6 +38,10 @@ struct LaunchParams {
   uint32_t len_fmt[K];
 };
 static_assert(sizeof(LaunchParams<kMaxGroupsPerLaunch, uint32_t>) <= 32764,
+              "kernel parameters exceed CUDA's 32,764-byte limit");
+// With 64-bit offsets (buffers more than 16 GB apart) a group takes 40 bytes.
+constexpr int kMaxGroupsPerWideLaunch = 800;
+static_assert(sizeof(LaunchParams<kMaxGroupsPerWideLaunch, uint64_t>) <= 32764,
               "kernel parameters exceed CUDA's 32,764-byte limit");
 constexpr int kSmallLaunch = 32;  // a smaller parameter block for calls with few groups
 
@@ -191,6 +197,18 @@ size_t FillParams(const TensorGroup* groups, size_t first, size_t n, const Updat
   return i;
 }
 
+// One address span for the whole call decides the offset width: 32-bit offsets when
+// every buffer lies within 2^32 floats of the lowest, else 64-bit ones. (Chunking by
+// span instead split a call whose amaxes sit far from its states into one launch
+// per group: 288 launches in a 24-block train step.)
+bool NeedsWideOffsets(const TensorGroup* groups, size_t n) {
+  uintptr_t lo = std::numeric_limits<uintptr_t>::max(), hi = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (groups[i].count > 0) GroupSpan(groups[i], &lo, &hi);
+  }
+  return hi > lo && !SpanFits<uint32_t>(lo, hi);
+}
+
 template <int K, typename Off>
 cudaError_t LaunchChunk(cudaStream_t stream, const TensorGroup* groups, size_t* first, size_t n,
                         const UpdateOptions& opt, bool has_amax) {
@@ -221,16 +239,19 @@ cudaError_t LaunchUpdate(cudaStream_t stream, const TensorGroup* groups, size_t 
     has_amax = has_amax || groups[i].amax != nullptr;
     nonempty += groups[i].count > 0;
   }
+  const bool wide = NeedsWideOffsets(groups, num_groups);
   size_t first = 0;
   while (first < num_groups) {
-    uintptr_t lo = std::numeric_limits<uintptr_t>::max(), hi = 0;
-    GroupSpan(groups[first], &lo, &hi);
     cudaError_t err;
     if (groups[first].count == 0) {
       ++first;
       continue;
-    } else if (!SpanFits<uint32_t>(lo, hi)) {  // this group's own buffers lie > 16 GB apart
-      err = LaunchChunk<1, uint64_t>(stream, groups, &first, num_groups, opt, has_amax);
+    } else if (wide) {
+      err = nonempty <= kSmallLaunch
+                ? LaunchChunk<kSmallLaunch, uint64_t>(stream, groups, &first, num_groups, opt,
+                                                      has_amax)
+                : LaunchChunk<kMaxGroupsPerWideLaunch, uint64_t>(stream, groups, &first,
+                                                                 num_groups, opt, has_amax);
     } else if (nonempty <= kSmallLaunch) {
       err = LaunchChunk<kSmallLaunch, uint32_t>(stream, groups, &first, num_groups, opt, has_amax);
     } else {
