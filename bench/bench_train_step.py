@@ -516,7 +516,7 @@ def measure_variant(variant, args, x, y, platform_name, start_state=None):
     hist0 = _first_history(variant, state)
     hist0 = None if hist0 is None else np.asarray(hist0).copy()
 
-    def step(s):
+    def step(s, compiled=compiled):  # bound now: `compiled` is deleted below
         return compiled(s, x, y)
 
     losses = []
@@ -650,7 +650,7 @@ def markdown_report(data):
                  f"{s['history_len']}; median of {s['steps']} steps after {s['warmup']} "
                  f"warm-up steps. jax {meta['jax_version']}, flax {meta['flax_version']}, "
                  f"optax {meta['optax_version']}; Flax FP8 op: `{meta['flax_fp8_op']}`. "
-                 f"{meta['date']}, commit {meta['git_commit']}.")
+                 f"{meta['date']}, commit {meta['git_commit']}, sources {meta.get('source_digest')}.")
     lines.append("")
     lines.append("wall, median: each step followed by block_until_ready; wall, pipelined: "
                  "steps dispatched back to back (per step); device time: the sum of the "

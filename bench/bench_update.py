@@ -826,7 +826,7 @@ def markdown_report(data):
                  f"(CPU kernel: {meta['has_cpu_kernel']}, CUDA kernel: {meta['has_cuda_kernel']})")
     if meta.get("machine"):
         lines.append(f"- Host: {meta['machine']}, Python {meta.get('python', '?')}, "
-                     f"git {meta.get('git_commit') or '?'}")
+                     f"git {meta.get('git_commit') or '?'}, sources {meta.get('source_digest') or '?'}")
     lines.append(f"- Date: {meta['date']}")
     lines.append(f"- Command: `{meta['command']}`")
     lines.append("")
@@ -1038,13 +1038,38 @@ def _finalize_args(args):
 
 
 def _git_commit():
+    """HEAD, with "+dirty" when the tracked files differ from it (a copied working tree,
+    as on the device machine, may carry an older .git: see source_digest)."""
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
                              capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or None
+        head = out.stdout.strip() or None
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "."], cwd=here,
+                               capture_output=True, timeout=30).returncode == 1
+        return f"{head}+dirty" if head and dirty else head
     except Exception:  # noqa: BLE001
         return None
+
+
+def source_digest():
+    """sha256 (12 hex digits) of the sources that decide a measurement: ffi/, jax_fp8/
+    and bench/*.py. The same digest at a commit means the same code ran
+    (`python -c "import bench_update; print(bench_update.source_digest())"` in bench/)."""
+    import hashlib
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    h = hashlib.sha256()
+    for sub, exts in (("ffi", (".h", ".cc", ".cu")), ("jax_fp8", (".py",)),
+                      ("bench", (".py",))):
+        for dirpath, dirnames, files in sorted(os.walk(os.path.join(root, sub))):
+            dirnames.sort()
+            for f in sorted(files):
+                if f.endswith(exts):
+                    path = os.path.join(dirpath, f)
+                    h.update(os.path.relpath(path, root).encode() + b"\0")
+                    with open(path, "rb") as fp:
+                        h.update(fp.read())
+    return h.hexdigest()[:12]
 
 
 def _cpu_model():
@@ -1081,6 +1106,7 @@ def environment_meta(script, argv):
                    f"{os.cpu_count()} CPU cores",
         "xla_flags": os.environ.get("XLA_FLAGS"),
         "git_commit": _git_commit(),
+        "source_digest": source_digest(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "command": shlex.join(["python", os.path.relpath(os.path.abspath(script))] + list(argv)),
     }

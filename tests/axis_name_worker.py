@@ -2,8 +2,6 @@
 test_axis_name.py in a fresh process). Prints one JSON line of results."""
 
 import json
-import os
-import sys
 
 import jax
 import jax.numpy as jnp

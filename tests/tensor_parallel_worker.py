@@ -5,7 +5,6 @@ the same step's on one device."""
 
 import json
 import os
-import re
 import sys
 
 import jax

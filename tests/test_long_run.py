@@ -9,7 +9,6 @@ bit-equal to the CPU kernel; XLA may run it from a CUDA graph (command buffer).
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax import lax
 
 import helpers

@@ -1,0 +1,64 @@
+"""GPU: one update_states call whose buffers lie more than 16 GB apart (a large model's
+FP8 state next to amaxes in XLA's temporary buffer). The launcher then addresses the
+buffers with 64-bit offsets, ~800 states per launch: the result equals the CPU kernel
+bit for bit and the call is ONE launch, not one per state. (The planning itself is
+checked on the host by test_launch_plan.py.)"""
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import helpers
+import jax_fp8
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+
+GAP_BYTES = 17 << 30  # past the 2^32-float (16 GB) reach of 32-bit offsets
+
+
+def _address(x):
+    return x.addressable_data(0).unsafe_buffer_pointer()
+
+
+def test_update_with_buffers_more_than_16gb_apart(gpu_device, tmp_path):
+    import bench_update  # trace parsing: kernels per call
+
+    rng = np.random.default_rng(11)
+    n = 300
+    host = [jax_fp8.ScalingState(rng.random(64).astype(np.float32) * 10,
+                                 np.float32(rng.random() + 0.5), np.float32(1.0))
+            for _ in range(n)]
+    amaxes_host = [helpers.random_amax_values(rng, ()) for _ in range(n)]
+    try:
+        states = jax.device_put(host, gpu_device)
+        gap = jax.device_put(jnp.zeros((GAP_BYTES // 4,), jnp.float32), gpu_device)
+        amaxes = jax.device_put(amaxes_host, gpu_device)
+        jax.block_until_ready((states, gap, amaxes))
+    except Exception as err:  # noqa: BLE001 - not enough GPU memory for the gap
+        pytest.skip(f"could not place buffers 17 GB apart: {err}")
+    addrs = [_address(a) for a in jax.tree.leaves((states, amaxes))]
+    if max(addrs) - min(addrs) <= (1 << 32) * 4:
+        pytest.skip("the allocator kept the buffers within 16 GB of each other")
+
+    fn = jax.jit(jax_fp8.update_states)
+    got = fn(states, amaxes)
+    cpu = jax.devices("cpu")[0]
+    want = jax.jit(jax_fp8.update_states)(jax.device_put(host, cpu),
+                                          jax.device_put(amaxes_host, cpu))
+    for g, w in zip(got, want):
+        helpers.assert_update_equal([np.asarray(v) for v in (g.amax_history, g.scale,
+                                                             g.scale_inv)],
+                                    [np.asarray(v) for v in (w.amax_history, w.scale,
+                                                             w.scale_inv)],
+                                    "buffers 17 GB apart")
+    logdir = str(tmp_path / "trace")
+    with jax.profiler.trace(logdir, create_perfetto_trace=True):
+        jax.block_until_ready(fn(states, amaxes))
+    kernels = bench_update.traced_kernels(logdir, "gpu")
+    launches = sum(count for name, (count, _) in kernels.items() if "UpdateKernel" in name)
+    assert launches == 1, kernels
+    del gap
