@@ -49,6 +49,7 @@ for section in "$@"; do
            --sizes "${E2E_SIZES:-2048x4096}" --variants "${E2E_VARIANTS:-bf16,flax_fp8,flax_fp8_noupdate,jax_fp8,jax_fp8_noupdate}" \
            $([ "${E2E_LIMIT:-200}" = 0 ] || echo --time-limit "${E2E_LIMIT:-200}") ${E2E_ARGS:-} \
            --outdir "$OUT/e2e" 2>&1 | tail -60 ;;
+    graph) timeout 120 python3 scripts/cuda_graph_check.py 2>&1 | quiet | tee "$OUT/graph.log" ;;
     probe) timeout "${PROBE_LIMIT:-400}" python3 scripts/fusion_probe.py "$OUT/probe" 2>&1 | grep "PROBE\|Error" ;;
     e2e_small) timeout 235 python3 bench/bench_train_step.py --small --time-limit 200 \
            --outdir "$OUT/e2e_small" 2>&1 | tail -40 ;;
