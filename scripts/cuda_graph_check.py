@@ -8,7 +8,7 @@ between a GEMM and elementwise work, command buffers on with the smallest graph 
 launched: the host-side launch events (cudaGraphLaunch / cuGraphLaunch against
 cudaLaunchKernel) and the arguments recorded with the update kernel's event.
 
-    python scripts/cuda_graph_check.py [--xla-flags '--xla_gpu_enable_command_buffer=']
+    python scripts/cuda_graph_check.py [--reps N]
 """
 
 import argparse
