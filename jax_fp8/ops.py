@@ -314,9 +314,10 @@ def _kernel_grad_layout(dimension_numbers, lhs_ndim):
 
 def _lhs_for_kernel_grad(q_lhs, dimension_numbers):
     """The residual for the kernel gradient: the quantized input, already transposed to
-    the layout that GEMM wants. XLA would otherwise transpose it in the backward pass, a
-    kernel of its own; here the transpose is written in the forward pass, where XLA can
-    emit it from the quantizing fusion that already holds the values."""
+    the layout that GEMM wants (contraction over the minor axes), so the backward asks
+    for no layout change. Same bytes as the untransposed residual. (On the H200 with jax
+    0.11, XLA still writes the transpose in a kernel of its own rather than from the
+    quantizing fusion; see docs/benchmarks.md.)"""
     perm = _kernel_grad_layout(dimension_numbers, q_lhs.ndim)
     if perm is None or perm == tuple(range(q_lhs.ndim)):
         return q_lhs
