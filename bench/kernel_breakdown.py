@@ -19,6 +19,8 @@ import json
 import os
 import re
 
+import bench_update  # HLO computations parser
+
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = .*?(?:fusion|custom-call)\(")
 _ATTR = {k: re.compile(k + r'="([^"]*)"') for k in
          ("op_name", "scheduling_name", "deduplicated_name", "custom_call_target")}
@@ -38,15 +40,14 @@ def _normalise(op_name: str) -> str:
 
 def hlo_sources(text: str) -> dict[str, list[str]]:
     """kernel key -> source ops of the instructions that launch it."""
-    comp_ops: dict[str, str] = {}
-    current = None
-    for line in text.splitlines():
-        if line and not line.startswith(" ") and "{" in line:
-            current = line.split()[0].lstrip("%") if not line.startswith("ENTRY") else None
-        elif current and current not in comp_ops:
+    comps, _ = bench_update.parse_hlo_computations(text)
+    comp_ops: dict[str, str] = {}  # computation -> the op_name of its first instruction
+    for name, lines in comps.items():
+        for _, line in lines:
             m = _ATTR["op_name"].search(line)
             if m:
-                comp_ops[current] = m.group(1)
+                comp_ops[name] = m.group(1)
+                break
     groups: dict[str, list[tuple[str, str]]] = collections.defaultdict(list)
     for line in text.splitlines():
         m = _INSTR.match(line)

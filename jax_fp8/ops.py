@@ -388,11 +388,18 @@ def _fp8_dot_threaded(lhs, rhs, meta, dimension_numbers, out_dtype, lhs_dtype, r
     return _fp8_dot_fwd(lhs, rhs, meta, dimension_numbers, out_dtype)[0]
 
 
-def _fp8_dot_fwd_rule(lhs, rhs, meta, dimension_numbers, out_dtype, lhs_dtype, rhs_dtype):
-    del lhs_dtype, rhs_dtype
-    lhs, rhs, meta = jax.tree.map(lambda p: p.value, (lhs, rhs, meta),
-                                  is_leaf=lambda p: isinstance(p, CustomVJPPrimal))
-    return _fp8_dot_fwd(lhs, rhs, meta, dimension_numbers, out_dtype)
+def _fwd_rule(fwd):
+    """The custom_vjp forward rule (symbolic_zeros=True: primals arrive wrapped) of
+    `fwd(lhs, rhs, meta, dimension_numbers, out_dtype)`."""
+    def rule(lhs, rhs, meta, dimension_numbers, out_dtype, lhs_dtype, rhs_dtype):
+        del lhs_dtype, rhs_dtype
+        lhs, rhs, meta = jax.tree.map(lambda p: p.value, (lhs, rhs, meta),
+                                      is_leaf=lambda p: isinstance(p, CustomVJPPrimal))
+        return fwd(lhs, rhs, meta, dimension_numbers, out_dtype)
+    return rule
+
+
+_fp8_dot_fwd_rule = _fwd_rule(_fp8_dot_fwd)
 
 
 # symbolic_zeros: the backward rule sees which cotangents are known zeros (an unused

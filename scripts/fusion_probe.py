@@ -55,14 +55,6 @@ def weight_amax_with_quantize_fwd(lhs, rhs, meta, dimension_numbers, out_dtype):
     return (out, meta_out), (lhs_res, q_rhs, m, amax_lhs, amax_rhs, lhs_like, rhs_like)
 
 
-def fwd_rule(fwd):
-    def rule(lhs, rhs, meta, dimension_numbers, out_dtype, lhs_dtype, rhs_dtype):
-        lhs, rhs, meta = jax.tree.map(lambda p: p.value, (lhs, rhs, meta),
-                                      is_leaf=lambda p: isinstance(p, ops.CustomVJPPrimal))
-        return fwd(lhs, rhs, meta, dimension_numbers, out_dtype)
-    return rule
-
-
 VARIANTS = {"base": (BASE_FWD, BASE_BWD), "barrier": (BASE_FWD, barrier_bwd),
             "amax_fwd_barrier": (amax_with_quantize_fwd, BASE_BWD),
             "weight_amax_fwd_barrier": (weight_amax_with_quantize_fwd, BASE_BWD)}
@@ -74,7 +66,7 @@ def main():
     summary = []
     for name in names:
         fwd, bwd = VARIANTS[name]
-        ops._fp8_dot_threaded.defvjp(fwd_rule(fwd), bwd, symbolic_zeros=True)
+        ops._fp8_dot_threaded.defvjp(ops._fwd_rule(fwd), bwd, symbolic_zeros=True)
         jax.clear_caches()
         data = bench_train_step.run(["--blocks", os.environ.get("PROBE_BLOCKS", "4"), "--variants",
                                      os.environ.get("PROBE_VARIANTS", "jax_fp8,jax_fp8_noupdate"),

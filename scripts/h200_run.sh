@@ -43,8 +43,7 @@ for section in "$@"; do
     bench) timeout $(( ${BENCH_LIMIT:-150} + 70 )) python3 bench/bench_update.py --lengths 1024,16 --per-tensor-max-n 1152 \
              --time-limit "${BENCH_LIMIT:-150}" --outdir "$OUT/bench" > "$OUT/bench.log" 2>&1
            tail -60 "$OUT/bench/results.md" 2>/dev/null || tail -30 "$OUT/bench.log" ;;
-    # XLA's per-fusion autotune cache: later variants reuse the GEMM autotuning of earlier
-    # ones (same kernels chosen, ~90 s less compile per FP8 variant).
+    # (XLA_FLAGS above: later variants reuse the GEMM autotuning of earlier ones.)
     e2e) timeout $(( ${E2E_TIMEOUT:-${E2E_LIMIT:-200}} + 35 )) python3 bench/bench_train_step.py \
            --sizes "${E2E_SIZES:-2048x4096}" --variants "${E2E_VARIANTS:-bf16,flax_fp8,flax_fp8_noupdate,jax_fp8,jax_fp8_noupdate,jax_fp8_packed}" \
            $([ "${E2E_LIMIT:-200}" = 0 ] || echo --time-limit "${E2E_LIMIT:-200}") ${E2E_ARGS:-} \
