@@ -162,10 +162,8 @@ size_t FillParams(const TensorGroup* groups, size_t first, size_t n, const Updat
     GroupSpan(g, &nlo, &nhi);
     int sm = 0;
     while (sm < num_sm && p->scaled_max[sm] != g.scaled_max) ++sm;
-    if (g_in > 0 && (!SpanFits<Off>(nlo, nhi) || sm == kMaxScaledMax ||
-                     blocks + g.count > INT32_MAX)) {
-      break;
-    }
+    // (The offset width was chosen for the whole call's span: NeedsWideOffsets.)
+    if (g_in > 0 && (sm == kMaxScaledMax || blocks + g.count > INT32_MAX)) break;
     if (sm == num_sm) p->scaled_max[num_sm++] = g.scaled_max;
     lo = nlo;
     hi = nhi;

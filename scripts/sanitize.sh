@@ -14,7 +14,7 @@ for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
     --kernel-name kns=UpdateKernel --error-exitcode 3 \
     python3 "$here/sanitize_driver.py" > "$out/sanitize_$tool.log" 2>&1
   rc=$?
-  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitize driver done" "$out/sanitize_$tool.log"
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|wide-span|sanitize driver done" "$out/sanitize_$tool.log"
   [ $rc -eq 0 ] || { echo "$tool: exit $rc"; tail -20 "$out/sanitize_$tool.log"; status=1; }
 done
 exit $status

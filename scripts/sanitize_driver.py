@@ -2,7 +2,8 @@
 
 Covers: a donated (aliased, in-place) per-tensor pytree, a stacked state, mixed
 history lengths (1 .. 5000, several passes per block), skip_unused, amax inputs, and
-1,500 states in one call (two launches past the kernel-parameter limit).
+1,500 states in one call (two launches past the kernel-parameter limit), and 300
+donated states whose amaxes lie 17 GB away (64-bit offsets, one launch).
 """
 
 import jax
@@ -39,5 +40,16 @@ big = [host_state((), 16) for _ in range(1500)]
 big = jax.jit(jax_fp8.update_states, donate_argnums=0)(big)
 stacked = host_state((64,), 1024)
 stacked = jax.jit(jax_fp8.update_states, donate_argnums=0)(stacked)
-jax.block_until_ready((tree, big, stacked))
+# The wide path: amaxes > 2^32 floats from the states -> 64-bit offsets, 300 states in
+# one launch (the host-side plan is checked by tests/test_launch_plan.py).
+wide = [host_state((), 64) for _ in range(300)]
+gap = jnp.zeros(((17 << 30) // 4,), jnp.float32)  # never read by our kernel
+wide_amaxes = [jax.device_put(np.float32(rng.random() * 4)) for _ in wide]
+jax.block_until_ready((wide, gap, wide_amaxes))
+addrs = [a.addressable_data(0).unsafe_buffer_pointer()
+         for a in jax.tree.leaves((wide, wide_amaxes))]
+print("wide-span case: buffers span", (max(addrs) - min(addrs)) / 2**30, "GB",
+      "(64-bit offsets)" if max(addrs) - min(addrs) > (4 << 32) else "(NOT past 16 GB)")
+wide = jax.jit(jax_fp8.update_states, donate_argnums=0)(wide, wide_amaxes)
+jax.block_until_ready((tree, big, stacked, wide))
 print("sanitize driver done")
