@@ -6,11 +6,17 @@ history lengths (1 .. 5000, several passes per block), skip_unused, amax inputs,
 donated states whose amaxes lie 17 GB away (64-bit offsets, one launch).
 """
 
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jax_fp8
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import helpers  # noqa: E402  (put_far_from)
 
 rng = np.random.default_rng(0)
 lengths = [1, 2, 3, 16, 1023, 1024, 1025, 5000]
@@ -43,13 +49,10 @@ stacked = jax.jit(jax_fp8.update_states, donate_argnums=0)(stacked)
 # The wide path: amaxes > 2^32 floats from the states -> 64-bit offsets, 300 states in
 # one launch (the host-side plan is checked by tests/test_launch_plan.py).
 wide = [host_state((), 64) for _ in range(300)]
-gap = jnp.zeros(((17 << 30) // 4,), jnp.float32)  # never read by our kernel
-wide_amaxes = [jax.device_put(np.float32(rng.random() * 4)) for _ in wide]
-jax.block_until_ready((wide, gap, wide_amaxes))
-addrs = [a.addressable_data(0).unsafe_buffer_pointer()
-         for a in jax.tree.leaves((wide, wide_amaxes))]
-print("wide-span case: buffers span", (max(addrs) - min(addrs)) / 2**30, "GB",
-      "(64-bit offsets)" if max(addrs) - min(addrs) > (4 << 32) else "(NOT past 16 GB)")
+wide_amaxes, keep_alive = helpers.put_far_from(
+    wide, [np.float32(rng.random() * 4) for _ in wide], jax.devices()[0])
+assert wide_amaxes is not None, "could not place the amaxes 16 GB from the states"
+print(f"wide-span case: buffers span {helpers.buffer_span((wide, wide_amaxes)) / 2**30:.1f} GB")
 wide = jax.jit(jax_fp8.update_states, donate_argnums=0)(wide, wide_amaxes)
 jax.block_until_ready((tree, big, stacked, wide))
 print("sanitize driver done")
