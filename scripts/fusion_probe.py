@@ -63,7 +63,6 @@ VARIANTS = {"base": (BASE_FWD, BASE_BWD), "barrier": (BASE_FWD, barrier_bwd),
 def main():
     outdir = sys.argv[1]
     names = sys.argv[2:] or list(VARIANTS)
-    summary = []
     for name in names:
         fwd, bwd = VARIANTS[name]
         ops._fp8_dot_threaded.defvjp(ops._fwd_rule(fwd), bwd, symbolic_zeros=True)
@@ -72,11 +71,10 @@ def main():
                                      os.environ.get("PROBE_VARIANTS", "jax_fp8,jax_fp8_noupdate"),
                                      "--top-kernels", "3000", "--save-hlo",
                                      "--outdir", os.path.join(outdir, name)])
-        for r in data["results"]:
-            summary.append((name, r["variant"], r.get("device_ms"), r["hlo"]["kernels"]))
+        for r in data["results"]:  # printed as each finishes: a cut-off run keeps them
+            print("PROBE %-10s %-18s device %.3f ms, %d kernels"
+                  % (name, r["variant"], r.get("device_ms"), r["hlo"]["kernels"]), flush=True)
     ops._fp8_dot_threaded.defvjp(ops._fp8_dot_fwd_rule, BASE_BWD, symbolic_zeros=True)
-    for row in summary:
-        print("PROBE %-10s %-18s device %.3f ms, %d kernels" % row)
 
 
 if __name__ == "__main__":

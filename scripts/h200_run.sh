@@ -7,6 +7,7 @@
 #   bash scripts/h200_run.sh tests scale             # issue 6: CUDA-graph test, 5,000 / 50,000 states
 #   E2E_SIZES=1024x1024 bash scripts/h200_run.sh e2e # the small train-step size
 #   E2E_ARGS='--blocks 4 --save-hlo --top-kernels 1000' ...  # extra bench_train_step flags
+#   PROBE_BLOCKS=24 PROBE_VARIANTS=jax_fp8 PROBE_NAMES='base weight_amax_fwd_barrier' ... probe
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -49,7 +50,7 @@ for section in "$@"; do
            $([ "${E2E_LIMIT:-200}" = 0 ] || echo --time-limit "${E2E_LIMIT:-200}") ${E2E_ARGS:-} \
            --outdir "$OUT/e2e" 2>&1 | tail -60 ;;
     graph) timeout 120 python3 scripts/cuda_graph_check.py 2>&1 | quiet | tee "$OUT/graph.log" ;;
-    probe) timeout "${PROBE_LIMIT:-400}" python3 scripts/fusion_probe.py "$OUT/probe" 2>&1 | grep "PROBE\|Error" ;;
+    probe) timeout "${PROBE_LIMIT:-400}" python3 scripts/fusion_probe.py "$OUT/probe" ${PROBE_NAMES:-} 2>&1 | grep "PROBE\|Error" ;;
     e2e_small) timeout 235 python3 bench/bench_train_step.py --small --time-limit 200 \
            --outdir "$OUT/e2e_small" 2>&1 | tail -40 ;;
     multigpu) NCCL_NVLS_ENABLE=0 timeout "${MULTIGPU_LIMIT:-300}" python3 scripts/multigpu_dp.py --trace 2>&1 | quiet | tee "$OUT/multigpu.log" ;;
