@@ -55,9 +55,21 @@ def weight_amax_with_quantize_fwd(lhs, rhs, meta, dimension_numbers, out_dtype):
     return (out, meta_out), (lhs_res, q_rhs, m, amax_lhs, amax_rhs, lhs_like, rhs_like)
 
 
+def weight_amax_before_output_fwd(lhs, rhs, meta, dimension_numbers, out_dtype):
+    """The kernel's amax tied to the GEMM's output, which everything downstream reads:
+    XLA must compute it in the forward pass (beside the kernel's quantization), so it
+    cannot fuse it into adam's update of w. (Tying it to the residual was not enough:
+    XLA still fused it into adam.)"""
+    (out, meta_out), res = BASE_FWD(lhs, rhs, meta, dimension_numbers, out_dtype)
+    lhs_res, q_rhs, m, amax_lhs, amax_rhs, lhs_like, rhs_like = res
+    out, amax_rhs = lax.optimization_barrier((out, amax_rhs))
+    return (out, meta_out), (lhs_res, q_rhs, m, amax_lhs, amax_rhs, lhs_like, rhs_like)
+
+
 VARIANTS = {"base": (BASE_FWD, BASE_BWD), "barrier": (BASE_FWD, barrier_bwd),
             "amax_fwd_barrier": (amax_with_quantize_fwd, BASE_BWD),
-            "weight_amax_fwd_barrier": (weight_amax_with_quantize_fwd, BASE_BWD)}
+            "weight_amax_fwd_barrier": (weight_amax_with_quantize_fwd, BASE_BWD),
+            "weight_amax_out_barrier": (weight_amax_before_output_fwd, BASE_BWD)}
 
 
 def main():
