@@ -8,6 +8,10 @@ JAX source op in the HLO metadata, with layer numbers removed (``blockN/`` -> ``
 so that every layer's copy of an op adds up in one row.
 
     python bench/kernel_breakdown.py DIR [--variants jax_fp8,flax_fp8] [--top 40]
+
+`--amax HLO_FILE` (text or .gz; no trace needed) says instead where each FP8 amax
+reduction of `fp8_dot_general` landed in the compiled step: in the same fusion as its
+FP8 cast or not, and which other source ops XLA fused with it (LayerNorm, adam, ...).
 """
 
 from __future__ import annotations
@@ -88,12 +92,48 @@ def breakdown(kernels, sources):
     return rows
 
 
+def amax_fusions(text: str) -> list[tuple[int, str, bool, str]]:
+    """(fusions, amax source op, FP8 cast in the same fusion, other source ops fused with
+    it) for every fused computation holding an `Fp8DotGeneral` reduce_max, grouped over
+    layers. (A two-stage reduction's second stage shows as an amax with nothing else.)"""
+    comps, _ = bench_update.parse_hlo_computations(text)
+    groups: collections.Counter = collections.Counter()
+    for lines in comps.values():
+        ops = [(op, line, _ATTR["op_name"].search(line)) for op, line in lines]
+        amax = sorted({_normalise(m.group(1)) for op, _, m in ops
+                       if op == "reduce" and m and "Fp8DotGeneral" in m.group(1)
+                       and m.group(1).endswith("reduce_max")})
+        if not amax:
+            continue
+        fp8_cast = any(op == "convert" and re.search(r"= f8e\w*\[", line) for op, line, _ in ops)
+        others = sorted({"/".join(_normalise(m.group(1)).split("/")[-2:]) for _, _, m in ops
+                         if m and "Fp8DotGeneral" not in m.group(1)})
+        groups[(" + ".join(amax), fp8_cast, ", ".join(others))] += 1
+    return [(n, a, c, o) for (a, c, o), n in sorted(groups.items(), key=lambda kv: -kv[1])]
+
+
+def print_amax_fusions(path: str) -> None:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as fp:
+        rows = amax_fusions(fp.read())
+    print("| fusions | amax of | FP8 cast in the same fusion | fused with |")
+    print("|---|---|---|---|")
+    for n, amax, cast, others in rows:
+        print(f"| {n} | `{amax}` | {'yes' if cast else 'no'} | {others or '(nothing else)'} |")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("outdir")
+    p.add_argument("outdir", nargs="?")
+    p.add_argument("--amax", metavar="HLO_FILE",
+                   help="where the amax reductions landed in this compiled HLO (no trace)")
     p.add_argument("--variants", default=None, help="comma-separated (default: all with HLO)")
     p.add_argument("--top", type=int, default=40)
     args = p.parse_args(argv)
+    if args.amax:
+        return print_amax_fusions(args.amax)
+    if not args.outdir:
+        p.error("give DIR (a bench_train_step.py --save-hlo output) or --amax HLO_FILE")
     data = json.load(open(os.path.join(args.outdir, "results.json")))
     want = args.variants.split(",") if args.variants else None
     for r in data["results"]:

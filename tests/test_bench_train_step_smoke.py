@@ -129,3 +129,39 @@ def test_analyze_hlo_gpu_style():
     assert h["f8_dots_unfused"] == 0
     assert h["jax_fp8_update"] == 1
     assert h["kernels"] == 6                        # 3 fusions, 2 custom calls, the add
+
+
+AMAX_HLO = """HloModule m
+
+%fused_cast_amax (p0: bf16[8,4]) -> (f8e4m3fn[8,4], bf16[]) {
+  %p0 = bf16[8,4]{1,0} parameter(0)
+  %rs = bf16[8,4]{1,0} rsqrt(%p0), metadata={op_name="jit(step)/jvp(Model)/block3/ln1/rsqrt"}
+  %q = f8e4m3fn[8,4]{1,0} convert(%rs), metadata={op_name="jit(step)/jvp(Model)/block3/in3/Fp8DotGeneral_0/convert_element_type"}
+  %a = bf16[8,4]{1,0} abs(%rs), metadata={op_name="jit(step)/jvp(Model)/block3/in3/Fp8DotGeneral_0/abs"}
+  %c = bf16[] constant(-inf)
+  %r = bf16[] reduce(%a, %c), dimensions={0,1}, to_apply=%max, metadata={op_name="jit(step)/jvp(Model)/block3/in3/Fp8DotGeneral_0/reduce_max"}
+  ROOT %t = (f8e4m3fn[8,4]{1,0}, bf16[]) tuple(%q, %r)
+}
+
+%fused_adam_amax (p0: f32[8,4]) -> (f32[8,4], bf16[]) {
+  %p0 = f32[8,4]{1,0} parameter(0)
+  %s = f32[8,4]{1,0} add(%p0, %p0), metadata={op_name="jit(step)/add"}
+  %w = bf16[8,4]{1,0} convert(%p0), metadata={op_name="jit(step)/jvp(Model)/block7/in3/convert_element_type"}
+  %a = bf16[8,4]{1,0} abs(%w), metadata={op_name="jit(step)/jvp(Model)/block7/in3/Fp8DotGeneral_0/abs"}
+  %c = bf16[] constant(-inf)
+  %r = bf16[] reduce(%a, %c), dimensions={0,1}, to_apply=%max, metadata={op_name="jit(step)/jvp(Model)/block7/in3/Fp8DotGeneral_0/reduce_max"}
+  ROOT %t = (f32[8,4]{1,0}, bf16[]) tuple(%s, %r)
+}
+"""
+
+
+def test_amax_fusions_says_where_each_amax_landed():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import kernel_breakdown
+
+    rows = kernel_breakdown.amax_fusions(AMAX_HLO)
+    amax = "jvp(Model)/block*/in3/Fp8DotGeneral/reduce_max"
+    assert sorted(rows) == sorted([
+        (1, amax, True, "ln1/rsqrt"),                       # with LayerNorm and its cast
+        (1, amax, False, "add, in3/convert_element_type"),  # ridden on adam's read of w
+    ])
