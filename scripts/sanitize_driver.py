@@ -3,7 +3,7 @@
 Covers: a donated (aliased, in-place) per-tensor pytree, a stacked state, mixed
 history lengths (1 .. 5000, several passes per block), skip_unused, amax inputs, and
 1,500 states in one call (two launches past the kernel-parameter limit), and 300
-donated states whose amaxes lie 17 GB away (64-bit offsets, one launch).
+donated states whose amaxes lie > 16 GB away (64-bit offsets, one launch).
 """
 
 import os
