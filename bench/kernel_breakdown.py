@@ -9,6 +9,11 @@ so that every layer's copy of an op adds up in one row.
 
     python bench/kernel_breakdown.py DIR [--variants jax_fp8,flax_fp8] [--top 40]
 
+`--diff A,B DIR` (results.json only, no HLO): variant A minus variant B by kernel family
+(the fusion kind with its number dropped: `input_add_reduce_fusion.12` ->
+`input_add_reduce_fusion`), e.g. `--diff jax_fp8,jax_fp8_noupdate` for what the
+bookkeeping is made of. A DIR/B form takes B from another run's results.json.
+
 `--amax HLO_FILE` (text or .gz; no trace needed) says instead where each FP8 amax
 reduction of `fp8_dot_general` landed in the compiled step: in the same fusion as its
 FP8 cast or not, and which other source ops XLA fused with it (LayerNorm, adam, ...).
@@ -112,6 +117,44 @@ def amax_fusions(text: str) -> list[tuple[int, str, bool, str]]:
     return [(n, a, c, o) for (a, c, o), n in sorted(groups.items(), key=lambda kv: -kv[1])]
 
 
+def kernel_family(name: str) -> str:
+    """`input_add_reduce_fusion.12` / `loop_add_fusion_3` -> the fusion kind."""
+    return re.sub(r"(?:[._]\d+)+$", "", name)
+
+
+def family_diff(kernels_a, kernels_b) -> list[tuple[float, str, float, float]]:
+    """(µs per step A − B, family, kernels per step in A, in B), largest |difference|
+    first, from two `top_kernels` lists."""
+    fam: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
+    for i, kernels in enumerate((kernels_a, kernels_b)):
+        for k in kernels:
+            f = fam[kernel_family(k["name"])]
+            f[i] += k["us_per_call"]
+            f[2 + i] += k["per_call"]
+    rows = [(a - b, name, na, nb) for name, (a, b, na, nb) in fam.items()]
+    return sorted(rows, key=lambda r: -abs(r[0]))
+
+
+def _load_variant(outdir: str, spec: str):
+    path, _, variant = spec.rpartition("/")
+    data = json.load(open(os.path.join(path or outdir, "results.json")))
+    for r in data["results"]:
+        if r["variant"] == variant and r.get("top_kernels"):
+            return r
+    raise SystemExit(f"no variant {variant!r} with top_kernels in {path or outdir}")
+
+
+def print_family_diff(outdir: str, spec: str, top: int) -> None:
+    a_spec, b_spec = spec.split(",")
+    a, b = _load_variant(outdir, a_spec), _load_variant(outdir, b_spec)
+    rows = family_diff(a["top_kernels"], b["top_kernels"])
+    print(f"## {a_spec} − {b_spec}: device {a.get('device_ms', float('nan')):.3f} − "
+          f"{b.get('device_ms', float('nan')):.3f} ms")
+    print(f"{'µs/step':>10} {'kernels A':>9} {'kernels B':>9}  family")
+    for d, name, na, nb in rows[:top]:
+        print(f"{d:10.1f} {na:9.0f} {nb:9.0f}  {name[:100]}")
+
+
 def print_amax_fusions(path: str) -> None:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as fp:
@@ -125,6 +168,7 @@ def print_amax_fusions(path: str) -> None:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("outdir", nargs="?")
+    p.add_argument("--diff", metavar="A,B", help="variant A minus B by kernel family")
     p.add_argument("--amax", metavar="HLO_FILE",
                    help="where the amax reductions landed in this compiled HLO (no trace)")
     p.add_argument("--variants", default=None, help="comma-separated (default: all with HLO)")
@@ -132,6 +176,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.amax:
         return print_amax_fusions(args.amax)
+    if args.diff:
+        return print_family_diff(args.outdir or ".", args.diff, args.top)
     if not args.outdir:
         p.error("give DIR (a bench_train_step.py --save-hlo output) or --amax HLO_FILE")
     data = json.load(open(os.path.join(args.outdir, "results.json")))

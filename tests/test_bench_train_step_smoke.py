@@ -165,3 +165,17 @@ def test_amax_fusions_says_where_each_amax_landed():
         (1, amax, True, "ln1/rsqrt"),                       # with LayerNorm and its cast
         (1, amax, False, "add, in3/convert_element_type"),  # ridden on adam's read of w
     ])
+
+
+def test_family_diff_groups_kernels_by_fusion_kind():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import kernel_breakdown
+
+    a = [{"name": "input_add_reduce_fusion.12", "per_call": 2.0, "us_per_call": 30.0},
+         {"name": "input_add_reduce_fusion_3", "per_call": 1.0, "us_per_call": 10.0},
+         {"name": "loop_add_fusion", "per_call": 1.0, "us_per_call": 5.0}]
+    b = [{"name": "loop_add_fusion.7", "per_call": 4.0, "us_per_call": 32.0}]
+    assert kernel_breakdown.family_diff(a, b) == [
+        (40.0, "input_add_reduce_fusion", 3.0, 0.0),
+        (-27.0, "loop_add_fusion", 1.0, 4.0),
+    ]
