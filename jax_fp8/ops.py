@@ -287,9 +287,16 @@ def _scaled(out, factor, dtype):
     return (out.astype(jnp.float32) * factor).astype(dtype)
 
 
+def _quantized_operands(lhs, rhs, meta):
+    """The forward's FP8 operands and the amaxes it observes: (q_lhs, q_rhs, amax_lhs,
+    amax_rhs). (Its own function so that scripts/fusion_probe.py can try where XLA
+    places the amaxes.)"""
+    return (quantize(lhs, meta.input), quantize(rhs, meta.kernel), compute_amax(lhs),
+            compute_amax(rhs))
+
+
 def _fp8_dot_fwd(lhs, rhs, meta, dimension_numbers, out_dtype):
-    q_lhs = quantize(lhs, meta.input)
-    q_rhs = quantize(rhs, meta.kernel)
+    q_lhs, q_rhs, amax_lhs, amax_rhs = _quantized_operands(lhs, rhs, meta)
     # FP8 operands straight into the dot (XLA rewrites this into a cuBLASLt FP8 GEMM on
     # Hopper/Ada), the result dequantized by the product of the two scale_invs.
     out = lax.dot_general(q_lhs, q_rhs, dimension_numbers, preferred_element_type=out_dtype)
@@ -297,8 +304,8 @@ def _fp8_dot_fwd(lhs, rhs, meta, dimension_numbers, out_dtype):
     # The meta is returned unchanged: its only job is to carry the cotangent chain.
     # lhs[:0], rhs[:0]: empty arrays that carry the primal inputs' manual-axis types
     # (shard_map's vma) to the backward rule.
-    res = (_lhs_for_kernel_grad(q_lhs, dimension_numbers), q_rhs, meta, compute_amax(lhs),
-           compute_amax(rhs), jnp.ravel(lhs)[:0], jnp.ravel(rhs)[:0])
+    res = (_lhs_for_kernel_grad(q_lhs, dimension_numbers), q_rhs, meta, amax_lhs, amax_rhs,
+           jnp.ravel(lhs)[:0], jnp.ravel(rhs)[:0])
     return (out, meta), res
 
 
