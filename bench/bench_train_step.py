@@ -24,6 +24,7 @@ loss. Variants (each a jitted train step with the whole train state donated):
                      jax_fp8_update custom call)
   jax_fp8_packed     jax_fp8 with Fp8TrainState(pack_fp8=True): the FP8 state as one
                      stacked state per (FP8 dtype, history length), fewer step arguments
+  jax_fp8_packed_noupdate  its twin, the packed FP8 state returned unchanged
 
 For each: compile time; the median wall time of --steps steps after --warmup steps,
 each followed by block_until_ready ("wall, median"); the wall time per step of --steps
@@ -84,11 +85,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_update  # noqa: E402  (HLO parsing, profiler traces)
 
 VARIANTS = ("bf16", "flax_fp8", "flax_fp8_noupdate", "jax_fp8", "jax_fp8_noupdate",
-            "jax_fp8_packed")
+            "jax_fp8_packed", "jax_fp8_packed_noupdate")
 # Run order: what the targets need first (a --time-limit skips from the end).
 RUN_ORDER = ("bf16", "jax_fp8", "jax_fp8_noupdate", "flax_fp8", "flax_fp8_noupdate",
-             "jax_fp8_packed")
-TWIN = {"flax_fp8": "flax_fp8_noupdate", "jax_fp8": "jax_fp8_noupdate"}
+             "jax_fp8_packed", "jax_fp8_packed_noupdate")
+TWIN = {"flax_fp8": "flax_fp8_noupdate", "jax_fp8": "jax_fp8_noupdate",
+        "jax_fp8_packed": "jax_fp8_packed_noupdate"}
 LABELS = {
     "bf16": "bf16 (nn.Dense)",
     "flax_fp8": "Flax FP8",
@@ -96,6 +98,7 @@ LABELS = {
     "jax_fp8": "jax_fp8 (Fp8DotGeneral + Fp8TrainState)",
     "jax_fp8_noupdate": "jax_fp8, FP8 state not updated",
     "jax_fp8_packed": "jax_fp8, FP8 state packed (Fp8TrainState(pack_fp8=True))",
+    "jax_fp8_packed_noupdate": "jax_fp8, FP8 state packed, not updated",
 }
 TARGET_SIZE = (2048, 4096)
 TARGETS = (  # (key, description, threshold)
@@ -197,7 +200,7 @@ def make_state(variant, args, x):
                                              params={"params": params, FLAX_OWG: owg})
     fp8 = _init_fn("jax_fp8", args, FP8_COLLECTION)(rng, x)
     return Fp8TrainState.create(apply_fn=model.apply, params=params, fp8=fp8, tx=tx,
-                                recipe=recipe_for(args), pack_fp8=variant == "jax_fp8_packed")
+                                recipe=recipe_for(args), pack_fp8=variant.startswith("jax_fp8_packed"))
 
 
 def bf16_step(state, x, y):
@@ -234,6 +237,7 @@ STEPS = {
     "jax_fp8": functools.partial(_jax_fp8_step, update=True),
     "jax_fp8_noupdate": functools.partial(_jax_fp8_step, update=False),
     "jax_fp8_packed": functools.partial(_jax_fp8_step, update=True),
+    "jax_fp8_packed_noupdate": functools.partial(_jax_fp8_step, update=False),
 }
 
 
@@ -429,8 +433,8 @@ def check_update_calls(variant, hlo):
                         f"compiled HLO, found {n} (is jax_fp8's kernel for this backend "
                         f"built? HAS_CPU_KERNEL={jax_fp8.HAS_CPU_KERNEL}, "
                         f"HAS_CUDA_KERNEL={jax_fp8.HAS_CUDA_KERNEL})")
-    elif variant == "jax_fp8_noupdate":
-        assert n == 0, f"jax_fp8_noupdate step: expected no {UPDATE_TARGET}, found {n}"
+    elif variant.startswith("jax_fp8") and variant.endswith("_noupdate"):
+        assert n == 0, f"{variant} step: expected no {UPDATE_TARGET}, found {n}"
 
 
 # --------------------------------------------------------------------------------------
@@ -511,7 +515,7 @@ def measure_variant(variant, args, x, y, platform_name, start_state=None):
     if variant.startswith("jax_fp8"):
         log(f"  {variant}: {hlo['jax_fp8_update']} {UPDATE_TARGET} custom call(s) in the "
             f"compiled step, as asserted "
-            f"({'none' if variant == 'jax_fp8_noupdate' else 'exactly one'})")
+            f"({'none' if variant.endswith('_noupdate') else 'exactly one'})")
 
     hist0 = _first_history(variant, state)
     hist0 = None if hist0 is None else np.asarray(hist0).copy()

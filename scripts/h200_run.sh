@@ -46,7 +46,7 @@ for section in "$@"; do
            tail -60 "$OUT/bench/results.md" 2>/dev/null || tail -30 "$OUT/bench.log" ;;
     # (XLA_FLAGS above: later variants reuse the GEMM autotuning of earlier ones.)
     e2e) timeout $(( ${E2E_TIMEOUT:-${E2E_LIMIT:-200}} + 35 )) python3 bench/bench_train_step.py \
-           --sizes "${E2E_SIZES:-2048x4096}" --variants "${E2E_VARIANTS:-bf16,flax_fp8,flax_fp8_noupdate,jax_fp8,jax_fp8_noupdate,jax_fp8_packed}" \
+           --sizes "${E2E_SIZES:-2048x4096}" --variants "${E2E_VARIANTS:-bf16,flax_fp8,flax_fp8_noupdate,jax_fp8,jax_fp8_noupdate,jax_fp8_packed,jax_fp8_packed_noupdate}" \
            $([ "${E2E_LIMIT:-200}" = 0 ] || echo --time-limit "${E2E_LIMIT:-200}") ${E2E_ARGS:-} \
            --outdir "$OUT/e2e" 2>&1 | tail -60 ;;
     graph) timeout 120 python3 scripts/cuda_graph_check.py 2>&1 | quiet | tee "$OUT/graph.log" ;;

@@ -18,7 +18,7 @@ import jax_fp8
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "bench_train_step.py")
 VARIANTS = ("bf16", "flax_fp8", "flax_fp8_noupdate", "jax_fp8", "jax_fp8_noupdate",
-            "jax_fp8_packed")
+            "jax_fp8_packed", "jax_fp8_packed_noupdate")
 UPDATING = ("jax_fp8", "jax_fp8_packed")  # exactly one jax_fp8_update each
 
 
@@ -52,6 +52,8 @@ def test_tiny_run_all_variants(tmp_path):
     assert rows["jax_fp8"]["fp8_state_moved"] and rows["flax_fp8"]["fp8_state_moved"]
     assert rows["jax_fp8_packed"]["fp8_state_moved"]
     assert not rows["jax_fp8_noupdate"]["fp8_state_moved"]
+    assert not rows["jax_fp8_packed_noupdate"]["fp8_state_moved"]
+    assert rows["jax_fp8_packed_noupdate"]["hlo"]["jax_fp8_update"] == 0
     assert not rows["flax_fp8_noupdate"]["fp8_state_moved"]
     # Patching out Flax's update_fp8_meta removes kernels from its step.
     assert rows["flax_fp8_noupdate"]["patched"]
@@ -60,6 +62,7 @@ def test_tiny_run_all_variants(tmp_path):
     # Derived numbers: bookkeeping for both FP8 variants, three targets per time measured.
     wall = data["derived"]["64x64"]["step_ms"]
     assert "bookkeeping_ms" in wall["jax_fp8"] and "bookkeeping_ms" in wall["flax_fp8"]
+    assert "bookkeeping_ms" in wall["jax_fp8_packed"]
     assert wall["bf16"]["speedup_vs_bf16"] == pytest.approx(1.0)
     assert {t["target"] for t in data["targets"]} == {"bookkeeping", "vs_bf16", "vs_flax"}
     assert not any(t["binding"] for t in data["targets"])     # not the 2048x4096 size
