@@ -1,13 +1,14 @@
-"""A/B probe: how the backward's gradient quantization fuses in a train step (H200).
+"""A/B probe: where XLA fuses fp8_dot_general's quantization and amaxes in a train step.
 
-XLA fused the quantize of a residual-stream gradient into LayerNorm's column-reduction
-fusion, which then ran ~3x slower than the two kernels Flax's step gets. This runs the
-4-block train step of bench_train_step.py with fp8_dot_general's backward as it is
-("base") and with variants of it swapped in, and prints each one's device time.
+Runs the train step of bench_train_step.py (4 blocks, or PROBE_BLOCKS) with
+fp8_dot_general's forward/backward rules as they are ("base") and with variants swapped
+in, and prints each one's device time as it finishes (results and HLO per variant under
+OUTDIR). Variants: optimization barriers that decide where an amax is taken (in the
+forward pass beside the quantization, or wherever XLA likes), and one on the incoming
+gradient. Same bits in every variant; only XLA's fusion and scheduling change. Results
+so far: docs/benchmarks.md (train-step section).
 
     [PROBE_BLOCKS=24] [PROBE_VARIANTS=jax_fp8] python scripts/fusion_probe.py OUTDIR [variant ...]
-
-(The weight amax cost 11 µs per block at 4 blocks but 76 at 24: probe it at 24.)
 """
 
 import os
