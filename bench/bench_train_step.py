@@ -200,7 +200,8 @@ def make_state(variant, args, x):
                                              params={"params": params, FLAX_OWG: owg})
     fp8 = _init_fn("jax_fp8", args, FP8_COLLECTION)(rng, x)
     return Fp8TrainState.create(apply_fn=model.apply, params=params, fp8=fp8, tx=tx,
-                                recipe=recipe_for(args), pack_fp8=variant.startswith("jax_fp8_packed"))
+                                recipe=recipe_for(args),
+                                pack_fp8=variant.startswith("jax_fp8_packed"))
 
 
 def bf16_step(state, x, y):

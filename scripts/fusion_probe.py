@@ -36,47 +36,20 @@ def barrier_bwd(dimension_numbers, out_dtype, lhs_dtype, rhs_dtype, res, cts):
 BASE_FWD = ops._fp8_dot_fwd
 
 
-def amax_with_quantize_fwd(lhs, rhs, meta, dimension_numbers, out_dtype):
-    """The forward's amaxes tied to the quantized values by an optimization barrier: XLA
-    must compute them in the forward pass, beside the quantization that reads the same
-    values, instead of recomputing the input in a backward-pass fusion."""
-    (out, meta_out), res = BASE_FWD(lhs, rhs, meta, dimension_numbers, out_dtype)
-    lhs_res, q_rhs, m, amax_lhs, amax_rhs, lhs_like, rhs_like = res
-    lhs_res, q_rhs, amax_lhs, amax_rhs = lax.optimization_barrier(
-        (lhs_res, q_rhs, amax_lhs, amax_rhs))
-    return (out, meta_out), (lhs_res, q_rhs, m, amax_lhs, amax_rhs, lhs_like, rhs_like)
+# The forward rule's residual, by name (ops._fp8_dot_fwd's order).
+_RES_FIELDS = ("lhs_res", "q_rhs", "meta", "amax_lhs", "amax_rhs", "lhs_like", "rhs_like")
 
 
-def weight_amax_with_quantize_fwd(lhs, rhs, meta, dimension_numbers, out_dtype):
-    """Only the kernel's amax tied to its quantized copy: XLA otherwise fuses max|w| into
-    adam's update of w (both read w), which costs 1.8 ms at 24 blocks (docs/benchmarks.md)."""
-    (out, meta_out), res = BASE_FWD(lhs, rhs, meta, dimension_numbers, out_dtype)
-    lhs_res, q_rhs, m, amax_lhs, amax_rhs, lhs_like, rhs_like = res
-    q_rhs, amax_rhs = lax.optimization_barrier((q_rhs, amax_rhs))
-    return (out, meta_out), (lhs_res, q_rhs, m, amax_lhs, amax_rhs, lhs_like, rhs_like)
-
-
-def weight_amax_before_output_fwd(lhs, rhs, meta, dimension_numbers, out_dtype):
-    """The kernel's amax tied to the GEMM's output, which everything downstream reads:
-    XLA must compute it in the forward pass (beside the kernel's quantization), so it
-    cannot fuse it into adam's update of w. (Tying it to the residual was not enough:
-    XLA still fused it into adam.)"""
-    (out, meta_out), res = BASE_FWD(lhs, rhs, meta, dimension_numbers, out_dtype)
-    lhs_res, q_rhs, m, amax_lhs, amax_rhs, lhs_like, rhs_like = res
-    out, amax_rhs = lax.optimization_barrier((out, amax_rhs))
-    return (out, meta_out), (lhs_res, q_rhs, m, amax_lhs, amax_rhs, lhs_like, rhs_like)
-
-
-def input_amax_before_output_fwd(lhs, rhs, meta, dimension_numbers, out_dtype):
-    """The input's amax tied to the GEMM's output, so XLA computes it in the forward pass
-    beside the input's quantization. In the 24-block step XLA computes the amax of the
-    GELU output late instead, fused into the GELU's backward, which then is a reduction
-    fusion and can no longer take in the gradient's own E5M2 cast and amax (one more
-    pass over a [tokens, 4d] gradient per block)."""
-    (out, meta_out), res = BASE_FWD(lhs, rhs, meta, dimension_numbers, out_dtype)
-    lhs_res, q_rhs, m, amax_lhs, amax_rhs, lhs_like, rhs_like = res
-    out, amax_lhs = lax.optimization_barrier((out, amax_lhs))
-    return (out, meta_out), (lhs_res, q_rhs, m, amax_lhs, amax_rhs, lhs_like, rhs_like)
+def tied_fwd(*names):
+    """A forward rule like ops._fp8_dot_fwd with the named values ("out" or residual
+    fields) passed through ONE optimization barrier together: each is then available
+    only once all are computed, which pins where XLA may take an amax."""
+    def fwd(lhs, rhs, meta, dimension_numbers, out_dtype):
+        (out, meta_out), res = BASE_FWD(lhs, rhs, meta, dimension_numbers, out_dtype)
+        values = dict(zip(_RES_FIELDS, res), out=out)
+        values.update(zip(names, lax.optimization_barrier(tuple(values[n] for n in names))))
+        return (values["out"], meta_out), tuple(values[n] for n in _RES_FIELDS)
+    return fwd
 
 
 BASE_QUANTIZED_OPERANDS = ops._quantized_operands
@@ -100,12 +73,24 @@ def input_amax_before_gemm_fwd(*args):
         ops._quantized_operands = BASE_QUANTIZED_OPERANDS
 
 
-VARIANTS = {"base": (BASE_FWD, BASE_BWD), "barrier": (BASE_FWD, barrier_bwd),
-            "amax_fwd_barrier": (amax_with_quantize_fwd, BASE_BWD),
-            "weight_amax_fwd_barrier": (weight_amax_with_quantize_fwd, BASE_BWD),
-            "weight_amax_out_barrier": (weight_amax_before_output_fwd, BASE_BWD),
-            "input_amax_out_barrier": (input_amax_before_output_fwd, BASE_BWD),
-            "input_amax_gemm_barrier": (input_amax_before_gemm_fwd, BASE_BWD)}
+VARIANTS = {
+    "base": (BASE_FWD, BASE_BWD),
+    "barrier": (BASE_FWD, barrier_bwd),
+    # The forward's amaxes tied to the quantized residuals: computed in the forward pass
+    # beside the quantization that reads the same values.
+    "amax_fwd_barrier": (tied_fwd("lhs_res", "q_rhs", "amax_lhs", "amax_rhs"), BASE_BWD),
+    # Only the kernel's amax, tied to its quantized copy (XLA otherwise fuses max|w| into
+    # adam's update of w; on the H200 this tie changed no fusion).
+    "weight_amax_fwd_barrier": (tied_fwd("q_rhs", "amax_rhs"), BASE_BWD),
+    # The kernel's amax tied to the GEMM's output, which everything downstream reads: it
+    # must be taken in the forward pass, so not inside adam.
+    "weight_amax_out_barrier": (tied_fwd("out", "amax_rhs"), BASE_BWD),
+    # The input's amax tied to the GEMM's output. XLA otherwise takes the GELU output's
+    # amax late, fused into the GELU's backward, which then is a reduction fusion and
+    # can no longer take in the gradient's own E5M2 cast and amax.
+    "input_amax_out_barrier": (tied_fwd("out", "amax_lhs"), BASE_BWD),
+    "input_amax_gemm_barrier": (input_amax_before_gemm_fwd, BASE_BWD),
+}
 
 
 def main():
