@@ -216,7 +216,7 @@ def _ranges_like(*xs):
         start += len(x)
 
 
-def _transpose_lhs(g, x, y, dimension_numbers, out_dtype, factor, swap_ans=False):
+def _transpose_lhs(g, x, y, dimension_numbers, out_dtype, scale_invs, swap_ans=False):
     """d(dot_general(x, y))/dx applied to g (JAX's own rule, written for any y dtype).
 
     Like JAX's rule it asks for x's own sharding on the result, which a mesh with
@@ -237,10 +237,9 @@ def _transpose_lhs(g, x, y, dimension_numbers, out_dtype, factor, swap_ans=False
     out_axes = np.argsort(unsorted_axes)
     # HIGHEST: no fast (reduced-precision) FP8 accumulation for the gradient GEMMs, as
     # Flax and Transformer Engine do; the forward GEMM may use it (DEFAULT).
-    out = lax.dot_general(g, y, dims, precision=lax.Precision.HIGHEST,
-                          preferred_element_type=out_dtype,
-                          out_sharding=_permuted_sharding(x, unsorted_axes))
-    return lax.transpose(_scaled(out, factor, out_dtype), tuple(int(a) for a in out_axes))
+    out = _fp8_gemm(g, y, dims, *scale_invs, out_dtype, precision=lax.Precision.HIGHEST,
+                    out_sharding=_permuted_sharding(x, unsorted_axes))
+    return lax.transpose(out, tuple(int(a) for a in out_axes))
 
 
 def _permuted_sharding(x, axes):
@@ -265,10 +264,10 @@ def _untransposed_aval(x_t, perm):
         aval.update(shape=shape)
 
 
-def _transpose_rhs(g, x, y, dimension_numbers, out_dtype, factor):
+def _transpose_rhs(g, x, y, dimension_numbers, out_dtype, scale_invs):
     (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
     swapped = ((y_contract, x_contract), (y_batch, x_batch))
-    return _transpose_lhs(g, y, x, swapped, out_dtype, factor, swap_ans=True)
+    return _transpose_lhs(g, y, x, swapped, out_dtype, scale_invs, swap_ans=True)
 
 
 def _scaled(out, factor, dtype):
@@ -287,6 +286,27 @@ def _scaled(out, factor, dtype):
     return (out.astype(jnp.float32) * factor).astype(dtype)
 
 
+# How an FP8 GEMM is dequantized: "output" multiplies its result by the product of the
+# two scale_invs (_scaled); "operands" multiplies each FP8 operand, widened to float32,
+# by its own scale_inv, which XLA's rewriter takes as the cuBLASLt GEMM's two scale
+# operands. (A switch for scripts/fusion_probe.py.)
+_GEMM_DEQUANT = "output"
+
+
+def _fp8_gemm(q_a, q_b, dimension_numbers, scale_inv_a, scale_inv_b, out_dtype,
+              precision=None, out_sharding=None):
+    """dot_general(q_a * scale_inv_a, q_b * scale_inv_b) in out_dtype, for FP8 q_a, q_b."""
+    if _GEMM_DEQUANT == "operands":
+        def widen(q, s):
+            return q.astype(jnp.float32) * jnp.asarray(s, jnp.float32)
+        return lax.dot_general(widen(q_a, scale_inv_a), widen(q_b, scale_inv_b),
+                               dimension_numbers, precision=precision,
+                               preferred_element_type=out_dtype, out_sharding=out_sharding)
+    out = lax.dot_general(q_a, q_b, dimension_numbers, precision=precision,
+                          preferred_element_type=out_dtype, out_sharding=out_sharding)
+    return _scaled(out, scale_inv_a * scale_inv_b, out_dtype)
+
+
 def _quantized_operands(lhs, rhs, meta):
     """The forward's FP8 operands and the amaxes it observes: (q_lhs, q_rhs, amax_lhs,
     amax_rhs). (Its own function so that scripts/fusion_probe.py can try where XLA
@@ -299,8 +319,8 @@ def _fp8_dot_fwd(lhs, rhs, meta, dimension_numbers, out_dtype):
     q_lhs, q_rhs, amax_lhs, amax_rhs = _quantized_operands(lhs, rhs, meta)
     # FP8 operands straight into the dot (XLA rewrites this into a cuBLASLt FP8 GEMM on
     # Hopper/Ada), the result dequantized by the product of the two scale_invs.
-    out = lax.dot_general(q_lhs, q_rhs, dimension_numbers, preferred_element_type=out_dtype)
-    out = _scaled(out, meta.input.scale_inv * meta.kernel.scale_inv, out_dtype)
+    out = _fp8_gemm(q_lhs, q_rhs, dimension_numbers, meta.input.scale_inv,
+                    meta.kernel.scale_inv, out_dtype)
     # The meta is returned unchanged: its only job is to carry the cotangent chain.
     # lhs[:0], rhs[:0]: empty arrays that carry the primal inputs' manual-axis types
     # (shard_map's vma) to the backward rule.
@@ -331,7 +351,7 @@ def _lhs_for_kernel_grad(q_lhs, dimension_numbers):
     return lax.transpose(q_lhs, perm)
 
 
-def _kernel_grad(q_g, lhs_t, q_rhs, dimension_numbers, out_dtype, factor):
+def _kernel_grad(q_g, lhs_t, q_rhs, dimension_numbers, out_dtype, scale_invs):
     """d(dot_general(lhs, rhs))/d rhs applied to q_g, from `_lhs_for_kernel_grad`'s
     residual: both FP8 operands contract over their minor axes. Shapes, without batch
     axes: lhs_t [C..., F_l...], q_g [F_l..., F_r...] -> [C..., F_r...], returned in rhs's
@@ -343,11 +363,9 @@ def _kernel_grad(q_g, lhs_t, q_rhs, dimension_numbers, out_dtype, factor):
     dims = ((tuple(range(n_c, lhs_t.ndim)), tuple(range(n_fr, g_t.ndim))), ((), ()))
     rhs_free = _remaining(range(q_rhs.ndim), rc)
     unsorted_axes = list(rc) + rhs_free
-    out = lax.dot_general(lhs_t, g_t, dims, precision=lax.Precision.HIGHEST,
-                          preferred_element_type=out_dtype,
-                          out_sharding=_permuted_sharding(q_rhs, unsorted_axes))
-    return lax.transpose(_scaled(out, factor, out_dtype),
-                         tuple(int(a) for a in np.argsort(unsorted_axes)))
+    out = _fp8_gemm(lhs_t, g_t, dims, *scale_invs, out_dtype, precision=lax.Precision.HIGHEST,
+                    out_sharding=_permuted_sharding(q_rhs, unsorted_axes))
+    return lax.transpose(out, tuple(int(a) for a in np.argsort(unsorted_axes)))
 
 
 def _to_primal_vma(ct, primal_like, reduce):
@@ -373,12 +391,13 @@ def _fp8_dot_bwd(dimension_numbers, out_dtype, lhs_dtype, rhs_dtype, res, cts):
     perm = _kernel_grad_layout(dimension_numbers, lhs_res.ndim)
     lhs_aval = lhs_res if perm is None else _untransposed_aval(lhs_res, perm)
     grad_lhs = _transpose_lhs(q_g, lhs_aval, q_rhs, dimension_numbers, lhs_dtype,
-                              meta.grad.scale_inv * meta.kernel.scale_inv)
-    rhs_factor = meta.grad.scale_inv * meta.input.scale_inv
+                              (meta.grad.scale_inv, meta.kernel.scale_inv))
     if perm is None:
-        grad_rhs = _transpose_rhs(q_g, lhs_res, q_rhs, dimension_numbers, rhs_dtype, rhs_factor)
+        grad_rhs = _transpose_rhs(q_g, lhs_res, q_rhs, dimension_numbers, rhs_dtype,
+                                  (meta.grad.scale_inv, meta.input.scale_inv))
     else:
-        grad_rhs = _kernel_grad(q_g, lhs_res, q_rhs, dimension_numbers, rhs_dtype, rhs_factor)
+        grad_rhs = _kernel_grad(q_g, lhs_res, q_rhs, dimension_numbers, rhs_dtype,
+                                (meta.input.scale_inv, meta.grad.scale_inv))
     ct_meta_in = Fp8Meta(input=_amax_cotangent(ct_meta.input, amax_lhs, meta.input),
                          kernel=_amax_cotangent(ct_meta.kernel, amax_rhs, meta.kernel),
                          grad=_amax_cotangent(ct_meta.grad, amax_g, meta.grad))

@@ -73,6 +73,19 @@ def input_amax_before_gemm_fwd(*args):
         ops._quantized_operands = BASE_QUANTIZED_OPERANDS
 
 
+def with_gemm_dequant(mode):
+    """BASE_FWD / BASE_BWD traced with ops._GEMM_DEQUANT = mode."""
+    def wrap(rule):
+        def traced(*args):
+            saved, ops._GEMM_DEQUANT = ops._GEMM_DEQUANT, mode
+            try:
+                return rule(*args)
+            finally:
+                ops._GEMM_DEQUANT = saved
+        return traced
+    return wrap(BASE_FWD), wrap(BASE_BWD)
+
+
 VARIANTS = {
     "base": (BASE_FWD, BASE_BWD),
     "barrier": (BASE_FWD, barrier_bwd),
@@ -90,6 +103,10 @@ VARIANTS = {
     # can no longer take in the gradient's own E5M2 cast and amax.
     "input_amax_out_barrier": (tied_fwd("out", "amax_lhs"), BASE_BWD),
     "input_amax_gemm_barrier": (input_amax_before_gemm_fwd, BASE_BWD),
+    # Each FP8 operand dequantized by its own scale_inv (in float32) instead of the GEMM
+    # result by their product: XLA then hands cuBLASLt the two scale_invs as they are,
+    # where the product costs a one-element kernel per GEMM.
+    "gemm_operand_scales": with_gemm_dequant("operands"),
 }
 
 
@@ -106,7 +123,7 @@ def main():
                                      "--outdir", os.path.join(outdir, name)])
         for r in data["results"]:  # printed as each finishes: a cut-off run keeps them
             print("PROBE %-10s %-18s device %.3f ms, %d kernels"
-                  % (name, r["variant"], r.get("device_ms"), r["hlo"]["kernels"]), flush=True)
+                  % (name, r["variant"], r.get("device_ms") or float("nan"), r["hlo"]["kernels"]), flush=True)
     ops._fp8_dot_threaded.defvjp(ops._fp8_dot_fwd_rule, BASE_BWD, symbolic_zeros=True)
 
 
