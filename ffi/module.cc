@@ -5,6 +5,7 @@
 #include <nanobind/nanobind.h>
 
 #if defined(JAX_FP8_CUDA_MODULE)
+#include "transpose_cuda_handler.h"
 #include "update_cuda_handler.h"
 #define JAX_FP8_HANDLER JaxFp8UpdateCuda
 #else
@@ -18,6 +19,11 @@ NB_MODULE(JAX_FP8_MODULE_NAME, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["jax_fp8_update"] = nb::capsule(reinterpret_cast<void*>(&jax_fp8::JAX_FP8_HANDLER));
+#if defined(JAX_FP8_CUDA_MODULE)
+    // GPU only: on the CPU the transpose lowers to XLA's own (see jax_fp8/_transpose.py).
+    d["jax_fp8_transpose_bytes"] =
+        nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8TransposeBytesCuda));
+#endif
     return d;
   });
 }

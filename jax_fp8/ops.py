@@ -45,7 +45,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from jax_fp8 import _amax
+from jax_fp8 import _amax, _transpose
 from jax_fp8 import recipe as recipe_lib
 from jax_fp8.state import ScalingState
 from jax_fp8.update import update_states
@@ -339,6 +339,9 @@ def _lhs_for_kernel_grad(q_lhs, dimension_numbers):
     perm = _kernel_grad_layout(dimension_numbers, q_lhs.ndim)
     if perm is None or perm == tuple(range(q_lhs.ndim)):
         return q_lhs
+    n_c = len(dimension_numbers[0][0])
+    if perm == tuple(range(q_lhs.ndim - n_c, q_lhs.ndim)) + tuple(range(q_lhs.ndim - n_c)):
+        return _transpose.rotate_axes(q_lhs, q_lhs.ndim - n_c)  # the usual [T..., D] case
     return lax.transpose(q_lhs, perm)
 
 
@@ -350,7 +353,7 @@ def _kernel_grad(q_g, lhs_t, q_rhs, dimension_numbers, out_dtype, scale_invs):
     (lc, rc), _ = dimension_numbers
     n_c, n_fl = len(lc), q_g.ndim - (q_rhs.ndim - len(rc))
     n_fr = q_g.ndim - n_fl
-    g_t = lax.transpose(q_g, tuple(range(n_fl, q_g.ndim)) + tuple(range(n_fl)))
+    g_t = _transpose.rotate_axes(q_g, n_fl)
     dims = ((tuple(range(n_c, lhs_t.ndim)), tuple(range(n_fr, g_t.ndim))), ((), ()))
     rhs_free = _remaining(range(q_rhs.ndim), rc)
     unsorted_axes = list(rc) + rhs_free

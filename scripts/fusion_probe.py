@@ -97,6 +97,20 @@ def with_operand_dequant(rule):
     return traced
 
 
+def with_xla_transposes(rule):
+    """`rule` traced with the kernel gradient's FP8 transposes left to XLA (lax.transpose)
+    instead of jax_fp8's byte-transpose kernel."""
+    def traced(*args):
+        saved = ops._transpose.rotate_axes
+        ops._transpose.rotate_axes = lambda x, k: lax.transpose(
+            x, tuple(range(k, x.ndim)) + tuple(range(k)))
+        try:
+            return rule(*args)
+        finally:
+            ops._transpose.rotate_axes = saved
+    return traced
+
+
 VARIANTS = {
     "base": (BASE_FWD, BASE_BWD),
     "barrier": (BASE_FWD, barrier_bwd),
@@ -120,6 +134,7 @@ VARIANTS = {
     # (On the H200: XLA then has cuBLASLt write float32 and converts in a kernel of its
     # own, 6.8 ms slower per 24-block step.)
     "gemm_operand_scales": (with_operand_dequant(BASE_FWD), with_operand_dequant(BASE_BWD)),
+    "xla_transpose": (with_xla_transposes(BASE_FWD), with_xla_transposes(BASE_BWD)),
 }
 
 

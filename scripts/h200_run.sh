@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 (device tool) checks, by section, results under $OUT. Build first (kept on
-# a warm machine), then any of: kernel tests bench e2e e2e_small sanitize scale
+# a warm machine), then any of: kernel tests bench e2e e2e_small sanitize scale transpose
 # multigpu (the last on nvidia-h200-x2 / -x4).
 #   bash scripts/h200_run.sh kernel tests bench      # one device call (~8 min)
 #   bash scripts/h200_run.sh e2e sanitize            # a second one
@@ -49,6 +49,9 @@ for section in "$@"; do
            --sizes "${E2E_SIZES:-2048x4096}" --variants "${E2E_VARIANTS:-bf16,flax_fp8,flax_fp8_noupdate,jax_fp8,jax_fp8_noupdate,jax_fp8_packed,jax_fp8_packed_noupdate}" \
            $([ "${E2E_LIMIT:-200}" = 0 ] || echo --time-limit "${E2E_LIMIT:-200}") ${E2E_ARGS:-} \
            --outdir "$OUT/e2e" 2>&1 | tail -60 ;;
+    # The FP8 byte-transpose kernel: its tests (bits == lax.transpose) and its benchmark.
+    transpose) (cd tests && timeout 120 python3 -m pytest -q -p no:cacheprovider -rfEs test_transpose.py 2>&1 | tail -5) | tee "$OUT/pytest_transpose.log"
+           timeout 120 python3 bench/bench_transpose.py --json "$OUT/transpose.json" 2>&1 | quiet | tee "$OUT/transpose.md" ;;
     graph) timeout 120 python3 scripts/cuda_graph_check.py 2>&1 | quiet | tee "$OUT/graph.log" ;;
     probe) timeout "${PROBE_LIMIT:-400}" python3 scripts/fusion_probe.py "$OUT/probe" ${PROBE_NAMES:-} 2>&1 | grep "PROBE\|Error" ;;
     e2e_small) timeout 235 python3 bench/bench_train_step.py --small --time-limit 200 \

@@ -1,0 +1,87 @@
+"""FP8 matrix transposes: the byte-transpose kernel vs XLA's transpose vs a copy.
+
+The kernel gradient of every FP8 GEMM transposes the quantized input and the quantized
+gradient (cuBLASLt's FP8 GEMMs contract over minor axes only). This measures, per shape,
+the GPU time (profiler trace, sum of kernel durations) of one transpose done by
+`jax_fp8._transpose` (the CUDA kernel), by `lax.transpose` (XLA's kernel), and of an
+elementwise pass over the same bytes (read + write: the floor), and prints a table with
+the ratios. The shapes are those of the train step in bench_train_step.py (tokens x d,
+d = 2048, 4096 tokens) plus two edge cases.
+
+    python bench/bench_transpose.py [--reps 50] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_update  # noqa: E402  (profiler helpers)
+
+from jax_fp8 import _transpose  # noqa: E402
+
+SHAPES = [(4096, 2048), (4096, 6144), (4096, 8192), (8192, 4096), (2048, 2048),
+          (4100, 2052), (16, 4096)]
+
+VARIANTS = {
+    "jax_fp8 kernel": _transpose.transpose_bytes_p.bind,
+    "XLA transpose": lambda x: lax.transpose(x, (1, 0)),
+    # The same bytes read and written once, elementwise (the bandwidth floor).
+    "copy (floor)": lambda x: lax.bitcast_convert_type(
+        lax.bitcast_convert_type(x, jnp.uint8) ^ jnp.uint8(1), x.dtype),
+}
+
+
+def measure(fn, x, reps, platform):
+    step = jax.jit(lambda state: (state[0], fn(state[0])))
+    state = step((x, fn(x)))
+    _, info = bench_update.traced_device_time(step, state, reps, platform)
+    if "error" in info:
+        raise RuntimeError(info["error"])
+    return info["device_us"], info["events_per_call"]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    platform = bench_update._platform()
+    rows = []
+    rng = np.random.default_rng(0)
+    print(f"# FP8 transposes on {jax.devices()[0].device_kind} ({platform}), "
+          f"jax {jax.__version__}, GPU time per transpose (µs)\n")
+    print("| shape | bytes | " + " | ".join(VARIANTS) + " | kernel GB/s | XLA / kernel "
+          "| kernel / copy |")
+    print("|---|---|" + "---|" * (len(VARIANTS) + 3))
+    for shape in SHAPES:
+        x = jax.device_put(np.asarray(rng.integers(0, 256, shape, dtype=np.uint8))
+                           .view(np.dtype(jnp.float8_e4m3fn)))
+        got = np.asarray(_transpose.transpose_bytes_p.bind(x)).view(np.uint8)
+        np.testing.assert_array_equal(got, np.asarray(x).view(np.uint8).T)
+        times = {}
+        for name, fn in VARIANTS.items():
+            times[name] = measure(fn, x, args.reps, platform)
+        k, xla, cp = (times[n][0] for n in VARIANTS)
+        nbytes = int(np.prod(shape))
+        rows.append({"shape": list(shape), "bytes": nbytes,
+                     **{n: {"us": t, "kernels": e} for n, (t, e) in times.items()}})
+        print(f"| {shape[0]}x{shape[1]} | {nbytes / 2**20:.1f} MiB | "
+              + " | ".join(f"{t:.2f}" for t, _ in times.values())
+              + f" | {2 * nbytes / k / 1e3:.0f} | {xla / k:.2f} | {k / cp:.2f} |")
+    if args.json:
+        with open(args.json, "w") as fp:
+            json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                       "rows": rows}, fp, indent=1)
+
+
+if __name__ == "__main__":
+    main()
