@@ -333,9 +333,9 @@ def _kernel_grad_layout(dimension_numbers, lhs_ndim):
 def _lhs_for_kernel_grad(q_lhs, dimension_numbers):
     """The residual for the kernel gradient: the quantized input, already transposed to
     the layout that GEMM wants (contraction over the minor axes), so the backward asks
-    for no layout change. Same bytes as the untransposed residual. (On the H200 with jax
-    0.11, XLA still writes the transpose in a kernel of its own rather than from the
-    quantizing fusion; see docs/benchmarks.md.)"""
+    for no layout change. Same bytes as the untransposed residual. XLA would not fuse
+    the transpose with the quantization anyway, so on CUDA it is jax_fp8's byte-transpose
+    kernel (`_transpose.rotate_axes`), as is the gradient's in `_kernel_grad`."""
     perm = _kernel_grad_layout(dimension_numbers, q_lhs.ndim)
     if perm is None or perm == tuple(range(q_lhs.ndim)):
         return q_lhs

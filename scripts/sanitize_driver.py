@@ -3,7 +3,8 @@
 Covers: a donated (aliased, in-place) per-tensor pytree, a stacked state, mixed
 history lengths (1 .. 5000, several passes per block), skip_unused, amax inputs, and
 1,500 states in one call (two launches past the kernel-parameter limit), and 300
-donated states whose amaxes lie > 16 GB away (64-bit offsets, one launch).
+donated states whose amaxes lie > 16 GB away (64-bit offsets, one launch). With the
+argument "transpose": the FP8 byte-transpose kernel instead (tile edges, batches).
 """
 
 import os
@@ -14,11 +15,27 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fp8
+from jax_fp8 import _transpose
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import helpers  # noqa: E402  (put_far_from)
 
 rng = np.random.default_rng(0)
+
+if sys.argv[1:] == ["transpose"]:
+    # The byte-transpose kernel: whole tiles, partial tiles on both edges, one word, a
+    # batch (vmap), both FP8 types; inputs copied from the host (initcheck), bits checked.
+    for shape in [(4, 4), (128, 128), (132, 260), (4, 1028), (1028, 8), (4096, 2048)]:
+        for dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+            x = rng.integers(0, 256, shape, dtype=np.uint8)
+            y = _transpose.transpose_bytes_p.bind(jax.device_put(x.view(np.dtype(dtype))))
+            assert (np.asarray(y).view(np.uint8) == x.T).all(), (shape, dtype)
+    x = rng.integers(0, 256, (3, 8, 136), dtype=np.uint8)
+    y = jax.jit(lambda a: _transpose.rotate_axes(a, 2))(
+        jax.device_put(x.view(np.dtype(jnp.float8_e4m3fn))))
+    assert (np.asarray(y).view(np.uint8) == np.transpose(x, (2, 0, 1))).all()
+    print("sanitize driver done")
+    sys.exit(0)
 lengths = [1, 2, 3, 16, 1023, 1024, 1025, 5000]
 tree = [jax_fp8.ScalingState(jax.device_put(rng.random((i % 3, L), np.float32)),
                              jax.device_put(np.ones((i % 3,), np.float32)),

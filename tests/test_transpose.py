@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 
 import helpers
 from jax_fp8 import _transpose, ops
@@ -84,7 +83,7 @@ def test_linear_rules():
 
 
 def test_cpu_never_has_the_custom_call():
-    x = jnp.zeros((128, 256), jnp.float8_e4m3fn)
+    x = jax.device_put(jnp.zeros((128, 256), jnp.float8_e4m3fn), jax.devices("cpu")[0])
     hlo = jax.jit(_transpose.transpose_bytes_p.bind).lower(x).compile().as_text()
     assert TARGET not in hlo and re.search(r"\btranspose\(", hlo)
 
