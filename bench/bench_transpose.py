@@ -83,10 +83,30 @@ def main(argv=None):
               + " | ".join(f"{t:.2f}" for t, _ in times.values())
               + f" | {2 * nbytes / k / 1e3:.0f} | {xla / k:.2f} | {k / cp:.2f} | "
               + "/".join(f"{e:g}" for _, e in times.values()) + " |")
+    # The gradient's quantize + transpose + amax: one kernel vs XLA's (quantize and amax
+    # fused, the amax's second stage, the transpose).
+    qt_rows = []
+    print("\n# Quantize (E5M2, scale 0.5) + transpose + amax of a bf16 gradient, GPU time (µs)\n")
+    print("| shape | jax_fp8 kernel | XLA ops | kernels (ours / XLA) | XLA / kernel |")
+    print("|---|---|---|---|---|")
+    qt_variants = {
+        "kernel": lambda x: _transpose.quantize_transpose_p.bind(
+            x, jnp.float32(0.5), fp8_dtype=np.dtype(jnp.float8_e5m2)),
+        "xla": lambda x: _transpose._qt_reference(
+            x, jnp.float32(0.5), fp8_dtype=np.dtype(jnp.float8_e5m2)),
+    }
+    for shape in [(4096, 2048), (4096, 6144), (4096, 8192)]:
+        g = np.asarray(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16))
+        t = {n: measure(fn, jax.device_put(g), args.reps, platform)  # (donated: a copy each)
+             for n, fn in qt_variants.items()}
+        qt_rows.append({"shape": list(shape), **{n: {"us": u, "kernels": e}
+                                                 for n, (u, e) in t.items()}})
+        print(f"| {shape[0]}x{shape[1]} | {t['kernel'][0]:.2f} | {t['xla'][0]:.2f} | "
+              f"{t['kernel'][1]:g} / {t['xla'][1]:g} | {t['xla'][0] / t['kernel'][0]:.2f} |")
     if args.json:
         with open(args.json, "w") as fp:
             json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                       "rows": rows}, fp, indent=1)
+                       "rows": rows, "quantize_transpose": qt_rows}, fp, indent=1)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,11 @@ NB_MODULE(JAX_FP8_MODULE_NAME, m) {
     nb::dict d;
     d["jax_fp8_update"] = nb::capsule(reinterpret_cast<void*>(&jax_fp8::JAX_FP8_HANDLER));
 #if defined(JAX_FP8_CUDA_MODULE)
-    // GPU only: on the CPU the transpose lowers to XLA's own (see jax_fp8/_transpose.py).
+    // GPU only: on the CPU these lower to XLA's own ops (see jax_fp8/_transpose.py).
     d["jax_fp8_transpose_bytes"] =
         nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8TransposeBytesCuda));
+    d["jax_fp8_quantize_transpose"] =
+        nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8QuantizeTransposeCuda));
 #endif
     return d;
   });

@@ -1,5 +1,5 @@
 #pragma once
-// Transpose of byte-sized (FP8) matrices on the GPU: the layout change cuBLASLt's FP8
+// Transposes of byte-sized (FP8) matrices on the GPU: the layout change cuBLASLt's FP8
 // GEMMs need for their gradient operands (both must contract over their minor axis).
 #include <cstdint>
 
@@ -7,12 +7,25 @@
 
 namespace jax_fp8 {
 
-// out[b, c, r] = in[b, r, c] for 1-byte elements; rows and cols must be multiples of 4
-// (whole 32-bit words on both sides) and rows / 128 must fit a grid dimension.
+// Whether the kernels below take these sizes: rows and cols multiples of 4 (whole
+// 32-bit words on both sides) and the tile grid within CUDA's limits. The Python side
+// (jax_fp8/_transpose.py) checks the same before it emits a call.
+bool TransposeBytesSupports(int64_t batch, int64_t rows, int64_t cols);
+
+// out[b, c, r] = in[b, r, c] for 1-byte elements.
 cudaError_t LaunchTransposeBytes(cudaStream_t stream, const void* in, void* out,
                                  int64_t batch, int64_t rows, int64_t cols);
 
-// Whether LaunchTransposeBytes takes these sizes (the Python side checks the same).
-bool TransposeBytesSupports(int64_t batch, int64_t rows, int64_t cols);
+enum class InType { kF32, kBF16, kF16 };
+enum class Fp8Type { kE4M3FN, kE5M2 };
+
+// For x [rows, cols] of `in_type` and the float32 scalar *scale, in one pass:
+//   q   [rows, cols] = saturate_cast<fp8>(float32(x) * scale)   (NaN stays NaN)
+//   q_t [cols, rows] = q transposed
+//   amax[]           = max |x| as float32 (NaN if any x is NaN)
+// with exactly the bits of jax_fp8.quantize, lax.transpose and jnp.max(jnp.abs(x)).
+cudaError_t LaunchQuantizeTranspose(cudaStream_t stream, InType in_type, Fp8Type fp8_type,
+                                    const void* x, const float* scale, void* q, void* q_t,
+                                    float* amax, int64_t rows, int64_t cols);
 
 }  // namespace jax_fp8

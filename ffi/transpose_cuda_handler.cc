@@ -1,5 +1,5 @@
-// XLA FFI handler "jax_fp8_transpose_bytes" (CUDA): checks the buffers, then one launch
-// on XLA's stream. Command-buffer compatible: it only enqueues work.
+// XLA FFI handlers "jax_fp8_transpose_bytes" and "jax_fp8_quantize_transpose" (CUDA):
+// check the buffers, then enqueue on XLA's stream (command-buffer compatible).
 #include "transpose_cuda_handler.h"
 
 #include <string>
@@ -51,7 +51,65 @@ ffi::Error TransposeBytesImpl(cudaStream_t stream, ffi::AnyBuffer in,
   return ffi::Error::Success();
 }
 
+ffi::Error QuantizeTransposeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer scale,
+                                 ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> q_t,
+                                 ffi::Result<ffi::AnyBuffer> amax) {
+  constexpr const char* kName = "jax_fp8_quantize_transpose: ";
+  InType in_type;
+  switch (x.element_type()) {
+    case ffi::DataType::F32: in_type = InType::kF32; break;
+    case ffi::DataType::BF16: in_type = InType::kBF16; break;
+    case ffi::DataType::F16: in_type = InType::kF16; break;
+    default:
+      return ffi::Error::InvalidArgument(std::string(kName) + "x must be f32, bf16 or f16");
+  }
+  Fp8Type fp8_type;
+  switch (q->element_type()) {
+    case ffi::DataType::F8E4M3FN: fp8_type = Fp8Type::kE4M3FN; break;
+    case ffi::DataType::F8E5M2: fp8_type = Fp8Type::kE5M2; break;
+    default:
+      return ffi::Error::InvalidArgument(std::string(kName) + "q must be f8e4m3fn or f8e5m2");
+  }
+  const auto dims = x.dimensions();
+  if (dims.size() != 2 || q->dimensions().size() != 2 || q_t->dimensions().size() != 2 ||
+      q->dimensions()[0] != dims[0] || q->dimensions()[1] != dims[1] ||
+      q_t->dimensions()[0] != dims[1] || q_t->dimensions()[1] != dims[0] ||
+      q_t->element_type() != q->element_type()) {
+    return ffi::Error::InvalidArgument(std::string(kName) +
+                                       "x, q must be [R, C] and q_t [C, R] of q's type");
+  }
+  if (scale.element_type() != ffi::DataType::F32 || scale.element_count() != 1 ||
+      amax->element_type() != ffi::DataType::F32 || amax->element_count() != 1) {
+    return ffi::Error::InvalidArgument(std::string(kName) +
+                                       "scale and amax must be float32 scalars");
+  }
+  const int64_t rows = dims[0], cols = dims[1];
+  if (!TransposeBytesSupports(1, rows, cols)) {
+    return ffi::Error::InvalidArgument(std::string(kName) + "sizes not supported: " +
+                                       std::to_string(rows) + " x " + std::to_string(cols));
+  }
+  const cudaError_t err = LaunchQuantizeTranspose(
+      stream, in_type, fp8_type, x.untyped_data(), static_cast<const float*>(scale.untyped_data()),
+      q->untyped_data(), q_t->untyped_data(), static_cast<float*>(amax->untyped_data()), rows,
+      cols);
+  if (err != cudaSuccess) {
+    return ffi::Error::Internal(std::string(kName) + "CUDA launch failed: " +
+                                cudaGetErrorString(err));
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp8QuantizeTransposeCuda, QuantizeTransposeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp8TransposeBytesCuda, TransposeBytesImpl,
                               ffi::Ffi::Bind()

@@ -16,6 +16,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
@@ -90,3 +91,89 @@ def rotate_axes(x, k: int):
     lead, trail = x.shape[:k], x.shape[k:]
     y = transpose_bytes_p.bind(x.reshape(math.prod(lead), math.prod(trail)))
     return y.reshape(trail + lead)
+
+
+# --------------------------------------------------------------------------- quantize
+
+QUANTIZE_TARGET = "jax_fp8_quantize_transpose"
+_KERNEL_IN = {np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)}
+_KERNEL_FP8 = {np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)}
+
+quantize_transpose_p = Primitive("jax_fp8_quantize_transpose")
+quantize_transpose_p.multiple_results = True
+
+
+def _qt_abstract_eval(x, scale, *, fp8_dtype):
+    if x.ndim != 2 or scale.shape != () or scale.dtype != np.float32:
+        raise TypeError(f"jax_fp8_quantize_transpose: takes a matrix and a float32 scalar, "
+                        f"got {x.dtype}{list(x.shape)}, {scale.dtype}{list(scale.shape)}")
+    rows, cols = x.shape
+    return (x.update(shape=(rows, cols), dtype=fp8_dtype, weak_type=False),
+            x.update(shape=(cols, rows), dtype=fp8_dtype, weak_type=False),
+            jax.core.ShapedArray((), np.float32))
+
+
+quantize_transpose_p.def_abstract_eval(_qt_abstract_eval)
+
+
+def _qt_reference(x, scale, *, fp8_dtype):
+    """What the kernel computes, in jax.numpy: jax_fp8.quantize, lax.transpose and
+    compute_amax (so also its one-collective amax under a multi-device jit)."""
+    from jax_fp8 import ops  # (ops imports this module)
+    from jax_fp8.state import ScalingState
+    state = ScalingState(jnp.zeros((1,), np.float32), scale, scale, fp8_dtype=fp8_dtype)
+    q = ops.quantize(x, state)
+    return q, _swap(q), ops.compute_amax(x)
+
+
+quantize_transpose_p.def_impl(
+    lambda x, scale, *, fp8_dtype: _jitted_qt(np.dtype(fp8_dtype))(x, scale))
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_qt(fp8_dtype):
+    return jax.jit(functools.partial(quantize_transpose_p.bind, fp8_dtype=fp8_dtype))
+
+
+def _qt_cuda_lowering(ctx, x, scale, *, fp8_dtype):
+    aval = ctx.avals_in[0]
+    if (_partition.needs_partitioning(ctx) or not kernel_takes(*aval.shape)
+            or np.dtype(aval.dtype) not in _KERNEL_IN or np.dtype(fp8_dtype) not in _KERNEL_FP8):
+        return mlir.lower_fun(_qt_reference, multiple_results=True)(ctx, x, scale,
+                                                                   fp8_dtype=fp8_dtype)
+    return jax.ffi.ffi_lowering(QUANTIZE_TARGET)(ctx, x, scale)
+
+
+mlir.register_lowering(quantize_transpose_p, mlir.lower_fun(_qt_reference,
+                                                            multiple_results=True))
+if _registration.HAS_CUDA_KERNEL:
+    mlir.register_lowering(quantize_transpose_p, _qt_cuda_lowering, platform="cuda")
+
+
+def _qt_batch(args, dims, *, fp8_dtype):
+    outs = jax.vmap(functools.partial(_qt_reference, fp8_dtype=fp8_dtype), in_axes=dims)(*args)
+    return outs, (0, 0, 0)
+
+
+batching.primitive_batchers[quantize_transpose_p] = _qt_batch
+
+
+def quantize_rotate_applies(x, fp8_dtype) -> bool:
+    """Whether quantize_rotate may take x: a tensor of a type the kernel reads, outside
+    shard_map's per-device values and Explicit meshes (the kernel's amax is a plain
+    scalar). Elsewhere callers quantize, take the amax and rotate_axes separately."""
+    return (x.ndim >= 2 and np.dtype(x.dtype) in _KERNEL_IN
+            and np.dtype(fp8_dtype) in _KERNEL_FP8
+            and not _amax.varying_axes(x) and not _amax.on_explicit_mesh(x))
+
+
+def quantize_rotate(x, k: int, scale, fp8_dtype):
+    """(quantize(x), rotate_axes(quantize(x), k), compute_amax(x)) in one pass over x on
+    CUDA (ffi/transpose_cuda.cu), the same bits as those three anywhere.
+
+    Shapes: x [A..., B...] (k = number of A axes) -> q [A..., B...], q_t [B..., A...], []."""
+    lead, trail = x.shape[:k], x.shape[k:]
+    q, q_t, amax = quantize_transpose_p.bind(
+        x.reshape(math.prod(lead), math.prod(trail)), jnp.asarray(scale, np.float32),
+        fp8_dtype=np.dtype(fp8_dtype))
+    return q.reshape(x.shape), q_t.reshape(trail + lead), amax

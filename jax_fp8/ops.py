@@ -30,8 +30,9 @@ ever consumed twice, so JAX never sums. In particular:
 * gradient accumulation / microbatching: each microbatch's gradient is computed
   separately; combine the FP8 parts with `combine_fp8_grads` (max), not ``+``.
 
-NaN: `compute_amax` propagates NaN; combining uses ``fmax`` and the update ``fmaxf``,
-which ignore NaN, as SPEC.md does for the staging slot.
+NaN: `compute_amax` propagates NaN on the GPU (XLA's CPU max reduction drops it);
+combining uses ``fmax`` and the update ``fmaxf``, which ignore NaN, as SPEC.md does for
+the staging slot.
 """
 
 from __future__ import annotations
@@ -345,15 +346,21 @@ def _lhs_for_kernel_grad(q_lhs, dimension_numbers):
     return lax.transpose(q_lhs, perm)
 
 
-def _kernel_grad(q_g, lhs_t, q_rhs, dimension_numbers, out_dtype, scale_invs):
+def _lhs_free_axes(g, rhs, rhs_contract):
+    """How many leading axes of the output gradient g come from lhs (no batch axes)."""
+    return g.ndim - (rhs.ndim - len(rhs_contract))
+
+
+def _kernel_grad(q_g, lhs_t, q_rhs, dimension_numbers, out_dtype, scale_invs, g_t=None):
     """d(dot_general(lhs, rhs))/d rhs applied to q_g, from `_lhs_for_kernel_grad`'s
     residual: both FP8 operands contract over their minor axes. Shapes, without batch
     axes: lhs_t [C..., F_l...], q_g [F_l..., F_r...] -> [C..., F_r...], returned in rhs's
-    axis order."""
+    axis order. g_t: q_g already rotated to [F_r..., F_l...], if the caller has it."""
     (lc, rc), _ = dimension_numbers
-    n_c, n_fl = len(lc), q_g.ndim - (q_rhs.ndim - len(rc))
+    n_c, n_fl = len(lc), _lhs_free_axes(q_g, q_rhs, rc)
     n_fr = q_g.ndim - n_fl
-    g_t = _transpose.rotate_axes(q_g, n_fl)
+    if g_t is None:
+        g_t = _transpose.rotate_axes(q_g, n_fl)
     dims = ((tuple(range(n_c, lhs_t.ndim)), tuple(range(n_fr, g_t.ndim))), ((), ()))
     rhs_free = _remaining(range(q_rhs.ndim), rc)
     unsorted_axes = list(rc) + rhs_free
@@ -380,9 +387,18 @@ def _fp8_dot_bwd(dimension_numbers, out_dtype, lhs_dtype, rhs_dtype, res, cts):
     g, ct_meta = cts
     if isinstance(g, SymbolicZero):  # only the threaded meta is used downstream
         g = jnp.zeros(g.aval.shape, g.aval.dtype)
-    amax_g = compute_amax(g)
-    q_g = quantize(g, meta.grad)
     perm = _kernel_grad_layout(dimension_numbers, lhs_res.ndim)
+    n_fl = _lhs_free_axes(g, q_rhs, dimension_numbers[0][1])
+    g_t = None
+    if perm is not None and 0 < n_fl < g.ndim and _transpose.quantize_rotate_applies(
+            g, meta.grad.fp8_dtype):
+        # One pass over g for its FP8 copy, that copy transposed for the kernel gradient,
+        # and its amax (on CUDA a kernel of jax_fp8's; XLA would take three).
+        q_g, g_t, amax_g = _transpose.quantize_rotate(g, n_fl, meta.grad.scale,
+                                                      meta.grad.fp8_dtype)
+    else:
+        amax_g = compute_amax(g)
+        q_g = quantize(g, meta.grad)
     lhs_aval = lhs_res if perm is None else _untransposed_aval(lhs_res, perm)
     grad_lhs = _transpose_lhs(q_g, lhs_aval, q_rhs, dimension_numbers, lhs_dtype,
                               (meta.grad.scale_inv, meta.kernel.scale_inv))
@@ -391,7 +407,7 @@ def _fp8_dot_bwd(dimension_numbers, out_dtype, lhs_dtype, rhs_dtype, res, cts):
                                   (meta.grad.scale_inv, meta.input.scale_inv))
     else:
         grad_rhs = _kernel_grad(q_g, lhs_res, q_rhs, dimension_numbers, rhs_dtype,
-                                (meta.input.scale_inv, meta.grad.scale_inv))
+                                (meta.input.scale_inv, meta.grad.scale_inv), g_t=g_t)
     ct_meta_in = Fp8Meta(input=_amax_cotangent(ct_meta.input, amax_lhs, meta.input),
                          kernel=_amax_cotangent(ct_meta.kernel, amax_rhs, meta.kernel),
                          grad=_amax_cotangent(ct_meta.grad, amax_g, meta.grad))

@@ -111,6 +111,19 @@ def with_xla_transposes(rule):
     return traced
 
 
+def without_quantize_transpose(rule):
+    """`rule` traced with the gradient quantized, its amax taken and transposed by XLA
+    (three kernels) instead of jax_fp8's one quantize + transpose + amax kernel."""
+    def traced(*args):
+        saved = ops._transpose.quantize_rotate_applies
+        ops._transpose.quantize_rotate_applies = lambda *a: False
+        try:
+            return rule(*args)
+        finally:
+            ops._transpose.quantize_rotate_applies = saved
+    return traced
+
+
 VARIANTS = {
     "base": (BASE_FWD, BASE_BWD),
     "barrier": (BASE_FWD, barrier_bwd),
@@ -135,6 +148,7 @@ VARIANTS = {
     # own, 6.8 ms slower per 24-block step.)
     "gemm_operand_scales": (with_operand_dequant(BASE_FWD), with_operand_dequant(BASE_BWD)),
     "xla_transpose": (with_xla_transposes(BASE_FWD), with_xla_transposes(BASE_BWD)),
+    "no_quantize_transpose": (BASE_FWD, without_quantize_transpose(BASE_BWD)),
 }
 
 

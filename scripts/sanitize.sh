@@ -9,11 +9,12 @@ out=${1:-.}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")" && pwd)
 status=0
-# SANITIZE_TARGETS: "update" (UpdateKernel) and/or "transpose" (TransposeBytesKernel).
+# SANITIZE_TARGETS: "update" (UpdateKernel) and/or "transpose" (TransposeBytesKernel,
+# QuantizeTransposeKernel).
 for target in ${SANITIZE_TARGETS:-update transpose}; do
   case $target in
     update) kernel=UpdateKernel; log_suffix="" ;;
-    transpose) kernel=TransposeBytesKernel; log_suffix=_transpose ;;
+    transpose) kernel=Transpose; log_suffix=_transpose ;;  # both transpose kernels
     *) echo "unknown target $target"; exit 2 ;;
   esac
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do

@@ -4,7 +4,8 @@ Covers: a donated (aliased, in-place) per-tensor pytree, a stacked state, mixed
 history lengths (1 .. 5000, several passes per block), skip_unused, amax inputs, and
 1,500 states in one call (two launches past the kernel-parameter limit), and 300
 donated states whose amaxes lie > 16 GB away (64-bit offsets, one launch). With the
-argument "transpose": the FP8 byte-transpose kernel instead (tile edges, batches).
+argument "transpose": the FP8 transpose kernels instead (byte transpose; quantize +
+transpose + amax), tile edges and batches.
 """
 
 import os
@@ -34,6 +35,16 @@ if sys.argv[1:] == ["transpose"]:
     y = jax.jit(lambda a: _transpose.rotate_axes(a, 2))(
         jax.device_put(x.view(np.dtype(jnp.float8_e4m3fn))))
     assert (np.asarray(y).view(np.uint8) == np.transpose(x, (2, 0, 1))).all()
+    # The quantize + transpose + amax kernel: every input and FP8 type, edge tiles.
+    for shape in [(4, 4), (132, 260), (1028, 8), (4096, 2048)]:
+        for in_dtype in (np.float32, jnp.bfloat16, jnp.float16):
+            for dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+                x = jax.device_put(rng.standard_normal(shape).astype(in_dtype))
+                q, q_t, amax = _transpose.quantize_transpose_p.bind(
+                    x, jax.device_put(np.float32(0.5)), fp8_dtype=np.dtype(dtype))
+                q8 = np.asarray(q).view(np.uint8)
+                assert (np.asarray(q_t).view(np.uint8) == q8.T).all(), (shape, dtype)
+                assert amax == np.abs(np.asarray(x, np.float32)).max(), (shape, dtype)
     print("sanitize driver done")
     sys.exit(0)
 lengths = [1, 2, 3, 16, 1023, 1024, 1025, 5000]

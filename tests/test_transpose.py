@@ -1,5 +1,7 @@
-"""The FP8 byte-transpose primitive: bits equal to lax.transpose on every backend, the
-CUDA kernel in the compiled program where it applies, XLA's transpose elsewhere."""
+"""The FP8 transpose primitives: the byte transpose (bits equal to lax.transpose) and the
+quantize + transpose + amax of a gradient (bits equal to quantize, lax.transpose and
+compute_amax) on every backend; the CUDA kernels in the compiled program where they
+apply, XLA's ops elsewhere."""
 
 import re
 
@@ -11,8 +13,10 @@ import pytest
 import helpers
 from jax_fp8 import _transpose, ops
 from jax_fp8.ops import Fp8Meta
+from jax_fp8.state import ScalingState
 
 TARGET = 'custom_call_target="jax_fp8_transpose_bytes"'
+QT_TARGET = 'custom_call_target="jax_fp8_quantize_transpose"'
 FP8 = [jnp.float8_e4m3fn, jnp.float8_e5m2]
 
 
@@ -102,8 +106,124 @@ def test_gpu_program_has_the_kernel_for_fp8_dot_general_gradients(gpu_device):
     args = jax.device_put((jnp.ones((256, 512), jnp.bfloat16), jnp.ones((512, 384)),
                            Fp8Meta.create()), gpu_device)
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
-    assert hlo.count(TARGET) == 2, hlo.count(TARGET)
+    # The input's transpose (forward residual) and the gradient's quantize + transpose.
+    assert hlo.count(TARGET) == 1, hlo.count(TARGET)
+    assert hlo.count(QT_TARGET) == 1, hlo.count(QT_TARGET)
     # (The kernel's own cast + transpose from float32 stays one XLA fusion.)
     f8_transposes = [ln for ln in hlo.splitlines()
                      if re.search(r"%(wrapped_transpose|transpose|copy)\S* = f8e", ln)]
     assert not f8_transposes, f8_transposes
+
+
+# ------------------------------------------------------------------ quantize + transpose
+
+def special_values(rng, shape, dtype, fp8_dtype):
+    """Random values spread over the FP8 range and beyond, with NaN, +-inf, +-0, values
+    just past fp8_max, ones that round to FP8 subnormals, and float32 subnormals."""
+    fmax = float(jnp.finfo(fp8_dtype).max)
+    x = rng.standard_normal(shape) * 10.0 ** rng.integers(-8, 6, size=shape)
+    flat = x.reshape(-1)
+    picks = rng.choice(flat.size, size=min(flat.size, 64), replace=False)
+    specials = [np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, fmax, -fmax, fmax * 1.01,
+                -fmax * 1.5, 1e-40, -1e-42, 2.0 ** -17, 2.0 ** -10, 3e-3, 65504.0]
+    for i, p in enumerate(picks):
+        flat[p] = specials[i % len(specials)]
+    return jnp.asarray(x, dtype)
+
+
+def assert_fp8_equal(got, want):
+    """Same bytes, but any NaN for a NaN (XLA and CUDA may give different NaN bits)."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    g_nan = np.isnan(got.astype(np.float32))
+    np.testing.assert_array_equal(g_nan, np.isnan(want.astype(np.float32)))
+    np.testing.assert_array_equal(as_bytes(got)[~g_nan], as_bytes(want)[~g_nan])
+
+
+@pytest.mark.parametrize("in_dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("shape", [(4, 4), (132, 260), (256, 128), (4096, 1024)])
+def test_quantize_transpose_bits(backend, device, in_dtype, fp8_dtype, shape):
+    rng = np.random.default_rng(len(shape) + shape[0])
+    x = special_values(rng, shape, in_dtype, fp8_dtype)
+    for scale in (np.float32(1.0), np.float32(0.37), np.float32(3e4), np.float32(1e-3)):
+        got = helpers.run_on(device, lambda x, s: _transpose.quantize_transpose_p.bind(
+            x, s, fp8_dtype=np.dtype(fp8_dtype)), x, scale)
+        state = ScalingState(jnp.zeros((1,), jnp.float32), scale, scale, fp8_dtype=fp8_dtype)
+        want_q = helpers.run_on(helpers.backend_device("cpu"), ops.quantize, x, state)
+        assert_fp8_equal(got[0], want_q)
+        assert_fp8_equal(got[1], want_q.T)
+        np.testing.assert_array_equal(got[2], helpers.run_on(device, ops.compute_amax, x))
+
+
+@pytest.mark.gpu
+def test_quantize_transpose_amax_is_nan_with_one_nan(gpu_device):
+    """As XLA's max on the GPU (its CPU max reduction drops NaN instead)."""
+    device = gpu_device
+    x = np.ones((128, 256), np.float32)
+    x[77, 201] = np.nan
+    got = helpers.run_on(device, lambda x: _transpose.quantize_transpose_p.bind(
+        x, jnp.float32(1), fp8_dtype=np.dtype(jnp.float8_e5m2)), x)
+    assert np.isnan(got[2])
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_quantize_rotate(backend, device, k):
+    x = special_values(np.random.default_rng(k), (8, 12, 64), jnp.bfloat16, jnp.float8_e5m2)
+    scale = np.float32(0.5)
+    got = helpers.run_on(device, lambda x: _transpose.quantize_rotate(
+        x, k, scale, jnp.float8_e5m2), x)
+    state = ScalingState(jnp.zeros((1,), jnp.float32), scale, scale, fp8_dtype=jnp.float8_e5m2)
+    want = np.asarray(ops.quantize(x, state))
+    assert_fp8_equal(got[0], want)
+    assert_fp8_equal(got[1], np.transpose(want, tuple(range(k, 3)) + tuple(range(k))))
+    np.testing.assert_array_equal(got[2], helpers.run_on(device, ops.compute_amax, x))
+
+
+def test_quantize_transpose_vmap_and_unsupported_sizes(backend, device):
+    x = special_values(np.random.default_rng(5), (2, 6, 10), jnp.bfloat16, jnp.float8_e4m3fn)
+    got = helpers.run_on(device, jax.vmap(lambda x: _transpose.quantize_transpose_p.bind(
+        x, jnp.float32(2), fp8_dtype=np.dtype(jnp.float8_e4m3fn))), x)
+    state = ScalingState(jnp.zeros((1,), jnp.float32), jnp.float32(2), jnp.float32(2))
+    for i in range(2):
+        want = np.asarray(ops.quantize(x[i], state))
+        assert_fp8_equal(got[0][i], want)
+        assert_fp8_equal(got[1][i], want.T)
+        np.testing.assert_array_equal(got[2][i], helpers.run_on(device, ops.compute_amax, x[i]))
+
+
+def test_quantize_rotate_applies():
+    x = jnp.zeros((8, 16), jnp.bfloat16)
+    assert _transpose.quantize_rotate_applies(x, jnp.float8_e5m2)
+    assert not _transpose.quantize_rotate_applies(x, jnp.float8_e4m3fnuz)
+    assert not _transpose.quantize_rotate_applies(x.astype(jnp.float64 if jax.config.jax_enable_x64
+                                                            else jnp.int8), jnp.float8_e5m2)
+
+
+@pytest.mark.gpu
+def test_gpu_gradients_same_with_and_without_the_kernels(gpu_device, monkeypatch):
+    """fp8_dot_general's gradients and amaxes on the GPU, with the quantize + transpose
+    kernel and with XLA's quantize, amax and transpose: the amaxes (and so the FP8
+    state) are bit-equal; the GEMM results agree (the two programs may pick different
+    cuBLAS algorithms, so not bit for bit)."""
+    dn = (((1,), (0,)), ((), ()))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((512, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((256, 384)) * 0.05, jnp.float32)
+    meta = jax.tree.map(lambda a: a * 0.5 if a.ndim == 0 else a, Fp8Meta.create())
+
+    def grads():
+        def loss(x, w, m):
+            y, _ = ops.fp8_dot_general(x, w, dn, m)
+            return jnp.sum(jnp.sin(y.astype(jnp.float32)))
+        return helpers.run_on(gpu_device, jax.grad(loss, argnums=(0, 1, 2)), x, w, meta)
+
+    with_kernel = grads()
+    monkeypatch.setattr(_transpose, "quantize_rotate_applies", lambda *a: False)
+    jax.clear_caches()
+    without = grads()
+    for a, b in zip(jax.tree.leaves(with_kernel[2]), jax.tree.leaves(without[2])):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(with_kernel[:2], without[:2]):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=2e-2, atol=1e-3)
