@@ -1,13 +1,22 @@
-"""The `jax_fp8_transpose_bytes` primitive: [R, C] -> [C, R] for FP8 (1-byte) matrices.
+"""FP8 layout changes for the backward GEMMs, as CUDA kernels of jax_fp8's.
 
 cuBLASLt's FP8 GEMMs only contract over both operands' minor axes, so the kernel
 gradient needs the quantized input and the quantized gradient transposed. XLA writes
-those transposes in kernels of their own anyway (they are not fused with the
-quantization), at about half the bandwidth of a copy for 1-byte elements on an H200;
-on CUDA this primitive is one custom call to a byte-transpose kernel
-(ffi/transpose_cuda.cu) that runs near copy speed. The bits are those of
-`lax.transpose`: every other platform, a multi-device jit (whose partitioner handles
-XLA's transpose), and sizes the kernel does not take lower to `lax.transpose` itself.
+those transposes as kernels of their own (never fused with the quantization), at about
+half of a copy's bandwidth for 1-byte elements on an H200, and where the gradient's
+producer is a reduction fusion it quantizes the gradient in a second pass. Two
+primitives, each one custom call on CUDA (ffi/transpose_cuda.cu):
+
+* `jax_fp8_transpose_bytes`: [R, C] -> [C, R] for 1-byte (FP8) matrices, near copy
+  speed; `rotate_axes` applies it to [A..., B...] -> [B..., A...].
+* `jax_fp8_quantize_transpose`: x [R, C] (f32/bf16/f16) and a scale -> the FP8 copy of
+  x, that copy transposed and max |x|, from one read of x; `quantize_rotate` is the
+  [A..., B...] form that `fp8_dot_general`'s backward uses for its incoming gradient.
+
+The bits are those of `lax.transpose`, `jax_fp8.quantize` and `compute_amax` (a NaN's
+payload aside). Every other platform, a multi-device jit (whose partitioner handles
+XLA's ops and the amax's one all-reduce), and sizes or types the kernels do not take
+lower to those XLA ops themselves.
 """
 
 from __future__ import annotations
@@ -156,6 +165,15 @@ def _qt_batch(args, dims, *, fp8_dtype):
 
 
 batching.primitive_batchers[quantize_transpose_p] = _qt_batch
+# Differentiated (e.g. the gradient of a gradient through fp8_dot_general's backward) as
+# the jax.numpy ops it stands for.
+def _qt_jvp(primals, tangents, *, fp8_dtype):
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    return jax.jvp(functools.partial(_qt_reference, fp8_dtype=fp8_dtype), tuple(primals),
+                   tuple(tangents))
+
+
+ad.primitive_jvps[quantize_transpose_p] = _qt_jvp
 
 
 def quantize_rotate_applies(x, fp8_dtype) -> bool:

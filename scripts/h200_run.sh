@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The H200 (device tool) checks, by section, results under $OUT. Build first (kept on
 # a warm machine), then any of: kernel tests bench e2e e2e_small sanitize scale transpose
-# multigpu (the last on nvidia-h200-x2 / -x4).
+# multigpu (the last on nvidia-h200-x2 / -x4). SANITIZE_TARGETS="update transpose" picks
+# the kernels sanitize.sh instruments.
 #   bash scripts/h200_run.sh kernel tests bench      # one device call (~8 min)
 #   bash scripts/h200_run.sh e2e sanitize            # a second one
 #   bash scripts/h200_run.sh tests scale             # issue 6: CUDA-graph test, 5,000 / 50,000 states

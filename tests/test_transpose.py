@@ -227,3 +227,19 @@ def test_gpu_gradients_same_with_and_without_the_kernels(gpu_device, monkeypatch
     for a, b in zip(with_kernel[:2], without[:2]):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    rtol=2e-2, atol=1e-3)
+
+
+def test_gradient_of_the_gradient_through_the_backward():
+    """fp8_dot_general's backward (with quantize_transpose in it) can itself be
+    differentiated, as it could when it was made of jax.numpy ops only."""
+    dn = (((1,), (0,)), ((), ()))
+    x, w = jnp.ones((8, 16)), jnp.full((16, 8), 0.1)
+
+    def loss(x, w):
+        return jnp.sum(ops.fp8_dot_general(x, w, dn, Fp8Meta.create())[0] ** 2)
+
+    def grad_norm(x, w):
+        return jnp.sum(jax.grad(loss)(x, w) ** 2)
+
+    with_kernel = jax.grad(grad_norm)(x, w)
+    assert np.isfinite(np.asarray(with_kernel)).all() and with_kernel.shape == x.shape
