@@ -58,6 +58,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--json", default=None)
+    p.add_argument("--quick", action="store_true", help="small shapes only (a smoke run)")
     args = p.parse_args(argv)
     platform = bench_update._platform()
     rows = []
@@ -67,7 +68,8 @@ def main(argv=None):
     print("| shape | bytes | " + " | ".join(VARIANTS) + " | kernel GB/s | XLA / kernel "
           "| kernel / copy | kernels per call |")
     print("|---|---|" + "---|" * (len(VARIANTS) + 4))
-    for shape in SHAPES:
+    shapes = [(128, 256), (132, 260)] if args.quick else SHAPES
+    for shape in shapes:
         host = rng.integers(0, 256, shape, dtype=np.uint8)
         fp8 = host.view(np.dtype(jnp.float8_e4m3fn))
         got = np.asarray(_transpose.transpose_bytes_p.bind(jax.device_put(fp8)))
@@ -95,7 +97,7 @@ def main(argv=None):
         "xla": lambda x: _transpose._qt_reference(
             x, jnp.float32(0.5), fp8_dtype=np.dtype(jnp.float8_e5m2)),
     }
-    for shape in [(4096, 2048), (4096, 6144), (4096, 8192)]:
+    for shape in [(128, 256)] if args.quick else [(4096, 2048), (4096, 6144), (4096, 8192)]:
         g = np.asarray(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16))
         t = {n: measure(fn, jax.device_put(g), args.reps, platform)  # (donated: a copy each)
              for n, fn in qt_variants.items()}

@@ -3,10 +3,15 @@
 Runs the train step of bench_train_step.py (4 blocks, or PROBE_BLOCKS) with
 fp8_dot_general's forward/backward rules as they are ("base") and with variants swapped
 in, and prints each one's device time as it finishes (results and HLO per variant under
-OUTDIR). Variants: optimization barriers that decide where an amax is taken (in the
-forward pass beside the quantization, or wherever XLA likes), and one on the incoming
-gradient. Same bits in every variant; only XLA's fusion and scheduling change. Results
-so far: docs/benchmarks.md (train-step section).
+OUTDIR). Variants:
+- optimization barriers that decide where an amax is taken (in the forward pass beside
+  the quantization, or wherever XLA likes), and one on the incoming gradient;
+- the backward without jax_fp8's CUDA kernels (`xla_transpose`,
+  `no_quantize_transpose`), to measure what each kernel saves;
+- `gemm_operand_scales`, a different dequantization of the FP8 GEMMs.
+The FP8 values are the same in every variant; XLA's fusion and scheduling change (and,
+for `gemm_operand_scales`, the GEMMs' rounding). Results so far: docs/benchmarks.md
+(train-step section).
 
     [PROBE_BLOCKS=24] [PROBE_VARIANTS=jax_fp8] python scripts/fusion_probe.py OUTDIR [variant ...]
 """

@@ -243,3 +243,16 @@ def test_a_failing_column_does_not_stop_the_others(monkeypatch):
     assert cols == set(ALL_COLUMNS) - {"fused_stacked"}
     assert data["failures"][0]["column"] == "fused_stacked"
     assert "FAILED N=3 L=4 fused_stacked" in data["report_markdown"]
+
+
+def test_bench_transpose_quick(tmp_path, capsys):
+    """bench/bench_transpose.py runs end to end (small shapes; times mean nothing on CPU)
+    and checks the kernel's bits on the way."""
+    import bench_transpose
+    out = tmp_path / "t.json"
+    bench_transpose.main(["--quick", "--reps", "2", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "| 132x260 |" in text and "Quantize (E5M2" in text
+    data = json.loads(out.read_text())
+    assert [r["shape"] for r in data["rows"]] == [[128, 256], [132, 260]]
+    assert data["quantize_transpose"][0]["kernel"]["us"] > 0
