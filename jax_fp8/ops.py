@@ -30,7 +30,7 @@ ever consumed twice, so JAX never sums. In particular:
 * gradient accumulation / microbatching: each microbatch's gradient is computed
   separately; combine the FP8 parts with `combine_fp8_grads` (max), not ``+``.
 
-NaN: `compute_amax` propagates NaN on the GPU (XLA's CPU max reduction drops it);
+NaN: `compute_amax` propagates NaN on the GPU (XLA's vectorized CPU max can drop it);
 combining uses ``fmax`` and the update ``fmaxf``, which ignore NaN, as SPEC.md does for
 the staging slot.
 """

@@ -158,7 +158,7 @@ def test_quantize_transpose_bits(backend, device, in_dtype, fp8_dtype, shape):
 
 @pytest.mark.gpu
 def test_quantize_transpose_amax_is_nan_with_one_nan(gpu_device):
-    """As XLA's max on the GPU (its CPU max reduction drops NaN instead)."""
+    """As XLA's max on the GPU (its vectorized CPU max can drop a NaN instead)."""
     device = gpu_device
     x = np.ones((128, 256), np.float32)
     x[77, 201] = np.nan
