@@ -18,6 +18,7 @@ for `gemm_operand_scales`, the GEMMs' rounding). Results so far: docs/benchmarks
 
 import os
 import sys
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -58,32 +59,30 @@ def tied_fwd(*names):
     return fwd
 
 
-BASE_QUANTIZED_OPERANDS = ops._quantized_operands
+def traced_with(target, name, value):
+    """rule -> the same rule traced with `target.name` replaced by `value` (a seam of
+    ops or jax_fp8._transpose)."""
+    def wrap(rule):
+        def traced(*args):
+            with mock.patch.object(target, name, value):
+                return rule(*args)
+        return traced
+    return wrap
 
 
-def _input_amax_tied_to_gemm_operand(lhs, rhs, meta):
-    q_lhs, q_rhs, amax_lhs, amax_rhs = BASE_QUANTIZED_OPERANDS(lhs, rhs, meta)
-    q_lhs, amax_lhs = lax.optimization_barrier((q_lhs, amax_lhs))
-    return q_lhs, q_rhs, amax_lhs, amax_rhs
-
-
-def input_amax_before_gemm_fwd(*args):
+def _input_amax_tied_to_gemm_operand(lhs, rhs, meta, base=ops._quantized_operands):
     """The input's amax tied to the quantized input that the forward GEMM reads: the
     amax is taken before the GEMM, where XLA can fuse it with that quantization (it
     reads the same values), and the GEMM's output is left alone (the barrier of
     input_amax_out_barrier stands between the GEMM and its bias/consumers)."""
-    ops._quantized_operands = _input_amax_tied_to_gemm_operand
-    try:
-        return BASE_FWD(*args)
-    finally:
-        ops._quantized_operands = BASE_QUANTIZED_OPERANDS
-
-
-BASE_FP8_GEMM = ops._fp8_gemm
+    q_lhs, q_rhs, amax_lhs, amax_rhs = base(lhs, rhs, meta)
+    q_lhs, amax_lhs = lax.optimization_barrier((q_lhs, amax_lhs))
+    return q_lhs, q_rhs, amax_lhs, amax_rhs
 
 
 def _gemm_dequantizing_operands(q_a, q_b, dimension_numbers, scale_inv_a, scale_inv_b,
                                 out_dtype, precision=None, out_sharding=None):
+    """Each FP8 operand dequantized by its own scale_inv (float32), then the dot."""
     def widen(q, s):
         return q.astype(jnp.float32) * jnp.asarray(s, jnp.float32)
     return lax.dot_general(widen(q_a, scale_inv_a), widen(q_b, scale_inv_b),
@@ -91,42 +90,17 @@ def _gemm_dequantizing_operands(q_a, q_b, dimension_numbers, scale_inv_a, scale_
                            preferred_element_type=out_dtype, out_sharding=out_sharding)
 
 
-def with_operand_dequant(rule):
-    """`rule` traced with ops._fp8_gemm dequantizing each operand by its own scale_inv."""
-    def traced(*args):
-        ops._fp8_gemm = _gemm_dequantizing_operands
-        try:
-            return rule(*args)
-        finally:
-            ops._fp8_gemm = BASE_FP8_GEMM
-    return traced
+def _xla_rotate_axes(x, k):
+    """lax.transpose instead of jax_fp8's byte-transpose kernel."""
+    return lax.transpose(x, tuple(range(k, x.ndim)) + tuple(range(k)))
 
 
-def with_xla_transposes(rule):
-    """`rule` traced with the kernel gradient's FP8 transposes left to XLA (lax.transpose)
-    instead of jax_fp8's byte-transpose kernel."""
-    def traced(*args):
-        saved = ops._transpose.rotate_axes
-        ops._transpose.rotate_axes = lambda x, k: lax.transpose(
-            x, tuple(range(k, x.ndim)) + tuple(range(k)))
-        try:
-            return rule(*args)
-        finally:
-            ops._transpose.rotate_axes = saved
-    return traced
-
-
-def without_quantize_transpose(rule):
-    """`rule` traced with the gradient quantized, its amax taken and transposed by XLA
-    (three kernels) instead of jax_fp8's one quantize + transpose + amax kernel."""
-    def traced(*args):
-        saved = ops._transpose.quantize_rotate_applies
-        ops._transpose.quantize_rotate_applies = lambda *a: False
-        try:
-            return rule(*args)
-        finally:
-            ops._transpose.quantize_rotate_applies = saved
-    return traced
+operand_dequant = traced_with(ops, "_fp8_gemm", _gemm_dequantizing_operands)
+xla_transposes = traced_with(ops._transpose, "rotate_axes", _xla_rotate_axes)
+# The gradient quantized, its amax taken and transposed by XLA (three kernels) instead
+# of jax_fp8's one quantize + transpose + amax kernel.
+no_quantize_transpose = traced_with(ops._transpose, "quantize_rotate_applies",
+                                    lambda *a: False)
 
 
 VARIANTS = {
@@ -145,15 +119,17 @@ VARIANTS = {
     # amax late, fused into the GELU's backward, which then is a reduction fusion and
     # can no longer take in the gradient's own E5M2 cast and amax.
     "input_amax_out_barrier": (tied_fwd("out", "amax_lhs"), BASE_BWD),
-    "input_amax_gemm_barrier": (input_amax_before_gemm_fwd, BASE_BWD),
+    "input_amax_gemm_barrier": (
+        traced_with(ops, "_quantized_operands", _input_amax_tied_to_gemm_operand)(BASE_FWD),
+        BASE_BWD),
     # Each FP8 operand dequantized by its own scale_inv (in float32) instead of the GEMM
     # result by their product: XLA then hands cuBLASLt the two scale_invs as they are,
     # where the product costs a one-element kernel per GEMM.
     # (On the H200: XLA then has cuBLASLt write float32 and converts in a kernel of its
     # own, 6.8 ms slower per 24-block step.)
-    "gemm_operand_scales": (with_operand_dequant(BASE_FWD), with_operand_dequant(BASE_BWD)),
-    "xla_transpose": (with_xla_transposes(BASE_FWD), with_xla_transposes(BASE_BWD)),
-    "no_quantize_transpose": (BASE_FWD, without_quantize_transpose(BASE_BWD)),
+    "gemm_operand_scales": (operand_dequant(BASE_FWD), operand_dequant(BASE_BWD)),
+    "xla_transpose": (xla_transposes(BASE_FWD), xla_transposes(BASE_BWD)),
+    "no_quantize_transpose": (BASE_FWD, no_quantize_transpose(BASE_BWD)),
 }
 
 
