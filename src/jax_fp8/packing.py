@@ -15,7 +15,11 @@ groups, which is also its fastest layout.
     out = model.apply({"params": p, "fp8_meta": fp8.unpack()}, x)
     new_fp8 = jax_fp8.new_fp8_state(fp8, fp8_grads, recipe)  # grads w.r.t. fp8 (packed)
 
-`jax_fp8.flax.Fp8TrainState.create(..., pack_fp8=True)` does this for Flax.
+`jax_fp8.flax.Fp8TrainState` keeps its FP8 state packed this way by default.
+
+Each group's tree key names its FP8 dtype and history length (``float8_e5m2_L1024``), so a
+checkpoint (orbax, flax.serialization) records them, and restoring into a state of another
+FP8 format fails on the missing key instead of relabelling the states.
 """
 
 from __future__ import annotations
@@ -82,6 +86,19 @@ class PackedStates:
     def num_arrays(self) -> int:
         return len(jax.tree.leaves(self))
 
+    def slot_info(self):
+        """(path in the unpacked tree, fp8_dtype, history_len) for each packed state."""
+        n = len(self.layout.slots)
+        paths = jax.tree_util.tree_flatten_with_path(
+            jax.tree.unflatten(self.layout.treedef, list(range(n))))[0]
+        out = []
+        for path, k in paths:
+            slot = self.layout.slots[k]
+            if slot is not None:
+                dtype, length = self.layout.groups[slot[0]]
+                out.append((path, dtype, length))
+        return out
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _split_rows(a, sizes):
@@ -110,8 +127,26 @@ def _split_rows_bwd(sizes, _, cotangents):
 _split_rows.defvjp(_split_rows_fwd, _split_rows_bwd)
 
 
-jax.tree_util.register_dataclass(PackedStates, data_fields=["groups", "others"],
-                                 meta_fields=["layout"])
+def group_name(fp8_dtype, history_len) -> str:
+    """The tree key of a packed group: its FP8 dtype and history length."""
+    return f"{jnp.dtype(fp8_dtype).name}_L{int(history_len)}"
+
+
+def _flatten_with_keys(p: PackedStates):
+    keys = [jax.tree_util.GetAttrKey(group_name(*key)) for key in p.layout.groups]
+    children = list(zip(keys, p.groups))
+    children += [(jax.tree_util.GetAttrKey(f"other{i}"), o) for i, o in enumerate(p.others)]
+    return children, p.layout
+
+
+def _unflatten(layout, children):
+    g = len(layout.groups)
+    return PackedStates(tuple(children[:g]), tuple(children[g:]), layout)
+
+
+jax.tree_util.register_pytree_with_keys(
+    PackedStates, _flatten_with_keys, _unflatten,
+    flatten_func=lambda p: ([*p.groups, *p.others], p.layout))
 
 
 def pack_states(tree) -> PackedStates:

@@ -26,7 +26,9 @@ from typing import Callable
 from flax import nnx
 
 from jax_fp8 import recipe as recipe_lib
-from jax_fp8.ops import Fp8Meta, fp8_dot_general, fp8_einsum, new_fp8_state
+from jax_fp8.dot_general import fp8_dot_general
+from jax_fp8.einsum import fp8_einsum
+from jax_fp8.meta import Fp8Meta, new_fp8_state
 from jax_fp8.state import ScalingState
 
 _NAMES = ("input", "kernel", "grad")

@@ -22,22 +22,17 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_fp8 import _partition
+from jax_fp8._primitives import common, partition
 
 amax_p = Primitive("jax_fp8_amax")
-_partition.require_devices_during_lowering(amax_p)
+partition.require_devices_during_lowering(amax_p)
 
 
 def _local_amax(x):
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
-@functools.lru_cache(maxsize=None)
-def _local_amax_jit():
-    return jax.jit(lambda x: amax_p.bind(x))
-
-
-amax_p.def_impl(lambda x: _local_amax_jit()(x))
+amax_p.def_impl(common.eager_impl(amax_p))
 amax_p.def_abstract_eval(lambda x: jax.core.ShapedArray((), np.float32))
 
 
@@ -83,7 +78,7 @@ def _partitioned_amax():
 
 
 def _lowering(ctx, x):
-    if _partition.needs_partitioning(ctx) and ctx.avals_in[0].ndim > 0:
+    if partition.needs_partitioning(ctx) and ctx.avals_in[0].ndim > 0:
         return mlir.lower_fun(_partitioned_amax(), multiple_results=False)(ctx, x)
     return mlir.lower_fun(_local_amax, multiple_results=False)(ctx, x)
 
@@ -91,13 +86,7 @@ def _lowering(ctx, x):
 mlir.register_lowering(amax_p, _lowering)
 
 
-def varying_axes(x) -> frozenset:
-    """The manual mesh axes x varies over inside shard_map (empty elsewhere)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
-    if mat is not None:  # jax >= 0.10
-        return frozenset(getattr(mat, "varying", ()))
-    return frozenset(getattr(aval, "vma", ()))  # earlier spelling
+varying_axes = common.varying_axes
 
 
 def on_explicit_mesh(x) -> bool:
@@ -119,3 +108,43 @@ def amax(x) -> jax.Array:
         # all-reduce whose reducer XLA's CPU backend rejects.
         return _local_amax(x)
     return amax_p.bind(x)
+
+
+# --------------------------------------------------------------- amax for a state under vmap
+
+amax_for_state_p = Primitive("jax_fp8_amax_for_state")
+
+
+def amax_for_state(amax, like):
+    """`amax` as the observation of the state whose scale is `like` (same shape).
+
+    The identity, except under ``jax.vmap`` where `amax` is batched and the state is not
+    (one meta shared by every example): then the max over the batch axis. JAX would
+    otherwise *sum* the batch's cotangents into the unbatched meta.
+    """
+    return amax_for_state_p.bind(amax, like)
+
+
+def _afs_abstract_eval(amax, like):
+    if amax.shape != like.shape:
+        raise ValueError(f"jax_fp8_amax_for_state: amax shape {amax.shape} must equal the "
+                         f"state's scale shape {like.shape}")
+    return amax
+
+
+def _afs_batch(args, dims):
+    (amax, like), (d_amax, d_like) = args, dims
+    if d_amax is not None and d_like is None:
+        return jnp.max(amax, axis=d_amax), None
+    if d_amax is None and d_like is not None:  # a per-example state, one amax: broadcast
+        return amax_for_state_p.bind(amax, jnp.take(like, 0, axis=d_like)), None
+    return amax_for_state_p.bind(amax, jnp.moveaxis(like, d_like, d_amax)), d_amax
+
+
+amax_for_state_p.def_abstract_eval(_afs_abstract_eval)
+amax_for_state_p.def_impl(lambda amax, like: amax)
+mlir.register_lowering(amax_for_state_p, lambda ctx, amax, like: [amax])
+batching.primitive_batchers[amax_for_state_p] = _afs_batch
+# Bookkeeping, not a function to differentiate (it lives in a backward pass).
+ad.primitive_jvps[amax_for_state_p] = lambda primals, tangents: (
+    amax_for_state_p.bind(*primals), ad.Zero(jax.typeof(primals[0]).to_tangent_aval()))

@@ -20,16 +20,20 @@ per tensor (``input``, ``kernel``, ``grad``) under each FP8 module. The optimize
 ever sees ``params``; the FP8 collection is replaced, once per step, by the result of one
 fused ``update_states`` call (`jax_fp8.new_fp8_state`).
 
-Several uses of one module per step: the module writes the threaded meta back to its
-variables when the collection is mutable, so the next call consumes that, and the amaxes
-of all calls combine by max (see `jax_fp8.ops`). `Fp8TrainState.apply_model` applies with
-the collection mutable; do the same if you call ``apply`` yourself for training. Under
-``nn.scan`` give the collection ``variable_axes={"fp8_meta": 0}`` (a state per layer), or
-``variable_carry="fp8_meta"`` for one module reused by every iteration.
+Several uses of one module per step: each call consumes the meta the previous call
+returned (written back to the variables when the collection is mutable, else kept for
+the rest of the ``apply``), so the amaxes of all calls combine by max (``jax_fp8.meta``).
+Under ``nn.scan`` give the collection ``variable_axes={"fp8_meta": 0}`` (a state per
+layer), or ``variable_carry="fp8_meta"`` for one module reused by every iteration.
+
+One recipe: the layers create their states from their ``recipe`` (default
+``DelayedScaling()``) and `Fp8TrainState` updates them with its own; the two must agree
+(``Fp8TrainState.create`` checks every state and names the first that does not).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -38,7 +42,10 @@ from flax import struct
 from flax.training import train_state
 
 from jax_fp8 import recipe as recipe_lib
-from jax_fp8.ops import Fp8Meta, fp8_dot_general, fp8_einsum, new_fp8_state
+from jax_fp8 import state as state_lib
+from jax_fp8.dot_general import fp8_dot_general
+from jax_fp8.einsum import fp8_einsum
+from jax_fp8.meta import Fp8Meta, new_fp8_state
 from jax_fp8.packing import PackedStates, pack_states, unpack_states
 from jax_fp8.state import ScalingState
 
@@ -53,16 +60,34 @@ def _meta_variables(module: nn.Module, recipe, collection):
                             dtypes[name]) for name in _NAMES]
 
 
+# A module applied with its FP8 collection immutable cannot write the threaded meta back;
+# the meta its call returned is kept here, keyed by the variable value it replaces, for
+# the next call in the same apply (values are identical: only the dataflow changes).
+_successor: dict = {}
+
+
 def _read(vs) -> Fp8Meta:
-    return Fp8Meta(*(v.value for v in vs))
+    meta = Fp8Meta(*(v.value for v in vs))
+    while True:
+        entry = _successor.get(id(meta.input.amax_history))
+        if entry is None or entry[0]() is not meta.input.amax_history:
+            return meta
+        meta = entry[1]
 
 
-def _write(module: nn.Module, vs, meta: Fp8Meta, collection):
+def _write(module: nn.Module, vs, used: Fp8Meta, meta: Fp8Meta, collection):
     # Thread the meta: the next call of this module consumes what this one returned, so
-    # the amaxes of all calls combine by max. Only possible when the collection is mutable.
+    # the amaxes of all calls combine by max.
     if module.is_mutable_collection(collection):
         for v, name in zip(vs, _NAMES):
             v.value = getattr(meta, name)
+        return
+    leaf = used.input.amax_history
+    try:
+        ref = weakref.ref(leaf, lambda _, k=id(leaf): _successor.pop(k, None))
+    except TypeError:  # not weak-referenceable (e.g. a NumPy array): nothing to thread
+        return
+    _successor[id(leaf)] = (ref, meta)
 
 
 class Fp8DotGeneral(nn.Module):
@@ -81,9 +106,10 @@ class Fp8DotGeneral(nn.Module):
                  preferred_element_type=None, **kwargs):
         del kwargs  # e.g. out_sharding
         vs = _meta_variables(self, self.recipe, self.collection)
-        out, meta = fp8_dot_general(lhs, rhs, dimension_numbers, _read(vs), precision,
+        used = _read(vs)
+        out, meta = fp8_dot_general(lhs, rhs, dimension_numbers, used, precision,
                                     preferred_element_type)
-        _write(self, vs, meta, self.collection)
+        _write(self, vs, used, meta, self.collection)
         return out
 
 
@@ -97,9 +123,10 @@ class Fp8Einsum(nn.Module):
     def __call__(self, eqn, lhs, rhs, precision=None, preferred_element_type=None):
         del precision
         vs = _meta_variables(self, self.recipe, self.collection)
-        out, meta = fp8_einsum(eqn, lhs, rhs, _read(vs),
+        used = _read(vs)
+        out, meta = fp8_einsum(eqn, lhs, rhs, used,
                                preferred_element_type=preferred_element_type)
-        _write(self, vs, meta, self.collection)
+        _write(self, vs, used, meta, self.collection)
         return out
 
 
@@ -127,13 +154,18 @@ class Fp8TrainState(train_state.TrainState):
     @classmethod
     def create(cls, *, apply_fn, tx, variables=None, params=None, fp8=None,
                recipe: recipe_lib.DelayedScaling | None = None,
-               fp8_collection: str = FP8_COLLECTION, pack_fp8: bool = False, **kwargs):
+               fp8_collection: str = FP8_COLLECTION, pack_fp8: bool = True, **kwargs):
         """From ``variables`` (as returned by ``model.init``), or ``params`` and ``fp8``.
 
+        recipe: the DelayedScaling recipe of the update (default ``DelayedScaling()``).
+          Every FP8 state must have been created by the same recipe (history length and
+          FP8 dtypes; the layers' ``recipe`` attribute): a mismatch raises ValueError.
         pack_fp8: keep the FP8 collection packed into one stacked state per (FP8 dtype,
-          history length) (`jax_fp8.pack_states`): the step then takes 3 arrays per group
-          instead of 3 per FP8 tensor, which cuts JAX's per-argument host cost, and the
-          fused update runs on stacked states. The layers still see their own states.
+          history length) (`jax_fp8.pack_states`, the default): the step then takes 3
+          arrays per group instead of 3 per FP8 tensor, which cuts JAX's per-argument
+          host cost, the fused update runs on stacked states, and a checkpoint records
+          each group's FP8 dtype. The layers still see their own states. False keeps the
+          collection as the model made it.
         """
         if variables is not None:
             if params is not None or fp8 is not None:
@@ -145,7 +177,9 @@ class Fp8TrainState(train_state.TrainState):
                                  "and keep the other collections yourself")
             params = rest["params"]
         recipe = recipe_lib.DelayedScaling() if recipe is None else recipe
+        recipe_lib.check_delayed(recipe, "recipe")
         fp8 = {} if fp8 is None else fp8
+        state_lib.check_states_follow(recipe, fp8, "fp8")
         if pack_fp8 and not isinstance(fp8, PackedStates):
             fp8 = pack_states(fp8)
         return super().create(apply_fn=apply_fn, params=params, tx=tx, fp8=fp8, recipe=recipe,

@@ -31,7 +31,11 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jax_fp8 import _amax, _partition, _registration
+from jax_fp8 import _registration
+from jax_fp8 import quantization as quantize_lib
+from jax_fp8._primitives import amax as amax_lib
+from jax_fp8._primitives import common, partition
+from jax_fp8.state import ScalingState
 
 TRANSPOSE_TARGET = "jax_fp8_transpose_bytes"
 
@@ -46,12 +50,7 @@ def _abstract_eval(x):
 
 
 transpose_bytes_p.def_abstract_eval(_abstract_eval)
-transpose_bytes_p.def_impl(lambda x: _jitted_bind()(x))
-
-
-@functools.lru_cache(maxsize=None)
-def _jitted_bind():
-    return jax.jit(transpose_bytes_p.bind)
+transpose_bytes_p.def_impl(common.eager_impl(transpose_bytes_p))
 
 
 def _swap(x):
@@ -65,7 +64,7 @@ def kernel_takes(rows: int, cols: int) -> bool:
 
 def _cuda_lowering(ctx, x):
     rows, cols = ctx.avals_in[0].shape
-    if _partition.needs_partitioning(ctx) or not kernel_takes(rows, cols):
+    if partition.needs_partitioning(ctx) or not kernel_takes(rows, cols):
         return mlir.lower_fun(_swap, multiple_results=False)(ctx, x)
     return jax.ffi.ffi_lowering(TRANSPOSE_TARGET)(ctx, x)
 
@@ -94,7 +93,7 @@ def rotate_axes(x, k: int):
     perm = tuple(range(k, n)) + tuple(range(k))
     if k in (0, n):
         return x
-    if np.dtype(x.dtype).itemsize != 1 or _amax.on_explicit_mesh(x):
+    if np.dtype(x.dtype).itemsize != 1 or amax_lib.on_explicit_mesh(x):
         # (On a mesh with Explicit axes the reshapes would need sharding rules of their own.)
         return lax.transpose(x, perm)
     lead, trail = x.shape[:k], x.shape[k:]
@@ -128,25 +127,17 @@ quantize_transpose_p.def_abstract_eval(_qt_abstract_eval)
 def _qt_reference(x, scale, *, fp8_dtype):
     """What the kernel computes, in jax.numpy: jax_fp8.quantize, lax.transpose and
     compute_amax (so also its one-collective amax under a multi-device jit)."""
-    from jax_fp8 import ops  # (ops imports this module)
-    from jax_fp8.state import ScalingState
     state = ScalingState(jnp.zeros((1,), np.float32), scale, scale, fp8_dtype=fp8_dtype)
-    q = ops.quantize(x, state)
-    return q, _swap(q), ops.compute_amax(x)
+    q = quantize_lib.quantize(x, state)
+    return q, _swap(q), quantize_lib.compute_amax(x)
 
 
-quantize_transpose_p.def_impl(
-    lambda x, scale, *, fp8_dtype: _jitted_qt(np.dtype(fp8_dtype))(x, scale))
-
-
-@functools.lru_cache(maxsize=None)
-def _jitted_qt(fp8_dtype):
-    return jax.jit(functools.partial(quantize_transpose_p.bind, fp8_dtype=fp8_dtype))
+quantize_transpose_p.def_impl(common.eager_impl(quantize_transpose_p))
 
 
 def _qt_cuda_lowering(ctx, x, scale, *, fp8_dtype):
     aval = ctx.avals_in[0]
-    if (_partition.needs_partitioning(ctx) or not kernel_takes(*aval.shape)
+    if (partition.needs_partitioning(ctx) or not kernel_takes(*aval.shape)
             or np.dtype(aval.dtype) not in _KERNEL_IN or np.dtype(fp8_dtype) not in _KERNEL_FP8):
         return mlir.lower_fun(_qt_reference, multiple_results=True)(ctx, x, scale,
                                                                    fp8_dtype=fp8_dtype)
@@ -182,7 +173,7 @@ def quantize_rotate_applies(x, fp8_dtype) -> bool:
     scalar). Elsewhere callers quantize, take the amax and rotate_axes separately."""
     return (x.ndim >= 2 and np.dtype(x.dtype) in _KERNEL_IN
             and np.dtype(fp8_dtype) in _KERNEL_FP8
-            and not _amax.varying_axes(x) and not _amax.on_explicit_mesh(x))
+            and not amax_lib.varying_axes(x) and not amax_lib.on_explicit_mesh(x))
 
 
 def quantize_rotate(x, k: int, scale, fp8_dtype):

@@ -10,8 +10,11 @@ from __future__ import annotations
 import importlib
 
 import jax
+import jax.export  # noqa: F401  (jax.export.DisabledSafetyCheck)
 
 FFI_TARGET = "jax_fp8_update"
+# Every custom-call target the library emits (the CUDA-only ones on GPUs).
+FFI_TARGETS = ("jax_fp8_update", "jax_fp8_transpose_bytes", "jax_fp8_quantize_transpose")
 
 
 def _register(module_name: str, platform: str) -> tuple[bool, str | None]:
@@ -26,3 +29,16 @@ def _register(module_name: str, platform: str) -> tuple[bool, str | None]:
 
 HAS_CPU_KERNEL, CPU_IMPORT_ERROR = _register("_jax_fp8_cpu", "cpu")
 HAS_CUDA_KERNEL, CUDA_IMPORT_ERROR = _register("_jax_fp8_cuda", "CUDA")
+
+
+def export_disabled_checks() -> list:
+    """The ``disabled_checks`` that ``jax.export.export`` needs for programs using jax_fp8.
+
+    jax.export refuses custom calls it does not know to be stable; jax_fp8's are stable
+    within a jax_fp8 release. A deserialized program runs where ``import jax_fp8`` has
+    registered the kernels::
+
+        exp = jax.export.export(jax.jit(step),
+                                disabled_checks=jax_fp8.export_disabled_checks())(*args)
+    """
+    return [jax.export.DisabledSafetyCheck.custom_call(t) for t in FFI_TARGETS]

@@ -13,18 +13,17 @@ device updates the shards it holds (leading axes are independent tensors).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jax_fp8 import _jnp_update, _partition, _registration
+from jax_fp8 import _registration
+from jax_fp8._primitives import common, jnp_update, partition
 
 fp8_update_p = Primitive("jax_fp8_update")
 fp8_update_p.multiple_results = True
-_partition.require_devices_during_lowering(fp8_update_p)
+partition.require_devices_during_lowering(fp8_update_p)
 
 ALGOS = {"max": 0, "most_recent": 1}
 # "auto": the kernel where built (partitioned under a multi-device jit), else jnp;
@@ -69,8 +68,8 @@ def _abstract_eval(*avals, scaled_max, amax_compute_algo, power_of_2_scale, skip
             if aval.shape != h.shape[:-1]:
                 raise ValueError(f"jax_fp8_update: state {i}: {name} shape {aval.shape} "
                                  f"must equal amax_history.shape[:-1] = {h.shape[:-1]}")
-    out = [a.update(weak_type=False) for a in histories + scales + scales]
-    return out
+    common.check_same_varying("jax_fp8_update", avals)
+    return [a.update(weak_type=False) for a in histories + scales + scales]
 
 
 fp8_update_p.def_abstract_eval(_abstract_eval)
@@ -81,7 +80,7 @@ def _impl_jnp(*operands, scaled_max, amax_compute_algo, power_of_2_scale, skip_u
     del implementation
     histories, scales, _, amaxes = split_operands(operands, len(scaled_max), has_scale_inv,
                                                   has_amax)
-    h, s, si = _jnp_update.update_many(histories, scales, amaxes, scaled_max=scaled_max,
+    h, s, si = jnp_update.update_many(histories, scales, amaxes, scaled_max=scaled_max,
                                        amax_compute_algo=amax_compute_algo,
                                        power_of_2_scale=power_of_2_scale,
                                        skip_unused=skip_unused)
@@ -116,8 +115,8 @@ _jnp_lowering = mlir.lower_fun(_impl_jnp, multiple_results=True)
 def _lowering(ctx, *operands, implementation, **params):
     if implementation == "jnp":
         return _jnp_lowering(ctx, *operands, implementation=implementation, **params)
-    if implementation == "auto" and _partition.needs_partitioning(ctx):
-        return _partition.partitioned_lowering(fp8_update_p, ctx, *operands, **params)
+    if implementation == "auto" and partition.needs_partitioning(ctx):
+        return partition.partitioned_lowering(fp8_update_p, ctx, *operands, **params)
     return ffi_call_lowering(ctx, *operands, **params)
 
 
@@ -128,17 +127,8 @@ if _registration.HAS_CUDA_KERNEL:
     mlir.register_lowering(fp8_update_p, _lowering, platform="cuda")
 
 
-@functools.lru_cache(maxsize=None)
-def _jitted_bind(params):
-    return jax.jit(functools.partial(fp8_update_p.bind, **dict(params)))
-
-
-def _eager_impl(*operands, **params):
-    # Eager calls compile the one-primitive program once per static configuration.
-    return _jitted_bind(tuple(sorted(params.items())))(*operands)
-
-
-fp8_update_p.def_impl(_eager_impl)
+# Eager calls compile the one-primitive program once per static configuration.
+fp8_update_p.def_impl(common.eager_impl(fp8_update_p))
 
 
 def _batching_rule(args, dims, **params):

@@ -1,0 +1,52 @@
+"""jax_fp8: FP8 training for JAX, with a whole model's delayed-scaling update fused into one op.
+
+Public API (``docs/api.md``; the arithmetic in ``docs/semantics.md``):
+
+  recipes           DelayedScaling, Float8CurrentScaling, Float8BlockScaling, Format
+  state             ScalingState, update_states, amax_and_scale_update, reduce_amaxes
+  training ops      Fp8Meta, fp8_dot_general, fp8_einsum, new_fp8_state, combine_fp8_grads
+  quantization      quantize, dequantize, compute_amax
+  packing           PackedStates, pack_states, unpack_states
+  Flax              jax_fp8.flax (linen), jax_fp8.flax.nnx
+"""
+
+from jax_fp8._registration import HAS_CPU_KERNEL, HAS_CUDA_KERNEL, export_disabled_checks
+from jax_fp8.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format,
+                            fp8_max, scaled_max)
+from jax_fp8.state import ScalingState
+from jax_fp8.update import amax_and_scale_update, reduce_amaxes, update_states
+from jax_fp8.quantization import compute_amax, dequantize, quantize
+from jax_fp8.meta import Fp8Meta, amax_cotangents, combine_fp8_grads, new_fp8_state
+from jax_fp8.dot_general import fp8_dot_general
+from jax_fp8.einsum import fp8_einsum
+from jax_fp8.packing import PackedStates, pack_states, unpack_states
+
+__version__ = "0.2.0"
+
+__all__ = [
+    "DelayedScaling",
+    "Float8BlockScaling",
+    "Float8CurrentScaling",
+    "Format",
+    "Fp8Meta",
+    "HAS_CPU_KERNEL",
+    "HAS_CUDA_KERNEL",
+    "PackedStates",
+    "ScalingState",
+    "amax_and_scale_update",
+    "amax_cotangents",
+    "combine_fp8_grads",
+    "compute_amax",
+    "dequantize",
+    "export_disabled_checks",
+    "fp8_dot_general",
+    "fp8_einsum",
+    "fp8_max",
+    "new_fp8_state",
+    "pack_states",
+    "quantize",
+    "reduce_amaxes",
+    "scaled_max",
+    "unpack_states",
+    "update_states",
+]

@@ -1,0 +1,166 @@
+"""The three FP8 GEMMs of one fp8_dot_general: the forward product and its two AD
+transposes (the input and kernel gradients), written for FP8 operands.
+
+JAX's own transpose rules of ``dot_general`` assume both operands share a dtype; here each
+operand is FP8 with its own scale_inv, the result is dequantized by their product, and the
+kernel gradient contracts over both operands' minor axes (the only layout cuBLASLt's FP8
+GEMMs take on Hopper), using the byte-transpose kernels of ``_primitives/layout.py``.
+Shardings of the results follow the primal operands' (Explicit meshes need them).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_fp8._primitives import layout
+
+def remaining(original, *removed_lists):
+    removed = set()
+    for r in removed_lists:
+        removed.update(r)
+    return [i for i in original if i not in removed]
+
+
+def _ranges_like(*xs):
+    start = 0
+    for x in xs:
+        yield range(start, start + len(x))
+        start += len(x)
+
+
+def input_grad(g, x, y, dimension_numbers, out_dtype, scale_invs, swap_ans=False):
+    """d(dot_general(x, y))/dx applied to g (JAX's own rule, written for FP8 operands).
+
+    Like JAX's rule it asks for x's own sharding on the result, which a mesh with
+    Explicit axes needs when the contraction runs over a sharded (batch) axis. x may be
+    an array or just its abstract value (only its rank and sharding are read).
+    """
+    x_ndim = x.ndim
+    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
+    x_kept = remaining(range(x_ndim), x_contract, x_batch)
+    y_kept = remaining(range(y.ndim), y_contract, y_batch)
+    if swap_ans:
+        ans_batch, ans_y, _ = _ranges_like(x_batch, y_kept, x_kept)
+    else:
+        ans_batch, _, ans_y = _ranges_like(x_batch, x_kept, y_kept)
+    dims = ((tuple(ans_y), tuple(y_kept)), (tuple(ans_batch), tuple(y_batch)))
+    x_contract_sorted_by_y = list(np.take(x_contract, np.argsort(y_contract)))
+    unsorted_axes = list(x_batch) + x_kept + x_contract_sorted_by_y
+    out_axes = np.argsort(unsorted_axes)
+    # HIGHEST: no fast (reduced-precision) FP8 accumulation for the gradient GEMMs, as
+    # Flax and Transformer Engine do; the forward GEMM may use it (DEFAULT).
+    out = gemm(g, y, dims, *scale_invs, out_dtype, precision=lax.Precision.HIGHEST,
+               out_sharding=permuted_sharding(x, unsorted_axes))
+    return lax.transpose(out, tuple(int(a) for a in out_axes))
+
+
+def permuted_sharding(x, axes):
+    """x's sharding (x an array or an abstract value) with its spec reordered to `axes`,
+    or None without a mesh."""
+    sharding = getattr(x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x),
+                       "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty:
+        return None
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    return sharding.update(spec=jax.sharding.PartitionSpec(*(spec[a] for a in axes)))
+
+
+def untransposed_aval(x_t, perm):
+    """The abstract value of x, given x_t = transpose(x, perm): shape and sharding."""
+    aval = jax.typeof(x_t)
+    inv = [int(i) for i in np.argsort(perm)]
+    shape = tuple(aval.shape[i] for i in inv)
+    sharding = permuted_sharding(x_t, inv)
+    return aval.update(shape=shape, sharding=sharding) if sharding is not None else \
+        aval.update(shape=shape)
+
+
+def rhs_grad(g, x, y, dimension_numbers, out_dtype, scale_invs):
+    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
+    swapped = ((y_contract, x_contract), (y_batch, x_batch))
+    return input_grad(g, y, x, swapped, out_dtype, scale_invs, swap_ans=True)
+
+
+# Result dtypes the GEMM writes directly: XLA folds the dequantization factor into the
+# cuBLASLt FP8 GEMM as its output scale for these. Others (float16, whose range a
+# GEMM of FP8 values scaled up to fp8_max overflows) are produced in float32 first.
+_DIRECT_OUT = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
+
+
+def gemm(q_a, q_b, dimension_numbers, scale_inv_a, scale_inv_b, out_dtype, precision=None,
+         out_sharding=None):
+    """``dot_general(q_a * scale_inv_a, q_b * scale_inv_b)`` in ``out_dtype`` for FP8 q_a, q_b.
+
+    The FP8 operands go straight into ``lax.dot_general`` (on Hopper/Ada XLA rewrites it
+    into a cuBLASLt FP8 GEMM) and the result is multiplied by ``scale_inv_a * scale_inv_b``.
+    For bfloat16 and float32 results that product is taken in ``out_dtype`` right on the
+    GEMM's output, so XLA folds it into the GEMM as its scale (one rounding, in float32,
+    inside the GEMM). The factor itself is then rounded to ``out_dtype`` first: for
+    bfloat16 a relative error of at most 2**-8 (half an ulp of an 8-bit significand; e.g.
+    1.0038 becomes 1.0), so the dequantized result carries at most that error on top of
+    its own rounding to bfloat16. Other result dtypes (float16) are computed in float32
+    and rounded once at the end.
+    """
+    out_dtype = np.dtype(out_dtype)
+    factor = scale_inv_a * scale_inv_b
+    if out_dtype in _DIRECT_OUT:
+        out = lax.dot_general(q_a, q_b, dimension_numbers, precision=precision,
+                              preferred_element_type=out_dtype, out_sharding=out_sharding)
+        return out * jnp.asarray(factor).astype(out_dtype)
+    out = lax.dot_general(q_a, q_b, dimension_numbers, precision=precision,
+                          preferred_element_type=jnp.float32, out_sharding=out_sharding)
+    return (out * factor).astype(out_dtype)
+
+
+def kernel_grad_layout(dimension_numbers, lhs_ndim):
+    """Without batch axes: the order [contracting..., free...] of lhs's axes in which the
+    kernel-gradient GEMM contracts over its minor axes (cuBLASLt's FP8 GEMMs take only
+    that layout). None with batch axes (the general rule is used then)."""
+    (lc, _), (lb, _) = dimension_numbers
+    if lb:
+        return None
+    return tuple(lc) + tuple(remaining(range(lhs_ndim), lc))
+
+
+def lhs_for_kernel_grad(q_lhs, dimension_numbers):
+    """The residual for the kernel gradient: the quantized input, already transposed to
+    the layout that GEMM wants (contraction over the minor axes), so the backward asks
+    for no layout change. Same bytes as the untransposed residual. XLA would not fuse
+    the transpose with the quantization anyway, so on CUDA it is jax_fp8's byte-transpose
+    kernel (`layout.rotate_axes`), as is the gradient's in `kernel_grad`."""
+    perm = kernel_grad_layout(dimension_numbers, q_lhs.ndim)
+    if perm is None or perm == tuple(range(q_lhs.ndim)):
+        return q_lhs
+    n_c = len(dimension_numbers[0][0])
+    if perm == tuple(range(q_lhs.ndim - n_c, q_lhs.ndim)) + tuple(range(q_lhs.ndim - n_c)):
+        return layout.rotate_axes(q_lhs, q_lhs.ndim - n_c)  # the usual [T..., D] case
+    return lax.transpose(q_lhs, perm)
+
+
+def lhs_free_axes(g, rhs, rhs_contract):
+    """How many leading axes of the output gradient g come from lhs (no batch axes)."""
+    return g.ndim - (rhs.ndim - len(rhs_contract))
+
+
+def kernel_grad(q_g, lhs_t, q_rhs, dimension_numbers, out_dtype, scale_invs, g_t=None):
+    """d(dot_general(lhs, rhs))/d rhs applied to q_g, from `lhs_for_kernel_grad`'s
+    residual: both FP8 operands contract over their minor axes. Shapes, without batch
+    axes: lhs_t [C..., F_l...], q_g [F_l..., F_r...] -> [C..., F_r...], returned in rhs's
+    axis order. g_t: q_g already rotated to [F_r..., F_l...], if the caller has it."""
+    (lc, rc), _ = dimension_numbers
+    n_c, n_fl = len(lc), lhs_free_axes(q_g, q_rhs, rc)
+    n_fr = q_g.ndim - n_fl
+    if g_t is None:
+        g_t = layout.rotate_axes(q_g, n_fl)
+    dims = ((tuple(range(n_c, lhs_t.ndim)), tuple(range(n_fr, g_t.ndim))), ((), ()))
+    rhs_free = remaining(range(q_rhs.ndim), rc)
+    unsorted_axes = list(rc) + rhs_free
+    out = gemm(lhs_t, g_t, dims, *scale_invs, out_dtype, precision=lax.Precision.HIGHEST,
+               out_sharding=permuted_sharding(q_rhs, unsorted_axes))
+    return lax.transpose(out, tuple(int(a) for a in np.argsort(unsorted_axes)))
+
+

@@ -1,0 +1,7 @@
+"""The JAX primitives of jax_fp8 and their lowerings to the FFI kernels in ``ffi/``.
+
+``update``: the fused scaling update (``jax_fp8_update``); ``amax``: a tensor's amax
+with one all-reduce per step under sharding; ``layout``: FP8 byte transposes and the
+gradient's quantize + transpose; ``partition``: sharded updates; ``jnp_update``: the
+same update in jax.numpy; ``common``: shared helpers (eager execution, manual axes).
+"""

@@ -1,0 +1,60 @@
+"""Helpers shared by the primitives: eager execution, shard_map's varying manual axes."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+
+def eager_impl(prim):
+    """An impl rule that runs `prim` as a compiled one-primitive program, also under
+    ``jax.disable_jit()`` (which would otherwise turn the jit back into this impl)."""
+
+    @functools.lru_cache(maxsize=None)
+    def compiled(params):
+        return jax.jit(functools.partial(prim.bind, **dict(params)))
+
+    def impl(*args, **params):
+        with jax.disable_jit(False):
+            return compiled(tuple(sorted(params.items())))(*args)
+
+    return impl
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes x (an array or an abstract value) varies over inside
+    shard_map; empty elsewhere."""
+    aval = x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x)
+    mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
+    if mat is not None:  # jax >= 0.10
+        return frozenset(getattr(mat, "varying", ()))
+    return frozenset(getattr(aval, "vma", ()))  # earlier spelling
+
+
+def vary_like(arrays):
+    """Makes every array of `arrays` vary over the union of their manual axes (inside
+    shard_map), so a primitive taking them all types its results over that union."""
+    union = frozenset().union(*(varying_axes(a) for a in arrays))
+    if not union:
+        return list(arrays)
+    out = []
+    for a in arrays:
+        missing = tuple(sorted(union - varying_axes(a)))
+        out.append(_pvary(a, missing) if missing else a)
+    return out
+
+
+def _pvary(x, axes):
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, axes, to="varying")
+    return jax.lax.pvary(x, axes)
+
+
+def check_same_varying(name, avals):
+    """Abstract-eval check that all operands vary over the same manual axes (the
+    public wrappers make them so with `vary_like`)."""
+    sets = {varying_axes(a) for a in avals}
+    if len(sets) > 1:
+        raise ValueError(f"{name}: operands vary over different manual axes {sorted(map(sorted, sets))}; "
+                         "use the public jax_fp8 functions, which align them")

@@ -1,0 +1,207 @@
+"""Fp8Meta (the FP8 state of one GEMM) and how observed amaxes leave a train step.
+
+`fp8_dot_general` never updates state. It quantizes with the *current* scales (delayed
+scaling) and reports what it observed -- the amax of its input, of its kernel and, in the
+backward pass, of the incoming gradient -- as the **cotangent of its `Fp8Meta` argument**:
+the "gradient" w.r.t. each state's ``amax_history`` is zero except in the staging slot
+``[..., 0]``, which holds the observed amax. `new_fp8_state(meta, meta_grads, recipe)` then
+reads those slots and updates the whole model's FP8 state with ONE `update_states` call.
+
+Amaxes combine by max, never by sum (``docs/semantics.md``, "Several uses of one state"):
+
+* the op is *threaded*: ``out, meta = fp8_dot_general(x, w, dn, meta)``; the backward of
+  each use emits ``fmax(cotangent of the meta it returned, its own amax)``, so a chain
+  ``meta0 -> use 1 -> meta1 -> use 2`` reports ``max(amax_1, amax_2)``. The Flax layers
+  thread for you. Passing one meta value to two uses is an error at trace time;
+* under ``jax.vmap`` with one shared (unbatched) meta, the amax is the max over the batch;
+* microbatches: combine their FP8 gradients with `combine_fp8_grads` (max), not ``+``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import weakref
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
+
+from jax_fp8 import recipe as recipe_lib
+from jax_fp8._primitives import amax as amax_lib
+from jax_fp8.state import ScalingState, is_state
+from jax_fp8.update import update_states
+
+__all__ = ["Fp8Meta", "amax_cotangents", "combine_fp8_grads", "new_fp8_state"]
+
+try:  # the trace a value belongs to (jax >= 0.4.36 stackless tracing); no public API
+    from jax._src import core as _jax_core
+    _current_trace = lambda: _jax_core.trace_ctx.trace  # noqa: E731
+except (ImportError, AttributeError):  # pragma: no cover
+    _current_trace = lambda: None  # noqa: E731
+
+_LOOPS = ("scan", "fori_loop", "while_body", "while_cond", "while_loop")
+_BRANCHES = ("cond", "switch")
+_AD_TRACES = ("JVPTrace", "LinearizeTrace")
+# Tracers already handed to an FP8 op as (part of) a meta: id -> (tracer, trace under it).
+_consumed: dict = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Meta:
+    """The FP8 state of one GEMM: its input (lhs), its kernel (rhs) and its output gradient.
+
+    A registered pytree of three `ScalingState`s. With a `DelayedScaling` recipe the input
+    and kernel use ``fp8_format.fwd_dtype`` and the gradient ``fp8_format.bwd_dtype``
+    (E5M2 under HYBRID).
+
+    Example::
+
+        meta = Fp8Meta.create(DelayedScaling(history_len=16))
+        out, meta = fp8_dot_general(x, w, (((1,), (0,)), ((), ())), meta)
+    """
+
+    input: ScalingState
+    kernel: ScalingState
+    grad: ScalingState
+
+    @classmethod
+    def create(cls, recipe: recipe_lib.DelayedScaling | None = None, shape=(),
+               history_len: int | None = None) -> "Fp8Meta":
+        """Fresh states for one GEMM (``shape``: leading axes, e.g. stacked layers)."""
+        recipe = recipe_lib.DelayedScaling() if recipe is None else recipe
+        recipe_lib.check_delayed(recipe, "recipe")
+        n = recipe.history_len if history_len is None else history_len
+        fwd, bwd = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
+        return cls(input=ScalingState.create(shape, n, fwd),
+                   kernel=ScalingState.create(shape, n, fwd),
+                   grad=ScalingState.create(shape, n, bwd))
+
+    def replace(self, **changes) -> "Fp8Meta":
+        """A copy with the given fields replaced (as ``dataclasses.replace``)."""
+        return dataclasses.replace(self, **changes)
+
+
+jax.tree_util.register_dataclass(Fp8Meta, data_fields=["input", "kernel", "grad"],
+                                 meta_fields=[])
+
+
+def amax_cotangent(ct: ScalingState, amax, primal: ScalingState) -> ScalingState:
+    """The cotangent one use hands back: fmax(downstream uses' amax, this use's amax).
+
+    Where nothing downstream used the threaded meta (a symbolic zero cotangent), the
+    staging slot is this use's amax itself: fmax(0, amax) would change nothing that the
+    update's own fmaxf(h[0], amax) does not already do, and skipping it spares the step
+    one scalar kernel per state. The result is then given the batching of ``primal``
+    (`amax_lib.amax_for_state`): under ``vmap`` with one shared state the batch's amaxes
+    are reduced by max here, before JAX would sum them.
+    """
+    h = ct.amax_history
+    amax = jnp.asarray(amax, jnp.float32)
+    if isinstance(h, SymbolicZero):
+        staged = amax
+    else:
+        staged = jnp.fmax(h[..., 0], amax)
+    staged = amax_lib.amax_for_state(staged, primal.scale)
+    zeros = jnp.zeros_like(primal.amax_history)
+    scale_zeros = jnp.zeros_like(primal.scale)
+    return ScalingState(zeros.at[..., 0].set(staged), scale_zeros, scale_zeros,
+                        fp8_dtype=primal.fp8_dtype)
+
+
+def _traced_for(trace):
+    return getattr(getattr(getattr(trace, "frame", None), "debug_info", None), "traced_for",
+                   None)
+
+
+def _chain(leaf):
+    """The traces between the current one and `leaf`'s own, innermost first (None when
+    `leaf`'s trace is not an ancestor of the current one)."""
+    t, chain, own = _current_trace(), [], getattr(leaf, "_trace", None)
+    while t is not None and t is not own:
+        chain.append(t)
+        t = getattr(t, "parent_trace", None)
+    return chain if t is not None else None
+
+
+_REUSE = ("{op}: this Fp8Meta was already given to another FP8 op in the same "
+          "computation, so their amaxes would be summed instead of maxed. Thread it: "
+          "`out, meta = {op}(..., meta)` and pass the returned meta to the next use (the "
+          "Flax layers do this). For several microbatches use combine_fp8_grads.")
+_LOOP = ("{op}: this Fp8Meta is differentiated but closed over by a `{loop}` body, so "
+         "JAX would sum its amaxes over the iterations instead of taking their max. Pass "
+         "it through the loop instead: in the carry (and return the threaded meta from "
+         "the body), or one meta per iteration as `xs` (nn.scan: variable_axes="
+         "{{'fp8_meta': 0}}, or variable_carry='fp8_meta').")
+
+
+def claim(meta, op: str) -> None:
+    """Trace-time check that `meta` is used once: a second use of the same traced meta,
+    or a differentiated meta closed over by a loop body, raises ValueError (either
+    would make JAX sum the amax cotangents). Concrete (eager) metas are not tracked."""
+    for leaf in jax.tree.leaves(meta):
+        if not isinstance(leaf, jax.core.Tracer):
+            continue
+        chain = _chain(leaf) or []
+        if type(getattr(leaf, "_trace", None)).__name__ in _AD_TRACES:
+            loop = next((_traced_for(t) for t in chain if _traced_for(t) in _LOOPS), None)
+            if loop is not None:
+                raise ValueError(_LOOP.format(op=op, loop=loop))
+        top = chain[-1] if chain else None
+        seen = _consumed.get(id(leaf))
+        if seen is not None and seen[0]() is leaf:
+            both_branches = (top is not None and seen[1] is not None and
+                             _traced_for(top) in _BRANCHES and seen[1]() is not None and
+                             _traced_for(seen[1]()) in _BRANCHES)
+            if not both_branches:  # the two branches of a cond never both run
+                raise ValueError(_REUSE.format(op=op))
+        key = id(leaf)
+        _consumed[key] = (weakref.ref(leaf, lambda _, k=key: _consumed.pop(k, None)),
+                          None if top is None else weakref.ref(top))
+
+
+def amax_cotangents(fp8_grads):
+    """The observed amaxes carried by FP8 gradients: each ScalingState -> its staging slot."""
+    return jax.tree.map(lambda g: g.amax_history[..., 0], fp8_grads, is_leaf=is_state)
+
+
+def new_fp8_state(fp8_states, fp8_grads, recipe: recipe_lib.DelayedScaling | None = None,
+                  *, axis_name=None, implementation: str = "auto"):
+    """The step's new FP8 state: ONE `update_states` call for every state of the model.
+
+    Args:
+      fp8_states: any pytree of ScalingStates (e.g. Fp8Metas, a Flax collection, a
+        `PackedStates`).
+      fp8_grads: the gradient of the loss w.r.t. ``fp8_states`` (same structure); the
+        staging slot ``amax_history[..., 0]`` of each holds the amax observed this step.
+      recipe: the DelayedScaling recipe (margin, algorithm, ...). When given, every
+        state's FP8 dtype must be the one the recipe gives it (checked at trace time).
+      axis_name: inside ``shard_map`` / ``pmap``, the axis (or axes) whose devices'
+        amaxes are combined, with one ``pmax`` for all of them (see ``update_states``).
+
+    Returns:
+      ``fp8_states`` updated (same structure).
+    """
+    if recipe is None:
+        recipe = recipe_lib.DelayedScaling()
+    else:
+        recipe_lib.check_states_follow(recipe, fp8_states, "fp8_states")
+    return update_states(fp8_states, amax_cotangents(fp8_grads), recipe=recipe,
+                         axis_name=axis_name, implementation=implementation)
+
+
+def combine_fp8_grads(*fp8_grads):
+    """Combines the FP8 gradients of several microbatches (or steps) by max, never sum."""
+    if not fp8_grads:
+        raise ValueError("combine_fp8_grads needs at least one gradient tree")
+
+    def combine(*gs):
+        first = gs[0]
+        if not is_state(first):
+            return first
+        staged = functools.reduce(jnp.fmax, [g.amax_history[..., 0] for g in gs])
+        return ScalingState(jnp.zeros_like(first.amax_history).at[..., 0].set(staged),
+                            jnp.zeros_like(first.scale), jnp.zeros_like(first.scale_inv),
+                            fp8_dtype=first.fp8_dtype)
+
+    return jax.tree.map(combine, *fp8_grads, is_leaf=is_state)

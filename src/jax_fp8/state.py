@@ -1,0 +1,135 @@
+"""ScalingState: the delayed-scaling state of one FP8 tensor (or a stack of them)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import export as jax_export
+
+from jax_fp8 import recipe as recipe_lib
+
+
+_CANONICAL: dict = {}  # fp8_dtype as given -> np.dtype (only valid FP8 dtypes are stored)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalingState:
+    """A registered pytree; leaves amax_history, scale, scale_inv; fp8_dtype is static.
+
+    Attributes:
+      amax_history: float32 [..., L]; index 0 is the staging slot for the next amax.
+      scale: float32 [...]; quantize as x_fp8 = saturate_cast(x * scale).
+      scale_inv: float32 [...]; 1 / scale, the dequantization factor.
+      fp8_dtype: the FP8 dtype these tensors are quantized to (static).
+    """
+
+    amax_history: Any
+    scale: Any
+    scale_inv: Any
+    fp8_dtype: Any = dataclasses.field(default=jnp.float8_e4m3fn)
+
+    def __post_init__(self):
+        # One spelling of the dtype, so tree structures compare and hash equal. JAX
+        # rebuilds states on every unflatten, so the common case is a dict lookup.
+        try:
+            dtype = _CANONICAL.get(self.fp8_dtype)
+        except TypeError:  # unhashable: let canonical_fp8_dtype name the problem
+            dtype = recipe_lib.canonical_fp8_dtype(self.fp8_dtype)
+        if dtype is None:
+            dtype = recipe_lib.canonical_fp8_dtype(self.fp8_dtype)
+            _CANONICAL[self.fp8_dtype] = dtype
+        object.__setattr__(self, "fp8_dtype", dtype)
+
+    @classmethod
+    def create(cls, shape=(), history_len: int = 1024, fp8_dtype=jnp.float8_e4m3fn,
+               ) -> "ScalingState":
+        """A fresh state: zero history, scale = scale_inv = 1."""
+        if isinstance(history_len, bool) or int(history_len) != history_len or history_len < 1:
+            raise ValueError(f"history_len must be an integer >= 1, got {history_len!r}")
+        shape = tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"shape must have non-negative sizes, got {shape}")
+        dtype = recipe_lib.canonical_fp8_dtype(fp8_dtype)
+        return cls(amax_history=jnp.zeros(shape + (int(history_len),), jnp.float32),
+                   scale=jnp.ones(shape, jnp.float32), scale_inv=jnp.ones(shape, jnp.float32),
+                   fp8_dtype=dtype)
+
+    @property
+    def history_len(self) -> int:
+        return self.amax_history.shape[-1]
+
+    def replace(self, **changes) -> "ScalingState":
+        """A copy with the given fields replaced (as ``dataclasses.replace``)."""
+        return dataclasses.replace(self, **changes)
+
+
+jax.tree_util.register_dataclass(ScalingState,
+                                 data_fields=["amax_history", "scale", "scale_inv"],
+                                 meta_fields=["fp8_dtype"])
+
+# jax.export: a serialized function taking or returning states names them
+# "jax_fp8.ScalingState" (deserializing it needs `import jax_fp8`).
+jax_export.register_pytree_node_serialization(
+    ScalingState, serialized_name="jax_fp8.ScalingState",
+    serialize_auxdata=lambda aux: ",".join(np.dtype(d).name for d in aux).encode(),
+    deserialize_auxdata=lambda data: tuple(np.dtype(getattr(jnp, name))
+                                           for name in data.decode().split(",")))
+
+
+def is_state(x) -> bool:
+    return isinstance(x, ScalingState)
+
+
+def _role(path) -> str | None:
+    """"grad", "input", "kernel" from the last key of a state's tree path, else None."""
+    if not path:
+        return None
+    key = path[-1]
+    name = getattr(key, "name", getattr(key, "key", None))
+    return name if name in ("input", "kernel", "grad") else None
+
+
+def check_states_follow(recipe, tree, name: str = "tree") -> None:
+    """Raises ValueError when a state of `tree` was not made by `recipe`.
+
+    Each state's history length must be ``recipe.history_len`` and its FP8 dtype the
+    one the recipe gives its role (``fwd_dtype`` for ``input``/``kernel``, ``bwd_dtype``
+    for ``grad``; either for states whose role the tree does not name).
+    """
+    recipe_lib.check_delayed(recipe, "recipe")
+    fwd, bwd = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
+    for path, fp8_dtype, history_len in _states_with_paths(tree):
+        role = _role(path)
+        want = {"input": (fwd,), "kernel": (fwd,), "grad": (bwd,)}.get(role, (fwd, bwd))
+        where = f"{name}{jax.tree_util.keystr(path)}"
+        problems = []
+        if history_len != recipe.history_len:
+            problems.append(f"history length {history_len}, the recipe's is "
+                            f"{recipe.history_len}")
+        if fp8_dtype not in want:
+            problems.append(f"FP8 dtype {fp8_dtype.name}, the recipe's is "
+                            f"{' or '.join(d.name for d in dict.fromkeys(want))}")
+        if problems:
+            raise ValueError(
+                f"{where} does not follow the recipe {recipe}: it has {'; '.join(problems)}. "
+                "Create the FP8 states with the same recipe as the update (e.g. "
+                "nn.Dense(..., dot_general_cls=functools.partial(Fp8DotGeneral, "
+                "recipe=recipe)), Fp8Linear(..., recipe=recipe), Fp8Meta.create(recipe)).")
+
+
+def _states_with_paths(tree):
+    """(path, fp8_dtype, history_len) for every state of `tree`; a PackedStates's states
+    by their paths in the unpacked tree."""
+    from jax_fp8.packing import PackedStates  # (packing imports this module)
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(
+            tree, is_leaf=lambda x: is_state(x) or isinstance(x, PackedStates))[0]:
+        if isinstance(leaf, PackedStates):
+            out += [(path + sub, dtype, length) for sub, dtype, length in leaf.slot_info()]
+        elif is_state(leaf):
+            out.append((path, leaf.fp8_dtype, leaf.history_len))
+    return out

@@ -1,0 +1,235 @@
+"""The public update functions: one tensor/stack, or every ScalingState of a pytree.
+
+Both validate at trace time (errors name the argument) and bind the
+`jax_fp8_update` primitive once, so any number of states is one custom call.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_fp8 import recipe as recipe_lib
+from jax_fp8._primitives import common
+from jax_fp8._primitives.update import ALGOS, IMPLEMENTATIONS, fp8_update_p
+from jax_fp8.state import ScalingState, is_state
+
+
+def _check_array(x, name):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if x.dtype != jnp.float32:
+        raise TypeError(f"{name} must be float32, got {x.dtype}")
+
+
+def _check_state_arrays(history, scale, amax, scale_inv=None, where="", *,
+                        has_scale_inv=False, has_amax=False):
+    _check_array(history, f"{where}amax_history")
+    if history.ndim < 1 or history.shape[-1] < 1:
+        raise ValueError(f"{where}amax_history must have a history axis (last) of length "
+                         f">= 1, got shape {tuple(history.shape)}")
+    lead = tuple(history.shape[:-1])
+    for name, x, required in (("scale", scale, True), ("scale_inv", scale_inv, has_scale_inv),
+                              ("amax", amax, has_amax)):
+        if x is None:
+            if required:
+                raise TypeError(f"{where}{name} must be a float32 array of shape {lead}, "
+                                f"got None")
+            continue
+        _check_array(x, f"{where}{name}")
+        if tuple(x.shape) != lead:
+            raise ValueError(f"{where}{name} has shape {tuple(x.shape)} but must have "
+                             f"amax_history.shape[:-1] = {lead}")
+
+
+def _check_options(amax_compute_algo, power_of_2_scale, skip_unused, implementation):
+    recipe_lib.check_algorithm(amax_compute_algo)
+    for name, value in (("power_of_2_scale", power_of_2_scale), ("skip_unused", skip_unused)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+    if implementation not in IMPLEMENTATIONS[:2]:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS[:2]}, "
+                         f"got {implementation!r}")
+
+
+def _bind(histories, scales, scale_invs, amaxes, scaled_maxes, amax_compute_algo,
+          power_of_2_scale, skip_unused, implementation):
+    # Inside shard_map the results vary over every manual axis any operand varies over.
+    operands = common.vary_like([*histories, *scales, *(scale_invs or ()), *(amaxes or ())])
+    g = len(histories)
+    outs = fp8_update_p.bind(
+        *operands, scaled_max=tuple(scaled_maxes),
+        amax_compute_algo=ALGOS[amax_compute_algo],
+        power_of_2_scale=bool(power_of_2_scale), skip_unused=bool(skip_unused),
+        has_scale_inv=scale_invs is not None, has_amax=amaxes is not None,
+        implementation=implementation)
+    return outs[:g], outs[g:2 * g], outs[2 * g:]
+
+
+def amax_and_scale_update(amax_history, scale, amax=None, *, fp8_dtype=jnp.float8_e4m3fn,
+                          margin=0.0, amax_compute_algo="max", power_of_2_scale=False,
+                          skip_unused=False, implementation="auto"):
+    """Delayed-scaling update of one FP8 tensor or a stack of them (SPEC.md).
+
+    Args:
+      amax_history: float32 [..., L]; index 0 is the staging slot.
+      scale: float32 [...], the quantization scale (x_fp8 = x * scale).
+      amax: optional float32 [...], newly observed amax merged into slot 0.
+      fp8_dtype: the FP8 dtype the scale is for (gives fp8_max).
+      margin, amax_compute_algo, power_of_2_scale, skip_unused: as in SPEC.md.
+      implementation: "auto" (the fused kernel where built) or "jnp".
+
+    Returns:
+      (new_history [..., L], new_scale [...], new_scale_inv [...]).
+    """
+    _check_state_arrays(amax_history, scale, amax, has_amax=False)
+    _check_options(amax_compute_algo, power_of_2_scale, skip_unused, implementation)
+    smax = recipe_lib.scaled_max(recipe_lib.canonical_fp8_dtype(fp8_dtype), margin)
+    (h,), (s,), (si,) = _bind([amax_history], [scale], None, None if amax is None else [amax],
+                              [smax], amax_compute_algo, power_of_2_scale, skip_unused,
+                              implementation)
+    return h, s, si
+
+
+def reduce_amaxes(amaxes, axis_name):
+    """Global max of a pytree of amaxes over `axis_name`, as ONE collective.
+
+    Every leaf is flattened into one float32 vector, reduced with a single
+    `lax.pmax`, and split back (the packing TE does before its all-reduce). A NaN on
+    one device is ignored (as the kernel ignores a NaN amax) instead of poisoning every
+    replica; an amax that is NaN on every device stays NaN.
+    """
+    leaves, treedef = jax.tree.flatten(amaxes)
+    if not leaves:
+        return amaxes
+    for x in leaves:
+        _check_array(x, "amaxes leaf")
+    flat = jnp.concatenate([jnp.ravel(x) for x in leaves])
+    flat = jax.lax.pmax(jnp.where(jnp.isnan(flat), -jnp.inf, flat), axis_name)
+    flat = jnp.where(flat == -jnp.inf, jnp.nan, flat)  # only all-NaN gives -inf
+    out, start = [], 0
+    for x in leaves:
+        out.append(flat[start:start + x.size].reshape(x.shape))
+        start += x.size
+    return jax.tree.unflatten(treedef, out)
+
+
+# Per-tensor states (scale shape ()) beyond this many in one call are stacked into one
+# [n, L] state per (FP8 dtype, L) inside the program and split back after the update: XLA's
+# compile time grows superlinearly with the number of aliased custom-call operands.
+PACK_SEPARATE_ABOVE = 64
+
+
+def _where(paths, i, tree):
+    if paths[0] is None:
+        paths[0] = [jax.tree_util.keystr(p) for p, _ in
+                    jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_state)[0]]
+    return paths[0][i]
+
+
+def update_states(tree, amaxes=None, *, recipe=recipe_lib.DelayedScaling(),
+                  axis_name=None, implementation="auto", pack_separate=None):
+    """Updates every ScalingState leaf of `tree` with one fused op.
+
+    Args:
+      tree: any pytree; its ScalingState nodes are updated, other leaves returned as is.
+      amaxes: None (the newest amaxes are already in each history's staging slot), or a
+        pytree with the structure of `tree` holding, in place of each ScalingState, a
+        float32 array of that state's scale shape (the newly observed amax).
+      recipe: a DelayedScaling; margin, algorithm, power-of-two rounding and
+        skip_unused come from it, fp8_max from each state's own dtype.
+      axis_name: inside shard_map/pmap, the mesh axis (or axes) to max-reduce the
+        amaxes (or, without amaxes, the staging slots) over first, with one collective
+        for the whole tree (reduce_amaxes).
+      implementation: "auto" (the fused kernel where built) or "jnp".
+      pack_separate: stack the per-tensor states (scale shape ()) of each (FP8 dtype,
+        history length) into one array inside the program, update those, and split them
+        back: a copy of the states (microseconds) that keeps compile time linear in the
+        number of states. None (default): when there are more than
+        ``PACK_SEPARATE_ABOVE`` of them; False: every state aliased in place.
+
+    Returns:
+      `tree` with every ScalingState replaced by its updated state.
+
+    Example::
+
+        states = {"a": ScalingState.create(), "b": ScalingState.create((4,))}
+        states = jax.jit(update_states, donate_argnums=0)(states)
+    """
+    recipe_lib.check_delayed(recipe, "recipe")
+    _check_options(recipe.amax_compute_algo, recipe.power_of_2_scale, recipe.skip_unused,
+                   implementation)
+    if pack_separate not in (None, True, False):
+        raise TypeError(f"pack_separate must be None, True or False, got {pack_separate!r}")
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_state)
+    if amaxes is not None:
+        try:
+            amax_leaves = treedef.flatten_up_to(amaxes)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"amaxes must have the structure of tree, with one array per "
+                             f"ScalingState: {err}") from None
+    index = [i for i, leaf in enumerate(leaves) if is_state(leaf)]
+    if not index:
+        return tree
+    states = [leaves[i] for i in index]
+    paths = [None]
+    for i, st in zip(index, states):
+        amax = None if amaxes is None else amax_leaves[i]
+        try:
+            _check_state_arrays(st.amax_history, st.scale, amax, st.scale_inv,
+                                has_scale_inv=True, has_amax=amaxes is not None)
+        except (TypeError, ValueError) as err:
+            where = _where(paths, i, tree)
+            raise type(err)(f"tree{where}: {err}" + ("" if amaxes is None else
+                                                     f" (amaxes{where})")) from None
+    if amaxes is not None:
+        amax_list = [amax_leaves[i] for i in index]
+    elif axis_name is not None:  # the staging slots are the amaxes to reduce
+        amax_list = [st.amax_history[..., 0] for st in states]
+    else:
+        amax_list = None
+    if amax_list is not None and axis_name is not None:
+        amax_list = reduce_amaxes(amax_list, axis_name)
+    h, s, si = _update_list(states, amax_list, recipe, implementation, pack_separate)
+    for n, i in enumerate(index):
+        leaves[i] = ScalingState(h[n], s[n], si[n], fp8_dtype=states[n].fp8_dtype)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _update_list(states, amaxes, recipe, implementation, pack_separate):
+    """The update of a list of states (amaxes: None or a list): one bind."""
+    def scaled(dtype):
+        return recipe_lib.scaled_max(recipe_lib.canonical_fp8_dtype(dtype), recipe.margin)
+
+    singles = [n for n, st in enumerate(states) if st.scale.ndim == 0]
+    if pack_separate is None:
+        pack_separate = len(singles) > PACK_SEPARATE_ABOVE
+    groups = {}  # (dtype, L) -> indices of per-tensor states, packed into one operand
+    if pack_separate:
+        for n in singles:
+            groups.setdefault((states[n].fp8_dtype, states[n].history_len), []).append(n)
+    packed = {n for members in groups.values() for n in members}
+    direct = [n for n in range(len(states)) if n not in packed]
+    hist = [states[n].amax_history for n in direct]
+    scale = [states[n].scale for n in direct]
+    sinv = [states[n].scale_inv for n in direct]
+    amax = None if amaxes is None else [amaxes[n] for n in direct]
+    smax = [scaled(states[n].fp8_dtype) for n in direct]
+    for (dtype, _), members in groups.items():
+        hist.append(jnp.stack([states[n].amax_history for n in members]))
+        scale.append(jnp.stack([states[n].scale for n in members]))
+        sinv.append(jnp.stack([states[n].scale_inv for n in members]))
+        if amax is not None:
+            amax.append(jnp.stack([jnp.asarray(amaxes[n]) for n in members]))
+        smax.append(scaled(dtype))
+    h, s, si = _bind(hist, scale, sinv, amax, smax, recipe.amax_compute_algo,
+                     recipe.power_of_2_scale, recipe.skip_unused, implementation)
+    out_h, out_s, out_si = [None] * len(states), [None] * len(states), [None] * len(states)
+    for k, n in enumerate(direct):
+        out_h[n], out_s[n], out_si[n] = h[k], s[k], si[k]
+    for g, members in enumerate(groups.values()):
+        k = len(direct) + g
+        for row, n in enumerate(members):
+            out_h[n], out_s[n], out_si[n] = h[k][row], s[k][row], si[k][row]
+    return out_h, out_s, out_si
