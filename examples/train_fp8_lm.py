@@ -193,7 +193,7 @@ def run(args, data, params0, model, tag, fp8_vars=None, recipe=None):
         if fp8_vars is not None:
             # The newest amax sits at the end of each history after the update.
             for label, path in tracked:
-                st = _state_at(state.fp8, path)
+                st = _state_at(jax_fp8.unpack_states(state.fp8), path)
                 # (a new array: the state's own buffers are donated to the next step)
                 track.setdefault(label, []).append(jnp.stack([st.amax_history[-1], st.scale]))
         losses.append(loss)

@@ -15,7 +15,6 @@ import pytest
 from flax.training import train_state
 
 import jax_fp8
-from jax_fp8 import ops
 from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8Einsum, Fp8TrainState
 
 RECIPE = jax_fp8.DelayedScaling(history_len=8)
@@ -32,7 +31,7 @@ def rand(key, shape, scale=1.0):
 
 def staged(fp8_grads):
     """{path: amax} of the staging slots of a gradient tree."""
-    flat = jax.tree_util.tree_flatten_with_path(ops.amax_cotangents(fp8_grads))[0]
+    flat = jax.tree_util.tree_flatten_with_path(jax_fp8.amax_cotangents(fp8_grads))[0]
     return {jax.tree_util.keystr(p): np.asarray(v).tolist() for p, v in flat}
 
 
@@ -90,8 +89,8 @@ def test_dense_variables_and_forward():
     out, out_immutable, want = jax.jit(lambda v, x: (
         model.apply(v, x, mutable=[FP8_COLLECTION])[0],
         model.apply(v, x, mutable=False),       # inference: no mutable collection needed
-        ops.fp8_dot_general(x, v["params"]["kernel"], (((1,), (0,)), ((), ())),
-                            ops.Fp8Meta(**v[FP8_COLLECTION]["Fp8DotGeneral_0"]))[0]
+        jax_fp8.fp8_dot_general(x, v["params"]["kernel"], (((1,), (0,)), ((), ())),
+                            jax_fp8.Fp8Meta(**v[FP8_COLLECTION]["Fp8DotGeneral_0"]))[0]
         + v["params"]["bias"]))(v, x)
     np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(out, out_immutable)
@@ -160,13 +159,13 @@ def test_train_state_keeps_fp8_out_of_the_optimizer_and_trains():
                  new.params, want)
     # fp8: exactly one fused update driven by the FP8 gradients (no clipping, no decay).
     jax.tree.map(np.testing.assert_array_equal, new.fp8,
-                 jax.jit(ops.new_fp8_state, static_argnums=2)(state.fp8, fp8_grads, RECIPE))
+                 jax.jit(jax_fp8.new_fp8_state, static_argnums=2)(state.fp8, fp8_grads, RECIPE))
     # The first step's amaxes are now the newest history entries.
-    meta = new.fp8["Dense_0"]["Fp8DotGeneral_0"]
-    assert float(meta["input"].amax_history[-1]) == float(ops.compute_amax(x))
+    meta = jax_fp8.unpack_states(new.fp8)["Dense_0"]["Fp8DotGeneral_0"]
+    assert float(meta["input"].amax_history[-1]) == float(jax_fp8.compute_amax(x))
     assert float(meta["kernel"].amax_history[-1]) == float(
-        ops.compute_amax(state.params["Dense_0"]["kernel"]))
-    assert float(meta["input"].scale) == pytest.approx(448 / float(ops.compute_amax(x)))
+        jax_fp8.compute_amax(state.params["Dense_0"]["kernel"]))
+    assert float(meta["input"].scale) == pytest.approx(448 / float(jax_fp8.compute_amax(x)))
 
     # Training: the loss falls and tracks the same model trained without FP8.
     @jax.jit
@@ -256,10 +255,10 @@ def test_nn_scan_over_layers_gives_each_layer_its_own_state(on_cpu):
         np.testing.assert_array_equal(
             got[f"['stack']['Dense_0']['Fp8DotGeneral_0']['{name}']"], want)
     # One fused update for the stacked [n, L] states.
-    new = ops.new_fp8_state(v[FP8_COLLECTION], g_scan, RECIPE)
+    new = jax_fp8.new_fp8_state(v[FP8_COLLECTION], g_scan, RECIPE)
     np.testing.assert_array_equal(
         new["stack"]["Dense_0"]["Fp8DotGeneral_0"]["kernel"].amax_history[:, -1],
-        [float(ops.compute_amax(k)) for k in v["params"]["stack"]["Dense_0"]["kernel"]])
+        [float(jax_fp8.compute_amax(k)) for k in v["params"]["stack"]["Dense_0"]["kernel"]])
 
 
 def test_nn_scan_reusing_one_layer_carries_its_state(on_cpu):
@@ -308,7 +307,7 @@ def test_gradient_accumulation_over_microbatches(on_cpu):
     def accumulated(state):
         def body(acc, batch):
             g, fg = grad(state.params, state.fp8, *batch)
-            return (jax.tree.map(jnp.add, acc[0], g), ops.combine_fp8_grads(acc[1], fg)), None
+            return (jax.tree.map(jnp.add, acc[0], g), jax_fp8.combine_fp8_grads(acc[1], fg)), None
         zeros = jax.tree.map(jnp.zeros_like, (state.params, state.fp8))
         (g, fg), _ = jax.lax.scan(body, zeros, (x.reshape(4, 8, 8), y.reshape(4, 8, 4)))
         return g, fg

@@ -8,7 +8,6 @@ import pytest
 from flax import nnx
 
 import jax_fp8
-from jax_fp8 import ops
 from jax_fp8.flax import nnx as fnnx
 
 RECIPE = jax_fp8.DelayedScaling(history_len=8)
@@ -48,7 +47,7 @@ def test_layers_hold_fp8_state_variables():
     x = rand(0, (4, 8))
     out = nnx.jit(lambda m, x: m.l1(x))(net, x)
     meta = net.l1.dot_general.meta
-    want, _ = ops.fp8_dot_general(x, net.l1.kernel[...], (((1,), (0,)), ((), ())), meta)
+    want, _ = jax_fp8.fp8_dot_general(x, net.l1.kernel[...], (((1,), (0,)), ((), ())), meta)
     np.testing.assert_allclose(out, want + net.l1.bias[...], rtol=1e-6, atol=1e-6)
 
 
@@ -79,11 +78,11 @@ def test_train_step_optimizer_never_sees_fp8_state():
         if i == 0:
             assert all(not isinstance(v, fnnx.Fp8State) for v in jax.tree.leaves(
                 grads, is_leaf=lambda v: isinstance(v, nnx.Variable)))
-            want = jax.jit(ops.new_fp8_state, static_argnums=2)(fp8_before, fp8_grads, RECIPE)
+            want = jax.jit(jax_fp8.new_fp8_state, static_argnums=2)(fp8_before, fp8_grads, RECIPE)
             jax.tree.map(np.testing.assert_array_equal, fnnx.fp8_state(net), want)
             st = _get(net.l1.dot_general.input)
-            assert float(st.amax_history[-1]) == float(ops.compute_amax(x))
-            assert float(st.scale) == pytest.approx(448 / float(ops.compute_amax(x)))
+            assert float(st.amax_history[-1]) == float(jax_fp8.compute_amax(x))
+            assert float(st.scale) == pytest.approx(448 / float(jax_fp8.compute_amax(x)))
     assert losses[-1] < 0.7 * losses[0]
 
 
@@ -112,8 +111,8 @@ def test_reused_layer_combines_by_max():
     def fp8_grads(model):
         return fnnx.fp8_value_and_grad(lambda m: jnp.sum(m(x)))(model)[2]
 
-    got = ops.amax_cotangents(fp8_grads(Net(nnx.Rngs(0), reuse=3)))
-    per_use = ops.amax_cotangents(fp8_grads(Unrolled(Net(nnx.Rngs(0), reuse=3))))
+    got = jax_fp8.amax_cotangents(fp8_grads(Net(nnx.Rngs(0), reuse=3)))
+    per_use = jax_fp8.amax_cotangents(fp8_grads(Unrolled(Net(nnx.Rngs(0), reuse=3))))
     for name in ("input", "kernel", "grad"):
         uses = [float(per_use[k]["dot_general"][name][...]) for k in "abc"]
         g = float(got["l2"]["dot_general"][name][...])

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 import jax_fp8
-from jax_fp8 import ops
-from jax_fp8.ops import Fp8Meta, ScalingState
+from jax_fp8 import Fp8Meta, ScalingState
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 HI = jax.lax.Precision.HIGHEST
@@ -44,7 +43,7 @@ def rand(key, shape, scale=1.0, dtype=jnp.float32):
 
 
 def staged(g):
-    return np.stack([np.asarray(a) for a in jax.tree.leaves(ops.amax_cotangents(g))])
+    return np.stack([np.asarray(a) for a in jax.tree.leaves(jax_fp8.amax_cotangents(g))])
 
 
 # ------------------------------------------------------------------ quantize & amax
@@ -53,7 +52,7 @@ def staged(g):
 def test_quantize_saturates_and_keeps_nan(dtype, fmax):
     st = state(2.0, dtype)
     x = jnp.array([0.0, 1.0, -1.5, 1e6, -1e6, jnp.inf, -jnp.inf, jnp.nan], jnp.float32)
-    q = ops.quantize(x, st)
+    q = jax_fp8.quantize(x, st)
     assert q.dtype == dtype
     got = np.asarray(q.astype(jnp.float32))
     np.testing.assert_array_equal(got[:7], [0.0, 2.0, -3.0, fmax, -fmax, fmax, -fmax])
@@ -62,27 +61,27 @@ def test_quantize_saturates_and_keeps_nan(dtype, fmax):
 
 def test_quantize_dequantize_roundtrip_and_scale_convention():
     x = rand(0, (64, 32), 3.0)
-    amax = float(ops.compute_amax(x))
+    amax = float(jax_fp8.compute_amax(x))
     st = state(448.0 / amax)                   # SPEC: x_fp8 = x * scale
-    q = ops.quantize(x, st)
+    q = jax_fp8.quantize(x, st)
     assert float(jnp.max(jnp.abs(q.astype(jnp.float32)))) == pytest.approx(448.0, rel=0.07)
-    back = ops.dequantize(q, st, jnp.float32)
+    back = jax_fp8.dequantize(q, st, jnp.float32)
     np.testing.assert_allclose(back, x, rtol=0.0725, atol=1e-6 * amax)
-    assert ops.dequantize(q, st, jnp.bfloat16).dtype == jnp.bfloat16
+    assert jax_fp8.dequantize(q, st, jnp.bfloat16).dtype == jnp.bfloat16
 
 
 def test_quantize_stacked_state_scales_leading_axes():
     st = ScalingState(jnp.zeros((2, 4)), jnp.array([1.0, 4.0]), jnp.array([1.0, 0.25]))
     x = jnp.ones((2, 3))
-    np.testing.assert_array_equal(ops.quantize(x, st).astype(jnp.float32), [[1] * 3, [4] * 3])
+    np.testing.assert_array_equal(jax_fp8.quantize(x, st).astype(jnp.float32), [[1] * 3, [4] * 3])
 
 
 def test_compute_amax():
     x = jnp.array([[1.0, -7.5], [3.0, 0.25]], jnp.bfloat16)
-    a = ops.compute_amax(x)
+    a = jax_fp8.compute_amax(x)
     assert a.dtype == jnp.float32 and a.shape == () and float(a) == 7.5
-    assert float(ops.compute_amax(jnp.zeros((0, 3)))) == 0.0
-    assert np.isnan(float(ops.compute_amax(jnp.array([1.0, jnp.nan]))))
+    assert float(jax_fp8.compute_amax(jnp.zeros((0, 3)))) == 0.0
+    assert np.isnan(float(jax_fp8.compute_amax(jnp.array([1.0, jnp.nan]))))
 
 
 # ------------------------------------------------------------------ dot_general numerics
@@ -90,7 +89,7 @@ def test_compute_amax():
 @jax.jit
 def _manual(x, w, g, meta):
     """The same computation spelled out: quantize-dequantize everything, f32 GEMMs."""
-    qdq = lambda t, st: ops.dequantize(ops.quantize(t, st), st)  # noqa: E731
+    qdq = lambda t, st: jax_fp8.dequantize(jax_fp8.quantize(t, st), st)  # noqa: E731
     xq, wq, gq = qdq(x, meta.input), qdq(w, meta.kernel), qdq(g, meta.grad)
     mm = functools.partial(jnp.matmul, precision=HI)      # no TF32 in the reference
     return mm(xq, wq), mm(gq, wq.T), mm(xq.T, gq)
@@ -102,7 +101,7 @@ def test_dot_general_forward_backward_match_quantized_reference():
     g = rand(2, (16, 24))
     @jax.jit
     def run(x, w, meta, g):
-        (out, meta_out), vjp = jax.vjp(lambda x, w, m: ops.fp8_dot_general(x, w, DN, m),
+        (out, meta_out), vjp = jax.vjp(lambda x, w, m: jax_fp8.fp8_dot_general(x, w, DN, m),
                                        x, w, meta)
         return out, meta_out, vjp((g, jax.tree.map(jnp.zeros_like, meta)))
 
@@ -113,8 +112,8 @@ def test_dot_general_forward_backward_match_quantized_reference():
     np.testing.assert_allclose(gx, ref_gx, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(gw, ref_gw, rtol=1e-5, atol=1e-4)
     # The observed amaxes come back in the staging slot of the meta's cotangent.
-    np.testing.assert_array_equal(staged(gm), [ops.compute_amax(x), ops.compute_amax(w),
-                                               ops.compute_amax(g)])
+    np.testing.assert_array_equal(staged(gm), [jax_fp8.compute_amax(x), jax_fp8.compute_amax(w),
+                                               jax_fp8.compute_amax(g)])
     for st in (gm.input, gm.kernel, gm.grad):
         assert not np.any(np.asarray(st.amax_history[1:])) and float(st.scale) == 0
         assert float(st.scale_inv) == 0
@@ -122,13 +121,13 @@ def test_dot_general_forward_backward_match_quantized_reference():
 
 def test_dot_general_close_to_full_precision_with_calibrated_scales():
     x, w = rand(3, (32, 64)), rand(4, (64, 48), 0.2)
-    fwd = lambda x, w, m: ops.fp8_dot_general(x, w, DN, m)[0]  # noqa: E731
+    fwd = lambda x, w, m: jax_fp8.fp8_dot_general(x, w, DN, m)[0]  # noqa: E731
     loss = lambda x, w, m: jnp.sum(jnp.sin(fwd(x, w, m)))  # noqa: E731
     ref_loss = lambda x, w: jnp.sum(jnp.sin(x @ w))  # noqa: E731
     # Calibrate: one step at scale 1 records the amaxes, one update sets the scales.
     meta = Fp8Meta.create(RECIPE)
     gm = jax.jit(jax.grad(loss, argnums=2))(x, w, meta)
-    meta = ops.new_fp8_state(meta, gm, RECIPE)
+    meta = jax_fp8.new_fp8_state(meta, gm, RECIPE)
     out, (gx, gw) = jax.jit(lambda x, w, m: (fwd(x, w, m), jax.grad(loss, argnums=(0, 1))(
         x, w, m)))(x, w, meta)
     ref_gx, ref_gw = jax.jit(jax.grad(ref_loss, argnums=(0, 1)))(x, w)
@@ -139,7 +138,7 @@ def test_dot_general_close_to_full_precision_with_calibrated_scales():
 
 def test_dot_general_uses_fp8_operands_in_both_passes():
     x, w = rand(0, (8, 16)), rand(1, (16, 4))
-    f = lambda x, w, m: jnp.sum(ops.fp8_dot_general(x, w, DN, m)[0])  # noqa: E731
+    f = lambda x, w, m: jnp.sum(jax_fp8.fp8_dot_general(x, w, DN, m)[0])  # noqa: E731
     hlo = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(x, w, meta_with()).as_text()
     dots = [line for line in hlo.splitlines() if "stablehlo.dot_general" in line]
     # One forward and two backward GEMMs, all on FP8 operands (E5M2 gradient), f32 result.
@@ -161,14 +160,14 @@ def test_dot_general_dimension_numbers(shapes, dn):
 
     @jax.jit
     def run(x, w):
-        f = lambda x, w: jnp.sum(jnp.cos(ops.fp8_dot_general(x, w, dn, meta)[0]))  # noqa: E731
-        qdq = lambda t, st: ops.dequantize(ops.quantize(t, st), st)  # noqa: E731
+        f = lambda x, w: jnp.sum(jnp.cos(jax_fp8.fp8_dot_general(x, w, dn, meta)[0]))  # noqa: E731
+        qdq = lambda t, st: jax_fp8.dequantize(jax_fp8.quantize(t, st), st)  # noqa: E731
         # Reference: lax.dot_general on the dequantized operands, gradient quantized too.
         out, vjp = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, dn, precision=HI),
                            qdq(x, meta.input),
                            qdq(w, meta.kernel))
         ref = (out, *vjp(qdq(-jnp.sin(out), meta.grad)))
-        got = (ops.fp8_dot_general(x, w, dn, meta)[0], *jax.grad(f, argnums=(0, 1))(x, w))
+        got = (jax_fp8.fp8_dot_general(x, w, dn, meta)[0], *jax.grad(f, argnums=(0, 1))(x, w))
         return got, ref
 
     got, ref = run(x, w)
@@ -181,9 +180,9 @@ def test_dot_general_dtypes():
 
     @jax.jit
     def run(x, w):
-        out, _ = ops.fp8_dot_general(x, w, DN, meta_with())
-        out32, _ = ops.fp8_dot_general(x, w, DN, meta_with(), preferred_element_type=jnp.float32)
-        grads = jax.grad(lambda x, w: jnp.sum(ops.fp8_dot_general(
+        out, _ = jax_fp8.fp8_dot_general(x, w, DN, meta_with())
+        out32, _ = jax_fp8.fp8_dot_general(x, w, DN, meta_with(), preferred_element_type=jnp.float32)
+        grads = jax.grad(lambda x, w: jnp.sum(jax_fp8.fp8_dot_general(
             x, w, DN, meta_with())[0].astype(jnp.float32)), argnums=(0, 1))(x, w)
         return out, out32, grads
 
@@ -195,12 +194,12 @@ def test_dot_general_dtypes():
 def test_dot_general_input_errors():
     x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
     with pytest.raises(TypeError, match="meta"):
-        ops.fp8_dot_general(x, w, DN, {"input": None})
+        jax_fp8.fp8_dot_general(x, w, DN, {"input": None})
     stacked = Fp8Meta.create(RECIPE, shape=(2,))
     with pytest.raises(ValueError, match="meta.input"):
-        ops.fp8_dot_general(x, w, DN, stacked)
+        jax_fp8.fp8_dot_general(x, w, DN, stacked)
     with pytest.raises(TypeError, match="lhs"):
-        ops.fp8_dot_general(jnp.ones((2, 3), jnp.int32), w, DN, meta_with())
+        jax_fp8.fp8_dot_general(jnp.ones((2, 3), jnp.int32), w, DN, meta_with())
 
 
 # ------------------------------------------------------------------ combining amaxes
@@ -209,7 +208,7 @@ def _amaxes_of_separate_uses(x, w, n_uses):
     """Per-use amaxes, each use with its own meta (the ground truth to max-reduce)."""
     def f(x, metas):
         for m in metas:
-            x = jnp.tanh(ops.fp8_dot_general(x, w, DN, m)[0])
+            x = jnp.tanh(jax_fp8.fp8_dot_general(x, w, DN, m)[0])
         return jnp.sum(x)
     metas = [meta_with(2.0, 2.0, 2.0) for _ in range(n_uses)]
     return np.stack([staged(g) for g in jax.jit(jax.grad(f, argnums=1))(x, metas)])
@@ -220,7 +219,7 @@ def test_reused_layer_threaded_meta_combines_by_max():
 
     def f(x, meta):
         for _ in range(3):
-            y, meta = ops.fp8_dot_general(x, w, DN, meta)    # thread the meta
+            y, meta = jax_fp8.fp8_dot_general(x, w, DN, meta)    # thread the meta
             x = jnp.tanh(y)
         return jnp.sum(x)
 
@@ -230,17 +229,20 @@ def test_reused_layer_threaded_meta_combines_by_max():
     assert not np.allclose(got, per_use.sum(axis=0))
 
 
-def test_unthreaded_reuse_sums_which_is_why_the_meta_is_threaded():
-    # Documents the hazard the design avoids: JAX adds the cotangents of a reused value.
+def test_unthreaded_reuse_is_an_error_at_trace_time():
+    # JAX adds the cotangents of a reused value, which would sum the amaxes: a
+    # differentiated meta given to two uses is refused, saying what to do instead.
     x, w = rand(0, (8, 8)), rand(1, (8, 8), 0.7)
 
     def f(x, meta):
         for _ in range(2):
-            x = jnp.tanh(ops.fp8_dot_general(x, w, DN, meta)[0])   # meta NOT threaded
+            x = jnp.tanh(jax_fp8.fp8_dot_general(x, w, DN, meta)[0])   # meta NOT threaded
         return jnp.sum(x)
 
-    got = staged(jax.jit(jax.grad(f, argnums=1))(x, meta_with(2.0, 2.0, 2.0)))
-    np.testing.assert_allclose(got, _amaxes_of_separate_uses(x, w, 2).sum(axis=0), rtol=1e-6)
+    with pytest.raises(ValueError, match="Thread it"):
+        jax.jit(jax.grad(f, argnums=1))(x, meta_with(2.0, 2.0, 2.0))
+    # Not differentiated (inference): reusing a meta is harmless and allowed.
+    jax.jit(f)(x, meta_with(2.0, 2.0, 2.0))
 
 
 def test_scan_over_stacked_layers_gives_per_layer_amaxes():
@@ -252,23 +254,23 @@ def test_scan_over_stacked_layers_gives_per_layer_amaxes():
     def scanned(x, ws, metas):
         def body(h, layer):
             w, m = layer
-            y, _ = ops.fp8_dot_general(h, w, DN, m)
+            y, _ = jax_fp8.fp8_dot_general(h, w, DN, m)
             return jnp.tanh(y), None
         return jnp.sum(jax.lax.scan(body, x, (ws, metas))[0])
 
     def unrolled(x, ws, metas):
         for i in range(n):
             m = jax.tree.map(lambda a: a[i], metas)
-            x = jnp.tanh(ops.fp8_dot_general(x, ws[i], DN, m)[0])
+            x = jnp.tanh(jax_fp8.fp8_dot_general(x, ws[i], DN, m)[0])
         return jnp.sum(x)
 
     g_scan = jax.jit(jax.grad(scanned, argnums=2))(x, ws, metas)
     g_unrolled = jax.jit(jax.grad(unrolled, argnums=2))(x, ws, metas)
     assert g_scan.input.amax_history.shape == (n, 4)
     np.testing.assert_array_equal(staged(g_scan), staged(g_unrolled))
-    np.testing.assert_array_equal(staged(g_scan)[1], [float(ops.compute_amax(w)) for w in ws])
+    np.testing.assert_array_equal(staged(g_scan)[1], [float(jax_fp8.compute_amax(w)) for w in ws])
     # One fused update for the stacked state of every layer.
-    new = ops.new_fp8_state(metas, g_scan, RECIPE)
+    new = jax_fp8.new_fp8_state(metas, g_scan, RECIPE)
     np.testing.assert_array_equal(new.kernel.amax_history[:, -1], staged(g_scan)[1])
 
 
@@ -278,7 +280,7 @@ def test_scan_reusing_one_layer_through_the_carry_combines_by_max():
     def f(x, meta):
         def body(carry, _):
             h, m = carry
-            y, m = ops.fp8_dot_general(h, w, DN, m)
+            y, m = jax_fp8.fp8_dot_general(h, w, DN, m)
             return (jnp.tanh(y), m), None
         (h, _), _ = jax.lax.scan(body, (x, meta), None, length=3)
         return jnp.sum(h)
@@ -293,14 +295,14 @@ def test_microbatch_accumulation_combines_by_max():
     meta = meta_with(4.0, 4.0, 4.0)
 
     def loss(x, w, m):                 # a sum over examples: per-example grads match
-        return jnp.sum(jnp.sin(ops.fp8_dot_general(x, w, DN, m)[0]))
+        return jnp.sum(jnp.sin(jax_fp8.fp8_dot_general(x, w, DN, m)[0]))
 
     _, g_full = jax.jit(jax.grad(loss, argnums=(1, 2)))(x, w, meta)
 
     def micro(acc, xb):
         gw, gm = jax.grad(loss, argnums=(1, 2))(xb, w, meta)
         acc_w, acc_m = acc
-        return (acc_w + gw, ops.combine_fp8_grads(acc_m, gm)), None
+        return (acc_w + gw, jax_fp8.combine_fp8_grads(acc_m, gm)), None
 
     zero_m = jax.tree.map(jnp.zeros_like, meta)
     (gw_acc, gm_acc), _ = jax.lax.scan(micro, (jnp.zeros_like(w), zero_m), x.reshape(4, 8, 16))
@@ -317,7 +319,7 @@ def test_combine_ignores_nan_like_the_update():
     c = Fp8Meta(*(ScalingState(s.amax_history.at[0].set(v), s.scale, s.scale_inv,
                                fp8_dtype=s.fp8_dtype)
                   for s, v in zip((a.input, a.kernel, a.grad), (1.0, 5.0, 1.0))))
-    np.testing.assert_array_equal(staged(ops.combine_fp8_grads(b, c)), [1.0, 5.0, 3.0])
+    np.testing.assert_array_equal(staged(jax_fp8.combine_fp8_grads(b, c)), [1.0, 5.0, 3.0])
 
 
 # ------------------------------------------------------------------ the step update
@@ -332,31 +334,31 @@ def test_new_fp8_state_is_one_update_states_call():
                                    jnp.zeros_like(st.scale), jnp.zeros_like(st.scale_inv),
                                    fp8_dtype=st.fp8_dtype),
         layers, amaxes, is_leaf=lambda s: isinstance(s, ScalingState))
-    new = ops.new_fp8_state(layers, grads, RECIPE)
+    new = jax_fp8.new_fp8_state(layers, grads, RECIPE)
     want = jax_fp8.update_states(layers, amaxes, recipe=RECIPE)
     jax.tree.map(np.testing.assert_array_equal, new, want)
-    hlo = jax.jit(ops.new_fp8_state, static_argnums=2).lower(layers, grads, RECIPE).as_text()
+    hlo = jax.jit(jax_fp8.new_fp8_state, static_argnums=2).lower(layers, grads, RECIPE).as_text()
     calls = hlo.count("jax_fp8_update") if jax_fp8.HAS_CPU_KERNEL else None
     if calls is not None:
-        assert jax.jit(ops.new_fp8_state, static_argnums=2).lower(
+        assert jax.jit(jax_fp8.new_fp8_state, static_argnums=2).lower(
             layers, grads, RECIPE).compile().as_text().count(
                 'custom_call_target="jax_fp8_update"') == 1
 
 
 def test_jit_grad_update_loop_learns_scales():
     x, w = rand(0, (16, 32), 5.0), rand(1, (32, 8), 0.05)
-    loss = lambda x, w, m: jnp.sum(ops.fp8_dot_general(x, w, DN, m)[0] ** 2)  # noqa: E731
+    loss = lambda x, w, m: jnp.sum(jax_fp8.fp8_dot_general(x, w, DN, m)[0] ** 2)  # noqa: E731
 
     @jax.jit
     def step(meta):
         gm = jax.grad(loss, argnums=2)(x, w, meta)
-        return ops.new_fp8_state(meta, gm, RECIPE)
+        return jax_fp8.new_fp8_state(meta, gm, RECIPE)
 
     meta = Fp8Meta.create(RECIPE)
     for _ in range(2):
         meta = step(meta)
-    assert float(meta.input.scale) == pytest.approx(448.0 / float(ops.compute_amax(x)))
-    assert float(meta.kernel.scale) == pytest.approx(448.0 / float(ops.compute_amax(w)))
+    assert float(meta.input.scale) == pytest.approx(448.0 / float(jax_fp8.compute_amax(x)))
+    assert float(meta.kernel.scale) == pytest.approx(448.0 / float(jax_fp8.compute_amax(w)))
     assert meta.grad.fp8_dtype == np.dtype(E5M2)
     assert float(meta.grad.scale) > 1.0
 
@@ -375,14 +377,14 @@ def test_einsum_matches_jnp(eqn, sa, sb):
 
     @jax.jit
     def run(a, b):
-        qdq = lambda t, st: ops.dequantize(ops.quantize(t, st), st)  # noqa: E731
-        out, _ = ops.fp8_einsum(eqn, a, b, meta)
+        qdq = lambda t, st: jax_fp8.dequantize(jax_fp8.quantize(t, st), st)  # noqa: E731
+        out, _ = jax_fp8.fp8_einsum(eqn, a, b, meta)
         if "c" in eqn:   # the summed axis is reduced before quantization
             want = jnp.einsum("ab,d->abd", qdq(a, meta.input), qdq(b.sum(0), meta.kernel),
                               precision=HI)
         else:
             want = jnp.einsum(eqn, qdq(a, meta.input), qdq(b, meta.kernel), precision=HI)
-        ga = jax.grad(lambda a: jnp.sum(ops.fp8_einsum(eqn, a, b, meta)[0]))(a)
+        ga = jax.grad(lambda a: jnp.sum(jax_fp8.fp8_einsum(eqn, a, b, meta)[0]))(a)
         return out, want, ga
 
     out, want, ga = run(a, b)
@@ -394,7 +396,7 @@ def test_einsum_errors():
     a, b = jnp.ones((2, 3)), jnp.ones((3, 4))
     for eqn in ("ab,bc", "...a,ab->...b", "aa,ab->b", "ab,bc,cd->ad", "abc,bc->ac"):
         with pytest.raises(ValueError):
-            ops.fp8_einsum(eqn, a, b, meta_with())
+            jax_fp8.fp8_einsum(eqn, a, b, meta_with())
 
 
 # ------------------------------------------------------------------ GEMM scale folding
@@ -413,7 +415,7 @@ def test_every_fp8_gemm_result_is_scaled_by_one_scalar_multiply_in_its_own_dtype
     x, w = jnp.ones((16, 32), dtype), jnp.ones((32, 24), dtype)
 
     def loss(x, w, m):
-        y, _ = ops.fp8_dot_general(x, w, DN, m)
+        y, _ = jax_fp8.fp8_dot_general(x, w, DN, m)
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, w, Fp8Meta.create()).as_text()

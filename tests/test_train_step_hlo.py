@@ -56,10 +56,11 @@ class ScannedDeep(nn.Module):
         return stack(self.width, name="layers")(x, None)[0]
 
 
-def _state(model, x):
+def _state(model, x, pack=True):
     v = jax.jit(model.init)(jax.random.key(0), x)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
-    return Fp8TrainState.create(apply_fn=model.apply, variables=v, tx=tx, recipe=RECIPE)
+    return Fp8TrainState.create(apply_fn=model.apply, variables=v, tx=tx, recipe=RECIPE,
+                                pack_fp8=pack)
 
 
 def train_step(state, x, y):
@@ -93,10 +94,13 @@ def data():
 
 
 @needs_kernel
-def test_one_fused_update_and_in_place_fp8_state(data):
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "per_tensor"])
+def test_one_fused_update_and_in_place_fp8_state(data, pack):
     x, y = data
-    state = _state(Deep(), x)
-    assert _n_states(state.fp8) == 3 * N_LAYERS
+    state = _state(Deep(), x, pack)
+    assert _n_states(jax_fp8.unpack_states(state.fp8)) == 3 * N_LAYERS
+    # Packed (the default): one stacked state per (FP8 dtype, L): E4M3 and E5M2.
+    assert _n_states(state.fp8) == (2 if pack else 3 * N_LAYERS)
     rest = state.replace(fp8=None)
     compiled = jax.jit(split_step, donate_argnums=(1,)).lower(rest, state.fp8, x, y).compile()
     hlo = compiled.as_text()
@@ -108,6 +112,7 @@ def test_one_fused_update_and_in_place_fp8_state(data):
     assert not re.search(rf"f32\[{L}\]\{{0\}} copy\(", hlo)
     # It runs, and the step's amaxes land in the (aliased) new state.
     _, fp8, _ = compiled(rest, jax.tree.map(jnp.copy, state.fp8), x, y)
+    fp8 = jax_fp8.unpack_states(fp8)
     assert float(fp8["Dense_0"]["Fp8DotGeneral_0"]["input"].amax_history[-1]) == float(
         jnp.max(jnp.abs(x)))
 
@@ -127,7 +132,7 @@ def test_donating_the_whole_train_state(data):
 def test_scanned_layers_one_fused_update(data):
     x, y = data
     state = _state(ScannedDeep(), x)
-    st = state.fp8["layers"]["Dense_0"]["Fp8DotGeneral_0"]["grad"]
+    st = jax_fp8.unpack_states(state.fp8)["layers"]["Dense_0"]["Fp8DotGeneral_0"]["grad"]
     assert st.amax_history.shape == (N_LAYERS, L)
     hlo = jax.jit(train_step).lower(state, x, y).compile().as_text()
     assert hlo.count(UPDATE) == 1

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from jax_fp8 import recipe as recipe_lib
+from jax_fp8 import state as state_lib
 from jax_fp8._primitives import amax as amax_lib
 from jax_fp8.state import ScalingState, is_state
 from jax_fp8.update import update_states
@@ -136,27 +137,33 @@ _LOOP = ("{op}: this Fp8Meta is differentiated but closed over by a `{loop}` bod
 
 
 def claim(meta, op: str) -> None:
-    """Trace-time check that `meta` is used once: a second use of the same traced meta,
-    or a differentiated meta closed over by a loop body, raises ValueError (either
-    would make JAX sum the amax cotangents). Concrete (eager) metas are not tracked."""
+    """Trace-time check that a differentiated `meta` is used once.
+
+    A second use of the same meta value, or a meta closed over by a loop body, would make
+    JAX sum the amax cotangents; both raise ValueError when the meta is being
+    differentiated (its leaves are tracers of ``grad``/``vjp``/``jvp``). Metas that are not
+    differentiated (inference) may be reused freely: their cotangents are never formed.
+    (Inside a function that is jitted and only then differentiated, as
+    ``jax.grad(jax.jit(f))``, the check cannot see the differentiation.)
+    """
     for leaf in jax.tree.leaves(meta):
-        if not isinstance(leaf, jax.core.Tracer):
+        if not isinstance(leaf, jax.core.Tracer) or \
+                type(getattr(leaf, "_trace", None)).__name__ not in _AD_TRACES:
             continue
         chain = _chain(leaf) or []
-        if type(getattr(leaf, "_trace", None)).__name__ in _AD_TRACES:
-            loop = next((_traced_for(t) for t in chain if _traced_for(t) in _LOOPS), None)
-            if loop is not None:
-                raise ValueError(_LOOP.format(op=op, loop=loop))
+        loop = next((_traced_for(t) for t in chain if _traced_for(t) in _LOOPS), None)
+        if loop is not None:
+            raise ValueError(_LOOP.format(op=op, loop=loop))
         top = chain[-1] if chain else None
         seen = _consumed.get(id(leaf))
         if seen is not None and seen[0]() is leaf:
-            both_branches = (top is not None and seen[1] is not None and
-                             _traced_for(top) in _BRANCHES and seen[1]() is not None and
-                             _traced_for(seen[1]()) in _BRANCHES)
+            prev_top = seen[1]() if seen[1] is not None else None
+            both_branches = (_traced_for(top) in _BRANCHES and
+                             _traced_for(prev_top) in _BRANCHES)
             if not both_branches:  # the two branches of a cond never both run
                 raise ValueError(_REUSE.format(op=op))
         key = id(leaf)
-        _consumed[key] = (weakref.ref(leaf, lambda _, k=key: _consumed.pop(k, None)),
+        _consumed[key] = (weakref.ref(leaf, lambda _, k=key, d=_consumed: d.pop(k, None)),
                           None if top is None else weakref.ref(top))
 
 
@@ -185,7 +192,7 @@ def new_fp8_state(fp8_states, fp8_grads, recipe: recipe_lib.DelayedScaling | Non
     if recipe is None:
         recipe = recipe_lib.DelayedScaling()
     else:
-        recipe_lib.check_states_follow(recipe, fp8_states, "fp8_states")
+        state_lib.check_states_follow(recipe, fp8_states, "fp8_states")
     return update_states(fp8_states, amax_cotangents(fp8_grads), recipe=recipe,
                          axis_name=axis_name, implementation=implementation)
 

@@ -84,7 +84,7 @@ def _write(module: nn.Module, vs, used: Fp8Meta, meta: Fp8Meta, collection):
         return
     leaf = used.input.amax_history
     try:
-        ref = weakref.ref(leaf, lambda _, k=id(leaf): _successor.pop(k, None))
+        ref = weakref.ref(leaf, lambda _, k=id(leaf), d=_successor: d.pop(k, None))
     except TypeError:  # not weak-referenceable (e.g. a NumPy array): nothing to thread
         return
     _successor[id(leaf)] = (ref, meta)

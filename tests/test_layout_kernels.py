@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import helpers
-from jax_fp8 import _transpose, ops
-from jax_fp8.ops import Fp8Meta
+from jax_fp8._primitives import layout
+import jax_fp8
+from jax_fp8 import Fp8Meta
 from jax_fp8.state import ScalingState
 
 TARGET = 'custom_call_target="jax_fp8_transpose_bytes"'
@@ -38,7 +39,7 @@ SHAPES = [(4, 4), (128, 128), (132, 260), (4, 1028), (1028, 8), (384, 2052), (40
 @pytest.mark.parametrize("shape", SHAPES)
 def test_bits_equal_numpy(backend, device, shape, dtype):
     x = random_fp8(np.random.default_rng(sum(shape)), shape, dtype)
-    got = helpers.run_on(device, _transpose.transpose_bytes_p.bind, x)
+    got = helpers.run_on(device, layout.transpose_bytes_p.bind, x)
     assert got.dtype == np.dtype(dtype) and got.shape == shape[::-1]
     np.testing.assert_array_equal(as_bytes(got), as_bytes(x).T)
 
@@ -47,9 +48,9 @@ def test_bits_equal_numpy(backend, device, shape, dtype):
 def test_sizes_the_kernel_does_not_take_use_xla(backend, device, shape):
     """Not multiples of 4: XLA's transpose, same bits, no custom call."""
     x = random_fp8(np.random.default_rng(0), shape, jnp.float8_e4m3fn)
-    got = helpers.run_on(device, _transpose.transpose_bytes_p.bind, x)
+    got = helpers.run_on(device, layout.transpose_bytes_p.bind, x)
     np.testing.assert_array_equal(as_bytes(got), as_bytes(x).T)
-    hlo = jax.jit(_transpose.transpose_bytes_p.bind).lower(
+    hlo = jax.jit(layout.transpose_bytes_p.bind).lower(
         jax.device_put(x, device)).compile().as_text()
     assert TARGET not in hlo
 
@@ -58,37 +59,37 @@ def test_sizes_the_kernel_does_not_take_use_xla(backend, device, shape):
 def test_rotate_axes_is_lax_transpose(backend, device, k):
     x = random_fp8(np.random.default_rng(k), (8, 12, 64), jnp.float8_e5m2)
     perm = tuple(range(k, 3)) + tuple(range(k))
-    got = helpers.run_on(device, lambda x: _transpose.rotate_axes(x, k), x)
+    got = helpers.run_on(device, lambda x: layout.rotate_axes(x, k), x)
     np.testing.assert_array_equal(as_bytes(got), np.transpose(as_bytes(x), perm))
 
 
 def test_rotate_axes_other_dtypes_and_trivial_k():
     x = jnp.arange(24.0).reshape(2, 3, 4)
-    np.testing.assert_array_equal(_transpose.rotate_axes(x, 1), jnp.transpose(x, (1, 2, 0)))
-    assert _transpose.rotate_axes(x, 0) is x and _transpose.rotate_axes(x, 3) is x
+    np.testing.assert_array_equal(layout.rotate_axes(x, 1), jnp.transpose(x, (1, 2, 0)))
+    assert layout.rotate_axes(x, 0) is x and layout.rotate_axes(x, 3) is x
 
 
 def test_vmap_and_eager(backend, device):
     x = random_fp8(np.random.default_rng(3), (3, 8, 16), jnp.float8_e4m3fn)
-    got = helpers.run_on(device, jax.vmap(_transpose.transpose_bytes_p.bind), x)
+    got = helpers.run_on(device, jax.vmap(layout.transpose_bytes_p.bind), x)
     np.testing.assert_array_equal(as_bytes(got), np.transpose(as_bytes(x), (0, 2, 1)))
-    eager = _transpose.transpose_bytes_p.bind(jax.device_put(x[0], device))
+    eager = layout.transpose_bytes_p.bind(jax.device_put(x[0], device))
     np.testing.assert_array_equal(as_bytes(eager), as_bytes(x[0]).T)
 
 
 def test_linear_rules():
     x = jnp.arange(12.0).reshape(3, 4).astype(jnp.float32)
     with pytest.raises(TypeError, match="1-byte"):
-        _transpose.transpose_bytes_p.bind(x)
+        layout.transpose_bytes_p.bind(x)
     q = x.astype(jnp.float8_e4m3fn)
-    out, tangent = jax.jvp(_transpose.transpose_bytes_p.bind, (q,), (q,))
+    out, tangent = jax.jvp(layout.transpose_bytes_p.bind, (q,), (q,))
     np.testing.assert_array_equal(as_bytes(out), as_bytes(q).T)
     np.testing.assert_array_equal(as_bytes(tangent), as_bytes(q).T)
 
 
 def test_cpu_never_has_the_custom_call():
     x = jax.device_put(jnp.zeros((128, 256), jnp.float8_e4m3fn), jax.devices("cpu")[0])
-    hlo = jax.jit(_transpose.transpose_bytes_p.bind).lower(x).compile().as_text()
+    hlo = jax.jit(layout.transpose_bytes_p.bind).lower(x).compile().as_text()
     assert TARGET not in hlo and re.search(r"\btranspose\(", hlo)
 
 
@@ -100,7 +101,7 @@ def test_gpu_program_has_the_kernel_for_fp8_dot_general_gradients(gpu_device):
     dn = (((1,), (0,)), ((), ()))
 
     def loss(x, w, m):
-        y, _ = ops.fp8_dot_general(x, w, dn, m)
+        y, _ = jax_fp8.fp8_dot_general(x, w, dn, m)
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
     args = jax.device_put((jnp.ones((256, 512), jnp.bfloat16), jnp.ones((512, 384)),
@@ -147,13 +148,13 @@ def test_quantize_transpose_bits(backend, device, in_dtype, fp8_dtype, shape):
     rng = np.random.default_rng(len(shape) + shape[0])
     x = special_values(rng, shape, in_dtype, fp8_dtype)
     for scale in (np.float32(1.0), np.float32(0.37), np.float32(3e4), np.float32(1e-3)):
-        got = helpers.run_on(device, lambda x, s: _transpose.quantize_transpose_p.bind(
+        got = helpers.run_on(device, lambda x, s: layout.quantize_transpose_p.bind(
             x, s, fp8_dtype=np.dtype(fp8_dtype)), x, scale)
         state = ScalingState(jnp.zeros((1,), jnp.float32), scale, scale, fp8_dtype=fp8_dtype)
-        want_q = helpers.run_on(helpers.backend_device("cpu"), ops.quantize, x, state)
+        want_q = helpers.run_on(helpers.backend_device("cpu"), jax_fp8.quantize, x, state)
         assert_fp8_equal(got[0], want_q)
         assert_fp8_equal(got[1], want_q.T)
-        np.testing.assert_array_equal(got[2], helpers.run_on(device, ops.compute_amax, x))
+        np.testing.assert_array_equal(got[2], helpers.run_on(device, jax_fp8.compute_amax, x))
 
 
 @pytest.mark.gpu
@@ -162,7 +163,7 @@ def test_quantize_transpose_amax_is_nan_with_one_nan(gpu_device):
     device = gpu_device
     x = np.ones((128, 256), np.float32)
     x[77, 201] = np.nan
-    got = helpers.run_on(device, lambda x: _transpose.quantize_transpose_p.bind(
+    got = helpers.run_on(device, lambda x: layout.quantize_transpose_p.bind(
         x, jnp.float32(1), fp8_dtype=np.dtype(jnp.float8_e5m2)), x)
     assert np.isnan(got[2])
 
@@ -171,32 +172,32 @@ def test_quantize_transpose_amax_is_nan_with_one_nan(gpu_device):
 def test_quantize_rotate(backend, device, k):
     x = special_values(np.random.default_rng(k), (8, 12, 64), jnp.bfloat16, jnp.float8_e5m2)
     scale = np.float32(0.5)
-    got = helpers.run_on(device, lambda x: _transpose.quantize_rotate(
+    got = helpers.run_on(device, lambda x: layout.quantize_rotate(
         x, k, scale, jnp.float8_e5m2), x)
     state = ScalingState(jnp.zeros((1,), jnp.float32), scale, scale, fp8_dtype=jnp.float8_e5m2)
-    want = np.asarray(ops.quantize(x, state))
+    want = np.asarray(jax_fp8.quantize(x, state))
     assert_fp8_equal(got[0], want)
     assert_fp8_equal(got[1], np.transpose(want, tuple(range(k, 3)) + tuple(range(k))))
-    np.testing.assert_array_equal(got[2], helpers.run_on(device, ops.compute_amax, x))
+    np.testing.assert_array_equal(got[2], helpers.run_on(device, jax_fp8.compute_amax, x))
 
 
 def test_quantize_transpose_vmap_and_unsupported_sizes(backend, device):
     x = special_values(np.random.default_rng(5), (2, 6, 10), jnp.bfloat16, jnp.float8_e4m3fn)
-    got = helpers.run_on(device, jax.vmap(lambda x: _transpose.quantize_transpose_p.bind(
+    got = helpers.run_on(device, jax.vmap(lambda x: layout.quantize_transpose_p.bind(
         x, jnp.float32(2), fp8_dtype=np.dtype(jnp.float8_e4m3fn))), x)
     state = ScalingState(jnp.zeros((1,), jnp.float32), jnp.float32(2), jnp.float32(2))
     for i in range(2):
-        want = np.asarray(ops.quantize(x[i], state))
+        want = np.asarray(jax_fp8.quantize(x[i], state))
         assert_fp8_equal(got[0][i], want)
         assert_fp8_equal(got[1][i], want.T)
-        np.testing.assert_array_equal(got[2][i], helpers.run_on(device, ops.compute_amax, x[i]))
+        np.testing.assert_array_equal(got[2][i], helpers.run_on(device, jax_fp8.compute_amax, x[i]))
 
 
 def test_quantize_rotate_applies():
     x = jnp.zeros((8, 16), jnp.bfloat16)
-    assert _transpose.quantize_rotate_applies(x, jnp.float8_e5m2)
-    assert not _transpose.quantize_rotate_applies(x, jnp.float8_e4m3fnuz)
-    assert not _transpose.quantize_rotate_applies(x.astype(jnp.float64 if jax.config.jax_enable_x64
+    assert layout.quantize_rotate_applies(x, jnp.float8_e5m2)
+    assert not layout.quantize_rotate_applies(x, jnp.float8_e4m3fnuz)
+    assert not layout.quantize_rotate_applies(x.astype(jnp.float64 if jax.config.jax_enable_x64
                                                             else jnp.int8), jnp.float8_e5m2)
 
 
@@ -214,7 +215,7 @@ def test_gpu_gradients_same_with_and_without_the_kernels(gpu_device, monkeypatch
 
     def grads():
         def loss(x, w, m):
-            y, _ = ops.fp8_dot_general(x, w, dn, m)
+            y, _ = jax_fp8.fp8_dot_general(x, w, dn, m)
             return jnp.sum(jnp.sin(y.astype(jnp.float32)))
         return helpers.run_on(gpu_device, jax.grad(loss, argnums=(0, 1, 2)), x, w, meta)
 
@@ -236,7 +237,7 @@ def test_gradient_of_the_gradient_through_the_backward():
     x, w = jnp.ones((8, 16)), jnp.full((16, 8), 0.1)
 
     def loss(x, w):
-        return jnp.sum(ops.fp8_dot_general(x, w, dn, Fp8Meta.create())[0] ** 2)
+        return jnp.sum(jax_fp8.fp8_dot_general(x, w, dn, Fp8Meta.create())[0] ** 2)
 
     def grad_norm(x, w):
         return jnp.sum(jax.grad(loss)(x, w) ** 2)
