@@ -53,17 +53,28 @@ def input_grad(g, x, y, dimension_numbers, out_dtype, scale_invs, swap_ans=False
     # HIGHEST: no fast (reduced-precision) FP8 accumulation for the gradient GEMMs, as
     # Flax and Transformer Engine do; the forward GEMM may use it (DEFAULT).
     out = gemm(g, y, dims, *scale_invs, out_dtype, precision=lax.Precision.HIGHEST,
-               out_sharding=permuted_sharding(x, unsorted_axes))
+               out_sharding=permuted_sharding(x, unsorted_axes, like=(g, y)))
     return lax.transpose(out, tuple(int(a) for a in out_axes))
 
 
-def permuted_sharding(x, axes):
-    """x's sharding (x an array or an abstract value) with its spec reordered to `axes`,
-    or None without a mesh."""
-    sharding = getattr(x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x),
-                       "sharding", None)
+def _sharding_of(x):
+    return getattr(x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x), "sharding",
+                   None)
+
+
+def permuted_sharding(x, axes, like=()):
+    """x's sharding (x an array or an abstract value) with its spec reordered to `axes`.
+
+    Where x's type has no mesh but an operand in `like` is typed on one (a mesh with
+    Explicit axes), x is replicated on that mesh; None when no operand has a mesh.
+    """
+    sharding = _sharding_of(x)
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or mesh.empty:
+        for other in like:
+            other_mesh = getattr(_sharding_of(other), "mesh", None)
+            if other_mesh is not None and not other_mesh.empty:
+                return jax.sharding.NamedSharding(other_mesh, jax.sharding.PartitionSpec())
         return None
     spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
     return sharding.update(spec=jax.sharding.PartitionSpec(*(spec[a] for a in axes)))
@@ -160,7 +171,7 @@ def kernel_grad(q_g, lhs_t, q_rhs, dimension_numbers, out_dtype, scale_invs, g_t
     rhs_free = remaining(range(q_rhs.ndim), rc)
     unsorted_axes = list(rc) + rhs_free
     out = gemm(lhs_t, g_t, dims, *scale_invs, out_dtype, precision=lax.Precision.HIGHEST,
-               out_sharding=permuted_sharding(q_rhs, unsorted_axes))
+               out_sharding=permuted_sharding(q_rhs, unsorted_axes, like=(lhs_t, g_t)))
     return lax.transpose(out, tuple(int(a) for a in np.argsort(unsorted_axes)))
 
 

@@ -24,6 +24,7 @@ import functools
 import weakref
 
 import jax
+import jax.export  # noqa: F401  (register_pytree_node_serialization)
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
@@ -85,6 +86,9 @@ class Fp8Meta:
 
 jax.tree_util.register_dataclass(Fp8Meta, data_fields=["input", "kernel", "grad"],
                                  meta_fields=[])
+jax.export.register_pytree_node_serialization(
+    Fp8Meta, serialized_name="jax_fp8.Fp8Meta", serialize_auxdata=lambda aux: b"",
+    deserialize_auxdata=lambda data: ())
 
 
 def amax_cotangent(ct: ScalingState, amax, primal: ScalingState) -> ScalingState:

@@ -102,7 +102,7 @@ def check_states_follow(recipe, tree, name: str = "tree") -> None:
     """
     recipe_lib.check_delayed(recipe, "recipe")
     fwd, bwd = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
-    for path, fp8_dtype, history_len in _states_with_paths(tree):
+    for path, fp8_dtype, history_len in states_info(tree):
         role = _role(path)
         want = {"input": (fwd,), "kernel": (fwd,), "grad": (bwd,)}.get(role, (fwd, bwd))
         where = f"{name}{jax.tree_util.keystr(path)}"
@@ -121,7 +121,7 @@ def check_states_follow(recipe, tree, name: str = "tree") -> None:
                 "recipe=recipe)), Fp8Linear(..., recipe=recipe), Fp8Meta.create(recipe)).")
 
 
-def _states_with_paths(tree):
+def states_info(tree):
     """(path, fp8_dtype, history_len) for every state of `tree`; a PackedStates's states
     by their paths in the unpacked tree."""
     from jax_fp8.packing import PackedStates  # (packing imports this module)

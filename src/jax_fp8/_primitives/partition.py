@@ -26,7 +26,13 @@ def require_devices_during_lowering(prim) -> None:
 
 
 def needs_partitioning(ctx) -> bool:
-    """True under a jit over several devices (not inside shard_map or pmap)."""
+    """True under a jit over several devices (not inside shard_map or pmap), except when
+    lowering for ``jax.export``: custom_partitioning runs a Python callback inside XLA's
+    partitioner, which a serialized program cannot carry. There the bare custom call is
+    emitted and XLA's partitioner gathers its (small) operands instead: same bits."""
+    params = getattr(ctx.module_context, "lowering_parameters", None)
+    if getattr(params, "for_export", False):
+        return False
     return getattr(ctx.module_context.axis_context, "num_devices", 1) > 1
 
 

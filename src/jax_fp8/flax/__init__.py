@@ -13,6 +13,7 @@ Converters to/from Flax's own fp8_ops variables and Transformer Engine's layout:
 from jax_fp8.flax.linen import (FP8_COLLECTION, Fp8DotGeneral, Fp8Einsum, Fp8TrainState,
                                 fp8_value_and_grad, split_fp8)
 from jax_fp8.flax import convert  # noqa: E402
+from jax_fp8.flax import serialization  # noqa: E402,F401  (msgpack support)
 from jax_fp8.flax import nnx  # noqa: E402
 
 __all__ = ["FP8_COLLECTION", "Fp8DotGeneral", "Fp8Einsum", "Fp8TrainState", "convert",

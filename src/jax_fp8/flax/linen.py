@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from flax import struct
 from flax.training import train_state
 
@@ -147,6 +148,9 @@ class Fp8TrainState(train_state.TrainState):
     """
 
     fp8: Any = None
+    # {FP8 dtype name: number of states}: in the tree (and so in every checkpoint), so a
+    # restore into a state of another FP8 format fails on the keys instead of relabelling.
+    fp8_formats: Any = None
     recipe: recipe_lib.DelayedScaling = struct.field(pytree_node=False,
                                                      default=recipe_lib.DelayedScaling())
     fp8_collection: str = struct.field(pytree_node=False, default=FP8_COLLECTION)
@@ -180,9 +184,14 @@ class Fp8TrainState(train_state.TrainState):
         recipe_lib.check_delayed(recipe, "recipe")
         fp8 = {} if fp8 is None else fp8
         state_lib.check_states_follow(recipe, fp8, "fp8")
+        counts: dict = {}
+        for _, dtype, _ in state_lib.states_info(fp8):
+            counts[dtype.name] = counts.get(dtype.name, 0) + 1
+        formats = {name: jnp.int32(n) for name, n in sorted(counts.items())}
         if pack_fp8 and not isinstance(fp8, PackedStates):
             fp8 = pack_states(fp8)
-        return super().create(apply_fn=apply_fn, params=params, tx=tx, fp8=fp8, recipe=recipe,
+        return super().create(apply_fn=apply_fn, params=params, tx=tx, fp8=fp8,
+                              fp8_formats=formats, recipe=recipe,
                               fp8_collection=fp8_collection, **kwargs)
 
     def variables(self, params=None, fp8=None) -> dict:
