@@ -334,9 +334,15 @@ def _is_linen_module(cls) -> bool:
     return isinstance(cls, type) and issubclass(cls, nn.Module)
 
 
+def _is_namedtuple(cls) -> bool:
+    return isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_fields")
+
+
 def _class_signature(cls) -> str | None:
     if issubclass(cls, enum.Enum):
         return None
+    if _is_namedtuple(cls):
+        return safe_signature(cls)
     drop = LINEN_FIELDS if _is_linen_module(cls) else ()
     for base in cls.__mro__:
         if base.__module__.startswith("jax_fp8") and "__init__" in base.__dict__ \
@@ -397,7 +403,7 @@ def render_entry(module_name: str, name: str, obj, documented: dict) -> list:
     kind = _kind(obj)
     if kind == "module":  # its own section has the anchor
         return [f"- [`{qual}`](#{obj.__name__}): {_inline(_first_line(obj))}", ""]
-    lines = [_anchor(qual), f"### `{qual}`", ""]
+    lines = [_anchor(qual), f"#### `{qual}`", ""]
     if kind != "constant" and id(obj) in documented and documented[id(obj)] != qual:
         lines += [f"The same object as [`{documented[id(obj)]}`](#{documented[id(obj)]}).",
                   ""]
@@ -418,7 +424,9 @@ def render_entry(module_name: str, name: str, obj, documented: dict) -> list:
             tags.append("enum")
         elif dataclasses.is_dataclass(obj):
             tags.append("dataclass" + (", frozen" if obj.__dataclass_params__.frozen else ""))
-        bases = _public_bases(obj)
+        elif _is_namedtuple(obj):
+            tags.append("named tuple")
+        bases = [b for b in _public_bases(obj) if not (_is_namedtuple(obj) and b is tuple)]
         if bases:
             tags.append("subclass of " + ", ".join(f"`{_short_class(b)}`" for b in bases))
         sig = _class_signature(obj)
@@ -503,7 +511,7 @@ def render_module(module, documented: dict) -> list:
     for key in sorted(groups, key=_group_sort):
         entries = sorted(groups[key], key=lambda e: (order[_kind(e[1])], e[0].lower(), e[0]))
         if len(groups) > 1 or key != name:
-            lines += [f"#### {_group_title(key)}", ""]
+            lines += [f"### {_group_title(key)}", ""]
         for n, obj in entries:
             lines += render_entry(name, n, obj, documented)
     return lines
