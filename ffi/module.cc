@@ -3,8 +3,13 @@
 // _jax_fp8_cpu (no CUDA) and, when CUDA is enabled, as _jax_fp8_cuda, so the CPU
 // path never needs the CUDA runtime.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
 
 #if defined(JAX_FP8_CUDA_MODULE)
+#include "block_gemm_cuda.h"
+#include "block_quantize_cuda_handler.h"
+#include "transpose_cuda.h"
 #include "transpose_cuda_handler.h"
 #include "update_cuda_handler.h"
 #define JAX_FP8_HANDLER JaxFp8UpdateCuda
@@ -20,12 +25,27 @@ NB_MODULE(JAX_FP8_MODULE_NAME, m) {
     nb::dict d;
     d["jax_fp8_update"] = nb::capsule(reinterpret_cast<void*>(&jax_fp8::JAX_FP8_HANDLER));
 #if defined(JAX_FP8_CUDA_MODULE)
-    // GPU only: on the CPU these lower to XLA's own ops (see jax_fp8/_transpose.py).
+    // GPU only: on the CPU these lower to XLA's own ops (see _primitives/layout.py).
     d["jax_fp8_transpose_bytes"] =
         nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8TransposeBytesCuda));
     d["jax_fp8_quantize_transpose"] =
         nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8QuantizeTransposeCuda));
+    // GPU only: elsewhere the blockwise primitives lower to jax.numpy (_primitives/block_*.py).
+    d["jax_fp8_block_quantize"] =
+        nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8BlockQuantizeCuda));
+    d["jax_fp8_block_gemm"] = nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8BlockGemmCuda));
 #endif
     return d;
   });
+#if defined(JAX_FP8_CUDA_MODULE)
+  // The sizes the transpose kernels take (one source: the launcher's own check).
+  m.def("transpose_bytes_supports", &jax_fp8::TransposeBytesSupports, nb::arg("batch"),
+        nb::arg("rows"), nb::arg("cols"));
+  // dlopen()s libcublasLt (never linked) for jax_fp8_block_gemm: (version, error).
+  m.def("load_cublaslt", [](const std::string& path) {
+    std::string error;
+    const size_t version = jax_fp8::LoadCublasLt(path, &error);
+    return std::make_pair(version, error);
+  });
+#endif
 }

@@ -194,8 +194,7 @@ dim3 TileGrid(int64_t batch, int64_t rows, int64_t cols) {
 template <typename In, Fp8Type kFp8>
 cudaError_t LaunchQuantizeTransposeTyped(cudaStream_t stream, const void* x, const float* scale,
                                          void* q, void* q_t, float* amax, int64_t rows,
-                                         int64_t cols) {
-  const float fp8_max = kFp8 == Fp8Type::kE5M2 ? 57344.0f : 448.0f;
+                                         int64_t cols, float fp8_max) {
   QuantizeTransposeKernel<In, kFp8><<<TileGrid(1, rows, cols), kThreads, 0, stream>>>(
       static_cast<const In*>(x), scale, static_cast<uint32_t*>(q), static_cast<uint32_t*>(q_t),
       reinterpret_cast<unsigned int*>(amax), rows, cols, fp8_max);
@@ -205,12 +204,12 @@ cudaError_t LaunchQuantizeTransposeTyped(cudaStream_t stream, const void* x, con
 template <typename In>
 cudaError_t LaunchForFp8(Fp8Type fp8_type, cudaStream_t stream, const void* x,
                          const float* scale, void* q, void* q_t, float* amax, int64_t rows,
-                         int64_t cols) {
+                         int64_t cols, float fp8_max) {
   return fp8_type == Fp8Type::kE5M2
              ? LaunchQuantizeTransposeTyped<In, Fp8Type::kE5M2>(stream, x, scale, q, q_t, amax,
-                                                                rows, cols)
+                                                                rows, cols, fp8_max)
              : LaunchQuantizeTransposeTyped<In, Fp8Type::kE4M3FN>(stream, x, scale, q, q_t,
-                                                                  amax, rows, cols);
+                                                                  amax, rows, cols, fp8_max);
 }
 
 }  // namespace
@@ -231,18 +230,18 @@ cudaError_t LaunchTransposeBytes(cudaStream_t stream, const void* in, void* out,
 
 cudaError_t LaunchQuantizeTranspose(cudaStream_t stream, InType in_type, Fp8Type fp8_type,
                                     const void* x, const float* scale, void* q, void* q_t,
-                                    float* amax, int64_t rows, int64_t cols) {
+                                    float* amax, int64_t rows, int64_t cols, float fp8_max) {
   if (!TransposeBytesSupports(1, rows, cols)) return cudaErrorInvalidValue;
   // The amax is an atomic max over the blocks, from zero (max |x| >= 0).
   cudaError_t err = cudaMemsetAsync(amax, 0, sizeof(float), stream);
   if (err != cudaSuccess) return err;
   switch (in_type) {
     case InType::kF32:
-      return LaunchForFp8<float>(fp8_type, stream, x, scale, q, q_t, amax, rows, cols);
+      return LaunchForFp8<float>(fp8_type, stream, x, scale, q, q_t, amax, rows, cols, fp8_max);
     case InType::kBF16:
-      return LaunchForFp8<__nv_bfloat16>(fp8_type, stream, x, scale, q, q_t, amax, rows, cols);
+      return LaunchForFp8<__nv_bfloat16>(fp8_type, stream, x, scale, q, q_t, amax, rows, cols, fp8_max);
     case InType::kF16:
-      return LaunchForFp8<__half>(fp8_type, stream, x, scale, q, q_t, amax, rows, cols);
+      return LaunchForFp8<__half>(fp8_type, stream, x, scale, q, q_t, amax, rows, cols, fp8_max);
   }
   return cudaErrorInvalidValue;
 }

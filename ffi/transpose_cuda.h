@@ -24,8 +24,9 @@ enum class Fp8Type { kE4M3FN, kE5M2 };
 //   q_t [cols, rows] = q transposed
 //   amax[]           = max |x| as float32 (NaN if any x is NaN)
 // with exactly the bits of jax_fp8.quantize, lax.transpose and jnp.max(jnp.abs(x)).
+// fp8_max: the FP8 type's largest finite value, from the caller (one source: Python).
 cudaError_t LaunchQuantizeTranspose(cudaStream_t stream, InType in_type, Fp8Type fp8_type,
                                     const void* x, const float* scale, void* q, void* q_t,
-                                    float* amax, int64_t rows, int64_t cols);
+                                    float* amax, int64_t rows, int64_t cols, float fp8_max);
 
 }  // namespace jax_fp8

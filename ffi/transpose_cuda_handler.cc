@@ -53,7 +53,7 @@ ffi::Error TransposeBytesImpl(cudaStream_t stream, ffi::AnyBuffer in,
 
 ffi::Error QuantizeTransposeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer scale,
                                  ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> q_t,
-                                 ffi::Result<ffi::AnyBuffer> amax) {
+                                 ffi::Result<ffi::AnyBuffer> amax, float fp8_max) {
   constexpr const char* kName = "jax_fp8_quantize_transpose: ";
   InType in_type;
   switch (x.element_type()) {
@@ -91,7 +91,7 @@ ffi::Error QuantizeTransposeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   const cudaError_t err = LaunchQuantizeTranspose(
       stream, in_type, fp8_type, x.untyped_data(), static_cast<const float*>(scale.untyped_data()),
       q->untyped_data(), q_t->untyped_data(), static_cast<float*>(amax->untyped_data()), rows,
-      cols);
+      cols, fp8_max);
   if (err != cudaSuccess) {
     return ffi::Error::Internal(std::string(kName) + "CUDA launch failed: " +
                                 cudaGetErrorString(err));
@@ -108,7 +108,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp8QuantizeTransposeCuda, QuantizeTransposeImpl
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>(),
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("fp8_max"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp8TransposeBytesCuda, TransposeBytesImpl,

@@ -17,18 +17,20 @@ FFI_TARGET = "jax_fp8_update"
 FFI_TARGETS = ("jax_fp8_update", "jax_fp8_transpose_bytes", "jax_fp8_quantize_transpose")
 
 
-def _register(module_name: str, platform: str) -> tuple[bool, str | None]:
+def _register(module_name: str, platform: str):
     try:
         module = importlib.import_module(f"jax_fp8.{module_name}")
     except ImportError as err:  # not built, or its shared libraries are missing
-        return False, str(err)
+        return None, str(err)
     for name, capsule in module.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform=platform)
-    return True, None
+    return module, None
 
 
-HAS_CPU_KERNEL, CPU_IMPORT_ERROR = _register("_jax_fp8_cpu", "cpu")
-HAS_CUDA_KERNEL, CUDA_IMPORT_ERROR = _register("_jax_fp8_cuda", "CUDA")
+CPU_MODULE, CPU_IMPORT_ERROR = _register("_jax_fp8_cpu", "cpu")
+CUDA_MODULE, CUDA_IMPORT_ERROR = _register("_jax_fp8_cuda", "CUDA")
+HAS_CPU_KERNEL = CPU_MODULE is not None
+HAS_CUDA_KERNEL = CUDA_MODULE is not None
 
 
 def export_disabled_checks() -> list:

@@ -33,7 +33,8 @@ def _local_amax(x):
 
 
 amax_p.def_impl(common.eager_impl(amax_p))
-amax_p.def_abstract_eval(lambda x: jax.core.ShapedArray((), np.float32))
+# (x.update keeps shard_map's manual-axis type of x on the result.)
+amax_p.def_abstract_eval(lambda x: x.update(shape=(), dtype=np.float32, weak_type=False))
 
 
 def _batch(args, dims):

@@ -32,6 +32,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from jax_fp8 import _registration
+from jax_fp8 import recipe as recipe_lib
 from jax_fp8 import quantization as quantize_lib
 from jax_fp8._primitives import amax as amax_lib
 from jax_fp8._primitives import common, partition
@@ -58,8 +59,9 @@ def _swap(x):
 
 
 def kernel_takes(rows: int, cols: int) -> bool:
-    """Sizes the CUDA kernel takes (as ffi/transpose_cuda.cu's TransposeBytesSupports)."""
-    return rows % 4 == 0 and cols % 4 == 0 and 0 < -(-rows // 128) <= 65535 and cols > 0
+    """Sizes the CUDA kernels take (ffi/transpose_cuda.cu's TransposeBytesSupports)."""
+    module = _registration.CUDA_MODULE
+    return module is not None and module.transpose_bytes_supports(1, int(rows), int(cols))
 
 
 def _cuda_lowering(ctx, x):
@@ -118,7 +120,7 @@ def _qt_abstract_eval(x, scale, *, fp8_dtype):
     rows, cols = x.shape
     return (x.update(shape=(rows, cols), dtype=fp8_dtype, weak_type=False),
             x.update(shape=(cols, rows), dtype=fp8_dtype, weak_type=False),
-            jax.core.ShapedArray((), np.float32))
+            x.update(shape=(), dtype=np.float32, weak_type=False))
 
 
 quantize_transpose_p.def_abstract_eval(_qt_abstract_eval)
@@ -141,7 +143,8 @@ def _qt_cuda_lowering(ctx, x, scale, *, fp8_dtype):
             or np.dtype(aval.dtype) not in _KERNEL_IN or np.dtype(fp8_dtype) not in _KERNEL_FP8):
         return mlir.lower_fun(_qt_reference, multiple_results=True)(ctx, x, scale,
                                                                    fp8_dtype=fp8_dtype)
-    return jax.ffi.ffi_lowering(QUANTIZE_TARGET)(ctx, x, scale)
+    return jax.ffi.ffi_lowering(QUANTIZE_TARGET)(
+        ctx, x, scale, fp8_max=np.float32(recipe_lib.fp8_max(fp8_dtype)))
 
 
 mlir.register_lowering(quantize_transpose_p, mlir.lower_fun(_qt_reference,

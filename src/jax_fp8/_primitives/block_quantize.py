@@ -1,0 +1,283 @@
+"""Quantization from the tensor's own amax (SPEC.md, current and blockwise scaling): bit-exact jax.numpy math and the `jax_fp8_block_quantize` primitive.
+
+XLA flushes float32 subnormals to zero in its own code (CPU and GPU), while SPEC.md keeps
+them. So the math here never feeds a subnormal to a float operation: amaxes are integer
+maxima of the bits of |x|, float16/bfloat16 are widened through their bits, a subnormal x
+is scaled up by 2**64 exactly (from its integer significand) before the multiply, and a
+subnormal 1/scale is computed in integers. The results are the IEEE float32 results, the
+same bits as the CUDA kernel (ffi/block_quantize_cuda.cu) and the NumPy oracle
+(tests/block_reference.py).
+
+The primitive: x [..., M, K] -> the row-wise copy (q [..., M, K], scale_inv
+[..., M or ceil(M/128), ceil(K/128)]), the column-wise copy (the same for x with its last two
+axes swapped: q_t [..., K, M], scale_inv_t) or both from one read of x. On CUDA one custom
+call (one kernel); elsewhere, under a multi-device jit (XLA partitions the jax.numpy ops),
+for FP8 types the kernel does not write, or with ``implementation="xla"``, the math below.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from jax_fp8 import _registration
+from jax_fp8 import recipe as recipe_lib
+from jax_fp8._primitives import common, partition
+
+F32 = np.float32
+U32 = np.uint32
+BLOCK = 128
+_SIGN, _MAG, _INF = U32(0x80000000), U32(0x7FFFFFFF), U32(0x7F800000)
+_MIN_NORMAL, _FLT_MAX, _ONE, _POW2 = U32(0x00800000), U32(0x7F7FFFFF), U32(0x3F800000), U32(0xFF800000)
+INPUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
+KERNEL_FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
+
+
+def _bits(x):
+    return lax.bitcast_convert_type(x, jnp.uint32)
+
+
+def _f32(u):
+    return lax.bitcast_convert_type(u, jnp.float32)
+
+
+def widen(x):
+    """x (float32, bfloat16 or float16) as float32, exactly: subnormals stay subnormals."""
+    dtype = np.dtype(x.dtype)
+    if dtype == np.float32:
+        return x
+    u = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    if dtype == jnp.bfloat16:
+        return _f32(u << 16)
+    if dtype == np.float16:
+        sign = (u & U32(0x8000)) << 16
+        exp, man = (u >> 10) & U32(0x1F), u & U32(0x3FF)
+        normal = sign | ((exp + U32(112)) << 23) | (man << 13)
+        special = sign | _INF | (man << 13)
+        # A float16 subnormal man * 2**-24 is a float32 normal: exact in float arithmetic.
+        tiny = _bits(man.astype(jnp.int32).astype(jnp.float32) * F32(2.0 ** -24)) | sign
+        return _f32(jnp.where(exp == 0, tiny, jnp.where(exp == 31, special, normal)))
+    raise TypeError(f"x must be float32, bfloat16 or float16, got {dtype}")
+
+
+def abs_bits(x32):
+    """The bits of |x| with NaN as 0: their unsigned order is the order of the values."""
+    mag = _bits(x32) & _MAG
+    return jnp.where(mag > _INF, U32(0), mag)
+
+
+def scale_from_amax_f32(amax, fp8_max: float, amax_epsilon: float = 0.0,
+                        power_of_2_scale: bool = False):
+    """SPEC.md's scale from a float32 amax (any shape), as IEEE float32 bits."""
+    a = _bits(jnp.asarray(amax, jnp.float32))
+    mag, neg = a & _MAG, (a & _SIGN) != 0
+    eps = U32(np.asarray(F32(amax_epsilon)).view(np.uint32))
+    # amax < epsilon (epsilon >= 0), compared on bits: NaN never is, a negative amax is
+    # unless both are zeros.
+    below = (mag <= _INF) & jnp.where(neg, (mag != 0) | (eps != 0), mag < eps)
+    a = jnp.where(below, eps, a)
+    mag = a & _MAG
+    one = (mag == 0) | (mag >= _INF)               # zero, inf, NaN: scale 1
+    tiny = (mag != 0) & (mag < _MIN_NORMAL)          # fp8_max / subnormal overflows
+    # Elsewhere a is a positive normal and the quotient a normal or inf: no subnormal
+    # reaches the division.
+    q = _bits(F32(fp8_max) / _f32(jnp.where(one | tiny, _ONE, a)))
+    s = jnp.where(one, _ONE, jnp.where(tiny | (q == _INF), _FLT_MAX, q))
+    if power_of_2_scale:
+        s = s & _POW2
+    return _f32(s)
+
+
+def scale_inverse(scale):
+    """1 / scale, correctly rounded, also where the result is subnormal (scale > 2**126):
+    there it is computed in integers. (For a subnormal scale the result is XLA's.)"""
+    b = _bits(scale)
+    sign, mag = b & _SIGN, b & _MAG
+    e = mag >> 23
+    big = (e >= 253) & (e != 255)
+    plain = _bits(F32(1.0) / _f32(jnp.where(big, _ONE, mag)))
+    # scale = ms * 2**(e - 150): 1 / scale = m * 2**-149 with m = 2**p / ms, p = 299 - e.
+    ms = (mag & U32(0x7FFFFF)) | _MIN_NORMAL
+    msi = ms.astype(jnp.int32)
+    two_p = _f32((U32(299 + 127) - e) << 23)
+    t = two_p / msi.astype(jnp.float32)              # in (2**21, 2**23], within 1/4 of exact
+    m0 = t.astype(jnp.int32)
+    # remainder 2**p - m0 * ms, exact modulo 2**32 (2**p is 0 there) and small
+    r = lax.bitcast_convert_type(U32(0) - m0.astype(jnp.uint32) * ms, jnp.int32)
+    m0, r = jnp.where(r < 0, m0 - 1, m0), jnp.where(r < 0, r + msi, r)
+    m0, r = jnp.where(r >= msi, m0 + 1, m0), jnp.where(r >= msi, r - msi, r)
+    up = (2 * r > msi) | ((2 * r == msi) & ((m0 & 1) == 1))   # round half to even
+    tiny = (m0 + up.astype(jnp.int32)).astype(jnp.uint32)
+    return _f32(jnp.where(big, tiny, plain) | sign)
+
+
+def nan_byte(fp8_dtype) -> tuple[int, bool]:
+    """(the quantized byte of a NaN, whether x's sign is or-ed in) for an FP8 dtype."""
+    dtype = np.dtype(fp8_dtype)
+    if dtype.name.endswith("fnuz"):
+        return 0x80, False
+    return (0x7E if dtype == jnp.float8_e5m2 else 0x7F), True
+
+
+def cast_scaled(x32, scale, fp8_dtype):
+    """saturate_cast(x * scale) with IEEE float32 arithmetic (x and scale broadcast):
+    clip to +-fp8_max, round to nearest even; a NaN x gives the type's quiet NaN (0x7F /
+    0x7E for E4M3 / E5M2, with x's sign)."""
+    fp8_dtype = np.dtype(fp8_dtype)
+    fmax = F32(recipe_lib.fp8_max(fp8_dtype))
+    u = _bits(x32)
+    mag, sign = u & _MAG, u & _SIGN
+    sub = (mag != 0) & (mag < _MIN_NORMAL)
+    # x * 2**64, exact and normal, from the integer significand of a subnormal x
+    x_up = _f32(_bits(mag.astype(jnp.int32).astype(jnp.float32) * F32(2.0 ** -85)) | sign)
+    y = jnp.where(sub, x_up * (scale * F32(2.0 ** -64)), x32 * scale)
+    q = lax.bitcast_convert_type(jnp.clip(y, -fmax, fmax).astype(fp8_dtype), jnp.uint8)
+    byte, signed = nan_byte(fp8_dtype)
+    nan = U32(byte) | (sign >> 24 if signed else U32(0))
+    q = jnp.where(mag > _INF, nan.astype(jnp.uint8), q)
+    return lax.bitcast_convert_type(q, fp8_dtype)
+
+
+def scale_rows(m: int, block_rows: int) -> int:
+    return m if block_rows == 1 else -(-m // block_rows)
+
+
+def quantize_reference(x, *, block_rows: int, fp8_dtype, power_of_2_scale: bool,
+                       amax_epsilon: float):
+    """x [..., M, K] -> (q [..., M, K], scale_inv [..., M or ceil(M/128), ceil(K/128)])."""
+    x32 = widen(x)
+    *lead, m, k = x.shape
+    lead = tuple(lead)
+    mb, kb = -(-m // block_rows), -(-k // BLOCK)
+    pad = [(0, 0)] * len(lead) + [(0, mb * block_rows - m), (0, kb * BLOCK - k)]
+    xp = jnp.pad(x32, pad).reshape(lead + (mb, block_rows, kb, BLOCK))
+    amax = jnp.max(abs_bits(xp), axis=(-3, -1), initial=U32(0))
+    scale = scale_from_amax_f32(_f32(amax), recipe_lib.fp8_max(fp8_dtype), amax_epsilon,
+                                power_of_2_scale)
+    q = cast_scaled(xp, scale[..., :, None, :, None], fp8_dtype)
+    q = q.reshape(lead + (mb * block_rows, kb * BLOCK))[..., :m, :k]
+    return q, scale_inverse(scale)
+
+
+# --------------------------------------------------------------------------- primitive
+
+TARGET = "jax_fp8_block_quantize"
+IMPLEMENTATIONS = ("auto", "xla")
+block_quantize_p = Primitive("jax_fp8_block_quantize")
+block_quantize_p.multiple_results = True
+
+
+def _swap_last_two(sharding):
+    spec = tuple(getattr(sharding, "spec", ()))
+    if len(spec) < 2:
+        return sharding
+    return sharding.update(spec=jax.sharding.PartitionSpec(*spec[:-2], spec[-1], spec[-2]))
+
+
+def _like(x, shape, dtype, swapped=False):
+    sharding = getattr(x, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is not None and not getattr(mesh, "empty", True) and len(shape) == x.ndim:
+        sharding = _swap_last_two(sharding) if swapped else sharding
+        return x.update(shape=shape, dtype=dtype, weak_type=False, sharding=sharding)
+    return x.update(shape=shape, dtype=dtype, weak_type=False)
+
+
+def _abstract_eval(x, *, block_rows, fp8_dtype, power_of_2_scale, amax_epsilon, rowwise,
+                   colwise, implementation):
+    del power_of_2_scale, amax_epsilon
+    if x.ndim < 2 or np.dtype(x.dtype) not in INPUT_DTYPES:
+        raise TypeError(f"jax_fp8_block_quantize: takes a float32/bfloat16/float16 array of "
+                        f"rank >= 2, got {x.dtype}{list(x.shape)}")
+    if block_rows not in (1, BLOCK) or not (rowwise or colwise) or \
+            implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"jax_fp8_block_quantize: bad parameters block_rows={block_rows}, "
+                         f"rowwise={rowwise}, colwise={colwise}, implementation={implementation}")
+    *lead, m, k = x.shape
+    lead = tuple(lead)
+    outs = []
+    if rowwise:
+        outs += [_like(x, lead + (m, k), fp8_dtype),
+                 _like(x, lead + (scale_rows(m, block_rows), -(-k // BLOCK)), np.float32)]
+    if colwise:
+        outs += [_like(x, lead + (k, m), fp8_dtype, swapped=True),
+                 _like(x, lead + (scale_rows(k, block_rows), -(-m // BLOCK)), np.float32,
+                       swapped=True)]
+    return outs
+
+
+def _reference(x, *, block_rows, fp8_dtype, power_of_2_scale, amax_epsilon, rowwise, colwise,
+               implementation):
+    del implementation
+    opts = dict(block_rows=block_rows, fp8_dtype=fp8_dtype, power_of_2_scale=power_of_2_scale,
+                amax_epsilon=amax_epsilon)
+    outs = []
+    if rowwise:
+        outs += quantize_reference(x, **opts)
+    if colwise:
+        outs += quantize_reference(jnp.swapaxes(x, -1, -2), **opts)
+    return outs
+
+
+def kernel_takes(shape, dtype, fp8_dtype) -> bool:
+    """Whether the CUDA kernel takes x (as ffi/block_quantize_cuda.cu's BlockQuantizeSupports)."""
+    *lead, m, k = shape
+    return (np.dtype(dtype) in INPUT_DTYPES and np.dtype(fp8_dtype) in KERNEL_FP8
+            and m > 0 and k > 0 and math.prod(lead) > 0 and -(-k // BLOCK) < 2 ** 31)
+
+
+def _cuda_lowering(ctx, x, **params):
+    aval = ctx.avals_in[0]
+    if (params["implementation"] == "xla" or partition.needs_partitioning(ctx)
+            or not kernel_takes(aval.shape, aval.dtype, params["fp8_dtype"])):
+        return mlir.lower_fun(functools.partial(_reference, **params),
+                              multiple_results=True)(ctx, x)
+    return jax.ffi.ffi_lowering(TARGET)(
+        ctx, x, tile_2d=params["block_rows"] == BLOCK, rowwise=bool(params["rowwise"]),
+        colwise=bool(params["colwise"]), amax_epsilon=F32(params["amax_epsilon"]),
+        power_of_2_scale=bool(params["power_of_2_scale"]))
+
+
+def _lowering(ctx, x, **params):
+    return mlir.lower_fun(functools.partial(_reference, **params), multiple_results=True)(ctx, x)
+
+
+block_quantize_p.def_abstract_eval(_abstract_eval)
+block_quantize_p.def_impl(common.eager_impl(block_quantize_p))
+mlir.register_lowering(block_quantize_p, _lowering)
+if _registration.HAS_CUDA_KERNEL:
+    mlir.register_lowering(block_quantize_p, _cuda_lowering, platform="cuda")
+
+
+def _batch(args, dims, **params):
+    (x,), (d,) = args, dims
+    x = batching.bdim_at_front(x, d, x.shape[d])  # leading axes are independent tensors
+    outs = block_quantize_p.bind(x, **params)
+    return outs, [0] * len(outs)
+
+
+def _jvp(primals, tangents, **params):
+    """Quantization is not differentiated (stop-gradient): zero tangents."""
+    del tangents
+    outs = block_quantize_p.bind(*primals, **params)
+    return outs, [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in outs]
+
+
+batching.primitive_batchers[block_quantize_p] = _batch
+ad.primitive_jvps[block_quantize_p] = _jvp
+
+
+def block_quantize(x, *, block_rows, fp8_dtype, power_of_2_scale, amax_epsilon, rowwise=True,
+                   colwise=False, implementation="auto"):
+    """Binds the primitive (see the module docstring for the results)."""
+    return block_quantize_p.bind(
+        x, block_rows=int(block_rows), fp8_dtype=np.dtype(fp8_dtype),
+        power_of_2_scale=bool(power_of_2_scale), amax_epsilon=float(amax_epsilon),
+        rowwise=bool(rowwise), colwise=bool(colwise), implementation=implementation)
