@@ -107,16 +107,20 @@ def format_value(value) -> str:
 
 def format_annotation(annotation) -> str | None:
     """String annotations (the library's sources use ``from __future__ import
-    annotations``) as written; a plain class by its name; anything else left out."""
+    annotations``) as written; a builtin or jax_fp8 class by its name; anything else
+    left out."""
     if annotation is inspect.Parameter.empty:
         return None
     if isinstance(annotation, str):
         if len(annotation) >= 2 and annotation[0] == annotation[-1] and annotation[0] in "'\"":
             return annotation[1:-1]
         return annotation
-    if isinstance(annotation, type):
+    if isinstance(getattr(annotation, "__forward_arg__", None), str):  # typing.ForwardRef
+        return annotation.__forward_arg__
+    if isinstance(annotation, type) and (annotation.__module__ == "builtins"
+                                         or annotation.__module__.startswith("jax_fp8")):
         return _short_class(annotation)
-    return None
+    return None  # another library's type: its spelling changes between its versions
 
 
 def format_signature(sig: inspect.Signature, drop_first: bool = False,

@@ -164,3 +164,104 @@ def test_provenance_pattern():
         assert PROVENANCE.search(text), text
     for text in ("the issue's targets", "sessions", "CEOs", "issued", "a device"):
         assert not PROVENANCE.search(text), text
+
+
+# --------------------------------------------------------------------- the generator
+
+def _gen_api():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gen_api", GEN_API)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generator_handles_every_kind_of_name():
+    """Dataclasses, enums, named tuples, classmethods, properties, constants, private
+    names and re-exports, on a module made up here (the real API keeps changing)."""
+    import dataclasses
+    import enum
+    import types
+    from typing import NamedTuple
+
+    gen = _gen_api()
+    mod = types.ModuleType("jax_fp8_fake", "A made-up module.\n\nSecond paragraph.")
+
+    class Kind(enum.Enum):
+        """Two kinds."""
+        A = "a"
+        B = "b"
+
+    @dataclasses.dataclass(frozen=True)
+    class Thing:
+        """A thing.
+
+        Attributes:
+          size: how big, e.g. ``x * 2``.
+          kind: which kind.
+
+        Example::
+
+            Thing.create(3).double
+        """
+        size: int = 1
+        kind: Kind = Kind.A
+
+        @classmethod
+        def create(cls, size: int) -> "Thing":
+            """A thing of ``size``."""
+            return cls(size)
+
+        @property
+        def double(self) -> int:
+            """Twice the size."""
+            return 2 * self.size
+
+        def _private(self):
+            pass
+
+    class Pair(NamedTuple):
+        """Two values."""
+        left: int
+        right: int
+
+    def make(x, *, thing=Thing(), kind=Kind.B, **rest) -> "Thing":
+        """Makes a thing.
+
+        Args:
+          x: the input.
+          thing: a template.
+
+        Returns:
+          A thing.
+        """
+
+    for obj in (Kind, Thing, Pair, make):
+        obj.__module__ = "jax_fp8_fake"
+    for raw in vars(Thing).values():  # the generator documents only jax_fp8's own methods
+        func = getattr(raw, "__func__", getattr(raw, "fget", raw))
+        if callable(func) and hasattr(func, "__module__"):
+            func.__module__ = "jax_fp8_fake"
+    mod.Kind, mod.Thing, mod.Pair, mod.make, mod.LIMIT = Kind, Thing, Pair, make, "x"
+    mod._hidden = make
+    mod.__all__ = ["Kind", "LIMIT", "Pair", "Thing", "make"]
+
+    documented = {}
+    text = "\n".join(gen.render_module(mod, documented))
+    for needle in ('id="jax_fp8_fake.Thing"', "class Thing(size: int = 1, kind: Kind = Kind.A)",
+                   "`Thing.create(size: int) -> Thing` *(classmethod)*",
+                   "`Thing.double` *(property)*", "- `size`: how big, e.g. ``x * 2``.",
+                   "```python\nThing.create(3).double\n```", "- `Kind.B` = `'b'`",
+                   "class Pair(left: int, right: int)", "*named tuple*",
+                   "make(x, *, thing=Thing(), kind=Kind.B, **rest) -> Thing",
+                   "`LIMIT = 'x'`", "**Returns:**"):
+        assert needle in text, needle
+    assert "_private" not in text and "_hidden" not in text
+    assert " at 0x" not in text
+    # A second module re-exporting a documented object points to it.
+    other = types.ModuleType("jax_fp8_other")
+    other.Thing, other.__all__ = Thing, ["Thing"]
+    again = "\n".join(gen.render_module(other, documented))
+    assert "The same object as [`jax_fp8_fake.Thing`](#jax_fp8_fake.Thing)" in again
+    # Deterministic: the same input renders the same text.
+    assert "\n".join(gen.render_module(mod, {})) == "\n".join(gen.render_module(mod, {}))
