@@ -14,7 +14,8 @@ import jax.export  # noqa: F401  (jax.export.DisabledSafetyCheck)
 
 FFI_TARGET = "jax_fp8_update"
 # Every custom-call target the library emits (the CUDA-only ones on GPUs).
-FFI_TARGETS = ("jax_fp8_update", "jax_fp8_transpose_bytes", "jax_fp8_quantize_transpose")
+FFI_TARGETS = ("jax_fp8_update", "jax_fp8_transpose_bytes", "jax_fp8_quantize_transpose",
+               "jax_fp8_block_quantize", "jax_fp8_block_gemm")
 
 
 def _register(module_name: str, platform: str):
@@ -44,3 +45,33 @@ def export_disabled_checks() -> list:
                                 disabled_checks=jax_fp8.export_disabled_checks())(*args)
     """
     return [jax.export.DisabledSafetyCheck.custom_call(t) for t in FFI_TARGETS]
+
+
+def cublaslt_path() -> str | None:
+    """The libcublasLt.so.* of JAX's CUDA install (the nvidia-cublas wheel), or None.
+
+    ``JAX_FP8_CUBLASLT`` (a path) overrides. Otherwise the wheels' directories under the
+    ``nvidia`` namespace package: ``cu13/lib`` (CUDA 13 wheels), ``cublas/lib`` and
+    ``cu12/lib`` (CUDA 12), preferring the major version of JAX's CUDA plugin. Only looks
+    at files; the library is loaded where jax_fp8_block_gemm is first lowered.
+    """
+    import glob
+    import importlib.util
+    import os
+
+    if os.environ.get("JAX_FP8_CUBLASLT"):
+        return os.environ["JAX_FP8_CUBLASLT"]
+    try:
+        roots = list(importlib.import_module("nvidia").__path__)
+    except ImportError:
+        return None
+    found = []
+    for root in roots:
+        for sub in ("cu13/lib", "cublas/lib", "cu12/lib"):
+            found += sorted(glob.glob(os.path.join(root, sub, "libcublasLt.so.*")))
+    majors = [m for m in ("13", "12") if importlib.util.find_spec(f"jax_cuda{m}_plugin")]
+    for major in majors:
+        for path in found:
+            if path.endswith(f".so.{major}") or f".so.{major}." in path:
+                return path
+    return found[0] if found else None

@@ -1,0 +1,49 @@
+#pragma once
+// The block-scaled FP8 GEMM "jax_fp8_block_gemm" (CUDA): cuBLASLt's FP8 matmul with
+// 1 x 128 (CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F) and 128 x 128
+// (CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F) scale modes, cuBLAS >= 12.9 on SM90.
+// libcublasLt is not linked: it is dlopen'ed from the path the Python side finds (the
+// nvidia-cublas wheel JAX's CUDA plugin uses), on first use.
+//
+// Operands (row-major): a [..., M, K], b [..., N, K] (FP8), out [..., M, N] = a . b^T.
+// Scales, in the layout cuBLASLt reads (the Python lowering transposes and pads them):
+//   1 x 128 blocks of an operand [R, K]:   float32 [..., ceil(K/128), round_up(R, 4)]
+//   128 x 128 tiles of an operand [R, K]:  float32 [..., ceil(R/128), round_up(ceil(K/128), 4)]
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_fp8 {
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp8BlockGemmCuda);
+
+// dlopen()s libcublasLt at `path` and resolves the entry points used here; returns
+// cublasLtGetVersion() (e.g. 120900), or 0 with *error set. Once a library is loaded,
+// later calls return its version whatever the path. Host only: needs no GPU.
+size_t LoadCublasLt(const std::string& path, std::string* error);
+
+// One GEMM of the batch, for the plain CUDA kernel used where cuBLASLt has no algorithm
+// (a shape, alignment or type combination it rejects). Scales in the layout above;
+// scale_ld is the padded minor extent of the scale array.
+struct BlockGemmArgs {
+  const uint8_t* a;
+  const float* a_scale;
+  bool a_e5m2, a_tile;
+  int64_t a_scale_ld;
+  const uint8_t* b;
+  const float* b_scale;
+  bool b_e5m2, b_tile;
+  int64_t b_scale_ld;
+  void* out;
+  bool out_bf16;
+  int64_t m, n, k;
+};
+
+// out = sum over K blocks of (a_blk . b_blk^T) * scale_a * scale_b, accumulated in float32.
+cudaError_t LaunchBlockGemmFallback(cudaStream_t stream, const BlockGemmArgs& args);
+
+}  // namespace jax_fp8

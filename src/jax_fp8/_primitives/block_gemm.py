@@ -1,0 +1,198 @@
+"""The block-scaled FP8 GEMM primitive `jax_fp8_block_gemm`: out = (a * scale_a) . (b * scale_b)^T, each operand scaled per 1x128 block or 128x128 tile.
+
+Shapes (row-major, both operands contracting over their last axis, cuBLASLt's "TN"):
+a [..., M, K] and b [..., N, K] FP8, their scale_inv [..., M or ceil(M/128), ceil(K/128)]
+and [..., N or ceil(N/128), ceil(K/128)] (`block_rows` 1 or 128, jax_fp8.quantize_blocks'
+layout), out [..., M, N] in `out_dtype`.
+
+On CUDA with an SM90 GPU and cuBLASLt >= 12.9 (dlopen'ed from JAX's nvidia-cublas wheel)
+and sizes it takes (`cublas_takes`): one custom call, ffi/block_gemm_cuda.cc, which runs
+cuBLASLt's VEC128 / BLK128x128 matmul (or its own plain kernel where cuBLASLt finds no
+algorithm). The scales are transposed and padded to cuBLASLt's layout here, in XLA ops on
+arrays 128 (or 16,384) times smaller than the operands. Everywhere else the reference:
+each operand dequantized in float32 (q * scale_inv broadcast over its block), a float32
+dot_general at HIGHEST precision, cast to out_dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from jax_fp8 import _registration
+from jax_fp8._primitives import common, partition
+from jax_fp8._primitives.block_quantize import BLOCK, scale_rows
+
+TARGET = "jax_fp8_block_gemm"
+WORKSPACE_BYTES = 32 * 1024 * 1024  # cuBLASLt's recommendation for Hopper
+MIN_CUBLASLT_VERSION = 120900
+# "auto": cuBLASLt where it applies, else the reference; "xla": the reference;
+# "fallback": the custom call with the handler's plain CUDA kernel (for tests).
+IMPLEMENTATIONS = ("auto", "xla", "fallback")
+_FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
+_KERNEL_OUT = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
+
+block_gemm_p = Primitive("jax_fp8_block_gemm")
+
+
+def _scale_shape(shape, block_rows):
+    *lead, r, k = shape
+    return tuple(lead) + (scale_rows(r, block_rows), -(-k // BLOCK))
+
+
+def _abstract_eval(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype,
+                   implementation):
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"jax_fp8_block_gemm: implementation must be one of {IMPLEMENTATIONS}")
+    for name, q, rows in (("a", a, a_block_rows), ("b", b, b_block_rows)):
+        if q.ndim < 2 or np.dtype(q.dtype).itemsize != 1:
+            raise TypeError(f"jax_fp8_block_gemm: {name} must be an FP8 array of rank >= 2, "
+                            f"got {q.dtype}{list(q.shape)}")
+        if rows not in (1, BLOCK):
+            raise ValueError(f"jax_fp8_block_gemm: {name}_block_rows must be 1 or 128")
+    if a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-1]:
+        raise ValueError(f"jax_fp8_block_gemm: need a [..., M, K] and b [..., N, K], got "
+                         f"{list(a.shape)} and {list(b.shape)}")
+    for name, s, q, rows in (("a", a_scale, a, a_block_rows), ("b", b_scale, b, b_block_rows)):
+        want = _scale_shape(q.shape, rows)
+        if s.shape != want or s.dtype != np.float32:
+            raise ValueError(f"jax_fp8_block_gemm: {name}_scale_inv must be float32{list(want)}, "
+                             f"got {s.dtype}{list(s.shape)}")
+    common.check_same_varying("jax_fp8_block_gemm", (a, a_scale, b, b_scale))
+    return a.update(shape=a.shape[:-1] + (b.shape[-2],), dtype=out_dtype, weak_type=False)
+
+
+def dequantize(q, scale_inv, block_rows):
+    """q [..., R, K] * scale_inv broadcast over its blocks, in float32."""
+    *lead, r, k = q.shape
+    lead = tuple(lead)
+    rb, kb = -(-r // block_rows), -(-k // BLOCK)
+    pad = [(0, 0)] * len(lead) + [(0, rb * block_rows - r), (0, kb * BLOCK - k)]
+    x = jnp.pad(q.astype(jnp.float32), pad).reshape(lead + (rb, block_rows, kb, BLOCK))
+    x = x * scale_inv[..., :, None, :, None]
+    return x.reshape(lead + (rb * block_rows, kb * BLOCK))[..., :r, :k]
+
+
+def reference(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype,
+              implementation=None):
+    del implementation
+    x = dequantize(a, a_scale, a_block_rows)
+    y = dequantize(b, b_scale, b_block_rows)
+    batch = tuple(range(a.ndim - 2))
+    out = lax.dot_general(x, y, (((a.ndim - 1,), (a.ndim - 1,)), (batch, batch)),
+                          precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def cublas_status() -> tuple[bool, str]:
+    """(whether the cuBLASLt path can run in this process, why not). Loads libcublasLt."""
+    if not _registration.HAS_CUDA_KERNEL:
+        return False, "the CUDA module was not built"
+    path = _registration.cublaslt_path()
+    if path is None:
+        return False, "no libcublasLt found (set JAX_FP8_CUBLASLT to its path)"
+    version, error = importlib.import_module("jax_fp8._jax_fp8_cuda").load_cublaslt(path)
+    if version < MIN_CUBLASLT_VERSION:
+        return False, error or f"{path} is cuBLASLt {version}, block scaling needs >= 12.9"
+    try:
+        gpus = jax.local_devices(backend="gpu")
+    except RuntimeError:
+        gpus = []
+    caps = {getattr(d, "compute_capability", "") for d in gpus}
+    if not gpus or not all(str(c).split(".")[0] == "9" for c in caps):
+        return False, f"block-scaled cuBLASLt GEMMs need SM90 GPUs, found {sorted(caps)}"
+    return True, f"{path} (cuBLASLt {version})"
+
+
+def cublas_takes(a, b, a_block_rows, b_block_rows, out_dtype) -> bool:
+    """Shapes and types cuBLASLt's block-scaled FP8 GEMM takes on Hopper (abstract values):
+    E4M3/E5M2 (not both E5M2), at most one operand with 128 x 128 tiles, K % 16 == 0 and
+    M, N % 8 == 0 (the leading dimensions' 16-byte alignment), bf16/f32/f16 output."""
+    m, k = a.shape[-2:]
+    n = b.shape[-2]
+    types = {np.dtype(a.dtype), np.dtype(b.dtype)}
+    return (types <= set(_FP8) and types != {np.dtype(jnp.float8_e5m2)}
+            and not (a_block_rows == b_block_rows == BLOCK)
+            and m > 0 and n > 0 and k > 0 and math.prod(a.shape[:-2]) > 0
+            and k % 16 == 0 and m % 8 == 0 and n % 8 == 0
+            and (np.dtype(out_dtype) in _KERNEL_OUT or np.dtype(out_dtype) == np.float16))
+
+
+def cublas_scales(scale_inv, block_rows):
+    """scale_inv in the layout cuBLASLt reads: 1 x 128 blocks [..., R, Kb] -> [..., Kb,
+    round_up(R, 4)] (R contiguous); 128 x 128 tiles [..., Rb, Kb] -> [..., Rb, round_up(Kb, 4)]."""
+    s = jnp.swapaxes(scale_inv, -1, -2) if block_rows == 1 else scale_inv
+    minor = s.shape[-1]
+    pad = -minor % 4
+    if pad:
+        s = jnp.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, pad)], constant_values=1.0)
+    return s
+
+
+def _ffi_gemm(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype, fallback):
+    m, n = a.shape[-2], b.shape[-2]
+    kernel_dtype = out_dtype if np.dtype(out_dtype) in _KERNEL_OUT else np.dtype(np.float32)
+    call = jax.ffi.ffi_call(TARGET, (
+        jax.ShapeDtypeStruct(a.shape[:-2] + (m, n), kernel_dtype),
+        jax.ShapeDtypeStruct((256 if fallback else WORKSPACE_BYTES,), jnp.uint8)))
+    out, _ = call(a, cublas_scales(a_scale, a_block_rows), b,
+                  cublas_scales(b_scale, b_block_rows), a_block_rows=np.int32(a_block_rows),
+                  b_block_rows=np.int32(b_block_rows), force_fallback=bool(fallback))
+    return out.astype(out_dtype)
+
+
+def _cuda_lowering(ctx, a, a_scale, b, b_scale, **params):
+    impl = params["implementation"]
+    a_aval, _, b_aval, _ = ctx.avals_in
+    rows = (params["a_block_rows"], params["b_block_rows"])
+    fp8_ok = {np.dtype(a_aval.dtype), np.dtype(b_aval.dtype)} <= set(_FP8)
+    sizes_ok = min(a_aval.shape[-2:] + b_aval.shape[-2:-1] + (math.prod(a_aval.shape[:-2]),)) > 0
+    if impl == "fallback" and fp8_ok and sizes_ok and not partition.needs_partitioning(ctx):
+        fn = functools.partial(_ffi_gemm, a_block_rows=rows[0], b_block_rows=rows[1],
+                               out_dtype=params["out_dtype"], fallback=True)
+    elif (impl == "auto" and not partition.needs_partitioning(ctx)
+          and cublas_takes(a_aval, b_aval, *rows, params["out_dtype"]) and cublas_status()[0]):
+        fn = functools.partial(_ffi_gemm, a_block_rows=rows[0], b_block_rows=rows[1],
+                               out_dtype=params["out_dtype"], fallback=False)
+    else:
+        fn = functools.partial(reference, **params)
+    return mlir.lower_fun(fn, multiple_results=False)(ctx, a, a_scale, b, b_scale)
+
+
+block_gemm_p.def_abstract_eval(_abstract_eval)
+block_gemm_p.def_impl(common.eager_impl(block_gemm_p))
+mlir.register_lowering(block_gemm_p, mlir.lower_fun(reference, multiple_results=False))
+if _registration.HAS_CUDA_KERNEL:
+    mlir.register_lowering(block_gemm_p, _cuda_lowering, platform="cuda")
+
+
+def _batch(args, dims, **params):
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    args = [batching.bdim_at_front(x, d, size) for x, d in zip(args, dims)]
+    return block_gemm_p.bind(*args, **params), 0
+
+
+def _jvp(primals, tangents, **params):
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    return jax.jvp(functools.partial(reference, **params), tuple(primals), tuple(tangents))
+
+
+batching.primitive_batchers[block_gemm_p] = _batch
+ad.primitive_jvps[block_gemm_p] = _jvp
+
+
+def block_gemm(a, a_scale_inv, b, b_scale_inv, *, a_block_rows, b_block_rows, out_dtype,
+               implementation="auto"):
+    """Binds the primitive: a [..., M, K], b [..., N, K] (with their scale_inv) -> [..., M, N]."""
+    return block_gemm_p.bind(a, a_scale_inv, b, b_scale_inv, a_block_rows=int(a_block_rows),
+                             b_block_rows=int(b_block_rows), out_dtype=np.dtype(out_dtype),
+                             implementation=implementation)

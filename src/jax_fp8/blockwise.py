@@ -1,0 +1,153 @@
+"""Current and blockwise FP8 quantization (SPEC.md): each tensor, 1x128 block or 128x128 tile scaled from its own amax.
+
+The numbers (SPEC.md, "Current and blockwise scaling"): a block's amax is
+``fmaxf(0, |x_1|, ..., |x_n|)`` (NaN ignored), its scale Transformer Engine's
+``compute_scale_from_amax`` (``scale_from_amax`` here), ``x_fp8 = saturate_cast(x * s)``
+and ``scale_inv = 1 / s``, all IEEE float32 with subnormals kept. The CUDA kernel
+(ffi/block_quantize_cuda.cu) and the jax.numpy path give the same bits; a NaN x becomes
+the FP8 type's quiet NaN with x's sign (0x7F/0xFF for E4M3, 0x7E/0xFE for E5M2).
+
+Per-tensor current scaling (``quantize_current``) takes its amax from
+``jax_fp8.compute_amax``: one max over all devices under a multi-device jit, XLA's own
+max elsewhere. Unlike a block's, that amax reads a subnormal maximum as 0 (XLA flushes
+subnormals), and a NaN in x makes it NaN on the GPU (scale 1) where XLA's vectorized CPU
+max may drop it; the scale arithmetic after it is the exact one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_fp8 import quantization
+from jax_fp8 import recipe as recipe_lib
+from jax_fp8._primitives import block_gemm as gemm_lib
+from jax_fp8._primitives import block_quantize as bq
+
+__all__ = ["dequantize_blocks", "quantize_blocks", "quantize_blocks_both",
+           "quantize_blocks_transposed", "quantize_current", "scale_from_amax", "scale_inverse"]
+
+BLOCK_SHAPES = ((1, 128), (128, 128))
+
+
+def _block_rows(block_shape) -> int:
+    shape = tuple(int(b) for b in block_shape) if isinstance(block_shape, (tuple, list)) else None
+    if shape not in BLOCK_SHAPES:
+        raise ValueError(f"block_shape must be (1, 128) or (128, 128), got {block_shape!r}")
+    return shape[0]
+
+
+def _options(fp8_dtype, power_of_2_scale, amax_epsilon) -> dict:
+    if not isinstance(power_of_2_scale, (bool, np.bool_)):
+        raise TypeError(f"power_of_2_scale must be a bool, got {power_of_2_scale!r}")
+    recipe_lib._check_epsilon(amax_epsilon)
+    return dict(fp8_dtype=recipe_lib.canonical_fp8_dtype(fp8_dtype),
+                power_of_2_scale=bool(power_of_2_scale), amax_epsilon=float(amax_epsilon))
+
+
+def _operand(x, min_ndim=2):
+    x = jnp.asarray(x)
+    if np.dtype(x.dtype) not in bq.INPUT_DTYPES:
+        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.ndim < min_ndim:
+        raise ValueError(f"x must be laid out as [..., M, K] (rank >= 2), got shape {x.shape}; "
+                         f"a vector v is x = v[None, :]")
+    return x
+
+
+def scale_from_amax(amax, fp8_dtype=jnp.float8_e4m3fn, *, power_of_2_scale=False,
+                    amax_epsilon=0.0) -> jax.Array:
+    """The quantization scale ``s`` (``x_fp8 = saturate_cast(x * s)``) from an amax.
+
+    SPEC.md / TE's ``compute_scale_from_amax``, elementwise over a float32 amax of any
+    shape: ``amax < amax_epsilon`` is raised to it; an amax of 0, inf or NaN gives 1;
+    otherwise ``fp8_max / amax`` (correctly rounded), FLT_MAX where that overflows; with
+    ``power_of_2_scale`` rounded down to a power of two. Exact IEEE float32, subnormal
+    amaxes included (their scale is FLT_MAX). ``scale_inverse(s)`` is the matching scale_inv.
+    """
+    opts = _options(fp8_dtype, power_of_2_scale, amax_epsilon)
+    amax = jnp.asarray(amax)
+    if not jnp.issubdtype(amax.dtype, jnp.floating):
+        raise TypeError(f"amax must be a floating array, got {amax.dtype}")
+    return bq.scale_from_amax_f32(amax.astype(jnp.float32), recipe_lib.fp8_max(opts["fp8_dtype"]),
+                                  opts["amax_epsilon"], opts["power_of_2_scale"])
+
+
+def scale_inverse(scale) -> jax.Array:
+    """``1 / scale`` in float32, correctly rounded also where it is subnormal."""
+    return bq.scale_inverse(jnp.asarray(scale, jnp.float32))
+
+
+def quantize_blocks(x, block_shape=(1, 128), fp8_dtype=jnp.float8_e4m3fn, *,
+                    power_of_2_scale=True, amax_epsilon=0.0):
+    """Blockwise quantization of x laid out as ``[..., M, K]`` (K the contraction axis).
+
+    Shapes: x [..., M, K] (float32/bfloat16/float16) -> (x_fp8 [..., M, K],
+    scale_inv float32 [..., ceil(M/bm), ceil(K/bk)]) for block_shape (bm, bk) = (1, 128)
+    (one scale per 128 values along K) or (128, 128) (one per tile of the last two axes);
+    blocks cut short by the edges hold fewer values. ``x ~= x_fp8 * scale_inv`` broadcast
+    over each block. Leading axes are independent. Not differentiated (a zero gradient).
+
+    Example::
+
+        q, s = jax_fp8.quantize_blocks(x)             # x [4096, 1024] -> s [4096, 8]
+    """
+    rows = _block_rows(block_shape)
+    q, s = bq.block_quantize(_operand(x), block_rows=rows,
+                             **_options(fp8_dtype, power_of_2_scale, amax_epsilon))
+    return q, s
+
+
+def quantize_blocks_transposed(x, block_shape=(1, 128), fp8_dtype=jnp.float8_e4m3fn, *,
+                               power_of_2_scale=True, amax_epsilon=0.0):
+    """``quantize_blocks(swapaxes(x, -1, -2), ...)`` without a transposed copy of x.
+
+    Shapes: x [..., M, K] -> (x_t_fp8 [..., K, M], scale_inv [..., ceil(K/bm), ceil(M/bk)]):
+    for (1, 128) blocks the 128 values of a block run along M, quantized afresh from x
+    (the column-wise copy the backward's GEMMs need); a (128, 128) tile is the same tile.
+    """
+    rows = _block_rows(block_shape)
+    q_t, s_t = bq.block_quantize(_operand(x), block_rows=rows, rowwise=False, colwise=True,
+                                 **_options(fp8_dtype, power_of_2_scale, amax_epsilon))
+    return q_t, s_t
+
+
+def quantize_blocks_both(x, block_shape=(1, 128), fp8_dtype=jnp.float8_e4m3fn, *,
+                         power_of_2_scale=True, amax_epsilon=0.0):
+    """``quantize_blocks`` and ``quantize_blocks_transposed`` of x from one read of x (one
+    kernel on CUDA): (x_fp8 [..., M, K], scale_inv, x_t_fp8 [..., K, M], scale_inv_t)."""
+    rows = _block_rows(block_shape)
+    return tuple(bq.block_quantize(_operand(x), block_rows=rows, rowwise=True, colwise=True,
+                                   **_options(fp8_dtype, power_of_2_scale, amax_epsilon)))
+
+
+def dequantize_blocks(x_fp8, scale_inv, block_shape=(1, 128), dtype=jnp.float32):
+    """``x_fp8 * scale_inv`` broadcast over each block, in float32, cast to ``dtype``.
+
+    Shapes: x_fp8 [..., M, K], scale_inv [..., ceil(M/bm), ceil(K/bk)] -> [..., M, K].
+    """
+    rows = _block_rows(block_shape)
+    x_fp8, scale_inv = jnp.asarray(x_fp8), jnp.asarray(scale_inv, jnp.float32)
+    want = x_fp8.shape[:-2] + (bq.scale_rows(x_fp8.shape[-2], rows), -(-x_fp8.shape[-1] // 128))
+    if x_fp8.ndim < 2 or scale_inv.shape != want:
+        raise ValueError(f"scale_inv must have shape {want} for x_fp8 {x_fp8.shape} and "
+                         f"block_shape {tuple(block_shape)}, got {scale_inv.shape}")
+    return gemm_lib.dequantize(x_fp8, scale_inv, rows).astype(dtype)
+
+
+def quantize_current(x, fp8_dtype=jnp.float8_e4m3fn, *, power_of_2_scale=False,
+                     amax_epsilon=0.0):
+    """Per-tensor current scaling: (x_fp8 [...], scale_inv float32 []) from max |x|.
+
+    The amax is ``jax_fp8.compute_amax(x)`` (under a multi-device jit one max over all
+    devices, so every device quantizes with the global scale), then ``scale_from_amax``
+    and the same cast as ``quantize_blocks``. Not differentiated (a zero gradient).
+    """
+    x = _operand(x, min_ndim=0)
+    opts = _options(fp8_dtype, power_of_2_scale, amax_epsilon)
+    amax = jax.lax.stop_gradient(quantization.compute_amax(x))
+    scale = bq.scale_from_amax_f32(amax, recipe_lib.fp8_max(opts["fp8_dtype"]),
+                                   opts["amax_epsilon"], opts["power_of_2_scale"])
+    x32 = bq.widen(jax.lax.stop_gradient(x))
+    return bq.cast_scaled(x32, scale, opts["fp8_dtype"]), bq.scale_inverse(scale)

@@ -1,0 +1,187 @@
+"""FP8 dot_general for the current and blockwise recipes: operands quantized from their own amaxes, forward and backward GEMMs in FP8 under one custom VJP.
+
+``scaled_dot_general(lhs, rhs, dimension_numbers, recipe)`` brings the operands into the
+Dense form x [M, K] . w [K, N] (lhs's free axes flattened into M, the contracting axes
+into K; transposes where the axes are not in that order, reshapes otherwise), then:
+
+Float8BlockScaling (DeepSeek-V3 / TE's recipe; E4M3, or E5M2 gradients under HYBRID)
+  forward  out = x . w:    x quantized row-wise (blocks along K, role "x"), w column-wise
+                           (the operand [N, K], role "w"), the block GEMM primitive
+  dgrad    dx = g . w^T:   g row-wise (blocks along N, role "grad"), w row-wise ([K, N])
+  wgrad    dw = x^T . g:   x column-wise ([K, M], blocks along M), g column-wise ([N, M])
+  Every GEMM is cuBLASLt's TN form: both operands contract over their minor axis. Each
+  tensor is quantized once per use-site in both layouts from one read of it (one kernel
+  on CUDA); a 1x128-blocked copy along the other axis is quantized afresh from the high
+  precision tensor (SPEC.md), a 128x128 tile is the same tile either way. The residuals
+  are the FP8 copies the backward needs (x column-wise, w row-wise, with their scales):
+  1 byte per element instead of the high-precision input, and the backward reads
+  neither x nor w again.
+Float8CurrentScaling (one scale per tensor, from ``jax_fp8.compute_amax``)
+  the three GEMMs as jax_fp8's delayed-scaling path runs them (``_gemms.gemm``: XLA's
+  FP8 GEMM on Hopper, the result scaled by scale_inv_a * scale_inv_b); the residuals are
+  the FP8 x and w, whose transposes are byte transposes (one scale for the whole tensor).
+  Under a multi-device jit each amax is one max over all devices.
+
+The quantization itself is not differentiated (its scales are constants of the step).
+Gradients come back in lhs's and rhs's dtypes. Batch dimensions are not supported yet.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_fp8 import _gemms, blockwise
+from jax_fp8 import recipe as recipe_lib
+from jax_fp8._primitives import block_gemm as gemm_lib
+from jax_fp8._primitives import block_quantize as bq
+from jax_fp8._primitives import common, layout
+
+__all__ = ["scaled_dot_general"]
+
+_TN = (((1,), (1,)), ((), ()))  # [A, C] . [B, C] -> [A, B]
+
+
+def scaled_dot_general(lhs, rhs, dimension_numbers, recipe, preferred_element_type=None):
+    """``lax.dot_general(lhs, rhs, dimension_numbers)`` with FP8 GEMMs per ``recipe``.
+
+    Shapes: lhs [L..., C...] and rhs [C..., R...], the contracting axes C anywhere (as
+    ``dimension_numbers = ((lhs_contracting, rhs_contracting), ((), ()))`` says) -> out
+    [L..., R...] in ``preferred_element_type`` (default: the operands' result type).
+
+    Args:
+      recipe: ``jax_fp8.Float8CurrentScaling`` or ``jax_fp8.Float8BlockScaling``.
+
+    Example (a Dense layer)::
+
+        y = scaled_dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
+                               jax_fp8.Float8BlockScaling())   # x [B, T, D], kernel [D, H]
+    """
+    if not isinstance(recipe, (recipe_lib.Float8CurrentScaling, recipe_lib.Float8BlockScaling)):
+        raise TypeError(f"recipe must be a jax_fp8.Float8CurrentScaling or Float8BlockScaling, "
+                        f"got {type(recipe).__name__}")
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    for name, a in (("lhs", lhs), ("rhs", rhs)):
+        if np.dtype(a.dtype) not in bq.INPUT_DTYPES:
+            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {a.dtype}")
+    (lc, rc), (lb, rb) = dimension_numbers
+    if tuple(lb) or tuple(rb):
+        raise NotImplementedError("scaled_dot_general: batch dimensions are not supported; "
+                                  "vmap over them, or fold them into the free axes")
+    lc = tuple(int(a) % lhs.ndim for a in lc)
+    rc = tuple(int(a) % rhs.ndim for a in rc)
+    if (len(lc) != len(rc) or len(set(lc)) != len(lc) or len(set(rc)) != len(rc)
+            or any(lhs.shape[a] != rhs.shape[b] for a, b in zip(lc, rc))):
+        raise ValueError(f"scaled_dot_general: contracting dimensions {lc} of lhs "
+                         f"{lhs.shape} and {rc} of rhs {rhs.shape} do not match")
+    out_dtype = np.dtype(preferred_element_type if preferred_element_type is not None
+                         else jnp.result_type(lhs, rhs))
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+        raise TypeError(f"preferred_element_type must be floating, got {out_dtype}")
+    lf = [a for a in range(lhs.ndim) if a not in lc]
+    rf = [a for a in range(rhs.ndim) if a not in rc]
+    m = math.prod(lhs.shape[a] for a in lf)
+    k = math.prod(lhs.shape[a] for a in lc)
+    n = math.prod(rhs.shape[a] for a in rf)
+    x = _permute(lhs, lf + list(lc)).reshape(m, k)
+    w = _permute(rhs, list(rc) + rf).reshape(k, n)
+    x, w = common.vary_like([x, w])
+    out = _fp8_matmul(x, w, recipe, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+    return out.reshape(tuple(lhs.shape[a] for a in lf) + tuple(rhs.shape[a] for a in rf))
+
+
+def _permute(a, perm):
+    return a if list(perm) == list(range(a.ndim)) else lax.transpose(a, tuple(perm))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _fp8_matmul(x, w, recipe, out_dtype, x_dtype, w_dtype):
+    """x [M, K] . w [K, N] -> [M, N] in out_dtype."""
+    del x_dtype, w_dtype
+    return _forward(x, w, recipe, out_dtype, keep=False)[0]
+
+
+def _fwd(x, w, recipe, out_dtype, x_dtype, w_dtype):
+    del x_dtype, w_dtype
+    return _forward(x, w, recipe, out_dtype, keep=True)
+
+
+def _bwd(recipe, out_dtype, x_dtype, w_dtype, residuals, g):
+    del out_dtype
+    if isinstance(recipe, recipe_lib.Float8BlockScaling):
+        return _block_backward(recipe, residuals, g, x_dtype, w_dtype)
+    return _current_backward(recipe, residuals, g, x_dtype, w_dtype)
+
+
+_fp8_matmul.defvjp(_fwd, _bwd)
+
+
+def _forward(x, w, recipe, out_dtype, keep):
+    if isinstance(recipe, recipe_lib.Float8BlockScaling):
+        return _block_forward(x, w, recipe, out_dtype, keep)
+    return _current_forward(x, w, recipe, out_dtype, keep)
+
+
+# ------------------------------------------------------------------------------ blockwise
+
+def _quantize(a, recipe, role, fp8_dtype, rowwise, colwise):
+    return bq.block_quantize(a, block_rows=recipe.block_shape(role)[0], fp8_dtype=fp8_dtype,
+                             power_of_2_scale=recipe.power_of_2_scale,
+                             amax_epsilon=recipe.amax_epsilon, rowwise=rowwise, colwise=colwise)
+
+
+def _block_forward(x, w, recipe, out_dtype, keep):
+    fwd = recipe.fp8_format.fwd_dtype
+    xr, wr = recipe.block_shape("x")[0], recipe.block_shape("w")[0]
+    if keep:
+        qx, sx, qx_t, sx_t = _quantize(x, recipe, "x", fwd, True, True)
+        qw_kn, sw_kn, qw, sw = _quantize(w, recipe, "w", fwd, True, True)
+        residuals = (qx_t, sx_t, qw_kn, sw_kn)
+    else:
+        qx, sx = _quantize(x, recipe, "x", fwd, True, False)
+        qw, sw = _quantize(w, recipe, "w", fwd, False, True)
+        residuals = None
+    out = gemm_lib.block_gemm(qx, sx, qw, sw, a_block_rows=xr, b_block_rows=wr,
+                              out_dtype=out_dtype)
+    return out, residuals
+
+
+def _block_backward(recipe, residuals, g, x_dtype, w_dtype):
+    qx_t, sx_t, qw_kn, sw_kn = residuals
+    xr, wr, gr = (recipe.block_shape(r)[0] for r in ("x", "w", "grad"))
+    qg, sg, qg_t, sg_t = _quantize(g, recipe, "grad", recipe.fp8_format.bwd_dtype, True, True)
+    dx = gemm_lib.block_gemm(qg, sg, qw_kn, sw_kn, a_block_rows=gr, b_block_rows=wr,
+                             out_dtype=x_dtype)                      # [M, N] . [K, N]^T
+    dw = gemm_lib.block_gemm(qx_t, sx_t, qg_t, sg_t, a_block_rows=xr, b_block_rows=gr,
+                             out_dtype=w_dtype)                      # [K, M] . [N, M]^T
+    return dx, dw
+
+
+# -------------------------------------------------------------------------------- current
+
+def _current(a, recipe, fp8_dtype):
+    return blockwise.quantize_current(a, fp8_dtype, power_of_2_scale=recipe.power_of_2_scale,
+                                      amax_epsilon=recipe.amax_epsilon)
+
+
+def _current_forward(x, w, recipe, out_dtype, keep):
+    fwd = recipe.fp8_format.fwd_dtype
+    qx, sx = _current(x, recipe, fwd)
+    qw, sw = _current(w, recipe, fwd)
+    out = _gemms.gemm(qx, qw, (((1,), (0,)), ((), ())), sx, sw, out_dtype)
+    return out, ((qx, sx, qw, sw) if keep else None)
+
+
+def _current_backward(recipe, residuals, g, x_dtype, w_dtype):
+    qx, sx, qw, sw = residuals
+    qg, sg = _current(g, recipe, recipe.fp8_format.bwd_dtype)
+    hi = lax.Precision.HIGHEST
+    dx = _gemms.gemm(qg, qw, _TN, sg, sw, x_dtype, precision=hi)          # [M, N] . [K, N]^T
+    dw = _gemms.gemm(layout.rotate_axes(qx, 1), layout.rotate_axes(qg, 1), _TN, sx, sg,
+                     w_dtype, precision=hi)                                # [K, M] . [N, M]^T
+    return dx, dw
