@@ -1,59 +1,51 @@
 #!/usr/bin/env python3
-"""Benchmark: a whole Flax train step, bf16 vs Flax's FP8 vs jax_fp8 (with and without
-their per-step FP8 bookkeeping).
+"""Benchmark: a whole Flax train step, bf16 vs Flax's FP8 vs jax_fp8, at several model sizes.
 
-The model is MEASURING.md's: N blocks x 4 Dense (d->3d, d->d, d->4d, 4d->d) in a
-pre-LayerNorm residual block (the 3d output is mixed as a*sigmoid(b)+c, a stand-in
-for attention), d = 2048, 4096 tokens (batch x seq flattened), bf16 compute with
-float32 parameters, a flax.training TrainState + optax.adam, a mean-squared-error
-loss. Variants (each a jitted train step with the whole train state donated):
+The model: N blocks x 4 Dense (d->3d, d->d, d->4d, 4d->d) in a pre-LayerNorm residual
+block (the 3d output mixed as a*sigmoid(b)+c, a stand-in for attention), bf16 compute,
+float32 parameters, flax.training TrainState + optax.adam, a mean-squared-error loss,
+the whole train state donated. Default sizes (d, blocks, tokens = batch x sequence):
+1024 x 24 x 1024, 2048 x 24 x 4096 and 4096 x 8 x 8192. Variants (VARIANTS below, one
+entry each), every one from the same parameter values and data:
 
   bf16               plain nn.Dense
-  flax_fp8           nn.Dense(dot_general_cls=Fp8DirectDotGeneralOp) (Fp8DotGeneralOp
-                     on a Flax without it), the FP8 variables in Flax's
-                     "_overwrite_with_gradient" collection, handled the usual Flax way:
-                     TrainState(params={"params": ..., "_overwrite_with_gradient": ...}),
-                     whose apply_gradients overwrites that collection with its gradient
-  flax_fp8_noupdate  the same with flax.linen.fp8_ops.update_fp8_meta patched (for
-                     this variant's trace only) to return the old scale and history:
-                     no amax, no history roll, no scale computation
-  jax_fp8            nn.Dense(dot_general_cls=jax_fp8.flax.Fp8DotGeneral) and
-                     Fp8TrainState: ONE jax_fp8.update_states call per step (asserted:
-                     exactly one jax_fp8_update custom call in the compiled HLO)
-  jax_fp8_noupdate   the same with the FP8 state returned unchanged (asserted: no
-                     jax_fp8_update custom call)
-  jax_fp8_packed     jax_fp8 with Fp8TrainState(pack_fp8=True): the FP8 state as one
-                     stacked state per (FP8 dtype, history length), fewer step arguments
-  jax_fp8_packed_noupdate  its twin, the packed FP8 state returned unchanged
+  flax_fp8           nn.Dense(dot_general_cls=flax.linen.fp8_ops.Fp8DirectDotGeneralOp),
+                     the FP8 variables in Flax's "_overwrite_with_gradient" collection
+  jax_fp8            nn.Dense(dot_general_cls=jax_fp8.flax.Fp8DotGeneral) + Fp8TrainState
+                     (the FP8 state packed, the default): one jax_fp8_update per step
+  jax_fp8_unpacked   the same with Fp8TrainState.create(pack_fp8=False)
+  jax_fp8_current, jax_fp8_blockwise   (not run by default) the recipes
+                     Float8CurrentScaling() / Float8BlockScaling() passed to the layer
+                     and to Fp8TrainState.create; skipped, saying why, where this
+                     jax_fp8 does not accept them yet
 
-For each: compile time; the median wall time of --steps steps after --warmup steps,
-each followed by block_until_ready ("wall, median"); the wall time per step of --steps
-steps dispatched back to back ("wall, pipelined"); the host time until the call returns
-("dispatch"); on a GPU the device time per step from a profiler trace (the sum of the
-GPU kernel durations, as MEASURING.md describes; with --trace-steps on CPU the XLA op
-time); the speed-up vs bf16; the bookkeeping (variant - its no-update twin) in ms and %
-of the step; and from the compiled HLO: kernel-level instructions, fusions, custom
-calls by target (e.g. __cublas$lt$matmul$f8), FP8 GEMM fusions (fusions whose body has
-a dot with f8 operands, e.g. Triton GEMMs) and jax_fp8_update custom calls. The
-issue's targets (at d = 2048, 4096 tokens): jax_fp8 bookkeeping <= 1 % of its step,
-jax_fp8 >= 1.15x faster than bf16 and >= 1.08x faster than Flax FP8, each evaluated on
-every time measured (MET / NOT MET).
+Per variant and size: the device time per step from a profiler trace (the sum of the
+GPU kernel durations / steps; on CPU the XLA op time), the wall time per step of steps
+dispatched back to back ("pipelined") and of steps each followed by block_until_ready
+("blocked", the median), the compile time, the temporary memory of the compiled step,
+the speed-ups vs bf16 and vs Flax FP8, the FP8 GEMM floor (the FP8 GEMM kernels' time:
+what the step would take if nothing else ran) and the rest by kernel family, next to
+bf16's non-GEMM time; and from the compiled HLO the FP8 GEMMs, custom calls and
+jax_fp8_update calls (jax_fp8 variants: exactly one, checked).
 
-Progress goes to stderr, the markdown report to stdout; --outdir DIR writes
-DIR/results.json (rewritten after every variant, so an interrupted run keeps what it
-measured) and DIR/results.md.
+The compile time in one process is the later variants' with XLA's autotuning results
+of the earlier ones; --compile-fresh compiles each variant again in a fresh process.
+
+Progress goes to stderr, the markdown report to stdout; OUTDIR/results.json and
+results.md are rewritten after every variant (an interrupted run keeps what it
+measured), OUTDIR/train_step.png is drawn at the end (needs matplotlib).
 
 Examples:
-  python bench/bench_train_step.py --outdir out/train_step                  # 24 x 2048, 4096 tokens
-  python bench/bench_train_step.py --small                                  # d=1024, 1024 tokens
-  python bench/bench_train_step.py --sizes 2048x4096,1024x1024 --time-limit 220
-  python bench/bench_train_step.py --blocks 2 --d 64 --tokens 64 --steps 2 # CPU smoke
+  python bench/bench_train_step.py                               # 3 sizes x 4 variants
+  python bench/bench_train_step.py --sizes 2048x24x4096 --variants bf16,jax_fp8
+  python bench/bench_train_step.py --compile-fresh --compile-only  # cold compile times
+  python bench/bench_train_step.py --cpu-smoke                    # seconds, on CPU
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import functools
 import gc
 import gzip
@@ -62,10 +54,12 @@ import math
 import os
 import re
 import statistics
+import subprocess
 import sys
 import time
 import traceback
 import warnings
+from typing import Callable
 
 import numpy as np
 
@@ -78,46 +72,56 @@ import optax
 from flax.linen import fp8_ops as flax_fp8_ops
 from flax.training import train_state
 
+import common
 import jax_fp8
+from jax_fp8.devtools import hlo, trace
 from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8TrainState
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_update  # noqa: E402  (HLO parsing, profiler traces)
-
-VARIANTS = ("bf16", "flax_fp8", "flax_fp8_noupdate", "jax_fp8", "jax_fp8_noupdate",
-            "jax_fp8_packed", "jax_fp8_packed_noupdate")
-# Run order: what the targets need first (a --time-limit skips from the end).
-RUN_ORDER = ("bf16", "jax_fp8", "jax_fp8_noupdate", "flax_fp8", "flax_fp8_noupdate",
-             "jax_fp8_packed", "jax_fp8_packed_noupdate")
-TWIN = {"flax_fp8": "flax_fp8_noupdate", "jax_fp8": "jax_fp8_noupdate",
-        "jax_fp8_packed": "jax_fp8_packed_noupdate"}
-LABELS = {
-    "bf16": "bf16 (nn.Dense)",
-    "flax_fp8": "Flax FP8",
-    "flax_fp8_noupdate": "Flax FP8, update_fp8_meta patched out",
-    "jax_fp8": "jax_fp8 (Fp8DotGeneral + Fp8TrainState)",
-    "jax_fp8_noupdate": "jax_fp8, FP8 state not updated",
-    "jax_fp8_packed": "jax_fp8, FP8 state packed (Fp8TrainState(pack_fp8=True))",
-    "jax_fp8_packed_noupdate": "jax_fp8, FP8 state packed, not updated",
-}
-TARGET_SIZE = (2048, 4096)
-TARGETS = (  # (key, description, threshold)
-    ("bookkeeping", "jax_fp8 bookkeeping <= 1 % of its step", 0.01),
-    ("vs_bf16", "jax_fp8 >= 1.15x faster than bf16", 1.15),
-    ("vs_flax", "jax_fp8 >= 1.08x faster than Flax FP8", 1.08),
-)
-UPDATE_TARGET = "jax_fp8_update"
-CUBLAS_F8 = "__cublas$lt$matmul$f8"
-FLAX_OWG = getattr(flax_fp8_ops, "OVERWRITE_WITH_GRADIENT", "_overwrite_with_gradient")
 FLAX_OP = getattr(flax_fp8_ops, "Fp8DirectDotGeneralOp", None) or flax_fp8_ops.Fp8DotGeneralOp
+FLAX_OWG = getattr(flax_fp8_ops, "OVERWRITE_WITH_GRADIENT", "_overwrite_with_gradient")
+UPDATE_TARGET = "jax_fp8_update"
 
 
-def log(msg):
-    print(msg, file=sys.stderr, flush=True)
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One way to run the step. ``kind``: "bf16", "flax" or "jax_fp8"; ``recipe``:
+    args -> the jax_fp8 recipe; ``update_calls``: jax_fp8_update calls the compiled step
+    must have (None: not checked); ``default``: run without --variants."""
+
+    name: str
+    label: str
+    kind: str
+    recipe: Callable | None = None
+    pack_fp8: bool = True
+    update_calls: int | None = None
+    default: bool = True
+
+
+def _delayed(args):
+    return jax_fp8.DelayedScaling(history_len=args.history_len)
+
+
+VARIANTS = {v.name: v for v in (
+    Variant("bf16", "bf16 (nn.Dense)", "bf16"),
+    Variant("flax_fp8", f"Flax FP8 ({FLAX_OP.__name__})", "flax"),
+    Variant("jax_fp8", "jax_fp8 (Fp8TrainState, packed)", "jax_fp8", _delayed, update_calls=1),
+    Variant("jax_fp8_unpacked", "jax_fp8, pack_fp8=False", "jax_fp8", _delayed,
+            pack_fp8=False, update_calls=1),
+    Variant("jax_fp8_current", "jax_fp8, Float8CurrentScaling", "jax_fp8",
+            lambda args: jax_fp8.Float8CurrentScaling(), default=False),
+    Variant("jax_fp8_blockwise", "jax_fp8, Float8BlockScaling", "jax_fp8",
+            lambda args: jax_fp8.Float8BlockScaling(), default=False),
+)}
+SIZES = {"small": (1024, 24, 1024), "medium": (2048, 24, 4096), "large": (4096, 8, 8192)}
+CPU_SMOKE_SIZE = (32, 1, 32)
+
+
+class RecipeNotAccepted(Exception):
+    """This jax_fp8 does not take the variant's recipe (yet): the variant is skipped."""
 
 
 # --------------------------------------------------------------------------------------
-# The model.
+# The model and the steps.
 # --------------------------------------------------------------------------------------
 
 class Block(nn.Module):
@@ -125,17 +129,15 @@ class Block(nn.Module):
 
     d: int
     dot_general_cls: object = None
-    dtype: object = jnp.bfloat16
 
     @nn.compact
     def __call__(self, x):
-        dense = functools.partial(nn.Dense, use_bias=False, dtype=self.dtype,
-                                  param_dtype=jnp.float32,
-                                  dot_general_cls=self.dot_general_cls)
-        h = dense(3 * self.d, name="in3")(nn.LayerNorm(dtype=self.dtype, name="ln1")(x))
+        dense = functools.partial(nn.Dense, use_bias=False, dtype=jnp.bfloat16,
+                                  param_dtype=jnp.float32, dot_general_cls=self.dot_general_cls)
+        h = dense(3 * self.d, name="in3")(nn.LayerNorm(dtype=jnp.bfloat16, name="ln1")(x))
         a, b, c = jnp.split(h, 3, axis=-1)
         x = x + dense(self.d, name="out")(a * nn.sigmoid(b) + c)
-        h = dense(4 * self.d, name="up")(nn.LayerNorm(dtype=self.dtype, name="ln2")(x))
+        h = dense(4 * self.d, name="up")(nn.LayerNorm(dtype=jnp.bfloat16, name="ln2")(x))
         return x + dense(self.d, name="down")(nn.gelu(h))
 
 
@@ -143,610 +145,399 @@ class Model(nn.Module):
     blocks: int
     d: int
     dot_general_cls: object = None
-    dtype: object = jnp.bfloat16
 
     @nn.compact
     def __call__(self, x):
         for i in range(self.blocks):
-            x = Block(self.d, self.dot_general_cls, self.dtype, name=f"block{i}")(x)
-        return nn.LayerNorm(dtype=self.dtype, name="ln_f")(x)
+            x = Block(self.d, self.dot_general_cls, name=f"block{i}")(x)
+        return nn.LayerNorm(dtype=jnp.bfloat16, name="ln_f")(x)
 
 
 def mse(out, y):
     return jnp.mean(jnp.square(out.astype(jnp.float32) - y.astype(jnp.float32)))
 
 
-def model_for(variant, args):
-    if variant == "bf16":
-        dg = None
-    elif variant.startswith("flax_fp8"):
-        dg = functools.partial(FLAX_OP, amax_history_length=args.history_len)
-    else:
-        dg = functools.partial(Fp8DotGeneral, recipe=recipe_for(args))
-    return Model(args.blocks, args.d, dg)
+def model_for(variant, size, args):
+    d, blocks, _ = size
+    if variant.kind == "bf16":
+        return Model(blocks, d)
+    if variant.kind == "flax":
+        return Model(blocks, d, functools.partial(FLAX_OP, amax_history_length=args.history_len))
+    return Model(blocks, d, functools.partial(Fp8DotGeneral, recipe=variant.recipe(args)))
 
 
-def recipe_for(args):
-    return jax_fp8.DelayedScaling(history_len=args.history_len)
+_INITS: dict = {}
 
 
-# --------------------------------------------------------------------------------------
-# Train states and steps.
-# --------------------------------------------------------------------------------------
-
-_INIT_CACHE = {}
-
-
-def _init_fn(kind, args, what):
-    """A jitted init returning one collection of `kind`'s variables (cached per size)."""
-    key = (kind, what, args.blocks, args.d, args.tokens, args.history_len)
-    if key not in _INIT_CACHE:
-        model = model_for(kind, args)
-        _INIT_CACHE[key] = jax.jit(lambda rng, x: model.init(rng, x)[what])
-    return _INIT_CACHE[key]
+def _init(variant, size, args, collection):
+    """A jitted init returning one variable collection (cached per model and size)."""
+    recipe = None if variant.recipe is None else repr(variant.recipe(args))
+    key = (variant.kind, recipe, size, args.history_len, collection)
+    if key not in _INITS:
+        model = model_for(variant, size, args)
+        _INITS[key] = jax.jit(lambda rng, x: model.init(rng, x).get(collection, {}))
+    return _INITS[key]
 
 
-def make_state(variant, args, x):
-    """A fresh train state (same parameter values for every variant: same rng, same paths)."""
+def make_state(variant, size, args, x):
+    """A fresh train state; the parameter values are the same for every variant."""
     rng = jax.random.key(args.seed)
-    params = _init_fn("bf16", args, "params")(rng, x)
-    model = model_for(variant, args)
+    params = _init(VARIANTS["bf16"], size, args, "params")(rng, x)  # bf16's, for all
+    model = model_for(variant, size, args)
     tx = optax.adam(args.lr)
-    if variant == "bf16":
+    if variant.kind == "bf16":
         return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-    if variant.startswith("flax_fp8"):
-        owg = _init_fn("flax_fp8", args, FLAX_OWG)(rng, x)
+    if variant.kind == "flax":
+        owg = _init(variant, size, args, FLAX_OWG)(rng, x)
         return train_state.TrainState.create(apply_fn=model.apply, tx=tx,
                                              params={"params": params, FLAX_OWG: owg})
-    fp8 = _init_fn("jax_fp8", args, FP8_COLLECTION)(rng, x)
+    fp8 = _init(variant, size, args, FP8_COLLECTION)(rng, x)
     return Fp8TrainState.create(apply_fn=model.apply, params=params, fp8=fp8, tx=tx,
-                                recipe=recipe_for(args),
-                                pack_fp8=variant.startswith("jax_fp8_packed"))
+                                recipe=variant.recipe(args), pack_fp8=variant.pack_fp8)
 
 
-def bf16_step(state, x, y):
-    def loss_fn(params):
-        return mse(state.apply_fn({"params": params}, x), y)
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
-
-
-def flax_fp8_step(state, x, y):
-    # Flax's usual FP8 train step: the gradient of the "_overwrite_with_gradient"
-    # collection IS its new value (fp8_ops' custom_vjps return the updated scale and
-    # history as "gradients"); TrainState.apply_gradients overwrites it, adam sees
-    # only "params".
+def plain_step(state, x, y):
+    """bf16, and Flax FP8 (whose "_overwrite_with_gradient" gradients ARE the new FP8
+    variables; TrainState.apply_gradients writes them, adam sees only "params")."""
     def loss_fn(variables):
-        return mse(state.apply_fn(variables, x), y)
+        params = variables if FLAX_OWG in variables else {"params": variables}
+        return mse(state.apply_fn(params, x), y)
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
     return state.apply_gradients(grads=grads), loss
 
 
-def _jax_fp8_step(state, x, y, update):
+def jax_fp8_step(state, x, y):
     def loss_fn(params, fp8):
         return mse(state.apply_model(params, fp8, x), y)
     loss, (grads, fp8_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(state.params,
                                                                            state.fp8)
-    # update=False: the FP8 state is returned unchanged (XLA then drops the amaxes too).
-    return state.apply_gradients(grads=grads, fp8_grads=fp8_grads if update else None), loss
-
-
-STEPS = {
-    "bf16": bf16_step,
-    "flax_fp8": flax_fp8_step,
-    "flax_fp8_noupdate": flax_fp8_step,
-    "jax_fp8": functools.partial(_jax_fp8_step, update=True),
-    "jax_fp8_noupdate": functools.partial(_jax_fp8_step, update=False),
-    "jax_fp8_packed": functools.partial(_jax_fp8_step, update=True),
-    "jax_fp8_packed_noupdate": functools.partial(_jax_fp8_step, update=False),
-}
-
-
-@contextlib.contextmanager
-def flax_fp8_meta_frozen():
-    """Patches Flax's per-tensor FP8 bookkeeping to return the old scale and history.
-
-    flax.linen.fp8_ops.update_fp8_meta(x, q_dtype, scale, amax_history) computes the
-    new scale from max(history) and rolls amax(x) into the history; every FP8 op of
-    fp8_ops (in_q, quantized_dot's backward, quantize_dequantize_update) looks it up as
-    a module global at trace time. A Flax without it: compute_scale and
-    compute_amax_history instead. Restored on exit.
-    """
-    saved = {}
-    if hasattr(flax_fp8_ops, "update_fp8_meta"):
-        patches = {"update_fp8_meta":
-                   lambda x, q_dtype, scale, amax_history, *a, **k: (scale, amax_history)}
-    else:
-        patches = {"compute_scale": lambda amax, scale, *a, **k: scale,
-                   "compute_amax_history": lambda x, amax_history, *a, **k: amax_history}
-    missing = [n for n in patches if not hasattr(flax_fp8_ops, n)]
-    if missing:
-        raise RuntimeError(f"flax.linen.fp8_ops has no {missing}: cannot patch out Flax's "
-                           "FP8 bookkeeping in this Flax version")
-    try:
-        for name, fn in patches.items():
-            saved[name] = getattr(flax_fp8_ops, name)
-            setattr(flax_fp8_ops, name, fn)
-        yield sorted(patches)
-    finally:
-        for name, fn in saved.items():
-            setattr(flax_fp8_ops, name, fn)
+    return state.apply_gradients(grads=grads, fp8_grads=fp8_grads), loss
 
 
 def compile_step(variant, state, x, y):
-    """Lowers and compiles `variant`'s step (state donated); returns (compiled, info)."""
-    # A fresh function object per compile, so no trace cache crosses the patch boundary.
-    fn = functools.wraps(STEPS[variant])(lambda s, a, b: STEPS[variant](s, a, b))
-    info = {}
-    ctx = flax_fp8_meta_frozen() if variant == "flax_fp8_noupdate" else \
-        contextlib.nullcontext(None)
-    with ctx as patched, warnings.catch_warnings():
+    """(compiled, lower_s, compile_s) of the variant's step, its state donated."""
+    step = jax_fp8_step if variant.kind == "jax_fp8" else plain_step
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
-        warnings.filterwarnings("ignore", category=DeprecationWarning)
         t0 = time.perf_counter()
-        lowered = jax.jit(fn, donate_argnums=(0,)).lower(state, x, y)
-        info["lower_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        lowered = jax.jit(step, donate_argnums=(0,)).lower(state, x, y)
+        t1 = time.perf_counter()
         compiled = lowered.compile()
-        info["compile_s"] = time.perf_counter() - t0
-    if patched:
-        info["patched"] = [f"flax.linen.fp8_ops.{n}" for n in patched]
-    return compiled, info
+    return compiled, t1 - t0, time.perf_counter() - t1
 
 
-# --------------------------------------------------------------------------------------
-# The compiled HLO.
-# --------------------------------------------------------------------------------------
-
-_TARGET_RE = re.compile(r'custom_call_target="([^"]+)"')
-_BACKEND_KIND_RE = re.compile(r'"kind"\s*:\s*"([^"]+)"')
-_FUSION_KIND_RE = re.compile(r"\bkind=(k\w+)")
-_DOT_OPCODES = ("dot", "scaled-dot", "ragged-dot")
-
-
-def _operands(line, opcode):
-    """The operand texts of `opcode(...)` in an instruction line."""
-    start = line.find(opcode + "(", line.find("="))
-    if start < 0:
-        return []
-    i, depth, cur, out = start + len(opcode) + 1, 1, [], []
-    while i < len(line) and depth:
-        ch = line[i]
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        if depth == 0 or (ch == "," and depth == 1):
-            out.append("".join(cur).strip())
-            cur = []
+def setup(variant, size, args, x, y, abstract=False):
+    """(state, compiled, lower_s, compile_s). A recipe variant whose recipe this jax_fp8
+    does not take raises RecipeNotAccepted."""
+    try:
+        if abstract:  # shapes only: nothing runs, nothing is allocated
+            state = jax.eval_shape(lambda a, b: make_state(variant, size, args, a), x, y)
         else:
-            cur.append(ch)
-        i += 1
-    return [o for o in out if o]
-
-
-def _result_types(lines):
-    """{instruction name: the text before its opcode (its result type)} of a computation."""
-    types = {}
-    for opcode, line in lines:
-        m = bench_update._INSTR_RE.match(line)
-        if m:
-            rest = m.group(2)
-            types[m.group(1).lstrip("%")] = rest[:rest.find(opcode + "(")]
-    return types
-
-
-def _is_f8_dot(opcode, line, types):
-    if opcode not in _DOT_OPCODES:
-        return False
-    for operand in _operands(line, opcode):
-        if "f8e" in operand:                       # operand printed with its type
-            return True
-        name = operand.split()[-1].lstrip("%")     # operand printed by name only
-        if "f8e" in types.get(name, ""):
-            return True
-    return False
-
-
-def _callees(line):
-    m = bench_update._CALLEE_RE.search(line)
-    return [c.strip().lstrip("%") for c in m.group(1).split(",")] if m else []
-
-
-def analyze_hlo(hlo_text):
-    """Counts from the compiled HLO text (entry computation, command buffers looked into).
-
-    kernels: non-trivial instructions (fusions, custom calls, copies, ...); fusions;
-    custom_calls and custom_call_targets (by target); f8_gemm_fusions: fusions whose
-    body (nested computations included) has a dot with an f8 operand, by backend kind
-    (e.g. __triton_gemm); f8_dots_unfused: such dots outside fusions; jax_fp8_update:
-    custom calls with that target anywhere in the module.
-    """
-    comps, entry = bench_update.parse_hlo_computations(hlo_text)
-    kernels, by_opcode = bench_update.count_kernels_hlo(hlo_text)
-    types = {name: _result_types(lines) for name, lines in comps.items()}
-    memo = {}
-
-    def has_f8_dot(name, depth=0):
-        if name in memo:
-            return memo[name]
-        memo[name] = False
-        found = False
-        for opcode, line in comps.get(name, ()):
-            if _is_f8_dot(opcode, line, types.get(name, {})):
-                found = True
-                break
-            if depth < 8 and any(has_f8_dot(c, depth + 1) for c in _callees(line)):
-                found = True
-                break
-        memo[name] = found
-        return found
-
-    targets, f8_fusions, f8_dots, fusion_kinds = {}, {}, 0, {}
-
-    def visit(name, depth):
-        nonlocal f8_dots
-        for opcode, line in comps.get(name, ()):
-            if opcode in bench_update._FREE_OPCODES:
-                continue
-            if opcode in bench_update._NESTING_OPCODES and depth < 8:
-                callees = _callees(line)
-                if callees:
-                    for c in callees:
-                        visit(c, depth + 1)
-                    continue
-            if opcode == "custom-call":
-                m = _TARGET_RE.search(line)
-                t = m.group(1) if m else "?"
-                targets[t] = targets.get(t, 0) + 1
-            elif opcode == "fusion":
-                m = _BACKEND_KIND_RE.search(line) or _FUSION_KIND_RE.search(line)
-                kind = m.group(1) if m else "?"
-                fusion_kinds[kind] = fusion_kinds.get(kind, 0) + 1
-                if any(has_f8_dot(c) for c in _callees(line)):
-                    f8_fusions[kind] = f8_fusions.get(kind, 0) + 1
-            elif _is_f8_dot(opcode, line, types.get(name, {})):
-                f8_dots += 1
-
-    if entry is not None:
-        visit(entry, 0)
-    return {
-        "kernels": kernels,
-        "fusions": by_opcode.get("fusion", 0),
-        "custom_calls": by_opcode.get("custom-call", 0),
-        "custom_call_targets": dict(sorted(targets.items())),
-        "cublas_f8": targets.get(CUBLAS_F8, 0),
-        "f8_gemm_fusions": sum(f8_fusions.values()),
-        "f8_gemm_fusions_by_kind": dict(sorted(f8_fusions.items())),
-        "f8_dots_unfused": f8_dots,
-        "fusion_kinds": dict(sorted(fusion_kinds.items())),
-        "by_opcode": by_opcode,
-        # Anywhere in the module (also inside a computation the walk does not enter).
-        "jax_fp8_update": hlo_text.count(f'custom_call_target="{UPDATE_TARGET}"'),
-    }
-
-
-def check_update_calls(variant, hlo):
-    """jax_fp8: exactly one jax_fp8_update custom call; its no-update twin: none."""
-    n = hlo["jax_fp8_update"]
-    if variant in ("jax_fp8", "jax_fp8_packed"):
-        assert n == 1, (f"jax_fp8 step: expected exactly one {UPDATE_TARGET} custom call in the "
-                        f"compiled HLO, found {n} (is jax_fp8's kernel for this backend "
-                        f"built? HAS_CPU_KERNEL={jax_fp8.HAS_CPU_KERNEL}, "
-                        f"HAS_CUDA_KERNEL={jax_fp8.HAS_CUDA_KERNEL})")
-    elif variant.startswith("jax_fp8") and variant.endswith("_noupdate"):
-        assert n == 0, f"{variant} step: expected no {UPDATE_TARGET}, found {n}"
+            state = make_state(variant, size, args, x)
+        return (state, *compile_step(variant, state, x, y))
+    except (TypeError, ValueError, AttributeError, NotImplementedError) as err:
+        if variant.recipe is None or variant.recipe is _delayed:
+            raise
+        raise RecipeNotAccepted(
+            f"this jax_fp8 does not take recipe=jax_fp8.{type(variant.recipe(args)).__name__}() "
+            f"in Fp8DotGeneral / Fp8TrainState.create yet ({type(err).__name__}: {err})") from err
 
 
 # --------------------------------------------------------------------------------------
-# Measuring one variant.
+# Measuring.
 # --------------------------------------------------------------------------------------
 
-def _first_history(variant, state):
-    """The first FP8 amax history of the state (to check whether the state moved)."""
-    if variant.startswith("flax_fp8"):
-        tree = state.params[FLAX_OWG]
-        leaves = [v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]
-                  if "amax_history" in jax.tree_util.keystr(p)]
-        return leaves[0] if leaves else None
-    if variant.startswith("jax_fp8"):
-        states = jax.tree.leaves(state.fp8, is_leaf=lambda s: isinstance(s, jax_fp8.ScalingState))
-        return states[0].amax_history if states else None
-    return None
+def analyze(compiled):
+    """What the compiled step holds: kernels, GEMMs (FP8 or not), custom calls, memory."""
+    mod = hlo.parse(compiled)
+    gemms = hlo.gemms(mod)
+    return {"kernels": sum(hlo.count_kernels(mod).values()),
+            "fusions": hlo.count_kernels(mod).get("fusion", 0),
+            "custom_calls": hlo.custom_calls(mod),
+            "fp8_gemms": hlo.fp8_gemms(mod),
+            "gemms_fp8": sum(g.fp8 for g in gemms),
+            "gemms_other": sum(not g.fp8 for g in gemms),
+            "jax_fp8_update": hlo.count_custom_calls(mod, UPDATE_TARGET),
+            "collectives": hlo.count_collectives(mod)}
 
 
-def _memory(compiled):
-    try:
-        ma = compiled.memory_analysis()
-    except Exception:  # noqa: BLE001 - not every backend/version reports it
-        return {}
-    if ma is None:
-        return {}
-    out = {}
-    for k in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
-              "temp_size_in_bytes"):
-        v = getattr(ma, k, None)
-        if v is not None:
-            out[k] = int(v)
-    return out
+def check_update_calls(variant, r):
+    """Records a check_error when the step does not hold the variant's jax_fp8_update calls."""
+    found = r["hlo"]["jax_fp8_update"]
+    if variant.update_calls is not None and found != variant.update_calls:
+        r["check_error"] = (f"expected {variant.update_calls} {UPDATE_TARGET} custom call(s) in "
+                            f"the compiled step, found {found} (jax_fp8's kernels loaded: CPU "
+                            f"{jax_fp8.HAS_CPU_KERNEL}, CUDA {jax_fp8.HAS_CUDA_KERNEL})")
 
 
-def _peak_bytes():
-    try:
-        stats = jax.devices()[0].memory_stats()
-        return None if not stats else stats.get("peak_bytes_in_use")
-    except Exception:  # noqa: BLE001
-        return None
+def gemm_split(families, h):
+    """(GEMM ms, FP8 GEMM floor ms or None) from the per-step family times."""
+    fp8, other = families.get("fp8 gemm", 0.0), families.get("gemm", 0.0)
+    if h["gemms_fp8"] and not h["gemms_other"]:
+        return fp8 + other, fp8 + other          # every GEMM of the step is FP8
+    if fp8:
+        return fp8 + other, fp8                  # the trace named the FP8 ones
+    return fp8 + other, None
 
 
-def measure_variant(variant, args, x, y, platform_name, start_state=None):
-    """Measures one variant; returns (result dict, its final train state).
-
-    start_state: the train state to start from (default: a fresh one). A no-update twin
-    starts from its updating twin's final state, so it runs with the same calibrated
-    scales: from a fresh state its scales stay 1 and the E5M2 gradients underflow to
-    zero, which makes the backward GEMMs faster (zeros) and the model stop training.
-    """
-    r = {"variant": variant, "d": args.d, "tokens": args.tokens, "blocks": args.blocks}
-    t0 = time.perf_counter()
-    state = make_state(variant, args, x) if start_state is None else start_state
-    r["start"] = "fresh" if start_state is None else "the updating twin's final state"
-    jax.block_until_ready(state)
-    r["init_s"] = time.perf_counter() - t0
+def measure(variant, size, args, x, y, platform, progress):
+    """Measures one variant at one size; returns its result row."""
+    d, blocks, tokens = size
+    tag = f"{d}x{blocks}x{tokens} {variant.name}"
+    r = {"variant": variant.name, "label": variant.label, "d": d, "blocks": blocks,
+         "tokens": tokens, "size": size_key(size)}
+    progress.status(f"{tag}: init + compile")
+    state, compiled, r["lower_s"], r["compile_s"] = setup(variant, size, args, x, y)
     r["state_arrays"] = len(jax.tree.leaves(state))
-    r["param_count"] = int(sum(a.size for a in jax.tree.leaves(
-        state.params["params"] if variant.startswith("flax_fp8") else state.params)))
+    r["memory"] = hlo.memory(compiled)
+    r["temp_bytes"] = r["memory"].get("temp_size_in_bytes")
+    r["hlo"] = analyze(compiled)
+    ops = hlo.op_families(compiled)
+    if args.save_hlo:
+        with gzip.open(os.path.join(args.outdir, f"hlo_{r['size']}_{variant.name}.txt.gz"),
+                       "wt") as fp:
+            fp.write(compiled.as_text())
+    check_update_calls(variant, r)
+    if args.compile_only:
+        del state, compiled
+        return r
 
-    compiled, info = compile_step(variant, state, x, y)
-    r.update(info)
-    r["memory"] = _memory(compiled)
-    text = compiled.as_text() or ""
-    hlo = analyze_hlo(text)
-    r["hlo"] = hlo
-    if args.save_hlo and args.outdir:
-        path = os.path.join(args.outdir, f"hlo_{args.d}x{args.tokens}_{variant}.txt.gz")
-        with gzip.open(path, "wt") as fp:
-            fp.write(text)
-    del text
-    log(f"  {variant}: compiled in {r['compile_s']:.1f} s (lower {r['lower_s']:.1f} s); "
-        f"{hlo['kernels']} kernels, {hlo['fusions']} fusions, {hlo['custom_calls']} custom "
-        f"calls ({hlo['cublas_f8']} {CUBLAS_F8}), {hlo['f8_gemm_fusions']} FP8 GEMM fusions, "
-        f"{hlo['f8_dots_unfused']} unfused f8 dots, {UPDATE_TARGET} x{hlo['jax_fp8_update']}")
-    check_update_calls(variant, hlo)
-    if variant.startswith("jax_fp8"):
-        log(f"  {variant}: {hlo['jax_fp8_update']} {UPDATE_TARGET} custom call(s) in the "
-            f"compiled step, as asserted "
-            f"({'none' if variant.endswith('_noupdate') else 'exactly one'})")
-
-    hist0 = _first_history(variant, state)
-    hist0 = None if hist0 is None else np.asarray(hist0).copy()
-
-    def step(s, compiled=compiled):  # bound now: `compiled` is deleted below
+    def step(s):
         return compiled(s, x, y)
 
+    progress.status(f"{tag}: timing")
     losses = []
     for _ in range(args.warmup):
         state, loss = step(state)
-        jax.block_until_ready((state, loss))
         losses.append(float(loss))
     times, dispatch = [], []
     for _ in range(args.steps):
-        t = time.perf_counter()
+        t0 = time.perf_counter()
         state, loss = step(state)
-        dispatch.append(time.perf_counter() - t)
+        dispatch.append(time.perf_counter() - t0)
         jax.block_until_ready((state, loss))
-        times.append(time.perf_counter() - t)
+        times.append(time.perf_counter() - t0)
         losses.append(float(loss))
-    r["step_ms_all"] = [t * 1e3 for t in times]
-    r["step_ms"] = statistics.median(times) * 1e3
-    r["step_ms_min"] = min(times) * 1e3
-    # Host time until the call returned (on a GPU: argument handling + launch; the step
-    # then runs asynchronously). The blocked step time includes it, the pipelined one
-    # hides it behind the previous step's device time when it is shorter.
+    r["blocked_ms"] = statistics.median(times) * 1e3
+    r["blocked_ms_all"] = [round(t * 1e3, 4) for t in times]
     r["dispatch_ms"] = statistics.median(dispatch) * 1e3
-    if args.pipelined:
-        jax.block_until_ready(state)
-        t = time.perf_counter()
-        for _ in range(args.steps):
-            state, loss = step(state)
-        jax.block_until_ready((state, loss))
-        r["pipelined_ms"] = (time.perf_counter() - t) / args.steps * 1e3
-        losses.append(float(loss))
-    if args.trace_steps > 0:
-        state, tinfo = bench_update.traced_device_time(lambda s: step(s)[0], state,
-                                                       args.trace_steps, platform_name,
-                                                       top_n=args.top_kernels)
-        if "device_us" in tinfo:
-            r["device_ms"] = tinfo["device_us"] / 1e3
-            r["device_events_per_step"] = tinfo.get("events_per_call")
-            r["top_kernels"] = tinfo.get("top_kernels")  # to diff variants kernel by kernel
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        state, loss = step(state)
+    jax.block_until_ready((state, loss))
+    r["pipelined_ms"] = (time.perf_counter() - t0) / args.steps * 1e3
+    losses.append(float(loss))
+    if args.trace_steps:
+        progress.status(f"{tag}: tracing")
+        n = args.trace_steps
+        state, events = trace.capture(lambda s: step(s)[0], state, steps=n)
+        dev = trace.device_events(events)
+        if dev:
+            r["device_ms"] = trace.total_us(dev) / n / 1e3
+            r["events_per_step"] = len(dev) / n
+            fam = {k: v / n / 1e3 for k, v in trace.by_family(dev, ops).items()}
+            r["families_ms"] = {k: round(v, 5) for k, v in fam.items()}
+            r["gemm_ms"], r["fp8_gemm_floor_ms"] = gemm_split(fam, r["hlo"])
+            r["non_gemm_ms"] = r["device_ms"] - r["gemm_ms"]
+            r["top_kernels"] = [{"name": k[:160], "per_step": c / n, "ms_per_step": us / n / 1e3}
+                                for k, (c, us) in list(trace.by_name(dev).items())[:args.top_kernels]]
         else:
-            r["device_error"] = tinfo.get("error")
+            r["trace_error"] = "no device events in the trace"
     r["loss_first"], r["loss_last"] = losses[0], losses[-1]
-    r["loss_finite"] = bool(all(math.isfinite(v) for v in losses))
-    hist = _first_history(variant, state)
-    if hist is not None:
-        r["fp8_state_moved"] = bool(not np.array_equal(np.asarray(hist), hist0))
-    r["peak_bytes"] = _peak_bytes()
-    del compiled
-    gc.collect()
-    extra = "".join(f", {k.split('_')[0]} {r[k]:.3f} ms" for k in
-                    ("dispatch_ms", "pipelined_ms", "device_ms") if k in r)
-    log(f"  {variant}: step {r['step_ms']:.3f} ms (median of {args.steps}){extra}; "
-        f"loss {r['loss_first']:.4g} -> {r['loss_last']:.4g}"
-        + ("" if "fp8_state_moved" not in r else
-           f"; FP8 state {'updated' if r['fp8_state_moved'] else 'unchanged'}"))
-    return r, state
+    r["loss_finite"] = all(math.isfinite(v) for v in losses)
+    del state, compiled
+    return r
+
+
+def fresh_row(variant, size, fresh):
+    """The result row of a variant compiled only in a fresh process (--compile-only
+    --compile-fresh)."""
+    if "skip" in fresh:
+        raise RecipeNotAccepted(fresh["skip"])
+    if "error" in fresh:
+        raise RuntimeError(fresh["error"])
+    d, blocks, tokens = size
+    memory = fresh["memory"]
+    r = {"variant": variant.name, "label": variant.label, "d": d, "blocks": blocks,
+         "tokens": tokens, "size": size_key(size), "hlo": fresh["hlo"], "memory": memory,
+         "temp_bytes": memory.get("temp_size_in_bytes"), "compile_s": None,
+         "state_arrays": fresh.get("state_arrays")}
+    check_update_calls(variant, r)
+    return r
+
+
+def fresh_compile(variant, size, args):
+    """Compiles the variant's step in a fresh Python process (no autotuning results or
+    compilation cache from other compiles); returns that process's result dict."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+               JAX_ENABLE_COMPILATION_CACHE="false")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not re.match(r"--xla_gpu_(per_fusion_autotune_cache_dir|load_autotune_results_from)", f)]
+    env["XLA_FLAGS"] = " ".join(flags)
+    if args.cpu_smoke:
+        env["JAX_PLATFORMS"] = "cpu"
+    cmd = [sys.executable, os.path.abspath(__file__), "--child-compile", "--sizes",
+           size_key(size), "--variants", variant.name, "--history-len", str(args.history_len)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("COMPILE_RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"fresh compile exited {proc.returncode}: {proc.stderr[-1500:]}")
+    return json.loads(lines[-1][len("COMPILE_RESULT "):])
+
+
+def child_compile(args):
+    """--child-compile: lower and compile from shapes only, print one JSON line."""
+    (size,), (name,) = args.sizes, args.variants
+    d, _, tokens = size
+    x = jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16)
+    try:
+        state, compiled, lower_s, compile_s = setup(VARIANTS[name], size, args, x, x,
+                                                    abstract=True)
+        out = {"lower_s": lower_s, "compile_s": compile_s, "hlo": analyze(compiled),
+               "memory": hlo.memory(compiled), "state_arrays": len(jax.tree.leaves(state))}
+    except RecipeNotAccepted as err:
+        out = {"skip": str(err)}
+    print("COMPILE_RESULT " + json.dumps(out), flush=True)
+    return 0
 
 
 # --------------------------------------------------------------------------------------
-# Derived numbers, targets, report.
+# Derived numbers and the report.
 # --------------------------------------------------------------------------------------
 
-METRICS = (("step_ms", "wall, median"), ("pipelined_ms", "wall, pipelined"),
-           ("device_ms", "device time"))
+TIMES = (("device_ms", "device"), ("pipelined_ms", "pipelined"), ("blocked_ms", "blocked"))
 
 
-def _size_key(r):
-    return (r["d"], r["tokens"])
+def size_key(size):
+    return "x".join(str(v) for v in size)
 
 
 def derive(results):
-    """Per size and metric: speed-up vs bf16 and bookkeeping vs the no-update twin."""
+    """Per size: each variant's speed-ups vs bf16 and vs Flax FP8 for every time, its
+    device time over its FP8 GEMM floor, and its non-GEMM time minus bf16's."""
     out = {}
-    for size in sorted({_size_key(r) for r in results}, reverse=True):
-        rows = {r["variant"]: r for r in results if _size_key(r) == size}
-        per_metric = {}
-        for metric, _ in METRICS:
-            m = {}
-            base = rows.get("bf16", {}).get(metric)
-            for v, r in rows.items():
+    for key in dict.fromkeys(r["size"] for r in results):
+        rows = {r["variant"]: r for r in results if r["size"] == key}
+        base, flax_row = rows.get("bf16", {}), rows.get("flax_fp8", {})
+        per = {}
+        for v, r in rows.items():
+            e = {}
+            for metric, _ in TIMES:
                 t = r.get(metric)
-                if t is None:
-                    continue
-                e = {"ms": t}
-                if base:
-                    e["speedup_vs_bf16"] = base / t
-                twin = rows.get(TWIN.get(v, ""), {}).get(metric)
-                if twin is not None:
-                    e["bookkeeping_ms"] = t - twin
-                    e["bookkeeping_frac"] = (t - twin) / t
-                m[v] = e
-            if m:
-                per_metric[metric] = m
-        out[f"{size[0]}x{size[1]}"] = per_metric
+                if t:
+                    if base.get(metric):
+                        e[f"{metric}:vs_bf16"] = base[metric] / t
+                    if flax_row.get(metric):
+                        e[f"{metric}:vs_flax"] = flax_row[metric] / t
+            if r.get("device_ms") and r.get("fp8_gemm_floor_ms"):
+                e["device_over_floor"] = r["device_ms"] / r["fp8_gemm_floor_ms"]
+            if r.get("non_gemm_ms") is not None and base.get("non_gemm_ms") is not None:
+                e["non_gemm_minus_bf16_ms"] = r["non_gemm_ms"] - base["non_gemm_ms"]
+            per[v] = e
+        out[key] = per
     return out
 
 
-def evaluate_targets(derived, blocks):
-    """The issue's three targets, per size and metric (binding at d=2048, 4096 tokens)."""
-    out = []
-    for size, per_metric in derived.items():
-        d, tokens = (int(s) for s in size.split("x"))
-        binding = (d, tokens) == TARGET_SIZE
-        for metric, m in per_metric.items():
-            j = m.get("jax_fp8")
-            if not j:
-                continue
-            flax_ms = m.get("flax_fp8", {}).get("ms")
-            values = {"bookkeeping": j.get("bookkeeping_frac"),
-                      "vs_bf16": j.get("speedup_vs_bf16"),
-                      "vs_flax": None if flax_ms is None else flax_ms / j["ms"]}
-            for key, desc, thr in TARGETS:
-                v = values[key]
-                met = None if v is None else (v <= thr if key == "bookkeeping" else v >= thr)
-                out.append({"size": size, "blocks": blocks, "metric": metric, "target": key,
-                            "description": desc, "value": v, "threshold": thr, "met": met,
-                            "binding": binding})
-    return out
+def _families_table(rows, top=10):
+    """Non-GEMM ms per step by kernel family, one column per variant."""
+    fams = {}
+    for r in rows:
+        for k, v in (r.get("families_ms") or {}).items():
+            if k not in ("gemm", "fp8 gemm"):
+                fams[k] = max(fams.get(k, 0.0), v)
+    if not fams:
+        return []
+    shown = sorted(fams, key=lambda k: -fams[k])[:top]
+    lines = ["| non-GEMM kernels, ms/step | " + " | ".join(r["variant"] for r in rows) + " |",
+             "|---|" + "---:|" * len(rows)]
+    for k in shown:
+        lines.append(f"| {k} | " + " | ".join(common.fmt((r.get("families_ms") or {}).get(k),
+                                                          "{:.3f}", "0") for r in rows) + " |")
+    rest = [sum(v for k, v in (r.get("families_ms") or {}).items()
+                if k not in shown and k not in ("gemm", "fp8 gemm")) for r in rows]
+    if any(rest):
+        lines.append("| (other families) | " + " | ".join(f"{v:.3f}" for v in rest) + " |")
+    lines.append("| **non-GEMM total** | " + " | ".join(
+        common.fmt(r.get("non_gemm_ms"), "**{:.3f}**") for r in rows) + " |")
+    return lines
 
 
-def _f(x, fmt="{:.2f}"):
-    return "—" if x is None else fmt.format(x)
-
-
-def markdown_report(data):
-    meta, lines = data["meta"], []
-    s = meta["settings"]
-    lines.append(f"# Train step: bf16 vs Flax FP8 vs jax_fp8 — {meta['device']}")
-    lines.append("")
-    lines.append(f"{s['blocks']} blocks x 4 Dense (d->3d, d->d, d->4d, 4d->d), bf16 compute, "
-                 f"f32 params, TrainState + optax.adam, state donated; history length "
-                 f"{s['history_len']}; median of {s['steps']} steps after {s['warmup']} "
-                 f"warm-up steps. jax {meta['jax_version']}, flax {meta['flax_version']}, "
-                 f"optax {meta['optax_version']}; Flax FP8 op: `{meta['flax_fp8_op']}`. "
-                 f"{meta['date']}, commit {meta['git_commit']}, sources {meta.get('source_digest')}.")
-    lines.append("")
-    lines.append("wall, median: each step followed by block_until_ready; wall, pipelined: "
-                 "steps dispatched back to back (per step); device time: the sum of the "
-                 "device's op/kernel durations per step in a profiler trace (GPU: the "
-                 "kernels); dispatch: host time until the call returns; × vs bf16 > 1 is "
-                 "faster; bookkeeping = the variant − its no-update twin (which starts from "
-                 "the updating variant's final state: both run with calibrated scales).")
-    for size, per_metric in data["derived"].items():
-        rows = {r["variant"]: r for r in data["results"]
-                if f"{r['d']}x{r['tokens']}" == size}
-        d, tokens = size.split("x")
-        lines += ["", f"## d = {d}, {tokens} tokens", ""]
-        metrics = [(k, lbl) for k, lbl in METRICS if k in per_metric]
-        hdr = ["variant"]
-        for k, lbl in metrics:
-            hdr += [f"{lbl} ms", "× vs bf16", "bookkeeping ms (%)"]
-        hdr += ["dispatch ms"]
-        lines.append("| " + " | ".join(hdr) + " |")
-        lines.append("|" + "---|" * len(hdr))
-        for v in VARIANTS:
-            r = rows.get(v)
-            if r is None:
-                continue
-            cells = [LABELS[v]]
-            for k, _ in metrics:
-                e = per_metric[k].get(v, {})
-                bk = e.get("bookkeeping_ms")
-                bk = "—" if bk is None else f"{bk:+.3f} ({100 * e['bookkeeping_frac']:+.1f} %)"
-                cells += [_f(e.get("ms"), "{:.3f}"), _f(e.get("speedup_vs_bf16"), "{:.3f}"), bk]
-            cells.append(_f(r.get("dispatch_ms"), "{:.2f}"))
+def markdown(data):
+    meta, s = data["meta"], data["meta"]["settings"]
+    gib = 2.0 ** 30
+    lines = [f"# Train step: bf16 vs Flax FP8 vs jax_fp8 — {meta['device']}", "",
+             f"N blocks x 4 Dense (d->3d, d->d, d->4d, 4d->d), bf16 compute, f32 params, "
+             f"TrainState + optax.adam, state donated, amax history {s['history_len']}; "
+             f"{s['warmup']} warm-up steps, {s['steps']} timed, {s['trace_steps']} traced. "
+             f"jax {meta['jax_version']}, flax {meta['flax_version']}, optax "
+             f"{meta['optax_version']}, jax_fp8 {meta['jax_fp8_version']}; git "
+             f"{meta['git_commit']}; {meta['date']}.", "",
+             "device: sum of the device's kernel durations per step (profiler trace; on CPU "
+             "the XLA op time); pipelined: wall time per step, steps dispatched back to back; "
+             "blocked: median wall time of steps each followed by block_until_ready; × > 1 is "
+             "faster; compile: in this process (later variants reuse earlier autotuning), "
+             "fresh: in a new process; temp: the compiled step's temporary buffers; FP8 GEMM "
+             "floor: the FP8 GEMM kernels' time per step."]
+    for key, per in data["derived"].items():
+        rows = [r for r in data["results"] if r["size"] == key]
+        d, blocks, tokens = key.split("x")
+        lines += ["", f"## d = {d}, {blocks} blocks, {tokens} tokens", "",
+                  "| variant | device ms | × bf16 | × Flax FP8 | pipelined ms | × bf16 | "
+                  "× Flax FP8 | blocked ms | compile s | fresh compile s | temp GiB |",
+                  "|---|" + "---:|" * 10]
+        for r in rows:
+            e = per.get(r["variant"], {})
+            cells = [r["label"]]
+            for metric in ("device_ms", "pipelined_ms"):
+                cells += [common.fmt(r.get(metric), "{:.3f}"),
+                          common.fmt(e.get(f"{metric}:vs_bf16"), "{:.3f}"),
+                          common.fmt(e.get(f"{metric}:vs_flax"), "{:.3f}")]
+            cells += [common.fmt(r.get("blocked_ms"), "{:.3f}"), common.fmt(r.get("compile_s"), "{:.1f}"),
+                      common.fmt(r.get("compile_fresh_s"), "{:.1f}"),
+                      common.fmt(r["temp_bytes"] / gib if r.get("temp_bytes") is not None else None)]
             lines.append("| " + " | ".join(cells) + " |")
-        hdr = ["variant", "compile s", "kernels", "fusions", "custom calls", f"`{CUBLAS_F8}`",
-               "FP8 GEMM fusions", "`jax_fp8_update`", "state arrays"]
-        lines += ["", "| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
-        for v in VARIANTS:
-            r = rows.get(v)
-            if r is None:
-                continue
-            h = r["hlo"]
-            cells = [LABELS[v], _f(r.get("compile_s"), "{:.1f}"), str(h["kernels"]),
-                     str(h["fusions"]), str(h["custom_calls"]), str(h["cublas_f8"]),
-                     str(h["f8_gemm_fusions"]), str(h["jax_fp8_update"]), str(r["state_arrays"])]
-            lines.append("| " + " | ".join(cells) + " |")
-        notes = []
-        for v in VARIANTS:
-            r = rows.get(v)
-            if r is None:
-                continue
-            t = r["hlo"]["custom_call_targets"]
-            extra = []
-            if r["hlo"]["f8_gemm_fusions_by_kind"]:
-                extra.append(f"FP8 GEMM fusions by kind {r['hlo']['f8_gemm_fusions_by_kind']}")
-            if r["hlo"]["f8_dots_unfused"]:
-                extra.append(f"{r['hlo']['f8_dots_unfused']} unfused f8 dots")
-            if "fp8_state_moved" in r:
-                extra.append("FP8 state " + ("updated" if r["fp8_state_moved"] else "unchanged")
-                             + " by the steps")
-            if r.get("patched"):
-                extra.append("patched: " + ", ".join(f"`{p}`" for p in r["patched"]))
-            extra.append(f"loss {r['loss_first']:.4g} -> {r['loss_last']:.4g}")
-            notes.append(f"- {v}: custom calls {t or '{}'}; " + "; ".join(extra))
-        lines += ["", *notes]
-    if data["targets"]:
-        lines += ["", f"## Targets (binding at d = {TARGET_SIZE[0]}, {TARGET_SIZE[1]} tokens)", "",
-                  "| size | metric | target | value | |", "|---|---|---|---|---|"]
-        for t in data["targets"]:
-            v = t["value"]
-            val = "—" if v is None else (f"{100 * v:+.2f} %" if t["target"] == "bookkeeping"
-                                         else f"{v:.3f}x")
-            verdict = "n/a" if t["met"] is None else ("MET" if t["met"] else "NOT MET")
-            if not t["binding"]:
-                verdict += " (not the target size)"
-            lines.append(f"| {t['size']} | {dict(METRICS)[t['metric']]} | {t['description']} | "
-                         f"{val} | {verdict} |")
-    if data.get("skipped"):
-        lines += ["", "Skipped: " + "; ".join(f"{s['size']} {s['variant']} ({s['reason']})"
-                                              for s in data["skipped"])]
-    if data.get("failures"):
-        lines += ["", "Failures: " + "; ".join(f"{f['size']} {f['variant']}: {f['error']}"
-                                               for f in data["failures"])]
-    lines += ["", f"Command: `{meta['command']}`"]
+        lines += ["", "| variant | GEMM ms | FP8 GEMM floor ms | device / floor | non-GEMM ms | "
+                  "non-GEMM − bf16's ms | FP8 GEMMs (HLO) | other GEMMs | `jax_fp8_update` | "
+                  "kernels | state arrays |", "|---|" + "---:|" * 10]
+        for r in rows:
+            e, h = per.get(r["variant"], {}), r["hlo"]
+            fp8 = ", ".join(f"{n} `{k}`" for k, n in h["fp8_gemms"].items()) or "0"
+            lines.append("| " + " | ".join([
+                r["label"], common.fmt(r.get("gemm_ms"), "{:.3f}"),
+                common.fmt(r.get("fp8_gemm_floor_ms"), "{:.3f}"),
+                common.fmt(e.get("device_over_floor"), "{:.3f}"),
+                common.fmt(r.get("non_gemm_ms"), "{:.3f}"),
+                common.fmt(e.get("non_gemm_minus_bf16_ms"), "{:+.3f}"), fp8,
+                str(h["gemms_other"]), str(h["jax_fp8_update"]), str(h["kernels"]),
+                str(r.get("state_arrays", "—"))]) + " |")
+        fam = _families_table(rows)
+        if fam:
+            lines += [""] + fam
+        for r in rows:
+            if r.get("check_error"):
+                lines.append(f"\nCHECK FAILED {key} {r['variant']}: {r['check_error']}")
+    for x in data["skipped"]:
+        lines.append(f"\nSkipped {x['size']} {x['variant']}: {x['reason']}")
+    for f in data["failures"]:
+        lines.append(f"\nFAILED {f['size']} {f['variant']}: {f['error']}")
+    lines += ["", f"Command: `{meta['command']}`; total {meta.get('total_s', '?')} s"]
     return "\n".join(lines)
 
 
-def assemble(meta, results, failures=(), skipped=(), partial=False):
-    derived = derive(results)
-    data = {"meta": meta, "results": list(results), "derived": derived,
-            "targets": evaluate_targets(derived, meta["settings"]["blocks"]),
-            "failures": list(failures), "skipped": list(skipped), "partial": partial}
-    data["report_markdown"] = markdown_report(data)
+def assemble(meta, results, failures, skipped, partial):
+    data = {"meta": meta, "results": results, "derived": derive(results),
+            "failures": failures, "skipped": skipped, "partial": partial}
+    data["report_markdown"] = markdown(data)
     return data
+
+
+def write_outputs(outdir, data):
+    common.write_json(os.path.join(outdir, "results.json"), data)
+    md = data["report_markdown"]
+    if data["partial"]:
+        md = "(partial results: the run had not finished)\n\n" + md
+    common.write_text(os.path.join(outdir, "results.md"), md + "\n")
 
 
 # --------------------------------------------------------------------------------------
@@ -755,210 +546,183 @@ def assemble(meta, results, failures=(), skipped=(), partial=False):
 
 def _sizes(text):
     out = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        m = re.fullmatch(r"(\d+)x(\d+)", item)
-        if not m:
-            raise argparse.ArgumentTypeError(f"sizes are DxTOKENS, e.g. 2048x4096; got {item!r}")
-        out.append((int(m.group(1)), int(m.group(2))))
+    for item in (t.strip() for t in text.split(",")):
+        if item in SIZES:
+            out.append(SIZES[item])
+        elif re.fullmatch(r"\d+x\d+x\d+", item):
+            out.append(tuple(int(v) for v in item.split("x")))
+        elif item:
+            raise argparse.ArgumentTypeError(
+                f"a size is DxBLOCKSxTOKENS (e.g. 2048x24x4096) or one of {', '.join(SIZES)}; "
+                f"got {item!r}")
     if not out:
         raise argparse.ArgumentTypeError("no sizes given")
     return out
 
 
 def _variants(text):
+    if text.strip() == "all":
+        return list(VARIANTS)
     out = [v.strip() for v in text.split(",") if v.strip()]
     bad = [v for v in out if v not in VARIANTS]
     if bad or not out:
-        raise argparse.ArgumentTypeError(f"variants are a comma-separated subset of "
-                                         f"{','.join(VARIANTS)}; got {text!r}")
+        raise argparse.ArgumentTypeError(f"variants: 'all' or a subset of {','.join(VARIANTS)}; "
+                                         f"got {text!r}")
     return out
 
 
 def build_parser():
     p = argparse.ArgumentParser(
-        description="Benchmark a whole Flax train step: bf16, Flax FP8 and jax_fp8, each with "
-                    "and without its FP8 bookkeeping (see bench/README.md).",
+        description="A whole Flax train step: bf16, Flax FP8 and jax_fp8 side by side, at "
+                    "several model sizes (bench/README.md).",
         epilog=__doc__[__doc__.index("Examples:"):],
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--blocks", type=int, default=24, help="blocks of 4 Dense (default 24)")
-    p.add_argument("--d", type=int, default=2048, help="model width d (default 2048)")
-    p.add_argument("--tokens", type=int, default=4096,
-                   help="tokens per step, batch x seq flattened (default 4096)")
-    p.add_argument("--small", action="store_true", help="preset: --d 1024 --tokens 1024")
-    p.add_argument("--sizes", type=_sizes, default=None, metavar="DxT[,DxT...]",
-                   help="several sizes in one run, e.g. 2048x4096,1024x1024 (overrides "
-                        "--d/--tokens/--small; run in the order given)")
-    p.add_argument("--variants", type=_variants, default=list(VARIANTS),
-                   help="comma-separated subset of " + ",".join(VARIANTS) + " (default: all; "
-                        "run order " + ",".join(RUN_ORDER) + ")")
-    p.add_argument("--steps", type=int, default=10,
-                   help="timed steps per variant (default 10; the median is reported)")
-    p.add_argument("--warmup", type=int, default=2, help="warm-up steps (default 2)")
-    p.add_argument("--trace-steps", type=int, default=None,
-                   help="steps in a profiler trace for the device time (default 3 on a GPU, "
-                        "0 = no trace elsewhere)")
-    p.add_argument("--no-trace", action="store_true", help="no profiler trace")
-    p.add_argument("--no-pipelined", dest="pipelined", action="store_false",
-                   help="skip the back-to-back (pipelined) timing")
+    p.add_argument("--sizes", type=_sizes, default=list(SIZES.values()), metavar="DxBxT,...",
+                   help="model width x blocks x tokens, or small/medium/large (default: "
+                        + ",".join(size_key(s) for s in SIZES.values()) + ")")
+    p.add_argument("--variants", type=_variants,
+                   default=[k for k, v in VARIANTS.items() if v.default],
+                   help="comma-separated subset of " + ",".join(VARIANTS) + ", or all "
+                        "(default: " + ",".join(k for k, v in VARIANTS.items() if v.default) + ")")
+    p.add_argument("--steps", type=int, default=10, help="timed steps, blocked and pipelined (10)")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up steps (3)")
+    p.add_argument("--trace-steps", type=int, default=5, help="steps in the profiler trace (5; 0: none)")
     p.add_argument("--history-len", type=int, default=1024,
-                   help="amax history length, Flax and jax_fp8 alike (default 1024, both "
-                        "libraries' default)")
-    p.add_argument("--lr", type=float, default=1e-4, help="adam learning rate (default 1e-4)")
+                   help="amax history length, Flax and jax_fp8 alike (1024, both defaults)")
+    p.add_argument("--lr", type=float, default=1e-4, help="adam learning rate")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
-                   help="start no variant that, judging by the slowest compile + measurement "
-                        "so far (x1.25), would end after this many seconds; skips are listed")
-    p.add_argument("--compile-cache", metavar="DIR", default=None,
-                   help="JAX's persistent compilation cache directory (a rerun on the same "
-                        "machine then skips most compile time)")
-    p.add_argument("--top-kernels", type=int, default=40, metavar="N",
-                   help="record the N kernels with the most device time per variant in "
-                        "results.json (default 40)")
+    p.add_argument("--compile-fresh", action="store_true",
+                   help="also compile every variant in a fresh process (cold compile time)")
+    p.add_argument("--compile-only", action="store_true",
+                   help="compile and inspect the steps, run none")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help=f"on CPU, size {size_key(CPU_SMOKE_SIZE)}, 2 steps: a check that "
+                        "everything runs, in seconds")
+    p.add_argument("--top-kernels", type=int, default=30,
+                   help="kernels with the most device time kept per variant in results.json")
     p.add_argument("--save-hlo", action="store_true",
-                   help="also write each compiled HLO to OUTDIR/hlo_<size>_<variant>.txt.gz")
-    p.add_argument("--outdir", metavar="DIR", default=None,
-                   help="write DIR/results.json and DIR/results.md")
+                   help="write each compiled step to OUTDIR/hlo_<size>_<variant>.txt.gz")
+    p.add_argument("--outdir", default=os.path.join("out", "bench_train_step"),
+                   help="results.json, results.md, train_step.png (default out/bench_train_step)")
+    p.add_argument("--child-timeout", type=float, default=900, help=argparse.SUPPRESS)
+    p.add_argument("--child-compile", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
-def _finalize(args):
-    if args.sizes is None:
-        args.sizes = [(1024, 1024)] if args.small else [(args.d, args.tokens)]
-    if args.trace_steps is None:
-        args.trace_steps = 3 if bench_update._platform() == "gpu" else 0
-    if args.no_trace:
-        args.trace_steps = 0
-    for name in ("blocks", "steps"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name} must be >= 1")
-    args.warmup = max(0, args.warmup)
-    if args.steps < 10:
-        log(f"note: --steps {args.steps} < 10: a smoke run, not a measurement")
-    args.order = [v for v in RUN_ORDER if v in args.variants]
+def _finalize(args, argv):
+    if args.cpu_smoke:  # before any backend starts: CPU, and XLA's quickest compiles
+        jax.config.update("jax_platforms", "cpu")
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_backend_optimization_level=0").strip()
+        if "--sizes" not in argv:
+            args.sizes = [CPU_SMOKE_SIZE]
+        for name, value in (("steps", 2), ("warmup", 1), ("trace_steps", 2)):
+            if f"--{name.replace('_', '-')}" not in argv:
+                setattr(args, name, value)
+    if args.steps < 1:
+        raise SystemExit("--steps must be >= 1")
+    args.warmup, args.trace_steps = max(0, args.warmup), max(0, args.trace_steps)
     return args
-
-
-def collect_meta(args, argv):
-    return {
-        **bench_update.environment_meta(__file__, argv),
-        "flax_version": getattr(flax, "__version__", None),
-        "optax_version": getattr(optax, "__version__", None),
-        "flax_fp8_op": f"flax.linen.fp8_ops.{FLAX_OP.__name__}",
-        "settings": {"blocks": args.blocks, "sizes": [f"{d}x{t}" for d, t in args.sizes],
-                     "variants": list(args.variants), "steps": args.steps,
-                     "warmup": args.warmup, "trace_steps": args.trace_steps,
-                     "pipelined": args.pipelined, "history_len": args.history_len,
-                     "lr": args.lr, "seed": args.seed, "time_limit": args.time_limit},
-    }
-
-
-def _write_json(path, data):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fp:
-        json.dump(data, fp, indent=1, default=bench_update._json_default)
-    os.replace(tmp, path)
-
-
-def _write_outputs(outdir, data):
-    _write_json(os.path.join(outdir, "results.json"), data)
-    md = data["report_markdown"]
-    if data.get("partial"):
-        md = "(partial results: written after each variant; the run had not finished)\n\n" + md
-    tmp = os.path.join(outdir, "results.md.tmp")
-    with open(tmp, "w") as fp:
-        fp.write(md + "\n")
-    os.replace(tmp, os.path.join(outdir, "results.md"))
 
 
 def run(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _finalize(build_parser().parse_args(argv))
-    if args.compile_cache:
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-        for opt, val in (("jax_persistent_cache_min_compile_time_secs", 0.0),
-                         ("jax_persistent_cache_min_entry_size_bytes", 0)):
-            try:
-                jax.config.update(opt, val)
-            except Exception:  # noqa: BLE001 - an option this jax does not have
-                pass
-    platform_name = bench_update._platform()
-    meta = collect_meta(args, argv)
-    log(f"train-step bench: {meta['device']} ({platform_name}), jax {meta['jax_version']}, "
-        f"flax {meta['flax_version']}, {args.blocks} blocks, sizes {meta['settings']['sizes']}, "
-        f"variants {args.order}; Flax FP8 op {FLAX_OP.__name__}")
-    if platform_name == "gpu" and not jax_fp8.HAS_CUDA_KERNEL:
-        log("WARNING: jax_fp8's CUDA kernel is not loaded: the jax_fp8 step would run the jnp "
-            "fallback (and fail the one-custom-call assertion)")
-    out_json = None
-    if args.outdir:
-        os.makedirs(args.outdir, exist_ok=True)
-        out_json = os.path.join(args.outdir, "results.json")
+    args = _finalize(build_parser().parse_args(argv), argv)
+    if args.child_compile:
+        return child_compile(args)
+    os.makedirs(args.outdir, exist_ok=True)
+    variants = [VARIANTS[v] for v in args.variants]
+    plan = [(size, v) for size in args.sizes for v in variants]
+    results, failures, skipped, fresh = [], [], [], {}
     t_all = time.perf_counter()
-    results, failures, skipped, slowest = [], [], [], 0.0
-    finals = {}  # no-update twin -> its updating twin's final train state
-    for d, tokens in args.sizes:
-        args.d, args.tokens = d, tokens
-        size = f"{d}x{tokens}"
-        rng = np.random.default_rng(args.seed)
-        x = jnp.asarray(rng.standard_normal((tokens, d), np.float32), jnp.bfloat16)
-        y = jnp.asarray(rng.standard_normal((tokens, d), np.float32), jnp.bfloat16)
-        log(f"[{size}] {args.blocks} blocks, "
-            f"{12 * args.blocks * d * d / 1e6:.1f} M Dense parameters")
-        for variant in args.order:
-            elapsed = time.perf_counter() - t_all
-            if (args.time_limit is not None and (results or failures)
-                    and elapsed + 1.25 * slowest > args.time_limit):
-                reason = (f"--time-limit {args.time_limit:g} s: {elapsed:.0f} s elapsed, "
-                          f"~{slowest:.0f} s per variant")
-                skipped.append({"size": size, "variant": variant, "reason": reason})
-                log(f"  {variant}: skipped ({reason})")
-                continue
-            t0 = time.perf_counter()
+    with common.Progress(len(plan) * (1 + args.compile_fresh), "train step") as progress:
+        if args.compile_fresh:  # before this process takes the device's memory
+            for size, v in plan:
+                progress.status(f"{size_key(size)} {v.name}: fresh compile")
+                try:
+                    fresh[(size, v.name)] = fresh_compile(v, size, args)
+                except Exception as err:  # noqa: BLE001
+                    fresh[(size, v.name)] = {"error": f"{type(err).__name__}: {err}"}
+                out = fresh[(size, v.name)]
+                progress.advance(f"{size_key(size)} {v.name}: fresh compile " + (
+                    f"{out['compile_s']:.1f} s" if "compile_s" in out else
+                    f"skipped: {out['skip']}" if "skip" in out else f"FAILED: {out['error']}"))
+        platform = common.platform_name()
+        meta = common.environment(__file__, argv)
+        meta.update(flax_version=flax.__version__, optax_version=optax.__version__,
+                    settings={"sizes": [size_key(s) for s in args.sizes],
+                              "variants": args.variants, "steps": args.steps,
+                              "warmup": args.warmup, "trace_steps": args.trace_steps,
+                              "history_len": args.history_len, "lr": args.lr,
+                              "compile_fresh": args.compile_fresh,
+                              "compile_only": args.compile_only})
+        progress.log(f"train step: {meta['device']} ({platform}), jax {meta['jax_version']}, "
+                     f"sizes {meta['settings']['sizes']}, variants {args.variants}")
+        if platform == "gpu" and not jax_fp8.HAS_CUDA_KERNEL:
+            progress.log("WARNING: jax_fp8's CUDA kernel is not loaded: the jax_fp8 variants "
+                         "run the jax.numpy fallback")
+        current = None
+        for size, v in plan:
+            if size != current:  # new data; the previous size's init functions dropped
+                current = size
+                _INITS.clear()
+                rng = np.random.default_rng(args.seed)
+                d, _, tokens = size
+                x, y = (jnp.asarray(rng.standard_normal((tokens, d), np.float32), jnp.bfloat16)
+                        for _ in range(2))
+            where = {"size": size_key(size), "variant": v.name}
+            t0, done = time.perf_counter(), f"{where['size']} {v.name}: "
             try:
-                r, final_state = measure_variant(variant, args, x, y, platform_name,
-                                                 start_state=finals.pop(variant, None))
+                if args.compile_only and args.compile_fresh:  # the fresh compile is all
+                    r = fresh_row(v, size, fresh.get((size, v.name), {}))
+                else:
+                    r = measure(v, size, args, x, y, platform, progress)
+                f = fresh.get((size, v.name), {})
+                r.update({f"{k}_fresh_s": f[f"{k}_s"] for k in ("lower", "compile") if f"{k}_s" in f})
+                if "error" in f:  # (the in-process measurement went on)
+                    r["compile_fresh_error"] = f["error"]
+                    failures.append({**where, "error": f"fresh compile: {f['error']}"})
                 results.append(r)
-                if TWIN.get(variant) in args.order:  # the twin starts where this ended
-                    finals[TWIN[variant]] = final_state
-                del final_state
-            except AssertionError:
-                raise
-            except Exception as err:  # noqa: BLE001 - keep the other variants
+                if r.get("check_error"):
+                    failures.append({**where, "error": r["check_error"]})
+                done += _summary(r, time.perf_counter() - t0)
+            except RecipeNotAccepted as err:
+                skipped.append({**where, "reason": str(err)})
+                done += f"skipped: {err}"
+            except Exception as err:  # noqa: BLE001 - the other variants still run
                 traceback.print_exc(file=sys.stderr)
-                failures.append({"size": size, "variant": variant,
-                                 "error": f"{type(err).__name__}: {err}"})
-                log(f"  {variant}: FAILED: {err}")
-                gc.collect()
-            slowest = max(slowest, time.perf_counter() - t0)
-            log(f"  {variant}: done in {time.perf_counter() - t0:.1f} s "
-                f"(total {time.perf_counter() - t_all:.1f} s)")
-            if out_json:  # a killed run keeps what it measured
-                _write_outputs(args.outdir, assemble(meta, results, failures, skipped,
-                                                     partial=True))
-        del x, y
-        finals.clear()
-        _INIT_CACHE.clear()
-        gc.collect()
-    meta["total_s"] = round(time.perf_counter() - t_all, 1)
-    data = assemble(meta, results, failures, skipped)
-    if out_json:
-        _write_outputs(args.outdir, data)
-        log(f"wrote {out_json} and results.md")
+                failures.append({**where, "error": f"{type(err).__name__}: {err}"})
+                done += f"FAILED: {type(err).__name__}: {err}"
+            gc.collect()
+            progress.advance(done)
+            meta["total_s"] = round(time.perf_counter() - t_all, 1)
+            write_outputs(args.outdir, assemble(meta, results, failures, skipped, partial=True))
+    data = assemble(meta, results, failures, skipped, partial=False)
+    write_outputs(args.outdir, data)
+    if results and not args.compile_only:
+        common.save_plot("plot_train_step", data, os.path.join(args.outdir, "train_step.png"),
+                         lambda m: print(m, file=sys.stderr))
     print(data["report_markdown"])
-    for t in data["targets"]:
-        if t["binding"]:
-            log(f"target ({dict(METRICS)[t['metric']]}) {t['description']}: "
-                f"{'n/a' if t['met'] is None else ('MET' if t['met'] else 'NOT MET')}")
-    log(f"total {meta['total_s']:.1f} s")
+    print(f"wrote {os.path.join(args.outdir, 'results.json')} and results.md", file=sys.stderr)
     return data
+
+
+def _summary(r, seconds):
+    parts = [f"compile {r['compile_s']:.1f} s" if r.get("compile_s") is not None else
+             f"fresh compile {r.get('compile_fresh_s', 0):.1f} s"]
+    for key, name in TIMES:
+        if r.get(key) is not None:
+            parts.append(f"{name} {r[key]:.3f} ms")
+    if r.get("fp8_gemm_floor_ms") is not None:
+        parts.append(f"FP8 GEMM floor {r['fp8_gemm_floor_ms']:.3f} ms")
+    if r.get("check_error"):
+        parts.append(f"CHECK FAILED: {r['check_error']}")
+    return ", ".join(parts) + f"; took {seconds:.0f} s"
 
 
 def main(argv=None):
     data = run(argv)
-    return 1 if data["failures"] else 0
+    return data if isinstance(data, int) else (1 if data["failures"] else 0)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,6 @@ of the collective kernels per step (profiler trace).
 
 import argparse
 import json
-import os
-import re
-import sys
-import tempfile
 import time
 
 import jax
@@ -25,32 +21,18 @@ import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_fp8
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-import bench_update  # noqa: E402  (profiler trace parsing)
+from jax_fp8.devtools import hlo as hlo_tools
+from jax_fp8.devtools import trace
+from jax_fp8.devtools.hlo import all_reduce_kinds  # noqa: F401  (used by tests' workers)
 
 DN = (((1,), (0,)), ((), ()))
 
 
-def all_reduce_kinds(text):
-    bodies = {m.group(1): m.group(0) for m in re.finditer(r"^(%[\w.\-]+) \(.*?\n}", text, re.M | re.S)}
-    kinds = {}
-    for m in re.finditer(r"\sall-reduce(?:-start)?\(.*?to_apply=(%[\w.\-]+)", text):
-        root = re.search(r"ROOT \S+ = \S+ (\w+)\(", bodies.get(m.group(1), ""))
-        kind = root.group(1) if root else "unknown"
-        kinds[kind] = kinds.get(kind, 0) + 1
-    return kinds
-
-
-def collective_gpu_us(step, args, reps, logdir, platform_name="gpu"):
+def collective_gpu_us(step, args, reps):
     """µs of collective kernels per step and device, from a profiler trace."""
-    with jax.profiler.trace(logdir, create_perfetto_trace=True):
-        for _ in range(reps):
-            args = step(*args)
-        jax.block_until_ready(args)
-    kernels = bench_update.traced_kernels(logdir, platform_name)
-    coll_us = sum(us for name, (_, us) in kernels.items()
-                  if re.search(r"nccl|all.?reduce", name, re.I))
+    args, events = trace.capture(lambda a: step(*a), args, steps=reps)
+    families = trace.by_family(trace.device_events(events))
+    coll_us = sum(us for family, us in families.items() if family.startswith("collective"))
     return coll_us / reps / jax.local_device_count(), args
 
 
@@ -106,7 +88,7 @@ def main():
         times.append(time.perf_counter() - t)
     coll_us = None
     if args.trace and devices[0].platform == "gpu":
-        coll_us, state = collective_gpu_us(compiled, state, 5, tempfile.mkdtemp())
+        coll_us, state = collective_gpu_us(compiled, state, 5)
     params, opt_state, fp8 = state[:3]
     agree = True
     for leaf in jax.tree.leaves((params, fp8)):
@@ -116,8 +98,9 @@ def main():
         "devices": f"{len(devices)} x {devices[0].device_kind}", "jax": jax.__version__,
         "layers": args.layers, "d": args.d, "global_batch": args.batch,
         "compile_s": round(compile_s, 2), "step_ms_median": round(1e3 * float(np.median(times)), 3),
-        "all_reduces": all_reduce_kinds(hlo),
-        "jax_fp8_update_calls": hlo.count('custom_call_target="jax_fp8_update"'),
+        "all_reduces": hlo_tools.all_reduce_kinds(hlo),
+        "collectives": [c._asdict() for c in hlo_tools.collectives(hlo)],
+        "jax_fp8_update_calls": hlo_tools.count_custom_calls(hlo, "jax_fp8_update"),
         "replicas_bit_identical": bool(agree),
         "collective_gpu_us_per_step_per_device": coll_us,
         "scales_not_one": int(sum(int(np.sum(np.asarray(s) != 1)) for s in jax.tree.leaves(

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # compute-sanitizer (memcheck, racecheck, initcheck, synccheck) on jax_fp8's CUDA
-# kernels (the update and the FP8 transpose), through the real JAX path
-# (scripts/sanitize_driver.py). Only our kernel is
-# instrumented (XLA's own kernels are filtered out). Needs a GPU and the package
-# installed with its CUDA kernel.   bash scripts/sanitize.sh [OUTDIR]
+# kernels (the update and the FP8 transposes), through the real JAX path
+# (scripts/sanitize_driver.py). Only jax_fp8's kernels are instrumented (XLA's own are
+# filtered out). Needs a GPU, compute-sanitizer and jax_fp8 installed with its CUDA
+# kernels; scripts/gpu_checks.sh runs it as its "sanitize" section.
+#   bash scripts/sanitize.sh [OUTDIR]     (SANITIZE_TARGETS, SANITIZE_TOOLS pick a subset)
 set -u
 out=${1:-.}
 mkdir -p "$out"

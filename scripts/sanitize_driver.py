@@ -1,4 +1,6 @@
-"""Drives the CUDA kernel through the real JAX path for compute-sanitizer.
+"""Drives jax_fp8's CUDA kernels through the real JAX path, for compute-sanitizer.
+
+Run by scripts/sanitize.sh (``python scripts/sanitize_driver.py [transpose]``).
 
 Covers: a donated (aliased, in-place) per-tensor pytree, a stacked state, mixed
 history lengths (1 .. 5000, several passes per block), skip_unused, amax inputs, and
@@ -8,7 +10,6 @@ argument "transpose": the FP8 transpose kernels instead (byte transpose; quantiz
 transpose + amax), tile edges and batches.
 """
 
-import os
 import sys
 
 import jax
@@ -16,10 +17,32 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fp8
-from jax_fp8 import _transpose
+from jax_fp8._primitives import layout
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-import helpers  # noqa: E402  (put_far_from)
+WIDE_SPAN_BYTES = (1 << 32) * 4  # past this, the CUDA launcher needs 64-bit offsets
+
+
+def buffer_span(tree) -> int:
+    """Bytes between the lowest and highest device buffer address in `tree`."""
+    addrs = [a.addressable_data(0).unsafe_buffer_pointer() for a in jax.tree.leaves(tree)]
+    return max(addrs) - min(addrs)
+
+
+def put_far_from(near, far_host, device, max_gb: int = 40):
+    """Places `far_host` on `device` more than WIDE_SPAN_BYTES (16 GB) away from the
+    already placed `near`, as a large model's amaxes in XLA's temporary buffer sit far
+    from its FP8 state. The allocator reuses free space near earlier buffers, so 1 GB
+    fillers (and each too-near try) are kept alive until a placement lands far enough.
+    Returns (far, keep_alive), far None when it could not."""
+    keep = []
+    for _ in range(max_gb):
+        far = jax.device_put(far_host, device)
+        if buffer_span((near, far)) > WIDE_SPAN_BYTES:
+            return far, keep
+        keep.append(far)
+        keep.append(jax.device_put(np.zeros((1 << 28,), np.float32), device))
+    return None, keep
+
 
 rng = np.random.default_rng(0)
 
@@ -29,10 +52,10 @@ if sys.argv[1:] == ["transpose"]:
     for shape in [(4, 4), (128, 128), (132, 260), (4, 1028), (1028, 8), (4096, 2048)]:
         for dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
             x = rng.integers(0, 256, shape, dtype=np.uint8)
-            y = _transpose.transpose_bytes_p.bind(jax.device_put(x.view(np.dtype(dtype))))
+            y = layout.transpose_bytes_p.bind(jax.device_put(x.view(np.dtype(dtype))))
             assert (np.asarray(y).view(np.uint8) == x.T).all(), (shape, dtype)
     x = rng.integers(0, 256, (3, 8, 136), dtype=np.uint8)
-    y = jax.jit(lambda a: _transpose.rotate_axes(a, 2))(
+    y = jax.jit(lambda a: layout.rotate_axes(a, 2))(
         jax.device_put(x.view(np.dtype(jnp.float8_e4m3fn))))
     assert (np.asarray(y).view(np.uint8) == np.transpose(x, (2, 0, 1))).all()
     # The quantize + transpose + amax kernel: every input and FP8 type, edge tiles.
@@ -40,7 +63,7 @@ if sys.argv[1:] == ["transpose"]:
         for in_dtype in (np.float32, jnp.bfloat16, jnp.float16):
             for dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
                 x = jax.device_put(rng.standard_normal(shape).astype(in_dtype))
-                q, q_t, amax = _transpose.quantize_transpose_p.bind(
+                q, q_t, amax = layout.quantize_transpose_p.bind(
                     x, jax.device_put(np.float32(0.5)), fp8_dtype=np.dtype(dtype))
                 q8 = np.asarray(q).view(np.uint8)
                 assert (np.asarray(q_t).view(np.uint8) == q8.T).all(), (shape, dtype)
@@ -79,10 +102,10 @@ stacked = jax.jit(jax_fp8.update_states, donate_argnums=0)(stacked)
 # The wide path: amaxes > 2^32 floats from the states -> 64-bit offsets, 300 states in
 # one launch (the host-side plan is checked by tests/test_launch_plan.py).
 wide = [host_state((), 64) for _ in range(300)]
-wide_amaxes, keep_alive = helpers.put_far_from(
+wide_amaxes, keep_alive = put_far_from(
     wide, [np.float32(rng.random() * 4) for _ in wide], jax.devices()[0])
 assert wide_amaxes is not None, "could not place the amaxes 16 GB from the states"
-print(f"wide-span case: buffers span {helpers.buffer_span((wide, wide_amaxes)) / 2**30:.1f} GB")
+print(f"wide-span case: buffers span {buffer_span((wide, wide_amaxes)) / 2**30:.1f} GB")
 wide = jax.jit(jax_fp8.update_states, donate_argnums=0)(wide, wide_amaxes)
 jax.block_until_ready((tree, big, stacked, wide))
 print("sanitize driver done")

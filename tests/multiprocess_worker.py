@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 
 import jax
@@ -115,9 +114,8 @@ def train_step(params, opt_state, fp8, x, y):
     return params, opt_state, fp8, loss
 
 
-# all_reduce_kinds: {"add": n, "maximum": m, ...} of an HLO text (scripts/multigpu_dp.py).
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
-from multigpu_dp import all_reduce_kinds  # noqa: E402
+# all_reduce_kinds: {"add": n, "maximum": m, ...} of an HLO text.
+from jax_fp8.devtools.hlo import all_reduce_kinds  # noqa: E402
 
 
 def batch(step):

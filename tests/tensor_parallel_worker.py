@@ -4,7 +4,6 @@ all-reduces by kind, the jax_fp8_update count, and whether the new FP8 state equ
 the same step's on one device."""
 
 import json
-import os
 import sys
 
 import jax
@@ -13,9 +12,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_fp8
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
-from multigpu_dp import all_reduce_kinds  # noqa: E402
+from jax_fp8.devtools.hlo import all_reduce_kinds
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "tp"
 mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))

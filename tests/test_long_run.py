@@ -77,13 +77,8 @@ def test_replayed_step_with_moving_buffers_matches_cpu(gpu_device):
 
 def _computations_calling(hlo_text, target):
     """Names of the HLO computations that hold a custom call to `target`."""
-    import os
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-    import bench_update  # the benchmark's HLO parser (computations by name)
-    comps, _ = bench_update.parse_hlo_computations(hlo_text)
-    return [name for name, lines in comps.items()
-            if any(f'custom_call_target="{target}"' in line for _, line in lines)]
+    from jax_fp8.devtools import hlo
+    return hlo.computations_calling(hlo_text, target)
 
 
 def test_update_runs_inside_a_cuda_graph(gpu_device):

@@ -4,21 +4,16 @@ buffers with 64-bit offsets, ~800 states per launch: the result equals the CPU k
 bit for bit and the call is ONE launch, not one per state. (The planning itself is
 checked on the host by test_launch_plan.py.)"""
 
-import os
-import sys
-
 import jax
 import numpy as np
 import pytest
 
 import helpers
 import jax_fp8
+from jax_fp8.devtools import trace
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 
 def test_update_with_buffers_more_than_16gb_apart(gpu_device, tmp_path):
-    import bench_update  # trace parsing: kernels per call
-
     rng = np.random.default_rng(11)
     n = 300
     host = [jax_fp8.ScalingState(rng.random(64).astype(np.float32) * 10,
@@ -44,10 +39,8 @@ def test_update_with_buffers_more_than_16gb_apart(gpu_device, tmp_path):
                                     [np.asarray(v) for v in (w.amax_history, w.scale,
                                                              w.scale_inv)],
                                     "buffers > 16 GB apart")
-    logdir = str(tmp_path / "trace")
-    with jax.profiler.trace(logdir, create_perfetto_trace=True):
-        jax.block_until_ready(fn(states, amaxes))
-    kernels = bench_update.traced_kernels(logdir, "gpu")
+    _, events = trace.capture(lambda _: fn(states, amaxes), None, logdir=str(tmp_path / "trace"))
+    kernels = trace.by_name(trace.device_events(events, "gpu"))
     launches = sum(count for name, (count, _) in kernels.items() if "UpdateKernel" in name)
     assert launches == 1, kernels
     assert any("UpdateKernel<800, unsigned long>" in name for name in kernels), kernels
