@@ -29,7 +29,7 @@ from jax.interpreters import ad, batching, mlir
 
 from jax_fp8 import _registration
 from jax_fp8._primitives import common, partition
-from jax_fp8._primitives.block_quantize import BLOCK, scale_rows
+from jax_fp8._primitives.block_quantize import BLOCK, scale_rows, up_scaled
 
 TARGET = "jax_fp8_block_gemm"
 WORKSPACE_BYTES = 32 * 1024 * 1024  # cuBLASLt's recommendation for Hopper
@@ -71,14 +71,16 @@ def _abstract_eval(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dt
 
 
 def dequantize(q, scale_inv, block_rows):
-    """q [..., R, K] * scale_inv broadcast over its blocks, in float32."""
+    """q [..., R, K] * scale_inv broadcast over its blocks, in float32: the IEEE product,
+    also for a subnormal scale_inv (taken as two normal factors); products in the
+    subnormal range read as zeros of their sign (XLA flushes them)."""
     *lead, r, k = q.shape
     lead = tuple(lead)
     rb, kb = -(-r // block_rows), -(-k // BLOCK)
     pad = [(0, 0)] * len(lead) + [(0, rb * block_rows - r), (0, kb * BLOCK - k)]
     x = jnp.pad(q.astype(jnp.float32), pad).reshape(lead + (rb, block_rows, kb, BLOCK))
-    x = x * scale_inv[..., :, None, :, None]
-    return x.reshape(lead + (rb * block_rows, kb * BLOCK))[..., :r, :k]
+    s, f = (v[..., :, None, :, None] for v in up_scaled(scale_inv))
+    return ((x * s) * f).reshape(lead + (rb * block_rows, kb * BLOCK))[..., :r, :k]
 
 
 def reference(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype,
@@ -164,13 +166,23 @@ def _cuda_lowering(ctx, a, a_scale, b, b_scale, **params):
         fn = functools.partial(_ffi_gemm, a_block_rows=rows[0], b_block_rows=rows[1],
                                out_dtype=params["out_dtype"], fallback=False)
     else:
-        fn = functools.partial(reference, **params)
+        fn = _jitted_reference(tuple(sorted(params.items())))
     return mlir.lower_fun(fn, multiple_results=False)(ctx, a, a_scale, b, b_scale)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_reference(params):
+    return jax.jit(functools.partial(reference, **dict(params)))  # traced once per shape
+
+
+def _lowering(ctx, *args, **params):
+    fn = _jitted_reference(tuple(sorted(params.items())))
+    return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
 
 
 block_gemm_p.def_abstract_eval(_abstract_eval)
 block_gemm_p.def_impl(common.eager_impl(block_gemm_p))
-mlir.register_lowering(block_gemm_p, mlir.lower_fun(reference, multiple_results=False))
+mlir.register_lowering(block_gemm_p, _lowering)
 if _registration.HAS_CUDA_KERNEL:
     mlir.register_lowering(block_gemm_p, _cuda_lowering, platform="cuda")
 

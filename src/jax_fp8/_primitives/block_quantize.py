@@ -118,6 +118,21 @@ def scale_inverse(scale):
     return _f32(jnp.where(big, tiny, plain) | sign)
 
 
+def pow2_inverse(scale):
+    """1 / scale for a power of two scale = 2**(e - 127), 1 <= e <= 254, on its bits."""
+    e = _bits(scale) >> 23
+    return _f32(jnp.where(e <= 253, (U32(254) - e) << 23, U32(1) << 22))
+
+
+def up_scaled(v):
+    """(v * 2**64, 2**-64) where v is subnormal, else (v, 1): both factors normal, and
+    their product v exactly (for a float32 v >= 0)."""
+    mag = _bits(v) & _MAG
+    sub = (mag != 0) & (mag < _MIN_NORMAL)
+    up = mag.astype(jnp.int32).astype(jnp.float32) * F32(2.0 ** -85)
+    return jnp.where(sub, up, v), jnp.where(sub, F32(2.0 ** -64), F32(1.0))
+
+
 def nan_byte(fp8_dtype) -> tuple[int, bool]:
     """(the quantized byte of a NaN, whether x's sign is or-ed in) for an FP8 dtype."""
     dtype = np.dtype(fp8_dtype)
@@ -152,18 +167,18 @@ def scale_rows(m: int, block_rows: int) -> int:
 def quantize_reference(x, *, block_rows: int, fp8_dtype, power_of_2_scale: bool,
                        amax_epsilon: float):
     """x [..., M, K] -> (q [..., M, K], scale_inv [..., M or ceil(M/128), ceil(K/128)])."""
-    x32 = widen(x)
     *lead, m, k = x.shape
-    lead = tuple(lead)
+    lead, b = tuple(lead), math.prod(lead)
     mb, kb = -(-m // block_rows), -(-k // BLOCK)
-    pad = [(0, 0)] * len(lead) + [(0, mb * block_rows - m), (0, kb * BLOCK - k)]
-    xp = jnp.pad(x32, pad).reshape(lead + (mb, block_rows, kb, BLOCK))
-    amax = jnp.max(abs_bits(xp), axis=(-3, -1), initial=U32(0))
+    pad = [(0, 0), (0, mb * block_rows - m), (0, kb * BLOCK - k)]
+    xp = jnp.pad(widen(x.reshape(b, m, k)), pad).reshape(b, mb, block_rows, kb, BLOCK)
+    amax = jnp.max(abs_bits(xp), axis=(2, 4), initial=U32(0))
     scale = scale_from_amax_f32(_f32(amax), recipe_lib.fp8_max(fp8_dtype), amax_epsilon,
                                 power_of_2_scale)
-    q = cast_scaled(xp, scale[..., :, None, :, None], fp8_dtype)
-    q = q.reshape(lead + (mb * block_rows, kb * BLOCK))[..., :m, :k]
-    return q, scale_inverse(scale)
+    q = cast_scaled(xp, scale[:, :, None, :, None], fp8_dtype)
+    q = q.reshape(b, mb * block_rows, kb * BLOCK)[:, :m, :k].reshape(x.shape)
+    inverse = pow2_inverse(scale) if power_of_2_scale else scale_inverse(scale)
+    return q, inverse.reshape(lead + (mb, kb))
 
 
 # --------------------------------------------------------------------------- primitive
@@ -237,16 +252,26 @@ def _cuda_lowering(ctx, x, **params):
     aval = ctx.avals_in[0]
     if (params["implementation"] == "xla" or partition.needs_partitioning(ctx)
             or not kernel_takes(aval.shape, aval.dtype, params["fp8_dtype"])):
-        return mlir.lower_fun(functools.partial(_reference, **params),
-                              multiple_results=True)(ctx, x)
+        return _reference_lowering(ctx, x, **params)
     return jax.ffi.ffi_lowering(TARGET)(
         ctx, x, tile_2d=params["block_rows"] == BLOCK, rowwise=bool(params["rowwise"]),
         colwise=bool(params["colwise"]), amax_epsilon=F32(params["amax_epsilon"]),
         power_of_2_scale=bool(params["power_of_2_scale"]))
 
 
+@functools.lru_cache(maxsize=None)
+def _jitted_reference(params):
+    # A jit: its trace is cached, so a model's many same-shaped quantizations trace once.
+    return jax.jit(functools.partial(_reference, **dict(params)))
+
+
+def _reference_lowering(ctx, x, **params):
+    fn = _jitted_reference(tuple(sorted(params.items())))
+    return mlir.lower_fun(lambda x: list(fn(x)), multiple_results=True)(ctx, x)
+
+
 def _lowering(ctx, x, **params):
-    return mlir.lower_fun(functools.partial(_reference, **params), multiple_results=True)(ctx, x)
+    return _reference_lowering(ctx, x, **params)
 
 
 block_quantize_p.def_abstract_eval(_abstract_eval)

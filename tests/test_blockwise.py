@@ -1,0 +1,356 @@
+"""quantize_blocks, its column-wise copy, scale_from_amax and current scaling: the bits of
+the NumPy oracle (tests/block_reference.py) on every backend, zeros, +-inf, NaN,
+subnormals and huge values included; the CUDA kernel's bits equal the jax.numpy path's
+on the same GPU; jit, vmap, disable_jit, grad and shard_map."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import block_reference as ref
+import helpers
+import jax_fp8
+from jax_fp8 import blockwise
+from jax_fp8._primitives import block_quantize as bq
+
+F32 = np.float32
+FP8 = [jnp.float8_e4m3fn, jnp.float8_e5m2]
+BLOCKS = [(1, 128), (128, 128)]
+IN_DTYPES = [np.float32, ml_dtypes.bfloat16, np.float16]
+TARGET = 'custom_call_target="jax_fp8_block_quantize"'
+SPECIALS = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1e-40, -3e-39, 1e-45,
+                     3e38, -3.3e38, 6e-8, -1e-5, 65504.0, 448.0, 57344.0], np.float32)
+NAN_PAYLOADS = np.array([0x7FC00000, 0xFFC00000, 0x7FC12345, 0xFF800001], np.uint32).view(F32)
+
+
+# CPU programs here are compiled with LLVM at -O0: a third of the compile time, the same
+# IEEE arithmetic (test_bits_equal_oracle[float32] also runs at the default level).
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def run(device, fn, *args, **kwargs):
+    """helpers.run_on, with FAST_COMPILE on the CPU."""
+    opts = FAST_COMPILE if device.platform == "cpu" else None
+    return helpers.run_on(device, fn, *args, compiler_options=opts, **kwargs)
+
+
+def block_data(rng, shape, dtype=np.float32):
+    """Random values whose magnitude varies by row (scales differ from block to block),
+    sprinkled with SPECIALS and NaN payloads, plus whole rows of subnormals, tiny normals
+    (whose scale overflows to FLT_MAX and 1/scale is subnormal), zeros and NaN."""
+    lo, hi = (-14, 10) if np.dtype(dtype) == np.float16 else (-30, 30)
+    x = rng.normal(size=shape).astype(F32)
+    x *= np.exp2(rng.integers(lo, hi, size=shape[:-1] + (1,))).astype(F32)
+    flat = x.reshape(-1)
+    if flat.size:
+        idx = rng.choice(flat.size, size=min(flat.size, 64), replace=False)
+        flat[idx] = rng.choice(np.concatenate([SPECIALS, NAN_PAYLOADS]), size=idx.size)
+    if len(shape) >= 2 and shape[-2] > 6:
+        x[..., 1, :] = F32(1e-40) * rng.normal(size=shape[-1]).astype(F32)
+        x[..., 2, :] = F32(3e-37) * rng.normal(size=shape[-1]).astype(F32)
+        x[..., 3, :] = 0.0
+        x[..., 4, :] = np.nan
+        x[..., 5, :] = F32(6e-8) * rng.normal(size=shape[-1]).astype(F32)
+    with np.errstate(over="ignore"):
+        return x.astype(dtype)
+
+
+def assert_fp8_equal(got, want, what):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape,
+                                                                 got.dtype, want.dtype)
+    a, b = got.view(np.uint8), want.view(np.uint8)
+    if not np.array_equal(a, b):
+        bad = np.argwhere(a != b)
+        lines = [f"{what}: {len(bad)} of {a.size} bytes differ"]
+        for idx in bad[:6]:
+            idx = tuple(int(i) for i in idx)
+            lines.append(f"  at {idx}: got 0x{a[idx]:02x}, want 0x{b[idx]:02x}")
+        raise AssertionError("\n".join(lines))
+
+
+def check_against_oracle(got, x, block, fp8, pow2=True, eps=0.0, what=""):
+    q, s = got
+    rq, rs = ref.quantize_blocks(x, block, fp8, pow2, eps)
+    assert_fp8_equal(q, rq, f"{what} data")
+    helpers.assert_bits_equal(s, rs, f"{what} scale_inv")
+
+
+VARIANTS = list(itertools.product(BLOCKS, FP8, [True, False]))
+# The 16-bit inputs differ from float32 only in how they are widened.
+VARIANTS_16 = [(np.float16, (128, 128), FP8[0], True), (np.float16, (1, 128), FP8[1], False),
+               (ml_dtypes.bfloat16, (1, 128), FP8[0], True),
+               (ml_dtypes.bfloat16, (128, 128), FP8[1], False)]
+
+
+def test_bits_equal_oracle(backend, device):
+    """Both block shapes, both FP8 types, power-of-two scales on and off; edge blocks on
+    both axes and a leading axis. Compiled at XLA's default optimization level."""
+    x = block_data(np.random.default_rng(7), (2, 133, 300))
+
+    def fn(x):
+        return [jax_fp8.quantize_blocks(x, b, f, power_of_2_scale=p) for b, f, p in VARIANTS]
+
+    for (b, f, p), got in zip(VARIANTS, helpers.run_on(device, fn, x)):
+        check_against_oracle(got, x, b, f, p, what=f"{b} {np.dtype(f).name} pow2={p}")
+
+
+def test_bits_equal_oracle_16_bit_inputs(backend, device):
+    xs = [block_data(np.random.default_rng(i), (2, 133, 300), d)
+          for i, (d, *_) in enumerate(VARIANTS_16)]
+    fn = lambda xs: [jax_fp8.quantize_blocks(x, b, f, power_of_2_scale=p)  # noqa: E731
+                     for x, (_, b, f, p) in zip(xs, VARIANTS_16)]
+    for x, (d, b, f, p), got in zip(xs, VARIANTS_16, run(device, fn, xs)):
+        check_against_oracle(got, x, b, f, p, what=f"{np.dtype(d).name} {b} pow2={p}")
+
+
+# (shape, block, amax_epsilon): a single value, one row / column, empty, four dimensions,
+# and epsilons (subnormal, above some blocks' amaxes, above all of them).
+EDGE_CASES = [((1, 1), (1, 128), 0.0), ((129, 1), (128, 128), 0.0), ((3, 0, 5), (1, 128), 0.0),
+              ((2, 2, 7, 131), (128, 128), 0.0), ((40, 260), (1, 128), 1e-40),
+              ((40, 260), (128, 128), 1e-3), ((40, 260), (1, 128), 0.5),
+              ((40, 260), (128, 128), 1000.0)]
+
+
+def test_edge_shapes_and_epsilon(backend, device):
+    rng = np.random.default_rng(1)
+    xs = [block_data(rng, shape) for shape, _, _ in EDGE_CASES]
+    fn = lambda xs: [jax_fp8.quantize_blocks(x, b, amax_epsilon=e)  # noqa: E731
+                     for x, (_, b, e) in zip(xs, EDGE_CASES)]
+    outs = run(device, fn, xs, check_device=False)
+    for (shape, b, e), x, got in zip(EDGE_CASES, xs, outs):
+        check_against_oracle(got, x, b, jnp.float8_e4m3fn, eps=e, what=f"{shape} {b} eps={e}")
+
+
+def test_column_wise_copy_is_quantize_of_the_transpose(backend, device):
+    """quantize_blocks_transposed(x) and the second half of quantize_blocks_both(x) are
+    quantize_blocks(x^T): 1x128 blocks along M quantized afresh, 128x128 tiles transposed."""
+    x = block_data(np.random.default_rng(2), (2, 200, 136), ml_dtypes.bfloat16)
+
+    def fn(x):
+        return (blockwise.quantize_blocks_both(x, (1, 128), FP8[0]),
+                blockwise.quantize_blocks_both(x, (128, 128), FP8[1]),
+                blockwise.quantize_blocks_transposed(x, (1, 128), FP8[1]))
+
+    row, tile, trans = run(device, fn, x)
+    x_t = np.swapaxes(x, -1, -2)
+    check_against_oracle(row[:2], x, (1, 128), FP8[0], what="1x128 row-wise")
+    check_against_oracle(row[2:], x_t, (1, 128), FP8[0], what="1x128 column-wise")
+    check_against_oracle(tile[:2], x, (128, 128), FP8[1], what="128x128 row-wise")
+    check_against_oracle(tile[2:], x_t, (128, 128), FP8[1], what="128x128 column-wise")
+    check_against_oracle(trans, x_t, (1, 128), FP8[1], what="transposed")
+    # a 128x128 tile is the same tile either way: the column-wise bytes are the transpose
+    np.testing.assert_array_equal(np.swapaxes(tile[0].view(np.uint8), -1, -2),
+                                  tile[2].view(np.uint8))
+    helpers.assert_bits_equal(np.swapaxes(tile[1], -1, -2), tile[3], "tile scale_inv")
+
+
+def amax_cases(rng):
+    """Specials, subnormals, negatives, the overflow boundary, all exponents."""
+    fmax = np.finfo(F32).max
+    edges = [448 / fmax, 448 / fmax * 0.999, 57344 / fmax, 448 / 2.0 ** 126, 448 / 2.0 ** 127,
+             57344 / 2.0 ** 126, 2.0 ** -126, 2.0 ** -127, fmax, 3.5, 1.0, -1.0, -1e-40]
+    rand = (10.0 ** rng.uniform(-45, 38.5, 4000)).astype(F32)
+    mant = (np.float32(1.0) + rng.random(2000).astype(F32)) * F32(2.0 ** -118)
+    return np.concatenate([SPECIALS, NAN_PAYLOADS, np.array(edges, F32), rand, mant]).astype(F32)
+
+
+SCALE_VARIANTS = [(FP8[0], False, 0.0), (FP8[0], True, 1e-40), (FP8[1], False, 1e-6),
+                  (FP8[1], True, 0.0), (jnp.float8_e4m3fnuz, False, 1e-40)]
+
+
+def test_scale_from_amax_and_inverse_exact(backend, device):
+    """scale_from_amax over special, subnormal, negative and random amaxes; scale_inverse
+    also over s >= 2**126, where 1/s is subnormal (computed in integers)."""
+    amax = amax_cases(np.random.default_rng(4))
+    rng = np.random.default_rng(5)
+    big = rng.integers(0x7E800000, 0x7F800000, 50000, dtype=np.uint32).view(F32)
+    normal = rng.integers(0x00800000, 0x7E800000, 50000, dtype=np.uint32).view(F32)
+    edges = np.array([2.0 ** 126, 2.0 ** 127, np.finfo(F32).max, 1.0, 3.0, 2.0 ** -126,
+                      np.inf, 0.0], F32)
+    s_all = np.concatenate([big, normal, edges, -big[:100]])
+
+    def fn(a, s_all):
+        outs = []
+        for f, p, e in SCALE_VARIANTS:
+            s = jax_fp8.scale_from_amax(a, f, power_of_2_scale=p, amax_epsilon=e)
+            outs.append((s, blockwise.scale_inverse(s)))
+        return outs, blockwise.scale_inverse(s_all)
+
+    outs, inv_all = run(device, fn, amax, s_all)
+    for (f, p, e), (s, inv) in zip(SCALE_VARIANTS, outs):
+        want_s, want_inv = ref.scale_from_amax(amax, f, p, e)
+        what = f"{np.dtype(f).name} pow2={p} eps={e}"
+        helpers.assert_bits_equal(s, want_s, f"scale {what}", {"amax": amax})
+        helpers.assert_bits_equal(inv, want_inv, f"scale_inv {what}", {"amax": amax})
+    with np.errstate(divide="ignore"):
+        helpers.assert_bits_equal(inv_all, (F32(1) / s_all).astype(F32), "1/s", {"s": s_all})
+
+
+CURRENT = [(FP8[0], False, 0.0), (FP8[1], True, 1e3), (FP8[0], True, 0.0)]
+
+
+def test_quantize_current_matches_oracle(backend, device):
+    """Per-tensor scaling; x without NaN and with a normal max. The one documented
+    difference from SPEC.md: compute_amax is XLA's max, which flushes a subnormal maximum
+    to 0, so such a tensor gets scale 1 (SPEC: FLT_MAX) and is cast with it."""
+    x = block_data(np.random.default_rng(6), (3, 70, 50))
+    x = np.where(np.isnan(x), F32(1.5), x).astype(F32)
+    x[0, 0, 0] = 7.0  # the max is a normal number
+    tiny = np.zeros((4, 8), F32)
+    tiny[1, 2], tiny[2, 3] = 1e-40, -3e-39
+    fn = lambda x, tiny: ([blockwise.quantize_current(x, f, power_of_2_scale=p,  # noqa: E731
+                                                      amax_epsilon=e) for f, p, e in CURRENT],
+                          blockwise.quantize_current(tiny))
+    outs, (tq, ts) = run(device, fn, x, tiny)
+    for (f, p, e), (q, s) in zip(CURRENT, outs):
+        rq, rs = ref.quantize_current(x, f, p, e)
+        assert_fp8_equal(q, rq, f"{np.dtype(f).name} pow2={p} eps={e}")
+        helpers.assert_bits_equal(s, rs, "scale_inv")
+    _, rs = ref.quantize_current(tiny, jnp.float8_e4m3fn)
+    assert rs != 1.0 and float(ts) == 1.0
+    assert_fp8_equal(tq, ref.cast(tiny, F32(1), jnp.float8_e4m3fn), "with amax read as 0")
+
+
+def test_jit_vmap_disable_jit_agree(backend, device):
+    """vmap over a middle axis, nested vmap and eager execution give the jit's bits."""
+    x = block_data(np.random.default_rng(8), (2, 3, 140, 130))
+    tile = lambda x: jax_fp8.quantize_blocks(x, (128, 128))  # noqa: E731
+    row = lambda x: jax_fp8.quantize_blocks(x, (1, 128))  # noqa: E731
+    fn = lambda x: (tile(x), row(x), jax.vmap(tile, in_axes=1, out_axes=1)(x),  # noqa: E731
+                    jax.vmap(jax.vmap(row))(x))
+    want_tile, want_row, got_tile, got_row = run(device, fn, x)
+    check_against_oracle(want_tile, x, (128, 128), jnp.float8_e4m3fn)
+    check_against_oracle(want_row, x, (1, 128), jnp.float8_e4m3fn)
+    with jax.disable_jit():
+        eager = row(jax.device_put(x, device))
+    for got, want, what in ((got_tile, want_tile, "vmap in_axes=1"),
+                            (got_row, want_row, "nested vmap"), (eager, want_row, "eager")):
+        assert_fp8_equal(got[0], want[0], f"{what} data")
+        helpers.assert_bits_equal(got[1], want[1], f"{what} scale_inv")
+
+
+def test_not_differentiated(backend, device):
+    """Stop-gradient semantics: the gradient through quantize_blocks is zero."""
+    x = block_data(np.random.default_rng(9), (4, 130)).clip(-1e3, 1e3)
+    x = np.nan_to_num(x).astype(F32)
+
+    def f(x):
+        q, s = jax_fp8.quantize_blocks(x)
+        return jnp.sum(blockwise.dequantize_blocks(q, s))
+
+    g = run(device, jax.grad(f), x)
+    np.testing.assert_array_equal(g, np.zeros_like(x))
+
+
+def test_shard_map_keeps_manual_axes(backend, device):
+    mesh = jax.sharding.Mesh(np.array([device]), ("d",))
+    x = block_data(np.random.default_rng(10), (2, 64, 256))
+    P = jax.sharding.PartitionSpec
+    fn = jax.shard_map(lambda x: jax_fp8.quantize_blocks(x, (128, 128)), mesh=mesh,
+                       in_specs=P("d"), out_specs=(P("d"), P("d")))
+    check_against_oracle(run(device, fn, x), x, (128, 128), jnp.float8_e4m3fn)
+
+
+def test_dequantize_blocks_is_the_oracle(backend, device):
+    """x_fp8 * scale_inv in XLA's float32: the oracle's exact products, except that a
+    product in the subnormal range may read as a zero of its sign (XLA flushes)."""
+    x = np.nan_to_num(block_data(np.random.default_rng(11), (130, 260)).clip(-1e30, 1e30))
+    fn = lambda x: [blockwise.dequantize_blocks(*jax_fp8.quantize_blocks(x, b), b)  # noqa: E731
+                    for b in BLOCKS]
+    for b, got in zip(BLOCKS, run(device, fn, x)):
+        q, s = ref.quantize_blocks(x, b, jnp.float8_e4m3fn)
+        want = ref.dequantize_blocks(q, s, b).astype(F32)
+        flushed = (np.abs(want) < np.finfo(F32).tiny) & (got == 0)
+        np.testing.assert_array_equal(np.where(flushed, want, got), want)
+
+
+@pytest.mark.parametrize("bad, err", [
+    (dict(block_shape=(1, 64)), ValueError), (dict(block_shape=(128,)), ValueError),
+    (dict(fp8_dtype=jnp.int8), TypeError), (dict(amax_epsilon=-1.0), ValueError),
+    (dict(power_of_2_scale=1), TypeError), (dict(x=np.ones((4,), F32)), ValueError),
+    (dict(x=np.ones((4, 4), np.int32)), TypeError)])
+def test_errors_name_the_argument(bad, err):
+    kwargs = dict(x=np.ones((4, 4), F32))
+    kwargs.update(bad)
+    with pytest.raises(err):
+        jax_fp8.quantize_blocks(**kwargs)
+
+
+def test_hlo_custom_call_only_on_cuda(backend, device):
+    x = jax.device_put(np.ones((256, 256), F32), device)
+    opts = FAST_COMPILE if backend == "cpu" else None
+    hlo = jax.jit(blockwise.quantize_blocks_both).lower(x).compile(opts).as_text()
+    assert (TARGET in hlo) == (backend == "gpu")
+    if backend == "gpu":
+        xla = jax.jit(lambda x: bq.block_quantize(
+            x, block_rows=1, fp8_dtype=jnp.float8_e4m3fn, power_of_2_scale=True,
+            amax_epsilon=0.0, colwise=True, implementation="xla")).lower(x).compile().as_text()
+        assert TARGET not in xla
+        assert hlo.count(TARGET) == 1, "one kernel for both copies"
+
+
+# ------------------------------------------------------------------------ GPU: the kernel
+
+GPU_SHAPES = [(128, 128), (256, 512), (1, 1), (3, 5), (130, 257), (127, 129), (4, 1028),
+              (1028, 8), (2, 3, 200, 300), (6, 130, 6), (4096, 4096), (513, 4100)]
+
+
+def _impl(x, impl, block, fp8, rowwise, colwise, pow2=True, eps=0.0):
+    return bq.block_quantize(x, block_rows=block[0], fp8_dtype=fp8, power_of_2_scale=pow2,
+                             amax_epsilon=eps, rowwise=rowwise, colwise=colwise,
+                             implementation=impl)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", IN_DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("fp8", FP8, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("block", BLOCKS, ids=str)
+@pytest.mark.parametrize("layouts", [(True, False), (False, True), (True, True)],
+                         ids=["row", "col", "both"])
+def test_gpu_kernel_bits_equal_reference_on_gpu(gpu_device, shape, dtype, fp8, block, layouts):
+    """The CUDA kernel against the jax.numpy lowering on the same GPU and the oracle:
+    edge tiles, rows/cols not multiples of 4 (byte stores), all layouts."""
+    x = block_data(np.random.default_rng(sum(shape)), shape, dtype)
+    kernel = run(gpu_device, lambda x: _impl(x, "auto", block, fp8, *layouts), x)
+    xla = run(gpu_device, lambda x: _impl(x, "xla", block, fp8, *layouts), x)
+    names = (["row data", "row scale_inv"] if layouts[0] else []) + \
+            (["col data", "col scale_inv"] if layouts[1] else [])
+    for name, k, r in zip(names, kernel, xla):
+        if "data" in name:
+            assert_fp8_equal(k, r, f"kernel vs XLA on the GPU: {name}")
+        else:
+            helpers.assert_bits_equal(k, r, f"kernel vs XLA on the GPU: {name}")
+    outs = iter(kernel)
+    if layouts[0]:
+        check_against_oracle((next(outs), next(outs)), x, block, fp8, what="kernel row-wise")
+    if layouts[1]:
+        check_against_oracle((next(outs), next(outs)), np.swapaxes(x, -1, -2), block, fp8,
+                             what="kernel column-wise")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pow2, eps", [(False, 0.0), (True, 1e-40), (False, 1e-3), (True, 7.0)])
+def test_gpu_kernel_options(gpu_device, pow2, eps):
+    x = block_data(np.random.default_rng(12), (300, 700))
+    for block in BLOCKS:
+        got = run(gpu_device, lambda x: _impl(x, "auto", block, FP8[0], True, True,
+                                                         pow2, eps), x)
+        check_against_oracle(got[:2], x, block, FP8[0], pow2, eps, what="row-wise")
+        check_against_oracle(got[2:], x.T, block, FP8[0], pow2, eps, what="column-wise")
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_grid_stride_over_many_tiles(gpu_device):
+    """More row tiles x batch than CUDA's grid y limit (65535): the kernel loops."""
+    x = block_data(np.random.default_rng(13), (70000, 130, 4), ml_dtypes.bfloat16)
+    for block in BLOCKS:
+        got = run(gpu_device, lambda x: _impl(x, "auto", block, FP8[0], True, True), x)
+        want = run(gpu_device, lambda x: _impl(x, "xla", block, FP8[0], True, True), x)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
