@@ -85,7 +85,8 @@ def main(argv=None):
             got = np.asarray(layout.transpose_bytes_p.bind(jax.device_put(fp8)))
             np.testing.assert_array_equal(got.view(np.uint8), host.T)
             # A fresh copy for each: the step donates its input.
-            times = {n: device_us(fn, jax.device_put(fp8), args.reps) for n, fn in TRANSPOSES.items()}
+            times = {n: device_us(fn, jax.device_put(fp8), args.reps)
+                     for n, fn in TRANSPOSES.items()}
             rows.append({"shape": list(shape), "bytes": int(np.prod(shape)),
                          **{n: {"us": t, "kernels": k} for n, (t, k) in times.items()}})
             progress.advance(f"transpose {shape[0]}x{shape[1]}: " + ", ".join(

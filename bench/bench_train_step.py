@@ -227,14 +227,16 @@ def compile_step(variant, state, x, y):
 
 
 def setup(variant, size, args, x, y, abstract=False):
-    """(state, compiled, lower_s, compile_s). A recipe variant whose recipe this jax_fp8
-    does not take raises RecipeNotAccepted."""
+    """(state, compiled, lower_s, compile_s, init_s). A recipe variant whose recipe this
+    jax_fp8 does not take raises RecipeNotAccepted."""
     try:
+        t0 = time.perf_counter()
         if abstract:  # shapes only: nothing runs, nothing is allocated
             state = jax.eval_shape(lambda a, b: make_state(variant, size, args, a), x, y)
         else:
-            state = make_state(variant, size, args, x)
-        return (state, *compile_step(variant, state, x, y))
+            state = jax.block_until_ready(make_state(variant, size, args, x))
+        init_s = time.perf_counter() - t0
+        return (state, *compile_step(variant, state, x, y), init_s)
     except (TypeError, ValueError, AttributeError, NotImplementedError) as err:
         if variant.recipe is None or variant.recipe is _delayed:
             raise
@@ -247,12 +249,12 @@ def setup(variant, size, args, x, y, abstract=False):
 # Measuring.
 # --------------------------------------------------------------------------------------
 
-def analyze(compiled):
-    """What the compiled step holds: kernels, GEMMs (FP8 or not), custom calls, memory."""
-    mod = hlo.parse(compiled)
+def analyze(mod):
+    """What the compiled step (a parsed `hlo.Module`) holds: kernels, GEMMs (FP8 or
+    not), custom calls, collectives."""
     gemms = hlo.gemms(mod)
-    return {"kernels": sum(hlo.count_kernels(mod).values()),
-            "fusions": hlo.count_kernels(mod).get("fusion", 0),
+    kernels = hlo.count_kernels(mod)
+    return {"kernels": sum(kernels.values()), "fusions": kernels.get("fusion", 0),
             "custom_calls": hlo.custom_calls(mod),
             "fp8_gemms": hlo.fp8_gemms(mod),
             "gemms_fp8": sum(g.fp8 for g in gemms),
@@ -287,16 +289,20 @@ def measure(variant, size, args, x, y, platform, progress):
     r = {"variant": variant.name, "label": variant.label, "d": d, "blocks": blocks,
          "tokens": tokens, "size": size_key(size)}
     progress.status(f"{tag}: init + compile")
-    state, compiled, r["lower_s"], r["compile_s"] = setup(variant, size, args, x, y)
+    state, compiled, r["lower_s"], r["compile_s"], r["init_s"] = setup(variant, size, args,
+                                                                       x, y)
     r["state_arrays"] = len(jax.tree.leaves(state))
     r["memory"] = hlo.memory(compiled)
     r["temp_bytes"] = r["memory"].get("temp_size_in_bytes")
-    r["hlo"] = analyze(compiled)
-    ops = hlo.op_families(compiled)
+    text = compiled.as_text()
+    mod = hlo.parse(text)
+    r["hlo"] = analyze(mod)
+    ops = hlo.op_families(mod)
     if args.save_hlo:
         with gzip.open(os.path.join(args.outdir, f"hlo_{r['size']}_{variant.name}.txt.gz"),
                        "wt") as fp:
-            fp.write(compiled.as_text())
+            fp.write(text)
+    del text, mod
     check_update_calls(variant, r)
     if args.compile_only:
         del state, compiled
@@ -339,8 +345,9 @@ def measure(variant, size, args, x, y, platform, progress):
             r["families_ms"] = {k: round(v, 5) for k, v in fam.items()}
             r["gemm_ms"], r["fp8_gemm_floor_ms"] = gemm_split(fam, r["hlo"])
             r["non_gemm_ms"] = r["device_ms"] - r["gemm_ms"]
+            top = list(trace.by_name(dev).items())[:args.top_kernels]
             r["top_kernels"] = [{"name": k[:160], "per_step": c / n, "ms_per_step": us / n / 1e3}
-                                for k, (c, us) in list(trace.by_name(dev).items())[:args.top_kernels]]
+                                for k, (c, us) in top]
         else:
             r["trace_error"] = "no device events in the trace"
     r["loss_first"], r["loss_last"] = losses[0], losses[-1]
@@ -372,8 +379,8 @@ def fresh_compile(variant, size, args):
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
                JAX_ENABLE_COMPILATION_CACHE="false")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not re.match(r"--xla_gpu_(per_fusion_autotune_cache_dir|load_autotune_results_from)", f)]
+    cached = re.compile(r"--xla_gpu_(per_fusion_autotune_cache_dir|load_autotune_results_from)")
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not cached.match(f)]
     env["XLA_FLAGS"] = " ".join(flags)
     if args.cpu_smoke:
         env["JAX_PLATFORMS"] = "cpu"
@@ -392,9 +399,9 @@ def child_compile(args):
     d, _, tokens = size
     x = jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16)
     try:
-        state, compiled, lower_s, compile_s = setup(VARIANTS[name], size, args, x, x,
-                                                    abstract=True)
-        out = {"lower_s": lower_s, "compile_s": compile_s, "hlo": analyze(compiled),
+        state, compiled, lower_s, compile_s, _ = setup(VARIANTS[name], size, args, x, x,
+                                                       abstract=True)
+        out = {"lower_s": lower_s, "compile_s": compile_s, "hlo": analyze(hlo.parse(compiled)),
                "memory": hlo.memory(compiled), "state_arrays": len(jax.tree.leaves(state))}
     except RecipeNotAccepted as err:
         out = {"skip": str(err)}
@@ -493,9 +500,11 @@ def markdown(data):
                 cells += [common.fmt(r.get(metric), "{:.3f}"),
                           common.fmt(e.get(f"{metric}:vs_bf16"), "{:.3f}"),
                           common.fmt(e.get(f"{metric}:vs_flax"), "{:.3f}")]
-            cells += [common.fmt(r.get("blocked_ms"), "{:.3f}"), common.fmt(r.get("compile_s"), "{:.1f}"),
+            temp = r.get("temp_bytes")
+            cells += [common.fmt(r.get("blocked_ms"), "{:.3f}"),
+                      common.fmt(r.get("compile_s"), "{:.1f}"),
                       common.fmt(r.get("compile_fresh_s"), "{:.1f}"),
-                      common.fmt(r["temp_bytes"] / gib if r.get("temp_bytes") is not None else None)]
+                      common.fmt(None if temp is None else temp / gib)]
             lines.append("| " + " | ".join(cells) + " |")
         lines += ["", "| variant | GEMM ms | FP8 GEMM floor ms | device / floor | non-GEMM ms | "
                   "non-GEMM − bf16's ms | FP8 GEMMs (HLO) | other GEMMs | `jax_fp8_update` | "
@@ -586,7 +595,8 @@ def build_parser():
                         "(default: " + ",".join(k for k, v in VARIANTS.items() if v.default) + ")")
     p.add_argument("--steps", type=int, default=10, help="timed steps, blocked and pipelined (10)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up steps (3)")
-    p.add_argument("--trace-steps", type=int, default=5, help="steps in the profiler trace (5; 0: none)")
+    p.add_argument("--trace-steps", type=int, default=5,
+                   help="steps in the profiler trace (5; 0: none)")
     p.add_argument("--history-len", type=int, default=1024,
                    help="amax history length, Flax and jax_fp8 alike (1024, both defaults)")
     p.add_argument("--lr", type=float, default=1e-4, help="adam learning rate")
@@ -678,7 +688,8 @@ def run(argv=None):
                 else:
                     r = measure(v, size, args, x, y, platform, progress)
                 f = fresh.get((size, v.name), {})
-                r.update({f"{k}_fresh_s": f[f"{k}_s"] for k in ("lower", "compile") if f"{k}_s" in f})
+                r.update({f"{k}_fresh_s": f[f"{k}_s"] for k in ("lower", "compile")
+                          if f"{k}_s" in f})
                 if "error" in f:  # (the in-process measurement went on)
                     r["compile_fresh_error"] = f["error"]
                     failures.append({**where, "error": f"fresh compile: {f['error']}"})
@@ -708,7 +719,8 @@ def run(argv=None):
 
 
 def _summary(r, seconds):
-    parts = [f"compile {r['compile_s']:.1f} s" if r.get("compile_s") is not None else
+    parts = [f"init {r['init_s']:.1f} s, compile {r['compile_s']:.1f} s"
+             if r.get("compile_s") is not None else
              f"fresh compile {r.get('compile_fresh_s', 0):.1f} s"]
     for key, name in TIMES:
         if r.get(key) is not None:

@@ -308,7 +308,8 @@ def markdown(data):
           lambda r: f"{r['kernels_hlo']}" + (f" / {r['kernels_trace']:g}"
                                              if gpu and "kernels_trace" in r else ""))
     if any(r.get("device_us") is not None for r in results):
-        table(f"{dev_name} per update (profiler trace)", lambda r: common.fmt_us(r.get("device_us")))
+        table(f"{dev_name} per update (profiler trace)",
+              lambda r: common.fmt_us(r.get("device_us")))
     table("Wall time per jitted call (median, block_until_ready each)",
           lambda r: common.fmt_us(r.get("wall_us_median")))
     table("Compile time", lambda r: f"{r['compile_s']:.2f} s")
@@ -374,10 +375,13 @@ def build_parser():
                    help="skip per_tensor_jnp and fused_pytree above N (their compile time "
                         "grows faster than linearly with the number of separate arrays)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up calls per column (3)")
-    p.add_argument("--min-calls", type=int, default=None, help="timed calls at least (10; --quick 3)")
-    p.add_argument("--max-calls", type=int, default=None, help="timed calls at most (2000; --quick 100)")
+    p.add_argument("--min-calls", type=int, default=None,
+                   help="timed calls at least (10; --quick 3)")
+    p.add_argument("--max-calls", type=int, default=None,
+                   help="timed calls at most (2000; --quick 100)")
     p.add_argument("--wall-seconds", type=float, default=None,
-                   help="wall-time budget per configuration, shared by the columns (1.5; --quick 0.3)")
+                   help="wall-time budget per configuration, shared by the columns "
+                        "(1.5; --quick 0.3)")
     p.add_argument("--wall-blocks", type=int, default=None,
                    help="timed blocks per column, alternating between columns (4; --quick 2)")
     p.add_argument("--trace-reps", type=int, default=None, help="calls per trace (20; --quick 5)")

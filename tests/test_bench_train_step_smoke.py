@@ -73,13 +73,12 @@ def test_every_variant_side_by_side(tmp_path):
 
 
 def test_compile_fresh_compiles_in_a_new_process(tmp_path):
-    proc = run_bench("--variants", "jax_fp8,jax_fp8_current", "--compile-fresh",
-                     "--compile-only", "--outdir", str(tmp_path))
+    proc = run_bench("--variants", "jax_fp8", "--compile-fresh", "--compile-only",
+                     "--outdir", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-5000:]
     data = json.loads((tmp_path / "results.json").read_text())
     (r,) = data["results"]
     assert r["variant"] == "jax_fp8" and r["compile_fresh_s"] > 0 and r["lower_fresh_s"] > 0
     assert r["compile_s"] is None and "device_ms" not in r     # nothing else compiled or ran
     assert r["hlo"]["jax_fp8_update"] == int(jax_fp8.HAS_CPU_KERNEL) and r["state_arrays"]
-    assert "[1/4] 32x1x32 jax_fp8: fresh compile" in proc.stderr
-    assert [s["variant"] for s in data["skipped"]] in ([], ["jax_fp8_current"])
+    assert "[1/2] 32x1x32 jax_fp8: fresh compile" in proc.stderr

@@ -111,7 +111,7 @@ def _split_shape(rest: str) -> tuple[str, str]:
     return shape, tail
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=2)
 def _parse_text(text: str) -> Module:
     comps: dict[str, list[Instruction]] = {}
     entry = current = None
@@ -321,7 +321,8 @@ def collectives(program) -> list[Collective]:
             reduction = None
             if base in ("all-reduce", "reduce-scatter"):
                 for c in _callees(ins.line)[:1]:
-                    roots = [i for i in mod.computations.get(c, ()) if "ROOT" in i.line.split("=")[0]]
+                    body = mod.computations.get(c, ())
+                    roots = [i for i in body if "ROOT" in i.line.split("=")[0]]
                     reduction = roots[-1].opcode if roots else None
             dtypes = tuple(dict.fromkeys(_dtypes(shape)))
             out.append(Collective(ins.name, base, dtypes, shape_bytes(shape), reduction))
