@@ -147,6 +147,8 @@ def test_kernels_custom_calls():
     assert hlo.computations_calling(HLO, "jax_fp8_update") == ["main.1"]
     assert hlo.fusion_kinds(HLO) == {"kLoop": 2}
     assert hlo.source_ops(HLO) == {"copy_1": "jit(f)/copy"}
+    assert hlo.op_families(HLO) == {"loop_fusion": "loop fusion", "loop_fusion_1": "loop fusion",
+                                    "cc": "custom-call:jax_fp8_update"}
 
 
 def test_gemms_gpu_style():
@@ -161,7 +163,7 @@ def test_gemms_gpu_style():
     assert hlo.fusion_kinds(GPU_HLO) == {"__triton_gemm": 2, "kLoop": 1}
     assert hlo.op_families(GPU_HLO) == {
         "cublas_gemm_1": "fp8 gemm", "gemm_fusion": "fp8 gemm", "bf16_fusion": "gemm",
-        "upd": "custom-call:jax_fp8_update"}
+        "loop_fusion": "loop fusion", "upd": "custom-call:jax_fp8_update"}
 
 
 def test_collectives():

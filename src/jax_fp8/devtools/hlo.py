@@ -347,16 +347,25 @@ def kernel_name(instruction: str) -> str:
     return instruction.replace(".", "_").replace("-", "_")
 
 
+_FUSION_FAMILIES = {"kLoop": "loop fusion", "kInput": "input fusion",
+                    "kOutput": "output fusion", "__triton": "triton fusion"}
+
+
 def op_families(program) -> dict[str, str]:
-    """What the HLO knows about its kernels, by `kernel_name`: ``"fp8 gemm"``/``"gemm"``
-    for GEMMs, ``"custom-call:<target>"``, ``"collective:<opcode>"``. For
-    `trace.by_family`, which classifies the rest (fusions, copies) by name."""
+    """The family of each kernel-level instruction, by `kernel_name`, for `trace.by_family`:
+    ``"fp8 gemm"``/``"gemm"`` for GEMMs, ``"custom-call:<target>"``,
+    ``"collective:<opcode>"``, ``"loop fusion"``/``"input fusion"``/``"triton fusion"``
+    by fusion kind. (Kernels the trace names otherwise, e.g. cuBLAS's, it classifies by name.)"""
     mod = parse(program)
     out = {kernel_name(g.name): "fp8 gemm" if g.fp8 else "gemm" for g in gemms(mod)}
     for ins in kernel_instructions(mod):
         key = kernel_name(ins.name)
-        if ins.opcode == "custom-call" and key not in out:
+        if key in out:
+            continue
+        if ins.opcode == "custom-call":
             out[key] = f"custom-call:{_target(ins)}"
+        elif ins.opcode == "fusion":
+            out[key] = _FUSION_FAMILIES.get(_fusion_kind(ins), "fusion")
     for c in collectives(mod):
         out[kernel_name(c.name)] = f"collective:{c.opcode}"
     return out
