@@ -23,15 +23,15 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jax_fp8
 from jax_fp8.devtools import hlo as hlo_tools
 from jax_fp8.devtools import trace
-from jax_fp8.devtools.hlo import all_reduce_kinds  # noqa: F401  (used by tests' workers)
 
 DN = (((1,), (0,)), ((), ()))
 
 
-def collective_gpu_us(step, args, reps):
-    """µs of collective kernels per step and device, from a profiler trace."""
+def collective_gpu_us(step, args, reps, ops=None):
+    """µs of collective kernels per step and device, from a profiler trace (``ops``:
+    the compiled step's `hlo.op_families`)."""
     args, events = trace.capture(lambda a: step(*a), args, steps=reps)
-    families = trace.by_family(trace.device_events(events))
+    families = trace.by_family(trace.device_events(events), ops)
     coll_us = sum(us for family, us in families.items() if family.startswith("collective"))
     return coll_us / reps / jax.local_device_count(), args
 
@@ -88,7 +88,7 @@ def main():
         times.append(time.perf_counter() - t)
     coll_us = None
     if args.trace and devices[0].platform == "gpu":
-        coll_us, state = collective_gpu_us(compiled, state, 5)
+        coll_us, state = collective_gpu_us(compiled, state, 5, hlo_tools.op_families(hlo))
     params, opt_state, fp8 = state[:3]
     agree = True
     for leaf in jax.tree.leaves((params, fp8)):
