@@ -98,11 +98,55 @@ def test_relative_links_resolve():
     assert not broken, "links to files that do not exist:\n" + "\n".join(broken)
 
 
+def _slug(heading):
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to '-'."""
+    text = re.sub(r"<[^>]+>", "", heading).strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def _anchors(md):
+    text = _FENCE.sub("", md.read_text(encoding="utf-8"))
+    seen, out = {}, set(re.findall(r"""<a\s+(?:id|name)=["']([^"']+)["']""", text))
+    for heading in re.findall(r"^#{1,6}\s+(.*?)\s*#*\s*$", text, re.MULTILINE):
+        slug = _slug(heading)
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_anchors_resolve():
+    """`page.md#section` and `#section` links name a heading or an <a id> of that page."""
+    broken = []
+    for md in _markdown_files():
+        if not md.exists():
+            continue
+        text = md.read_text(encoding="utf-8")
+        stripped = _CODE.sub("", _FENCE.sub("", text))
+        targets = list(_relative_links(text)) + [
+            m.group(1) for m in _INLINE_LINK.finditer(stripped) if m.group(1).startswith("#")]
+        for target in targets:
+            if "#" not in target:
+                continue
+            path, anchor = target.split("#", 1)
+            page = md if not path else (md.parent / path)
+            if page.suffix != ".md" or not page.exists():
+                continue
+            if anchor not in _anchors(page):
+                broken.append(f"{md.relative_to(ROOT)}: {target}")
+    assert not broken, "links to sections that do not exist:\n" + "\n".join(broken)
+
+
 def test_link_checker_finds_links():
     """The checker itself: it sees inline, reference and image links, not code."""
     text = ("[a](docs/x.md) ![b](img.png#frag) `[c](not/this.md)`\n"
             "[d]: ../y.md\n```\n[e](nor/this.md)\n```\n[f](https://example.com) [g](#top)")
     assert list(_relative_links(text)) == ["docs/x.md", "img.png#frag", "../y.md"]
+    assert _slug("Floating point: IEEE float32, no flush-to-zero") == \
+        "floating-point-ieee-float32-no-flush-to-zero"
+    assert _slug("The update (H200)") == "the-update-h200"
+    assert _slug("`quantize_blocks`") == "quantize_blocks"
 
 
 # -------------------------------------------------------------------------- provenance
