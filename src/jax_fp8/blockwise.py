@@ -16,6 +16,8 @@ max may drop it; the scale arithmetic after it is the exact one.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -144,10 +146,21 @@ def quantize_current(x, fp8_dtype=jnp.float8_e4m3fn, *, power_of_2_scale=False,
     devices, so every device quantizes with the global scale), then ``scale_from_amax``
     and the same cast as ``quantize_blocks``. Not differentiated (a zero gradient).
     """
-    x = _operand(x, min_ndim=0)
+    x = jax.lax.stop_gradient(_operand(x, min_ndim=0))
     opts = _options(fp8_dtype, power_of_2_scale, amax_epsilon)
-    amax = jax.lax.stop_gradient(quantization.compute_amax(x))
-    scale = bq.scale_from_amax_f32(amax, recipe_lib.fp8_max(opts["fp8_dtype"]),
-                                   opts["amax_epsilon"], opts["power_of_2_scale"])
-    x32 = bq.widen(jax.lax.stop_gradient(x))
-    return bq.cast_scaled(x32, scale, opts["fp8_dtype"]), bq.scale_inverse(scale)
+    amax = quantization.compute_amax(x)
+    with jax.disable_jit(False):  # one compiled program also when eager (as the primitives)
+        return _cast_current(tuple(sorted(opts.items())))(x, amax)
+
+
+@functools.lru_cache(maxsize=None)
+def _cast_current(opts):
+    opts = dict(opts)
+
+    @jax.jit
+    def cast(x, amax):
+        scale = bq.scale_from_amax_f32(amax, recipe_lib.fp8_max(opts["fp8_dtype"]),
+                                       opts["amax_epsilon"], opts["power_of_2_scale"])
+        return bq.cast_scaled(bq.widen(x), scale, opts["fp8_dtype"]), bq.scale_inverse(scale)
+
+    return cast

@@ -29,7 +29,7 @@ from jax.interpreters import ad, batching, mlir
 
 from jax_fp8 import _registration
 from jax_fp8._primitives import common, partition
-from jax_fp8._primitives.block_quantize import BLOCK, scale_rows, up_scaled
+from jax_fp8._primitives.block_quantize import BLOCK, check_not_explicit, scale_rows, up_scaled
 
 TARGET = "jax_fp8_block_gemm"
 WORKSPACE_BYTES = 32 * 1024 * 1024  # cuBLASLt's recommendation for Hopper
@@ -67,6 +67,7 @@ def _abstract_eval(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dt
             raise ValueError(f"jax_fp8_block_gemm: {name}_scale_inv must be float32{list(want)}, "
                              f"got {s.dtype}{list(s.shape)}")
     common.check_same_varying("jax_fp8_block_gemm", (a, a_scale, b, b_scale))
+    check_not_explicit("jax_fp8_block_gemm", a)
     return a.update(shape=a.shape[:-1] + (b.shape[-2],), dtype=out_dtype, weak_type=False)
 
 

@@ -189,25 +189,27 @@ block_quantize_p = Primitive("jax_fp8_block_quantize")
 block_quantize_p.multiple_results = True
 
 
-def _swap_last_two(sharding):
-    spec = tuple(getattr(sharding, "spec", ()))
-    if len(spec) < 2:
-        return sharding
-    return sharding.update(spec=jax.sharding.PartitionSpec(*spec[:-2], spec[-1], spec[-2]))
+def check_not_explicit(name, aval):
+    """Arrays typed with an Explicit-axes mesh sharding would need sharding rules for
+    every result; refuse them with a clear error (Auto axes and shard_map work)."""
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+    if mesh is not None and not getattr(mesh, "empty", True) and explicit is not None \
+            and explicit in tuple(getattr(mesh, "axis_types", ())):
+        raise NotImplementedError(
+            f"{name}: arrays sharded over a mesh with Explicit axes are not supported; use "
+            f"Auto axes (jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto, ...))) "
+            f"or shard_map")
 
 
-def _like(x, shape, dtype, swapped=False):
-    sharding = getattr(x, "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is not None and not getattr(mesh, "empty", True) and len(shape) == x.ndim:
-        sharding = _swap_last_two(sharding) if swapped else sharding
-        return x.update(shape=shape, dtype=dtype, weak_type=False, sharding=sharding)
+def _like(x, shape, dtype):
     return x.update(shape=shape, dtype=dtype, weak_type=False)
 
 
 def _abstract_eval(x, *, block_rows, fp8_dtype, power_of_2_scale, amax_epsilon, rowwise,
                    colwise, implementation):
     del power_of_2_scale, amax_epsilon
+    check_not_explicit("jax_fp8_block_quantize", x)
     if x.ndim < 2 or np.dtype(x.dtype) not in INPUT_DTYPES:
         raise TypeError(f"jax_fp8_block_quantize: takes a float32/bfloat16/float16 array of "
                         f"rank >= 2, got {x.dtype}{list(x.shape)}")
@@ -222,9 +224,8 @@ def _abstract_eval(x, *, block_rows, fp8_dtype, power_of_2_scale, amax_epsilon, 
         outs += [_like(x, lead + (m, k), fp8_dtype),
                  _like(x, lead + (scale_rows(m, block_rows), -(-k // BLOCK)), np.float32)]
     if colwise:
-        outs += [_like(x, lead + (k, m), fp8_dtype, swapped=True),
-                 _like(x, lead + (scale_rows(k, block_rows), -(-m // BLOCK)), np.float32,
-                       swapped=True)]
+        outs += [_like(x, lead + (k, m), fp8_dtype),
+                 _like(x, lead + (scale_rows(k, block_rows), -(-m // BLOCK)), np.float32)]
     return outs
 
 

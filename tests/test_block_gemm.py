@@ -1,0 +1,234 @@
+"""The block-scaled FP8 GEMM primitive against the exact (float64) product of the
+dequantized operands, within error bounds derived below; on the GPU the cuBLASLt path
+(SM90, cuBLASLt >= 12.9) and the handler's plain kernel, with block scales that differ by
+powers of two from block to block, so that any mix-up of the scale layouts shows.
+
+Notation: a_ik = qa_ik * sa(i, k // 128), b_jk = qb_jk * sb(j, k // 128) (sa, sb the
+scale_inv of each operand's block), E_ij = sum_k a_ik b_jk computed in float64 (exact
+here: power-of-two scales make a_ik b_jk an 8-bit product, and float64 holds the sums to
+2**-53 relative, far below every bound), S_ij = sum_k |a_ik| |b_jk|, u = 2**-24, u_out the
+unit roundoff of the output dtype (2**-24 float32, 2**-8 bfloat16, 2**-11 float16).
+
+* Reference (XLA, float32): the dequantized operands are exact (FP8 times a power of two;
+  with other scales each is within u of a_ik, b_jk), then a float32 dot of K products:
+  whatever the summation order, |dot - E| <= (K + 2) u S (the classic gamma_K bound, with
+  the two operand roundings), then one rounding to the output:
+  |out - E| <= (K + 4) u S + u_out |E|.
+* cuBLASLt (Hopper): each 128-wide K block is summed by the FP8 tensor cores, whose
+  accumulator keeps about 14 bits (DeepSeek-V3 report, section 3.3.2), then scaled by
+  sa * sb and added in float32 (one promotion per scale block). Per block at most 2**-11
+  of that block's sum of |products| (a factor 4 over 2**-13 for the four K=32 steps), then
+  (K/128 + 2) u S for the float32 sum over blocks:
+  |out - E| <= (2**-11 + (K/128 + 4) u) S + u_out |E|.
+  A wrong scale layout multiplies whole blocks by other powers of two: errors of order S.
+* The plain CUDA kernel: float32 partials per block and a float32 sum over blocks:
+  |out - E| <= (K + K/128 + 4) u S + u_out |E|.
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import helpers
+from jax_fp8._primitives import block_gemm as gemm_lib
+
+F32 = np.float32
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+TARGET = 'custom_call_target="jax_fp8_block_gemm"'
+U = 2.0 ** -24
+U_OUT = {np.dtype(np.float32): 2.0 ** -24, np.dtype(jnp.bfloat16): 2.0 ** -8,
+         np.dtype(np.float16): 2.0 ** -11}
+FAST_COMPILE = {"xla_backend_optimization_level": 0}  # CPU: same IEEE arithmetic, faster
+
+
+def rows_of(block):
+    return 1 if block == "1d" else 128
+
+
+def operand(rng, lead, rows, k, fp8, block, pow2=True):
+    """Random finite FP8 data [*lead, rows, k] and scale_inv with per-block magnitudes
+    2**-6 .. 2**6 (or random non-power-of-two scales), as quantize_blocks lays them out."""
+    vals = rng.normal(size=lead + (rows, k)).astype(F32) * F32(8.0)
+    q = np.asarray(vals.astype(np.dtype(fp8)))
+    r = rows_of(block)
+    shape = lead + (rows if r == 1 else -(-rows // 128), -(-k // 128))
+    s = np.exp2(rng.integers(-6, 7, size=shape)).astype(F32)
+    if not pow2:
+        s = (s * rng.uniform(0.5, 1.0, size=shape)).astype(F32)
+    return q, s
+
+
+def exact(qa, sa, qb, sb, ra, rb):
+    """float64 E and S (see the module docstring)."""
+    def deq(q, s, r):
+        m, k = q.shape[-2:]
+        full = np.repeat(np.repeat(s.astype(np.float64), r, -2), 128, -1)[..., :m, :k]
+        return q.astype(np.float64) * full
+    a, b = deq(qa, sa, ra), deq(qb, sb, rb)
+    return np.einsum("...mk,...nk->...mn", a, b), np.einsum("...mk,...nk->...mn", np.abs(a),
+                                                          np.abs(b))
+
+
+def assert_within(out, e, s, coef, out_dtype, what):
+    out = np.asarray(out, np.float64)
+    u_out = U_OUT[np.dtype(out_dtype)]
+    tol = coef * (1 + u_out) * s + u_out * np.abs(e)  # the GEMM's error, then one rounding
+    err = np.abs(out - e)
+    bad = err > tol
+    assert not bad.any(), (f"{what}: {bad.sum()} of {bad.size} outside the bound; worst "
+                           f"err/S {np.max(err / np.maximum(s, 1e-300)):.3g} (bound coef {coef:.3g})")
+
+
+def reference_coef(k):
+    return (k + 4) * U
+
+
+def cublas_coef(k):
+    return 2.0 ** -11 + (k / 128 + 4) * U
+
+
+def fallback_coef(k):
+    return (k + k / 128 + 4) * U
+
+
+def run(device, fn, *args, **kw):
+    opts = FAST_COMPILE if device.platform == "cpu" else None
+    return helpers.run_on(device, fn, *args, compiler_options=opts, **kw)
+
+
+def gemm(ra, rb, out_dtype, impl="auto"):
+    return lambda qa, sa, qb, sb: gemm_lib.block_gemm(
+        qa, sa, qb, sb, a_block_rows=ra, b_block_rows=rb, out_dtype=out_dtype,
+        implementation=impl)
+
+
+# (lead, M, N, K, a block, b block, a type, b type, out dtype, power-of-two scales)
+CPU_CASES = [((), 130, 72, 300, "1d", "1d", E4M3, E4M3, np.float32, True),
+             ((), 256, 136, 256, "1d", "2d", E4M3, E4M3, jnp.bfloat16, True),
+             ((2,), 72, 200, 130, "2d", "1d", E5M2, E4M3, np.float32, False),
+             ((), 129, 131, 129, "2d", "2d", E4M3, E5M2, np.float16, True)]
+
+
+def test_reference_within_bound(backend, device):
+    """The XLA reference on every backend (on the GPU only where cuBLASLt is not used)."""
+    rng = np.random.default_rng(0)
+    ops = []
+    for lead, m, n, k, ba, bb, ta, tb, _, pow2 in CPU_CASES:
+        ops.append((*operand(rng, lead, m, k, ta, ba, pow2), *operand(rng, lead, n, k, tb, bb, pow2)))
+
+    def fn(ops):
+        return [gemm(rows_of(c[4]), rows_of(c[5]), c[8], "xla")(*o) for c, o in zip(CPU_CASES, ops)]
+
+    for case, o, out in zip(CPU_CASES, ops, run(device, fn, ops)):
+        e, s = exact(*o, rows_of(case[4]), rows_of(case[5]))
+        assert out.shape == e.shape and out.dtype == np.dtype(case[8])
+        assert_within(out, e, s, reference_coef(case[3]), case[8], f"reference {case}")
+
+
+def test_vmap_and_jit_agree(backend, device):
+    rng = np.random.default_rng(1)
+    qa, sa = operand(rng, (3,), 64, 256, E4M3, "1d")
+    qb, sb = operand(rng, (), 48, 256, E4M3, "2d")
+    f = gemm(1, 128, np.float32)
+    fn = lambda qa, sa, qb, sb: (jax.vmap(f, in_axes=(0, 0, None, None))(qa, sa, qb, sb),  # noqa: E731
+                                 [f(qa[i], sa[i], qb, sb) for i in range(3)])
+    batched, each = run(device, fn, qa, sa, qb, sb)
+    np.testing.assert_array_equal(batched, np.stack(each))
+
+
+def test_bad_operands_are_rejected():
+    qa, sa = operand(np.random.default_rng(2), (), 8, 256, E4M3, "1d")
+    with pytest.raises(ValueError, match="b_scale_inv"):
+        gemm(1, 1, np.float32)(qa, sa, qa, sa[:, :1])
+    with pytest.raises(ValueError, match="need a"):
+        gemm(1, 1, np.float32)(qa, sa, qa[:, :128], sa[:, :1])
+    with pytest.raises(TypeError, match="FP8"):
+        gemm(1, 1, np.float32)(qa.astype(F32), sa, qa, sa)
+
+
+def test_cuda_conditions_are_cublas_shapes():
+    aval = lambda *s, t=E4M3: jax.ShapeDtypeStruct(s, t)  # noqa: E731
+    ok = gemm_lib.cublas_takes
+    assert ok(aval(64, 256), aval(128, 256), 1, 128, jnp.bfloat16)
+    assert not ok(aval(64, 256), aval(128, 256), 128, 128, jnp.bfloat16)   # two tile operands
+    assert not ok(aval(64, 250), aval(128, 250), 1, 1, jnp.bfloat16)       # K % 16
+    assert not ok(aval(60, 256), aval(128, 256), 1, 1, jnp.bfloat16)       # M % 8
+    assert not ok(aval(64, 256, t=E5M2), aval(64, 256, t=E5M2), 1, 1, np.float32)
+    assert ok(aval(64, 256, t=E5M2), aval(64, 256), 1, 1, np.float16)
+
+
+# ----------------------------------------------------------------------------------- GPU
+
+GPU_SHAPES = [((), 128, 128, 128), ((), 256, 512, 1024), ((), 64, 128, 256), ((), 8, 8, 16),
+              ((), 136, 264, 400), ((), 1024, 2048, 4096), ((3,), 64, 192, 384),
+              ((), 4096, 8, 1280)]
+GPU_BLOCKS = [("1d", "1d"), ("1d", "2d"), ("2d", "1d")]
+GPU_TYPES = [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)]
+
+
+@pytest.mark.gpu
+def test_gpu_cublaslt_is_found():
+    """The cuBLASLt path needs libcublasLt >= 12.9 from JAX's CUDA install and SM90 GPUs."""
+    ok, why = gemm_lib.cublas_status()
+    assert ok, why
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+@pytest.mark.parametrize("blocks", GPU_BLOCKS, ids="x".join)
+@pytest.mark.parametrize("types", GPU_TYPES, ids=lambda t: "x".join(np.dtype(d).name[7:] for d in t))
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, np.float32, np.float16],
+                         ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("impl", ["auto", "fallback"])
+def test_gpu_gemm_within_bound(gpu_device, shape, blocks, types, out_dtype, impl):
+    lead, m, n, k = shape
+    rng = np.random.default_rng(m + n + k)
+    ops = (*operand(rng, lead, m, k, types[0], blocks[0], pow2=m % 256 != 0),
+           *operand(rng, lead, n, k, types[1], blocks[1], pow2=m % 256 != 0))
+    ra, rb = rows_of(blocks[0]), rows_of(blocks[1])
+    fn = gemm(ra, rb, out_dtype, impl)
+    x = jax.device_put(ops, gpu_device)
+    hlo = jax.jit(fn).lower(*x).compile().as_text()
+    assert TARGET in hlo, f"no custom call ({gemm_lib.cublas_status()})"
+    out = helpers.run_on(gpu_device, fn, *ops)
+    e, s = exact(*ops, ra, rb)
+    coef = cublas_coef(k) if impl == "auto" else fallback_coef(k)
+    assert_within(out, e, s, coef, out_dtype, f"{impl} {shape} {blocks}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, blocks", [(((), 100, 64, 256), ("1d", "1d")),
+                                           (((), 64, 64, 250), ("1d", "2d")),
+                                           (((), 256, 256, 256), ("2d", "2d"))])
+def test_gpu_shapes_cublaslt_does_not_take_use_the_reference(gpu_device, shape, blocks):
+    lead, m, n, k = shape
+    rng = np.random.default_rng(3)
+    ops = (*operand(rng, lead, m, k, E4M3, blocks[0]), *operand(rng, lead, n, k, E4M3, blocks[1]))
+    ra, rb = rows_of(blocks[0]), rows_of(blocks[1])
+    fn = gemm(ra, rb, np.float32)
+    hlo = jax.jit(fn).lower(*jax.device_put(ops, gpu_device)).compile().as_text()
+    assert TARGET not in hlo
+    e, s = exact(*ops, ra, rb)
+    assert_within(helpers.run_on(gpu_device, fn, *ops), e, s, reference_coef(k), np.float32,
+                  "reference on the GPU")
+
+
+@pytest.mark.gpu
+def test_gpu_repeated_calls_and_many_shapes_reuse_plans(gpu_device):
+    """Plans are cached per shape: alternating shapes and repeated calls stay correct."""
+    rng = np.random.default_rng(4)
+    for rep in range(3):
+        for m, n, k in ((64, 64, 128), (128, 256, 512), (64, 64, 128)):
+            ops = (*operand(rng, (), m, k, E4M3, "1d"), *operand(rng, (), n, k, E4M3, "2d"))
+            out = helpers.run_on(gpu_device, gemm(1, 128, np.float32), *ops)
+            e, s = exact(*ops, 1, 128)
+            assert_within(out, e, s, cublas_coef(k), np.float32, f"rep {rep} {(m, n, k)}")
+
+
+def test_bfloat16_inputs_of_the_bound_helpers():
+    """The helpers' float64 product is exact for power-of-two scales (8-bit products)."""
+    q = np.asarray(np.array([[1.5, -2.0]], F32).astype(ml_dtypes.float8_e4m3fn))
+    e, s = exact(q, np.ones((1, 1), F32), q, np.full((1, 1), 0.5, F32), 1, 1)
+    assert e[0, 0] == (2.25 + 4.0) * 0.5 and s[0, 0] == e[0, 0]

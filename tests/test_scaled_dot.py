@@ -1,0 +1,193 @@
+"""scaled_dot_general with Float8BlockScaling and Float8CurrentScaling: forward and both
+gradients against the exact (float64) products of the operands the recipe prescribes,
+quantized by the NumPy oracle (tests/block_reference.py), within the GEMM error bounds
+derived in tests/test_block_gemm.py; general dimension_numbers, dtypes, finite
+differences, jit / vmap / disable_jit, and the 8-device check in a subprocess.
+
+With a loss sum(out * c), the output cotangent is c, so the three GEMMs' operands are
+known exactly: forward x . w (x row-wise, w as [N, K]), dgrad c . w^T (c row-wise, w
+row-wise along N), wgrad x^T . c (x and c column-wise, blocks along M).
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import block_reference as ref
+import helpers
+import jax_fp8
+import test_block_gemm as tg
+from jax_fp8 import Format
+from jax_fp8.scaled_dot import scaled_dot_general
+
+F32 = np.float32
+DENSE = (((1,), (0,)), ((), ()))
+RECIPES = {
+    "block": jax_fp8.Float8BlockScaling(),
+    "block_hybrid_x2d": jax_fp8.Float8BlockScaling(
+        fp8_format=Format.HYBRID, x_block_scaling_dim=2, w_block_scaling_dim=1,
+        power_of_2_scale=False, amax_epsilon=1e-6),
+    "current": jax_fp8.Float8CurrentScaling(),
+    "current_e4m3_pow2": jax_fp8.Float8CurrentScaling(fp8_format=Format.E4M3,
+                                                      power_of_2_scale=True),
+}
+
+
+def data(rng, m, k, n):
+    """x [m, k] with rows of different magnitudes, w [k, n], the cotangent c [m, n]."""
+    x = (rng.normal(size=(m, k)) * np.exp2(rng.integers(-4, 5, (m, 1)))).astype(F32)
+    w = (rng.normal(size=(k, n)) * 0.05).astype(F32)
+    c = (rng.normal(size=(m, n)) * np.exp2(rng.integers(-3, 4, (1, n)))).astype(F32)
+    return x, w, c
+
+
+def block_operand(a, recipe, role, fp8):
+    q, s = ref.quantize_blocks(a, recipe.block_shape(role), fp8, recipe.power_of_2_scale,
+                               recipe.amax_epsilon)
+    return q, s, recipe.block_shape(role)[0]
+
+
+def expected(recipe, x, w, c):
+    """(E, S) for out, dx, dw (module docstring; float64)."""
+    fwd, bwd = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
+    if isinstance(recipe, jax_fp8.Float8BlockScaling):
+        def gemm(a, b):
+            (qa, sa, ra), (qb, sb, rb) = a, b
+            return tg.exact(qa, sa, qb, sb, ra, rb)
+        return (gemm(block_operand(x, recipe, "x", fwd), block_operand(w.T, recipe, "w", fwd)),
+                gemm(block_operand(c, recipe, "grad", bwd), block_operand(w, recipe, "w", fwd)),
+                gemm(block_operand(x.T, recipe, "x", fwd), block_operand(c.T, recipe, "grad", bwd)))
+    opts = (recipe.power_of_2_scale, recipe.amax_epsilon)
+    qx, sx = ref.quantize_current(x, fwd, *opts)
+    qw, sw = ref.quantize_current(w, fwd, *opts)
+    qc, sc = ref.quantize_current(c, bwd, *opts)
+    def g(qa, sa, qb, sb):  # [R, C] . [P, C]^T with one scale_inv per operand
+        a, b = qa.astype(np.float64), qb.astype(np.float64)
+        f = np.float64(sa) * np.float64(sb)
+        return (a @ b.T) * f, (np.abs(a) @ np.abs(b).T) * f
+    return g(qx, sx, qw.T, sw), g(qc, sc, qw, sw), g(qx.T, sx, qc.T, sc)
+
+
+def coefficient(recipe, k, backend):
+    """The GEMM bound of tests/test_block_gemm.py; current scaling also rounds the factor
+    scale_inv_a * scale_inv_b and multiplies by it (two more roundings)."""
+    coef = tg.cublas_coef(k) if backend == "gpu" else tg.reference_coef(k)
+    return coef if isinstance(recipe, jax_fp8.Float8BlockScaling) else coef + 2 * tg.U
+
+
+def loss_and_grads(recipe, out_dtype=None):
+    def f(x, w, c):
+        out = scaled_dot_general(x, w, DENSE, recipe, preferred_element_type=out_dtype)
+        return jnp.sum(out.astype(F32) * c), out
+    return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)
+
+
+def test_forward_and_gradients_within_bounds(backend, device):
+    """Every recipe (one program): forward, dgrad and wgrad within their GEMM bounds of
+    the exact products of the oracle's operands. Sizes cuBLASLt takes on a GPU."""
+    m, k, n = 96, 256, 136
+    x, w, c = data(np.random.default_rng(0), m, k, n)
+    fn = lambda x, w, c: [loss_and_grads(r)(x, w, c) for r in RECIPES.values()]  # noqa: E731
+    for (name, recipe), ((_, out), (dx, dw)) in zip(RECIPES.items(), tg.run(device, fn, x, w, c)):
+        (e_out, s_out), (e_dx, s_dx), (e_dw, s_dw) = expected(recipe, x, w, c)
+        tg.assert_within(out, e_out, s_out, coefficient(recipe, k, backend), F32,
+                         f"{name} forward")
+        tg.assert_within(dx, e_dx, s_dx, coefficient(recipe, n, backend), F32, f"{name} dgrad")
+        tg.assert_within(dw, e_dw, s_dw, coefficient(recipe, m, backend), F32, f"{name} wgrad")
+
+
+def test_general_dimension_numbers_bf16_and_edge_sizes(backend, device):
+    """lhs [K1, M, K2] contracting (2, 0) with rhs [N, K2, K1] contracting (1, 2), in
+    bfloat16 (gradients come back in bfloat16), float32 output, edge blocks everywhere:
+    the Dense product of lhs as [M, K2 K1] and rhs as [K2 K1, N], within the bounds."""
+    rng = np.random.default_rng(2)
+    recipe = RECIPES["block"]
+    x, w, c = data(rng, 50, 3 * 70, 36)              # the Dense form: K = K2 * K1 = 70 * 3
+    lhs = np.transpose(x.reshape(50, 70, 3), (2, 0, 1)).astype(ml_dtypes.bfloat16)
+    rhs = np.transpose(w.reshape(70, 3, 36), (2, 0, 1)).astype(ml_dtypes.bfloat16)
+    dims = (((2, 0), (1, 2)), ((), ()))
+
+    def f(lhs, rhs):
+        out = scaled_dot_general(lhs, rhs, dims, recipe, preferred_element_type=F32)
+        return jnp.sum(out * c), out
+
+    (_, out), (dl, dr) = tg.run(device, jax.value_and_grad(f, (0, 1), has_aux=True), lhs, rhs)
+    assert out.dtype == F32 and dl.dtype == dr.dtype == np.dtype(jnp.bfloat16)
+    xd = np.transpose(lhs, (1, 2, 0)).reshape(50, 210).astype(F32)
+    wd = np.transpose(rhs, (1, 2, 0)).reshape(210, 36).astype(F32)
+    (e_out, s_out), (e_dx, s_dx), (e_dw, s_dw) = expected(recipe, xd, wd, c)
+    tg.assert_within(out, e_out, s_out, tg.reference_coef(210), F32, "forward")
+    dx = np.transpose(dl, (1, 2, 0)).reshape(50, 210)
+    dw = np.transpose(dr, (1, 2, 0)).reshape(210, 36)
+    tg.assert_within(dx, e_dx, s_dx, tg.reference_coef(36), jnp.bfloat16, "dgrad")
+    tg.assert_within(dw, e_dw, s_dw, tg.reference_coef(50), jnp.bfloat16, "wgrad")
+
+
+def test_gradient_direction_matches_finite_differences(backend, device):
+    """The FP8 gradients against central differences of the float32 loss: along the
+    direction sign(gradient) (no cancellation: to FP8 accuracy, E4M3 rounds by up to 2**-4
+    relative) and along a random direction (to 2**-4 of sum |g_i d_i|)."""
+    rng = np.random.default_rng(3)
+    x, w, c = data(rng, 64, 128, 32)
+    h = F32(1e-2)
+    recipes = (RECIPES["block"], RECIPES["current"])
+
+    def exact_loss(x, w):
+        return jnp.sum(jnp.dot(x, w, precision="highest") * c)
+
+    def fn(x, w, dx, dw):
+        fp8 = [jax.grad(lambda x, w: jnp.sum(scaled_dot_general(x, w, DENSE, r) * c),
+                        (0, 1))(x, w) for r in recipes]
+        fd = ((exact_loss(x + h * dx, w) - exact_loss(x - h * dx, w)) / (2 * h),
+              (exact_loss(x, w + h * dw) - exact_loss(x, w - h * dw)) / (2 * h))
+        return fp8, fd
+
+    g_exact = jax.jit(jax.grad(exact_loss, (0, 1)))(x, w)
+    for dirs in ([np.sign(g) for g in g_exact],
+                 [rng.normal(size=x.shape).astype(F32), rng.normal(size=w.shape).astype(F32)]):
+        fp8, fd = tg.run(device, fn, x, w, *dirs)
+        for grads in fp8:
+            for g, g0, d, f in zip(grads, g_exact, dirs, fd):
+                scale = float(np.sum(np.abs(np.asarray(g0) * d)))
+                assert abs(float(np.vdot(g, d)) - float(f)) <= 2.0 ** -4 * scale, (f, scale)
+
+
+def test_jit_vmap_and_disable_jit(backend, device):
+    """vmap over a leading axis is the per-example computation (each example its own
+    tensor: current scaling takes each example's amax); eager execution gives the jit's
+    numbers."""
+    rng = np.random.default_rng(4)
+    xs = rng.normal(size=(3, 32, 128)).astype(F32)
+    w = (rng.normal(size=(128, 48)) * 0.1).astype(F32)
+    recipes = (RECIPES["block"], RECIPES["current"])
+    fs = [lambda x, w, r=r: scaled_dot_general(x, w, DENSE, r) for r in recipes]
+    fn = lambda xs, w: [(jax.vmap(f, in_axes=(0, None))(xs, w),  # noqa: E731
+                         [f(xs[i], w) for i in range(3)]) for f in fs]
+    for f, (batched, each) in zip(fs, tg.run(device, fn, xs, w)):
+        np.testing.assert_allclose(batched, np.stack(each), rtol=1e-6, atol=1e-6)
+        with jax.disable_jit():
+            eager = f(jax.device_put(xs[0], device), jax.device_put(w, device))
+        np.testing.assert_allclose(np.asarray(eager), each[0], rtol=1e-6, atol=1e-6)
+
+
+def test_errors():
+    x, w = np.ones((8, 16), F32), np.ones((16, 4), F32)
+    with pytest.raises(NotImplementedError, match="batch"):
+        scaled_dot_general(x[None], w[None], (((2,), (1,)), ((0,), (0,))), RECIPES["block"])
+    with pytest.raises(TypeError, match="recipe"):
+        scaled_dot_general(x, w, DENSE, jax_fp8.DelayedScaling())
+    with pytest.raises(ValueError, match="contracting"):
+        scaled_dot_general(x, w, (((0,), (0,)), ((), ())), RECIPES["block"])
+    with pytest.raises(TypeError, match="lhs"):
+        scaled_dot_general(x.astype(np.int32), w, DENSE, RECIPES["block"])
+
+
+def test_eight_devices_equal_one_device():
+    """On 8 host CPU devices (x sharded along M or K; data and tensor parallel steps): the
+    FP8 operands are one device's bits (the oracle's), current scaling's amax the global
+    one, and forward, dgrad and wgrad within the GEMM bounds (scaled_dot_worker.py)."""
+    results = helpers.run_8_device_worker("scaled_dot_worker.py")
+    bad = {k: v for k, v in results.items() if v != "ok"}
+    assert results and not bad, "\n\n".join(f"{k}:\n{v}" for k, v in bad.items())
