@@ -4,8 +4,9 @@
 // Operand order (G = scaled_max.size()):
 //   history[0..G), scale[0..G), scale_inv[0..G) if has_scale_inv, amax[0..G) if has_amax
 // Result order: history[0..G), scale[0..G), scale_inv[0..G).
-// History and scale results (and scale_inv, when it is an operand) alias their
-// operands; the handlers rely on that and check it.
+// In place (`in_place`), history and scale results (and scale_inv, when it is an
+// operand) alias their operands; the handlers check it. Out of place every result is a
+// buffer of its own (the layout XLA compiles fastest for thousands of states).
 #pragma once
 
 #include <cstdint>
@@ -27,7 +28,8 @@ namespace ffi = xla::ffi;
       .Attr<bool>("power_of_2_scale")                       \
       .Attr<bool>("skip_unused")                            \
       .Attr<bool>("has_scale_inv")                          \
-      .Attr<bool>("has_amax")
+      .Attr<bool>("has_amax")                               \
+      .Attr<bool>("in_place")
 
 inline ffi::Error InvalidArg(const std::string& msg) {
   return ffi::Error::InvalidArgument("jax_fp8_update: " + msg);
@@ -62,7 +64,7 @@ inline ffi::ErrorOr<ffi::AnyBuffer> F32Ret(ffi::RemainingRets& rets, size_t i) {
 
 inline ffi::ErrorOr<std::vector<TensorGroup>> DecodeGroups(
     ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Span<const float> scaled_max,
-    bool has_scale_inv, bool has_amax) {
+    bool has_scale_inv, bool has_amax, bool in_place) {
   const size_t g_count = scaled_max.size();
   const size_t want_args = g_count * (2 + (has_scale_inv ? 1 : 0) + (has_amax ? 1 : 0));
   if (args.size() != want_args || rets.size() != 3 * g_count) {
@@ -97,9 +99,12 @@ inline ffi::ErrorOr<std::vector<TensorGroup>> DecodeGroups(
         hist_out->element_count() != hist->element_count()) {
       return ffi::Unexpected(InvalidArg(which + "scale shape must be history shape[:-1]"));
     }
-    if (hist_out->untyped_data() != hist->untyped_data() ||
-        scale_out->untyped_data() != scale->untyped_data()) {
-      return ffi::Unexpected(InvalidArg(which + "state results must alias their operands"));
+    const bool aliased = hist_out->untyped_data() == hist->untyped_data() &&
+                         scale_out->untyped_data() == scale->untyped_data();
+    if (in_place != aliased) {
+      return ffi::Unexpected(InvalidArg(
+          which + (in_place ? "state results must alias their operands"
+                            : "out-of-place results must not alias their operands")));
     }
     const float* amax = nullptr;
     size_t next = 2 * g_count;
@@ -107,7 +112,7 @@ inline ffi::ErrorOr<std::vector<TensorGroup>> DecodeGroups(
       auto sinv = F32Arg(args, next + g);
       if (!sinv.has_value()) return ffi::Unexpected(sinv.error());
       if (sinv->element_count() != static_cast<size_t>(count) ||
-          sinv->untyped_data() != sinv_out->untyped_data()) {
+          (in_place && sinv->untyped_data() != sinv_out->untyped_data())) {
         return ffi::Unexpected(InvalidArg(which + "scale_inv must match scale and alias its result"));
       }
       next += g_count;
@@ -123,7 +128,9 @@ inline ffi::ErrorOr<std::vector<TensorGroup>> DecodeGroups(
     groups.push_back(TensorGroup{static_cast<float*>(hist->untyped_data()),
                                  static_cast<float*>(scale->untyped_data()),
                                  static_cast<float*>(sinv_out->untyped_data()), amax, count,
-                                 len, scaled_max[g]});
+                                 len, scaled_max[g],
+                                 static_cast<float*>(hist_out->untyped_data()),
+                                 static_cast<float*>(scale_out->untyped_data())});
   }
   return groups;
 }

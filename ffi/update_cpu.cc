@@ -62,37 +62,43 @@ float HistoryMax(const float* h, int64_t len) {
   return rest;
 }
 
-void UpdateTensor(float* h, float* scale, float* scale_inv, const float* amax, int64_t len,
-                  float scaled_max, const UpdateOptions& opt) {
+// h and h_out (and scale and scale_out) are the same buffer in place, else disjoint.
+void UpdateTensor(const float* h, float* h_out, const float* scale, float* scale_out,
+                  float* scale_inv, const float* amax, int64_t len, float scaled_max,
+                  const UpdateOptions& opt) {
   const float h0 = merge_amax(h[0], amax);
   const float prev = *scale;
   if (is_unused(h0, opt)) {
+    if (h_out != h) std::memcpy(h_out, h, static_cast<size_t>(len) * sizeof(float));
+    *scale_out = prev;
     *scale_inv = scale_inverse(prev);
     return;
   }
   const float rest = HistoryMax(h, len);
-  // Roll in place: old[j] -> j - 1 for j >= 2, slot 0 cleared, h0 last.
-  if (len > 2) std::memmove(h + 1, h + 2, static_cast<size_t>(len - 2) * sizeof(float));
-  h[0] = 0.0f;
-  h[len - 1] = last_slot_value(h0, len);
+  // Roll: old[j] -> j - 1 for j >= 2, slot 0 cleared, h0 last (memmove: in place too).
+  if (len > 2) std::memmove(h_out + 1, h + 2, static_cast<size_t>(len - 2) * sizeof(float));
+  h_out[0] = 0.0f;
+  h_out[len - 1] = last_slot_value(h0, len);
   const float s = new_scale(reduced_amax(h0, rest, opt), prev, scaled_max, opt);
-  *scale = s;
+  *scale_out = s;
   *scale_inv = scale_inverse(s);
 }
 
 ffi::Error UpdateCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
                          ffi::Span<const float> scaled_max, int32_t algo,
                          bool power_of_2_scale, bool skip_unused, bool has_scale_inv,
-                         bool has_amax) {
+                         bool has_amax, bool in_place) {
   auto opt = DecodeOptions(algo, power_of_2_scale, skip_unused);
   if (!opt.has_value()) return opt.error();
-  auto groups = DecodeGroups(args, rets, scaled_max, has_scale_inv, has_amax);
+  auto groups = DecodeGroups(args, rets, scaled_max, has_scale_inv, has_amax, in_place);
   if (!groups.has_value()) return groups.error();
   ScopedIeeeSubnormals ieee;
   for (const TensorGroup& g : *groups) {
+    float* h_out = g.HistoryOut();
+    float* s_out = g.ScaleOut();
     for (int64_t t = 0; t < g.count; ++t) {
-      UpdateTensor(g.history + t * g.len, g.scale + t, g.scale_inv + t,
-                   g.amax ? g.amax + t : nullptr, g.len, g.scaled_max, *opt);
+      UpdateTensor(g.history + t * g.len, h_out + t * g.len, g.scale + t, s_out + t,
+                   g.scale_inv + t, g.amax ? g.amax + t : nullptr, g.len, g.scaled_max, *opt);
     }
   }
   return ffi::Error::Success();

@@ -3,12 +3,12 @@
 //
 // All groups of a launch are described in the kernel's parameters (no device
 // memory for descriptors, so nothing to allocate or copy and the launch can be
-// captured in a CUDA graph). To fit ~1,360 groups into the 32 KB parameter space,
+// captured in a CUDA graph). To fit ~1,020 groups into the 32 KB parameter space,
 // each buffer is a 32-bit element offset from one base pointer, and the
 // per-group scaled fp8 max is an index into a 16-entry table. Where the call's
 // buffers span more than 2^32 floats (16 GB: a large model's state next to amaxes
 // XLA placed in its temporary buffer), the offsets are 64-bit and a launch takes
-// ~800 groups. A new chunk (one more launch) starts only when a limit is hit: group
+// ~580 groups. In place the output offsets equal the input ones. A new chunk (one more launch) starts only when a limit is hit: group
 // count, more than 16 distinct scaled maxima, or 2^31 blocks.
 #include <algorithm>
 #include <cstdint>
@@ -35,12 +35,13 @@ struct LaunchParams {
   float scaled_max[kMaxScaledMax];
   uint32_t block_start[K + 1];         // first block of each group; [num_groups] = total
   Off history[K], scale[K], scale_inv[K], amax[K];  // offsets from base, in floats
+  Off history_out[K], scale_out[K];   // the results' (= history, scale in place)
   uint32_t len_fmt[K];
 };
 static_assert(sizeof(LaunchParams<kMaxGroupsPerLaunch, uint32_t>) <= 32764,
               "kernel parameters exceed CUDA's 32,764-byte limit");
-// With 64-bit offsets (buffers more than 16 GB apart) a group takes 40 bytes.
-constexpr int kMaxGroupsPerWideLaunch = 800;
+// With 64-bit offsets (buffers more than 16 GB apart) a group takes 56 bytes.
+constexpr int kMaxGroupsPerWideLaunch = 580;
 static_assert(sizeof(LaunchParams<kMaxGroupsPerWideLaunch, uint64_t>) <= 32764,
               "kernel parameters exceed CUDA's 32,764-byte limit");
 constexpr int kSmallLaunch = 32;  // a smaller parameter block for calls with few groups
@@ -78,8 +79,10 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int g = FindGroup(p, blockIdx.x);
   const int64_t t = blockIdx.x - p.block_start[g];
   const int64_t len = p.len_fmt[g] >> 4;
-  float* hist = p.base + p.history[g] + t * len;
-  float* scale = p.base + p.scale[g] + t;
+  const float* hist = p.base + p.history[g] + t * len;
+  float* hist_out = p.base + p.history_out[g] + t * len;
+  const float* scale = p.base + p.scale[g] + t;
+  float* scale_out = p.base + p.scale_out[g] + t;
   float* scale_inv = p.base + p.scale_inv[g] + t;
   const float* amax = p.has_amax ? p.base + p.amax[g] + t : nullptr;
   const int64_t step = static_cast<int64_t>(blockDim.x) * kValuesPerThread;
@@ -96,13 +99,19 @@ __global__ void __launch_bounds__(kMaxThreads)
   // Every thread reads the staging slot before any thread writes slot 0.
   const float h0 = merge_amax(hist[0], amax);
   if (is_unused(h0, p.opt)) {  // uniform across the block
-    if (threadIdx.x == 0) *scale_inv = scale_inverse(prev_scale);
+    if (hist_out != hist) {  // out of place: the history is copied unchanged
+      for (int64_t j = threadIdx.x; j < len; j += blockDim.x) hist_out[j] = hist[j];
+    }
+    if (threadIdx.x == 0) {
+      *scale_out = prev_scale;
+      *scale_inv = scale_inverse(prev_scale);
+    }
     return;
   }
-  // Roll in place, one pass of `step` values at a time: old[j] for the pass is in
-  // registers, a barrier, then each goes to j - 1. A pass only writes below its
-  // own reads, and the next pass's writes wait at its barrier for every read of
-  // this one, so no value is overwritten before it is read.
+  // Roll, one pass of `step` values at a time: old[j] for the pass is in registers, a
+  // barrier, then each goes to j - 1. In place, a pass only writes below its own
+  // reads, and the next pass's writes wait at its barrier for every read of this one,
+  // so no value is overwritten before it is read (out of place nothing can be).
   float rest = 0.0f;
   for (int64_t c0 = 1;;) {
 #pragma unroll
@@ -111,7 +120,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 #pragma unroll
     for (int k = 0; k < kValuesPerThread; ++k) {
       const int64_t j = c0 + k * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-      if (j < len) hist[j - 1] = (j == 1) ? 0.0f : v[k];
+      if (j < len) hist_out[j - 1] = (j == 1) ? 0.0f : v[k];
     }
     c0 += step;
     if (c0 >= len) break;
@@ -123,10 +132,10 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
   rest = BlockMax(rest, warp_max);
   if (threadIdx.x == 0) {
-    hist[len - 1] = last_slot_value(h0, len);
+    hist_out[len - 1] = last_slot_value(h0, len);
     const float s = new_scale(reduced_amax(h0, rest, p.opt), prev_scale,
                               p.scaled_max[p.len_fmt[g] & 15u], p.opt);
-    *scale = s;
+    *scale_out = s;
     *scale_inv = scale_inverse(s);
   }
 }
@@ -134,7 +143,9 @@ __global__ void __launch_bounds__(kMaxThreads)
 // Lowest and highest address of a group's buffers.
 void GroupSpan(const TensorGroup& g, uintptr_t* lo, uintptr_t* hi) {
   for (const void* ptr : {static_cast<const void*>(g.history), static_cast<const void*>(g.scale),
-                          static_cast<const void*>(g.scale_inv), static_cast<const void*>(g.amax)}) {
+                          static_cast<const void*>(g.scale_inv), static_cast<const void*>(g.amax),
+                          static_cast<const void*>(g.HistoryOut()),
+                          static_cast<const void*>(g.ScaleOut())}) {
     if (ptr == nullptr) continue;
     *lo = std::min(*lo, reinterpret_cast<uintptr_t>(ptr));
     *hi = std::max(*hi, reinterpret_cast<uintptr_t>(ptr));
@@ -188,6 +199,8 @@ size_t FillParams(const TensorGroup* groups, size_t first, size_t n, const Updat
     };
     p->history[k] = off(g.history);
     p->scale[k] = off(g.scale);
+    p->history_out[k] = off(g.HistoryOut());
+    p->scale_out[k] = off(g.ScaleOut());
     p->scale_inv[k] = off(g.scale_inv);
     p->amax[k] = off(g.amax);
     ++k;

@@ -14,7 +14,7 @@ namespace jax_fp8 {
 // Groups one launch can describe in its kernel parameters (CUDA >= 12.1 allows
 // 32,764 bytes of them); past that, or past the other limits checked in
 // PlanLaunches, the update takes one launch per chunk.
-constexpr int kMaxGroupsPerLaunch = 1360;
+constexpr int kMaxGroupsPerLaunch = 1020;
 
 // Launches the update of `groups` on `stream`; enqueues only (no allocation, no
 // synchronisation), so it is safe inside CUDA graph capture. Returns the first

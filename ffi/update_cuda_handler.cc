@@ -13,10 +13,10 @@ namespace {
 ffi::Error UpdateCudaImpl(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
                           ffi::Span<const float> scaled_max, int32_t algo,
                           bool power_of_2_scale, bool skip_unused, bool has_scale_inv,
-                          bool has_amax) {
+                          bool has_amax, bool in_place) {
   auto opt = DecodeOptions(algo, power_of_2_scale, skip_unused);
   if (!opt.has_value()) return opt.error();
-  auto groups = DecodeGroups(args, rets, scaled_max, has_scale_inv, has_amax);
+  auto groups = DecodeGroups(args, rets, scaled_max, has_scale_inv, has_amax, in_place);
   if (!groups.has_value()) return groups.error();
   const char* why = nullptr;
   const cudaError_t err = LaunchUpdate(stream, groups->data(), groups->size(), *opt, &why);

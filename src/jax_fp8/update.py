@@ -54,7 +54,7 @@ def _check_options(amax_compute_algo, power_of_2_scale, skip_unused, implementat
 
 
 def _bind(histories, scales, scale_invs, amaxes, scaled_maxes, amax_compute_algo,
-          power_of_2_scale, skip_unused, implementation):
+          power_of_2_scale, skip_unused, implementation, in_place=True):
     # Inside shard_map the results vary over every manual axis any operand varies over.
     operands = common.vary_like([*histories, *scales, *(scale_invs or ()), *(amaxes or ())])
     g = len(histories)
@@ -63,7 +63,7 @@ def _bind(histories, scales, scale_invs, amaxes, scaled_maxes, amax_compute_algo
         amax_compute_algo=ALGOS[amax_compute_algo],
         power_of_2_scale=bool(power_of_2_scale), skip_unused=bool(skip_unused),
         has_scale_inv=scale_invs is not None, has_amax=amaxes is not None,
-        implementation=implementation)
+        in_place=bool(in_place), implementation=implementation)
     return outs[:g], outs[g:2 * g], outs[2 * g:]
 
 
@@ -115,10 +115,10 @@ def reduce_amaxes(amaxes, axis_name):
     return jax.tree.unflatten(treedef, out)
 
 
-# Per-tensor states (scale shape ()) beyond this many in one call are stacked into one
-# [n, L] state per (FP8 dtype, L) inside the program and split back after the update: XLA's
-# compile time grows superlinearly with the number of aliased custom-call operands.
-PACK_SEPARATE_ABOVE = 64
+# Calls on more state arrays than this are updated out of place by default: XLA's compile
+# time grows superlinearly with the number of aliased operands of one custom call (on
+# 2 CPU cores ~100 s for 1,000 states in place, ~2 s out of place).
+IN_PLACE_MAX_STATES = 128
 
 
 def _where(paths, i, tree):
@@ -129,7 +129,7 @@ def _where(paths, i, tree):
 
 
 def update_states(tree, amaxes=None, *, recipe=recipe_lib.DelayedScaling(),
-                  axis_name=None, implementation="auto", pack_separate=None):
+                  axis_name=None, implementation="auto", in_place=None):
     """Updates every ScalingState leaf of `tree` with one fused op.
 
     Args:
@@ -143,11 +143,11 @@ def update_states(tree, amaxes=None, *, recipe=recipe_lib.DelayedScaling(),
         amaxes (or, without amaxes, the staging slots) over first, with one collective
         for the whole tree (reduce_amaxes).
       implementation: "auto" (the fused kernel where built) or "jnp".
-      pack_separate: stack the per-tensor states (scale shape ()) of each (FP8 dtype,
-        history length) into one array inside the program, update those, and split them
-        back: a copy of the states (microseconds) that keeps compile time linear in the
-        number of states. None (default): when there are more than
-        ``PACK_SEPARATE_ABOVE`` of them; False: every state aliased in place.
+      in_place: True: every state result aliases its input (with the input donated, the
+        update writes where the state lives); False: the results are new buffers, which
+        keeps compile time linear in the number of states. None (default): in place for
+        up to ``IN_PLACE_MAX_STATES`` states, else out of place. Pack many per-tensor
+        states into a few arrays (`pack_states`, Fp8TrainState's default) to have both.
 
     Returns:
       `tree` with every ScalingState replaced by its updated state.
@@ -160,8 +160,8 @@ def update_states(tree, amaxes=None, *, recipe=recipe_lib.DelayedScaling(),
     recipe_lib.check_delayed(recipe, "recipe")
     _check_options(recipe.amax_compute_algo, recipe.power_of_2_scale, recipe.skip_unused,
                    implementation)
-    if pack_separate not in (None, True, False):
-        raise TypeError(f"pack_separate must be None, True or False, got {pack_separate!r}")
+    if in_place not in (None, True, False):
+        raise TypeError(f"in_place must be None, True or False, got {in_place!r}")
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_state)
     if amaxes is not None:
         try:
@@ -191,45 +191,14 @@ def update_states(tree, amaxes=None, *, recipe=recipe_lib.DelayedScaling(),
         amax_list = None
     if amax_list is not None and axis_name is not None:
         amax_list = reduce_amaxes(amax_list, axis_name)
-    h, s, si = _update_list(states, amax_list, recipe, implementation, pack_separate)
+    if in_place is None:
+        in_place = len(states) <= IN_PLACE_MAX_STATES
+    scaled = [recipe_lib.scaled_max(recipe_lib.canonical_fp8_dtype(st.fp8_dtype), recipe.margin)
+              for st in states]
+    h, s, si = _bind([st.amax_history for st in states], [st.scale for st in states],
+                     [st.scale_inv for st in states] if in_place else None, amax_list, scaled,
+                     recipe.amax_compute_algo, recipe.power_of_2_scale, recipe.skip_unused,
+                     implementation, in_place=in_place)
     for n, i in enumerate(index):
         leaves[i] = ScalingState(h[n], s[n], si[n], fp8_dtype=states[n].fp8_dtype)
     return jax.tree.unflatten(treedef, leaves)
-
-
-def _update_list(states, amaxes, recipe, implementation, pack_separate):
-    """The update of a list of states (amaxes: None or a list): one bind."""
-    def scaled(dtype):
-        return recipe_lib.scaled_max(recipe_lib.canonical_fp8_dtype(dtype), recipe.margin)
-
-    singles = [n for n, st in enumerate(states) if st.scale.ndim == 0]
-    if pack_separate is None:
-        pack_separate = len(singles) > PACK_SEPARATE_ABOVE
-    groups = {}  # (dtype, L) -> indices of per-tensor states, packed into one operand
-    if pack_separate:
-        for n in singles:
-            groups.setdefault((states[n].fp8_dtype, states[n].history_len), []).append(n)
-    packed = {n for members in groups.values() for n in members}
-    direct = [n for n in range(len(states)) if n not in packed]
-    hist = [states[n].amax_history for n in direct]
-    scale = [states[n].scale for n in direct]
-    sinv = [states[n].scale_inv for n in direct]
-    amax = None if amaxes is None else [amaxes[n] for n in direct]
-    smax = [scaled(states[n].fp8_dtype) for n in direct]
-    for (dtype, _), members in groups.items():
-        hist.append(jnp.stack([states[n].amax_history for n in members]))
-        scale.append(jnp.stack([states[n].scale for n in members]))
-        sinv.append(jnp.stack([states[n].scale_inv for n in members]))
-        if amax is not None:
-            amax.append(jnp.stack([jnp.asarray(amaxes[n]) for n in members]))
-        smax.append(scaled(dtype))
-    h, s, si = _bind(hist, scale, sinv, amax, smax, recipe.amax_compute_algo,
-                     recipe.power_of_2_scale, recipe.skip_unused, implementation)
-    out_h, out_s, out_si = [None] * len(states), [None] * len(states), [None] * len(states)
-    for k, n in enumerate(direct):
-        out_h[n], out_s[n], out_si[n] = h[k], s[k], si[k]
-    for g, members in enumerate(groups.values()):
-        k = len(direct) + g
-        for row, n in enumerate(members):
-            out_h[n], out_s[n], out_si[n] = h[k][row], s[k][row], si[k][row]
-    return out_h, out_s, out_si

@@ -44,7 +44,9 @@ size_t Chunks(const std::vector<TensorGroup>& g, bool* offsets_exact) {
       *offsets_exact &= p.base + p.history[k] == g[j].history &&
                         p.base + p.scale[k] == g[j].scale &&
                         p.base + p.scale_inv[k] == g[j].scale_inv &&
-                        p.base + p.amax[k] == g[j].amax;
+                        p.base + p.amax[k] == g[j].amax &&
+                        p.base + p.history_out[k] == g[j].HistoryOut() &&
+                        p.base + p.scale_out[k] == g[j].ScaleOut();
     }
     first = next;
     ++chunks;
@@ -63,11 +65,21 @@ int main() {
   Check(NeedsWideOffsets(far.data(), far.size()), "amaxes 20 GB away need 64-bit offsets");
   Check(Chunks<kMaxGroupsPerWideLaunch, uint64_t>(far, &exact) == 1, "288 far groups: 1 launch");
   Check(exact, "64-bit offsets address every buffer exactly");
-  // 2,000 such states: 800 per launch.
+  // 2,000 such states: 580 per launch.
   auto many = Groups(2000, 16, base, base + (40ull << 30));
-  Check(Chunks<kMaxGroupsPerWideLaunch, uint64_t>(many, &exact) == 3, "2,000 far groups: 3 launches");
-  Check(exact, "64-bit offsets exact over 3 launches");
-  // Everything within 16 GB: 32-bit offsets, 1,360 groups per launch.
+  Check(Chunks<kMaxGroupsPerWideLaunch, uint64_t>(many, &exact) == 4, "2,000 far groups: 4 launches");
+  Check(exact, "64-bit offsets exact over 4 launches");
+  // Out of place: results in buffers of their own; their offsets are exact too, and
+  // results 20 GB from the operands need 64-bit offsets.
+  auto out_of_place = Groups(300, 16, base, base + (1ull << 30));
+  for (size_t i = 0; i < out_of_place.size(); ++i) {
+    out_of_place[i].history_out = reinterpret_cast<float*>(base + (20ull << 30) + i * 64);
+    out_of_place[i].scale_out = reinterpret_cast<float*>(base + (21ull << 30) + i * 4);
+  }
+  Check(NeedsWideOffsets(out_of_place.data(), out_of_place.size()), "far results: 64-bit offsets");
+  Check(Chunks<kMaxGroupsPerWideLaunch, uint64_t>(out_of_place, &exact) == 1, "300 out of place: 1 launch");
+  Check(exact, "64-bit offsets address every result exactly");
+  // Everything within 16 GB: 32-bit offsets, 1,020 groups per launch.
   auto near = Groups(1500, 1024, base, base + (1ull << 30));
   Check(!NeedsWideOffsets(near.data(), near.size()), "buffers within 16 GB keep 32-bit offsets");
   Check(Chunks<kMaxGroupsPerLaunch, uint32_t>(near, &exact) == 2, "1,500 near groups: 2 launches");

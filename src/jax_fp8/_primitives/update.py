@@ -2,8 +2,9 @@
 
 One bind updates G states. Operands (flat): G histories [..., L_i], G scales [...],
 then G scale_invs if `has_scale_inv`, then G amaxes if `has_amax`. Results: G
-histories, G scales, G scale_invs. History and scale results (and scale_inv, when
-it is an operand) alias their operands, so a donated state is updated in place.
+histories, G scales, G scale_invs. With `in_place`, history and scale results (and
+scale_inv, when it is an operand) alias their operands, so a donated state is updated
+in place; without, the results are new buffers (for calls on thousands of arrays).
 
 Lowering: the FFI custom call on CPU and CUDA when the kernel was built, the
 jax.numpy fallback elsewhere (or when `implementation="jnp"`). Under a
@@ -43,8 +44,8 @@ def split_operands(operands, num_states, has_scale_inv, has_amax):
 
 
 def _abstract_eval(*avals, scaled_max, amax_compute_algo, power_of_2_scale, skip_unused,
-                   has_scale_inv, has_amax, implementation):
-    del amax_compute_algo, power_of_2_scale, skip_unused, implementation
+                   has_scale_inv, has_amax, in_place, implementation):
+    del amax_compute_algo, power_of_2_scale, skip_unused, in_place, implementation
     g = len(scaled_max)
     want = g * (2 + has_scale_inv + has_amax)
     if len(avals) != want:
@@ -76,8 +77,8 @@ fp8_update_p.def_abstract_eval(_abstract_eval)
 
 
 def _impl_jnp(*operands, scaled_max, amax_compute_algo, power_of_2_scale, skip_unused,
-              has_scale_inv, has_amax, implementation):
-    del implementation
+              has_scale_inv, has_amax, in_place, implementation):
+    del in_place, implementation
     histories, scales, _, amaxes = split_operands(operands, len(scaled_max), has_scale_inv,
                                                   has_amax)
     h, s, si = jnp_update.update_many(histories, scales, amaxes, scaled_max=scaled_max,
@@ -88,25 +89,28 @@ def _impl_jnp(*operands, scaled_max, amax_compute_algo, power_of_2_scale, skip_u
 
 
 def _ffi_attributes(scaled_max, amax_compute_algo, power_of_2_scale, skip_unused,
-                    has_scale_inv, has_amax):
+                    has_scale_inv, has_amax, in_place):
     return dict(scaled_max=np.asarray(scaled_max, dtype=np.float32),
                 amax_compute_algo=np.int32(amax_compute_algo),
                 power_of_2_scale=np.bool_(power_of_2_scale),
                 skip_unused=np.bool_(skip_unused),
                 has_scale_inv=np.bool_(has_scale_inv),
-                has_amax=np.bool_(has_amax))
+                has_amax=np.bool_(has_amax),
+                in_place=np.bool_(in_place))
 
 
 def ffi_call_lowering(ctx, *operands, scaled_max, amax_compute_algo, power_of_2_scale,
-                      skip_unused, has_scale_inv, has_amax):
-    """The bare custom call (what each device runs on its own shards)."""
+                      skip_unused, has_scale_inv, has_amax, in_place):
+    """The bare custom call (what each device runs on its own shards). In place, every
+    state result aliases its operand; out of place none does (XLA's compile time grows
+    superlinearly with the number of aliased operands of one custom call)."""
     g = len(scaled_max)
-    n_aliased = g * (3 if has_scale_inv else 2)
+    n_aliased = g * (3 if has_scale_inv else 2) if in_place else 0
     rule = jax.ffi.ffi_lowering(_registration.FFI_TARGET,
                                 operand_output_aliases={i: i for i in range(n_aliased)})
     return rule(ctx, *operands, **_ffi_attributes(scaled_max, amax_compute_algo,
                                                   power_of_2_scale, skip_unused,
-                                                  has_scale_inv, has_amax))
+                                                  has_scale_inv, has_amax, in_place))
 
 
 _jnp_lowering = mlir.lower_fun(_impl_jnp, multiple_results=True)
