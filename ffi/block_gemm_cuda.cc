@@ -5,8 +5,9 @@
 // transb = N): Hopper's FP8 GEMMs take only this "TN" form. A's scales are b's, B's are a's.
 //
 // Per (device, shape, types, block modes, pointer alignments) a plan (matmul descriptor,
-// layouts, the heuristic's algorithm) is made on first use and kept; later calls only set
-// the two scale pointers and enqueue cublasLtMatmul (no allocation, no synchronization).
+// layouts, the heuristic's algorithm) is made on first use and kept, in XLA's initialize
+// stage (before any execution or command-buffer capture) when XLA runs it; executions
+// only set the two scale pointers and enqueue cublasLtMatmul (no allocation, no sync).
 // A plan's mutex covers those two steps, as the descriptor holds the pointers. Where the
 // heuristic finds no algorithm, the plan says so and the plain kernel of
 // block_gemm_fallback.cu runs instead. The workspace is a result buffer XLA allocates.
@@ -195,73 +196,121 @@ bool DimsEqual(ffi::Span<const int64_t> dims, const std::vector<int64_t>& lead,
   return true;
 }
 
-ffi::Error BlockGemmImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
-                         ffi::AnyBuffer a_scale, ffi::AnyBuffer b, ffi::AnyBuffer b_scale,
-                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
-                         int32_t a_block_rows, int32_t b_block_rows, bool force_fallback) {
+// One call, decoded and checked.
+struct Call {
+  Gemm g;
+  int64_t batch, sa_size, sb_size, sa_ld, sb_ld;
+  size_t out_bytes;
+  uint32_t align[5];
+};
+
+ffi::ErrorOr<Call> Decode(ffi::AnyBuffer a, ffi::AnyBuffer a_scale, ffi::AnyBuffer b,
+                          ffi::AnyBuffer b_scale, ffi::Result<ffi::AnyBuffer>& out,
+                          ffi::Result<ffi::AnyBuffer>& workspace, int32_t a_block_rows,
+                          int32_t b_block_rows) {
   const auto ad = a.dimensions(), bd = b.dimensions();
   const size_t rank = ad.size();
-  if (rank < 2 || bd.size() != rank) return Invalid("a and b must have the same rank >= 2");
+  if (rank < 2 || bd.size() != rank) {
+    return ffi::Unexpected(Invalid("a and b must have the same rank >= 2"));
+  }
   const std::vector<int64_t> lead(ad.begin(), ad.end() - 2);
   const int64_t m = ad[rank - 2], k = ad[rank - 1], n = bd[rank - 2];
   if (!DimsEqual(bd, lead, {n, k}) || !DimsEqual(out->dimensions(), lead, {m, n})) {
-    return Invalid("need a [..., M, K], b [..., N, K] and out [..., M, N]");
+    return ffi::Unexpected(Invalid("need a [..., M, K], b [..., N, K] and out [..., M, N]"));
   }
   auto fp8 = [](ffi::DataType t) {
     return t == ffi::DataType::F8E4M3FN ? kR8FE4M3 : (t == ffi::DataType::F8E5M2 ? kR8FE5M2 : -1);
   };
-  const int32_t a_type = fp8(a.element_type()), b_type = fp8(b.element_type());
   const ffi::DataType ot = out->element_type();
-  if (a_type < 0 || b_type < 0) return Invalid("a and b must be f8e4m3fn or f8e5m2");
-  if (ot != ffi::DataType::BF16 && ot != ffi::DataType::F32) return Invalid("out must be bf16 or f32");
+  Call c{};
+  c.g = Gemm{m, n, k, fp8(a.element_type()), fp8(b.element_type()),
+             ot == ffi::DataType::BF16 ? kR16BF : kR32F, a_block_rows == 128,
+             b_block_rows == 128, a.untyped_data(), b.untyped_data(), a_scale.untyped_data(),
+             b_scale.untyped_data(), out->untyped_data(), workspace->size_bytes()};
+  if (c.g.a_type < 0 || c.g.b_type < 0) {
+    return ffi::Unexpected(Invalid("a and b must be f8e4m3fn or f8e5m2"));
+  }
+  if (ot != ffi::DataType::BF16 && ot != ffi::DataType::F32) {
+    return ffi::Unexpected(Invalid("out must be bf16 or f32"));
+  }
   if ((a_block_rows != 1 && a_block_rows != 128) || (b_block_rows != 1 && b_block_rows != 128)) {
-    return Invalid("block rows must be 1 or 128");
+    return ffi::Unexpected(Invalid("block rows must be 1 or 128"));
   }
-  const bool a_tile = a_block_rows == 128, b_tile = b_block_rows == 128;
-  const auto [sa_dims, sa_ld] = ScaleDims(m, k, a_tile);
-  const auto [sb_dims, sb_ld] = ScaleDims(n, k, b_tile);
+  const auto sa = ScaleDims(m, k, c.g.a_tile);
+  const auto sb = ScaleDims(n, k, c.g.b_tile);
   if (a_scale.element_type() != ffi::DataType::F32 || b_scale.element_type() != ffi::DataType::F32 ||
-      !DimsEqual(a_scale.dimensions(), lead, sa_dims) ||
-      !DimsEqual(b_scale.dimensions(), lead, sb_dims)) {
-    return Invalid("scales must be float32 in cuBLASLt's layout (see block_gemm_cuda.h)");
+      !DimsEqual(a_scale.dimensions(), lead, sa.first) ||
+      !DimsEqual(b_scale.dimensions(), lead, sb.first)) {
+    return ffi::Unexpected(
+        Invalid("scales must be float32 in cuBLASLt's layout (see block_gemm_cuda.h)"));
   }
-  int64_t batch = 1;
-  for (int64_t d : lead) batch *= d;
-  if (batch == 0 || m == 0 || n == 0) return ffi::Error::Success();
-  const size_t out_bytes = ffi::ByteWidth(ot);
-  if (k == 0) {
-    const cudaError_t err = cudaMemsetAsync(out->untyped_data(), 0, batch * m * n * out_bytes, stream);
+  c.batch = 1;
+  for (int64_t d : lead) c.batch *= d;
+  c.sa_size = sa.first[0] * sa.first[1];
+  c.sb_size = sb.first[0] * sb.first[1];
+  c.sa_ld = sa.second;
+  c.sb_ld = sb.second;
+  c.out_bytes = ffi::ByteWidth(ot);
+  c.align[0] = Alignment(c.g.a, m * k, c.batch);
+  c.align[1] = Alignment(c.g.b, n * k, c.batch);
+  c.align[2] = Alignment(c.g.out, m * n * static_cast<int64_t>(c.out_bytes), c.batch);
+  c.align[3] = Alignment(c.g.a_scale, c.sa_size * 4, c.batch);
+  c.align[4] = Alignment(c.g.b_scale, c.sb_size * 4, c.batch);
+  return c;
+}
+
+bool Empty(const Call& c) { return c.batch == 0 || c.g.m == 0 || c.g.n == 0 || c.g.k == 0; }
+
+// The cached plan for this call (made now if new), or null without cuBLASLt.
+Plan* FindPlan(const Call& c, int32_t device) {
+  std::lock_guard<std::mutex> lt_lock(g_lt_mu);
+  if (g_lt_version == 0) return nullptr;
+  const PlanKey key{device,      c.g.m,       c.g.n,       c.g.k,      c.g.a_type,
+                    c.g.b_type,  c.g.out_type, c.g.a_tile, c.g.b_tile, c.align[0],
+                    c.align[1],  c.align[2],  c.align[3],  c.align[4]};
+  std::lock_guard<std::mutex> lock(g_plans_mu);
+  std::unique_ptr<Plan>& slot = g_plans[key];
+  if (!slot) {
+    slot = std::make_unique<Plan>();
+    MakePlan(*slot, HandleFor(device), c.g, c.align);
+  }
+  return slot.get();
+}
+
+// Initialize stage (before any execution or command-buffer capture): makes the cuBLASLt
+// handle and the plan, so that the execute stage only enqueues work.
+ffi::Error BlockGemmInitialize(cudaStream_t, int32_t device, ffi::AnyBuffer a,
+                               ffi::AnyBuffer a_scale, ffi::AnyBuffer b, ffi::AnyBuffer b_scale,
+                               ffi::Result<ffi::AnyBuffer> out,
+                               ffi::Result<ffi::AnyBuffer> workspace, int32_t a_block_rows,
+                               int32_t b_block_rows, bool force_fallback) {
+  auto call = Decode(a, a_scale, b, b_scale, out, workspace, a_block_rows, b_block_rows);
+  if (!call.has_value()) return call.error();
+  if (!force_fallback && !Empty(*call)) FindPlan(*call, device);
+  return ffi::Error::Success();
+}
+
+ffi::Error BlockGemmExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
+                            ffi::AnyBuffer a_scale, ffi::AnyBuffer b, ffi::AnyBuffer b_scale,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
+                            int32_t a_block_rows, int32_t b_block_rows, bool force_fallback) {
+  auto decoded = Decode(a, a_scale, b, b_scale, out, workspace, a_block_rows, b_block_rows);
+  if (!decoded.has_value()) return decoded.error();
+  const Call& c = *decoded;
+  const Gemm& g = c.g;
+  if (c.batch == 0 || g.m == 0 || g.n == 0) return ffi::Error::Success();
+  if (g.k == 0) {
+    const cudaError_t err =
+        cudaMemsetAsync(g.out, 0, c.batch * g.m * g.n * c.out_bytes, stream);
     return err == cudaSuccess ? ffi::Error::Success()
                               : ffi::Error::Internal(cudaGetErrorString(err));
   }
-  const int64_t sa_size = sa_dims[0] * sa_dims[1], sb_size = sb_dims[0] * sb_dims[1];
-  const uint8_t* pa = static_cast<const uint8_t*>(a.untyped_data());
-  const uint8_t* pb = static_cast<const uint8_t*>(b.untyped_data());
-  const float* psa = static_cast<const float*>(a_scale.untyped_data());
-  const float* psb = static_cast<const float*>(b_scale.untyped_data());
-  uint8_t* po = static_cast<uint8_t*>(out->untyped_data());
-
-  Plan* plan = nullptr;
-  if (!force_fallback) {
-    std::lock_guard<std::mutex> lt_lock(g_lt_mu);
-    if (g_lt_version != 0) {
-      const Gemm g{m, n, k, a_type, b_type, ot == ffi::DataType::BF16 ? kR16BF : kR32F, a_tile,
-                   b_tile, pa, pb, psa, psb, po, workspace->size_bytes()};
-      const uint32_t align[5] = {Alignment(pa, m * k, batch), Alignment(pb, n * k, batch),
-                                 Alignment(po, m * n * out_bytes, batch),
-                                 Alignment(psa, sa_size * 4, batch),
-                                 Alignment(psb, sb_size * 4, batch)};
-      const PlanKey key{device, m, n, k, a_type, b_type, g.out_type, a_tile, b_tile,
-                        align[0], align[1], align[2], align[3], align[4]};
-      std::lock_guard<std::mutex> lock(g_plans_mu);
-      std::unique_ptr<Plan>& slot = g_plans[key];
-      if (!slot) {
-        slot = std::make_unique<Plan>();
-        MakePlan(*slot, HandleFor(device), g, align);
-      }
-      plan = slot.get();
-    }
-  }
+  const uint8_t* pa = static_cast<const uint8_t*>(g.a);
+  const uint8_t* pb = static_cast<const uint8_t*>(g.b);
+  const float* psa = static_cast<const float*>(g.a_scale);
+  const float* psb = static_cast<const float*>(g.b_scale);
+  uint8_t* po = static_cast<uint8_t*>(g.out);
+  Plan* plan = force_fallback ? nullptr : FindPlan(c, device);
   if (plan && !plan->fallback) {
     LtHandle handle;
     {
@@ -270,16 +319,17 @@ ffi::Error BlockGemmImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
     }
     const float one = 1.0f, zero = 0.0f;
     std::lock_guard<std::mutex> lock(plan->mu);
-    for (int64_t i = 0; i < batch; ++i) {
-      const float* sa_i = psa + i * sa_size;
-      const float* sb_i = psb + i * sb_size;
-      void* o_i = po + i * m * n * out_bytes;
+    for (int64_t i = 0; i < c.batch; ++i) {
+      const float* sa_i = psa + i * c.sa_size;
+      const float* sb_i = psb + i * c.sb_size;
+      void* o_i = po + i * g.m * g.n * c.out_bytes;
       LtStatus st = g_lt.desc_set(plan->desc, kDescAScalePointer, &sb_i, sizeof(void*));
       if (st == kLtSuccess) st = g_lt.desc_set(plan->desc, kDescBScalePointer, &sa_i, sizeof(void*));
       if (st == kLtSuccess) {
-        st = g_lt.matmul(handle, plan->desc, &one, pb + i * n * k, plan->a_layout, pa + i * m * k,
-                         plan->b_layout, &zero, o_i, plan->d_layout, o_i, plan->d_layout,
-                         &plan->algo, workspace->untyped_data(), workspace->size_bytes(), stream);
+        st = g_lt.matmul(handle, plan->desc, &one, pb + i * g.n * g.k, plan->a_layout,
+                         pa + i * g.m * g.k, plan->b_layout, &zero, o_i, plan->d_layout, o_i,
+                         plan->d_layout, &plan->algo, workspace->untyped_data(),
+                         workspace->size_bytes(), stream);
       }
       if (st != kLtSuccess) {
         return ffi::Error::Internal("jax_fp8_block_gemm: cublasLtMatmul failed with status " +
@@ -288,10 +338,12 @@ ffi::Error BlockGemmImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
     }
     return ffi::Error::Success();
   }
-  for (int64_t i = 0; i < batch; ++i) {
-    const BlockGemmArgs args{pa + i * m * k, psa + i * sa_size, a_type == kR8FE5M2, a_tile, sa_ld,
-                             pb + i * n * k, psb + i * sb_size, b_type == kR8FE5M2, b_tile, sb_ld,
-                             po + i * m * n * out_bytes, ot == ffi::DataType::BF16, m, n, k};
+  for (int64_t i = 0; i < c.batch; ++i) {
+    const BlockGemmArgs args{pa + i * g.m * g.k, psa + i * c.sa_size, g.a_type == kR8FE5M2,
+                             g.a_tile, c.sa_ld, pb + i * g.n * g.k, psb + i * c.sb_size,
+                             g.b_type == kR8FE5M2, g.b_tile, c.sb_ld,
+                             po + i * g.m * g.n * c.out_bytes, g.out_type == kR16BF,
+                             g.m, g.n, g.k};
     const cudaError_t err = LaunchBlockGemmFallback(stream, args);
     if (err != cudaSuccess) {
       return ffi::Error::Internal(std::string("jax_fp8_block_gemm: fallback kernel launch failed: ") +
@@ -337,19 +389,25 @@ size_t LoadCublasLt(const std::string& path, std::string* error) {
   return g_lt_version;
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp8BlockGemmCuda, BlockGemmImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("a_block_rows")
-                                  .Attr<int32_t>("b_block_rows")
-                                  .Attr<bool>("force_fallback"),
+#define JAX_FP8_BLOCK_GEMM_BINDING(stage)                 \
+  ffi::Ffi::Bind<stage>()                                 \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()           \
+      .Ctx<ffi::DeviceOrdinal>()                          \
+      .Arg<ffi::AnyBuffer>()                              \
+      .Arg<ffi::AnyBuffer>()                              \
+      .Arg<ffi::AnyBuffer>()                              \
+      .Arg<ffi::AnyBuffer>()                              \
+      .Ret<ffi::AnyBuffer>()                              \
+      .Ret<ffi::AnyBuffer>()                              \
+      .Attr<int32_t>("a_block_rows")                      \
+      .Attr<int32_t>("b_block_rows")                      \
+      .Attr<bool>("force_fallback")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp8BlockGemmInitializeCuda, BlockGemmInitialize,
+                              JAX_FP8_BLOCK_GEMM_BINDING(ffi::ExecutionStage::kInitialize));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp8BlockGemmCuda, BlockGemmExecute,
+                              JAX_FP8_BLOCK_GEMM_BINDING(ffi::ExecutionStage::kExecute),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_fp8

@@ -19,7 +19,10 @@
 
 namespace jax_fp8 {
 
+// The execute stage (command-buffer compatible) and the initialize stage (makes the
+// cuBLASLt handle and the plan), registered together as the target's handler bundle.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp8BlockGemmCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp8BlockGemmInitializeCuda);
 
 // dlopen()s libcublasLt at `path` and resolves the entry points used here; returns
 // cublasLtGetVersion() (e.g. 120900), or 0 with *error set. Once a library is loaded,

@@ -34,36 +34,61 @@ struct Smem {
   uint32_t warp_max[kWarps];
 };
 
+// Four consecutive values of a row as loaded (16-bit types stay packed, which halves the
+// registers the tile takes); get(j) widens value j to float32, exactly.
 template <typename In>
-__device__ __forceinline__ float ToFloat(In v);
+struct Group4;
 template <>
-__device__ __forceinline__ float ToFloat<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ float ToFloat<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-template <>
-__device__ __forceinline__ float ToFloat<__half>(__half v) { return __half2float(v); }
-
-// Up to 4 consecutive elements of a row, widened exactly to float32 (zeros past n_valid).
-// `vec`: cols % 4 == 0, so a group is whole or absent and loads as one vector.
+struct Group4<float> {
+  float v[4];
+  __device__ __forceinline__ float get(int j) const { return v[j]; }
+};
 template <typename In>
-__device__ __forceinline__ void Load4(const In* __restrict__ p, int n_valid, bool vec,
-                                      float (&f)[4]) {
-  if (vec && n_valid == 4) {
-    if constexpr (sizeof(In) == 4) {
-      const float4 w = *reinterpret_cast<const float4*>(p);
-      f[0] = w.x, f[1] = w.y, f[2] = w.z, f[3] = w.w;
-    } else {
-      const uint2 w = *reinterpret_cast<const uint2*>(p);
-      const In* e = reinterpret_cast<const In*>(&w);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) f[j] = ToFloat<In>(e[j]);
+struct Group4Half {
+  uint32_t w[2];
+  __device__ __forceinline__ uint32_t raw(int j) const { return (w[j / 2] >> (16 * (j % 2))) & 0xFFFFu; }
+};
+template <>
+struct Group4<__nv_bfloat16> : Group4Half<__nv_bfloat16> {
+  __device__ __forceinline__ float get(int j) const { return __uint_as_float(raw(j) << 16); }
+};
+template <>
+struct Group4<__half> : Group4Half<__half> {
+  __device__ __forceinline__ float get(int j) const {
+    const uint32_t h = raw(j);
+    if ((h & 0x7C00u) == 0x7C00u) {  // inf / NaN on bits: keeps a NaN's sign and payload
+      return __uint_as_float(((h & 0x8000u) << 16) | 0x7F800000u | ((h & 0x3FFu) << 13));
     }
-    return;
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
   }
+};
+
+// Up to 4 consecutive elements of a row (zeros past n_valid). `vec`: cols % 4 == 0, so a
+// group is whole or absent and loads as one vector.
+template <typename In>
+__device__ __forceinline__ Group4<In> Load4(const In* __restrict__ p, int n_valid, bool vec) {
+  Group4<In> g{};
+  if constexpr (sizeof(In) == 4) {
+    if (vec && n_valid == 4) {
+      const float4 w = *reinterpret_cast<const float4*>(p);
+      g.v[0] = w.x, g.v[1] = w.y, g.v[2] = w.z, g.v[3] = w.w;
+    } else {
 #pragma unroll
-  for (int j = 0; j < 4; ++j) f[j] = j < n_valid ? ToFloat<In>(p[j]) : 0.0f;
+      for (int j = 0; j < 4; ++j) g.v[j] = j < n_valid ? p[j] : 0.0f;
+    }
+  } else {
+    if (vec && n_valid == 4) {
+      const uint2 w = *reinterpret_cast<const uint2*>(p);
+      g.w[0] = w.x, g.w[1] = w.y;
+    } else {
+      const uint16_t* q = reinterpret_cast<const uint16_t*>(p);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (j < n_valid) g.w[j / 2] |= static_cast<uint32_t>(q[j]) << (16 * (j % 2));
+      }
+    }
+  }
+  return g;
 }
 
 // |x| as bits, NaN as 0: the unsigned order of these is the order of the values.
@@ -115,8 +140,8 @@ __device__ __forceinline__ int Clamp4(int64_t n) {
 
 // The column-wise bytes of the thread's 16 x 4 values into the shared tile: tile column
 // 4 lane + j becomes tile row o, whose word W (tile rows 4W..4W+3) is stored at W ^ (o / 4).
-template <Fp8Type kFp8>
-__device__ __forceinline__ void StoreColumns(Smem& sm, const float (&v)[kRowsPerWarp][4],
+template <typename In, Fp8Type kFp8>
+__device__ __forceinline__ void StoreColumns(Smem& sm, const Group4<In> (&v)[kRowsPerWarp],
                                              const float (&s)[4], float fp8_max, int warp,
                                              int lane) {
 #pragma unroll
@@ -126,7 +151,7 @@ __device__ __forceinline__ void StoreColumns(Smem& sm, const float (&v)[kRowsPer
       uint32_t word = 0;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        word |= QuantizeByte<kFp8>(v[4 * q + k][j], s[j], fp8_max) << (8 * k);
+        word |= QuantizeByte<kFp8>(v[4 * q + k].get(j), s[j], fp8_max) << (8 * k);
       }
       sm.tile[4 * lane + j][(4 * warp + q) ^ lane] = word;
     }
@@ -134,7 +159,7 @@ __device__ __forceinline__ void StoreColumns(Smem& sm, const float (&v)[kRowsPer
 }
 
 template <typename In, Fp8Type kFp8>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)  // two CTAs (16 warps) per SM
     BlockQuantizeKernel(const BlockQuantizeArgs a, int64_t row_tiles, float fp8_max) {
   __shared__ Smem sm;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -152,11 +177,11 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t t = blockIdx.y; t < a.batch * row_tiles; t += gridDim.y) {
     const int64_t b = t / row_tiles, mb = t % row_tiles, row0 = mb * kTile;
     const In* xb = x + b * rows * cols;
-    float v[kRowsPerWarp][4];
+    Group4<In> v[kRowsPerWarp];
 #pragma unroll
     for (int i = 0; i < kRowsPerWarp; ++i) {
       const int64_t r = row0 + warp * kRowsPerWarp + i;
-      Load4<In>(xb + r * cols + c, r < rows ? n_cols : 0, vec_rows, v[i]);
+      v[i] = Load4<In>(xb + r * cols + c, r < rows ? n_cols : 0, vec_rows);
     }
     uint32_t row_max[kRowsPerWarp], col_max[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
@@ -164,7 +189,7 @@ __global__ void __launch_bounds__(kThreads)
       row_max[i] = 0u;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const uint32_t m = AbsBits(v[i][j]);
+        const uint32_t m = AbsBits(v[i].get(j));
         row_max[i] = max(row_max[i], m);
         col_max[j] = max(col_max[j], m);
       }
@@ -191,7 +216,7 @@ __global__ void __launch_bounds__(kThreads)
           const int64_t r = row0 + warp * kRowsPerWarp + i;
           uint32_t word = 0;
 #pragma unroll
-          for (int j = 0; j < 4; ++j) word |= QuantizeByte<kFp8>(v[i][j], s, fp8_max) << (8 * j);
+          for (int j = 0; j < 4; ++j) word |= QuantizeByte<kFp8>(v[i].get(j), s, fp8_max) << (8 * j);
           Store4(q, (b * rows + r) * cols + c, word, r < rows ? n_cols : 0, vec_rows);
         }
       }
@@ -207,7 +232,7 @@ __global__ void __launch_bounds__(kThreads)
           if (lane == 0 && r < rows) a.scale_inv[(b * rows + r) * col_tiles + kb] = scale_inverse(s);
           uint32_t word = 0;
 #pragma unroll
-          for (int j = 0; j < 4; ++j) word |= QuantizeByte<kFp8>(v[i][j], s, fp8_max) << (8 * j);
+          for (int j = 0; j < 4; ++j) word |= QuantizeByte<kFp8>(v[i].get(j), s, fp8_max) << (8 * j);
           Store4(q, (b * rows + r) * cols + c, word, r < rows ? n_cols : 0, vec_rows);
         }
       }
@@ -229,7 +254,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     if (q_t) {
-      StoreColumns<kFp8>(sm, v, s_col, fp8_max, warp, lane);
+      StoreColumns<In, kFp8>(sm, v, s_col, fp8_max, warp, lane);
       __syncthreads();
       const int n_rows = Clamp4(rows - (row0 + 4 * lane));
 #pragma unroll 4

@@ -33,7 +33,11 @@ NB_MODULE(JAX_FP8_MODULE_NAME, m) {
     // GPU only: elsewhere the blockwise primitives lower to jax.numpy (_primitives/block_*.py).
     d["jax_fp8_block_quantize"] =
         nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8BlockQuantizeCuda));
-    d["jax_fp8_block_gemm"] = nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8BlockGemmCuda));
+    nb::dict gemm;  // a handler bundle: jax.ffi.register_ffi_target takes stage -> capsule
+    gemm["initialize"] =
+        nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8BlockGemmInitializeCuda));
+    gemm["execute"] = nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8BlockGemmCuda));
+    d["jax_fp8_block_gemm"] = gemm;
 #endif
     return d;
   });
