@@ -16,6 +16,7 @@ from jax_fp8.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentSca
 from jax_fp8.state import ScalingState
 from jax_fp8.update import amax_and_scale_update, reduce_amaxes, update_states
 from jax_fp8.quantization import compute_amax, dequantize, quantize
+from jax_fp8.blockwise import quantize_blocks, scale_from_amax
 from jax_fp8.meta import Fp8Meta, amax_cotangents, combine_fp8_grads, new_fp8_state
 from jax_fp8.dot_general import fp8_dot_general
 from jax_fp8.einsum import fp8_einsum
@@ -45,7 +46,9 @@ __all__ = [
     "new_fp8_state",
     "pack_states",
     "quantize",
+    "quantize_blocks",
     "reduce_amaxes",
+    "scale_from_amax",
     "scaled_max",
     "unpack_states",
     "update_states",
