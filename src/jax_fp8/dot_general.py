@@ -18,10 +18,12 @@ from jax.custom_derivatives import SymbolicZero
 
 from jax_fp8 import _gemms
 from jax_fp8 import meta as meta_lib
+from jax_fp8 import recipe as recipe_lib
 from jax_fp8._primitives import amax as amax_lib
 from jax_fp8._primitives import layout
 from jax_fp8.meta import Fp8Meta
 from jax_fp8.quantization import compute_amax, quantize
+from jax_fp8.scaled_dot import scaled_dot_general
 from jax_fp8.state import ScalingState
 
 __all__ = ["fp8_dot_general"]
@@ -111,6 +113,16 @@ _fp8_dot.defvjp(_fwd_rule, _bwd, symbolic_zeros=True)
 def check_meta(meta, name: str = "meta"):
     if not isinstance(meta, Fp8Meta):
         raise TypeError(f"{name} must be a jax_fp8.Fp8Meta, got {type(meta).__name__}")
+    if meta.recipe is not None:
+        recipe_lib.check_recipe(meta.recipe, f"{name}.recipe")
+        if isinstance(meta.recipe, recipe_lib.DelayedScaling):
+            raise TypeError(f"{name}.recipe: a delayed-scaling meta holds states, not a "
+                            f"recipe; make it with Fp8Meta.create(DelayedScaling(...))")
+        for field in ("input", "kernel", "grad"):
+            if getattr(meta, field) is not None:
+                raise TypeError(f"{name}.{field} must be None for {type(meta.recipe).__name__} "
+                                f"(a stateless recipe)")
+        return
     for field in ("input", "kernel", "grad"):
         st = getattr(meta, field)
         if not isinstance(st, ScalingState):
@@ -149,10 +161,12 @@ def canonical_dimension_numbers(dimension_numbers, lhs_ndim, rhs_ndim):
 
 def fp8_dot_general(lhs, rhs, dimension_numbers, meta: Fp8Meta, precision=None,
                     preferred_element_type=None, **unused_kwargs):
-    """FP8 ``lax.dot_general`` with delayed scaling; returns ``(out, meta)``.
+    """FP8 ``lax.dot_general``; returns ``(out, meta)``.
 
     Shapes are those of ``lax.dot_general(lhs, rhs, dimension_numbers)``; lhs is the
-    input (activations), rhs the kernel (weights). Forward: both are quantized with
+    input (activations), rhs the kernel (weights). A meta of a current or blockwise recipe
+    (``Fp8Meta.create(Float8BlockScaling())``) runs ``jax_fp8.scaled_dot.scaled_dot_general``
+    and is returned as is. Delayed scaling (the rest of this docstring): both are quantized with
     ``meta.input`` / ``meta.kernel`` (their current scales), the FP8 arrays go straight
     into ``lax.dot_general`` and the result is multiplied by both scale_invs. Backward:
     the incoming gradient is quantized with ``meta.grad`` and both the input and the
@@ -186,7 +200,9 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, meta: Fp8Meta, precision=None,
         raise TypeError(f"preferred_element_type must be a floating dtype of at least 16 "
                         f"bits, got {preferred_element_type!r}")
     dn = canonical_dimension_numbers(dimension_numbers, lhs.ndim, rhs.ndim)
-    meta_lib.claim(meta, "fp8_dot_general")
     out_dtype = np.dtype(preferred_element_type if preferred_element_type is not None
                          else jnp.result_type(lhs, rhs))
+    if meta.stateless:  # current / blockwise: scales from the operands themselves
+        return scaled_dot_general(lhs, rhs, dn, meta.recipe, out_dtype), meta
+    meta_lib.claim(meta, "fp8_dot_general")
     return _fp8_dot(lhs, rhs, meta, dn, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))

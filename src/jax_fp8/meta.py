@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import weakref
 
 import jax
@@ -51,33 +52,44 @@ _consumed: dict = {}
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Meta:
-    """The FP8 state of one GEMM: its input (lhs), its kernel (rhs) and its output gradient.
+    """What one GEMM needs to run in FP8: its recipe, and for delayed scaling its states.
 
-    A registered pytree of three `ScalingState`s. With a `DelayedScaling` recipe the input
-    and kernel use ``fp8_format.fwd_dtype`` and the gradient ``fp8_format.bwd_dtype``
-    (E5M2 under HYBRID).
+    Delayed scaling (``recipe=None``): a registered pytree of three `ScalingState`s, for
+    its input (lhs), its kernel (rhs) and its output gradient; the input and kernel use
+    ``fp8_format.fwd_dtype`` and the gradient ``fp8_format.bwd_dtype`` (E5M2 under
+    HYBRID). Current and blockwise scaling keep no state: ``input``, ``kernel`` and
+    ``grad`` are None and the (static) ``recipe`` says how to scale. The functional call
+    is the same for all three recipes.
 
     Example::
 
-        meta = Fp8Meta.create(DelayedScaling(history_len=16))
+        meta = Fp8Meta.create(DelayedScaling(history_len=16))     # or Float8BlockScaling()
         out, meta = fp8_dot_general(x, w, (((1,), (0,)), ((), ())), meta)
     """
 
-    input: ScalingState
-    kernel: ScalingState
-    grad: ScalingState
+    input: ScalingState | None = None
+    kernel: ScalingState | None = None
+    grad: ScalingState | None = None
+    recipe: recipe_lib.Float8CurrentScaling | recipe_lib.Float8BlockScaling | None = None
 
     @classmethod
-    def create(cls, recipe: recipe_lib.DelayedScaling | None = None, shape=(),
-               history_len: int | None = None) -> "Fp8Meta":
-        """Fresh states for one GEMM (``shape``: leading axes, e.g. stacked layers)."""
+    def create(cls, recipe=None, shape=(), history_len: int | None = None) -> "Fp8Meta":
+        """Fresh states for one GEMM (``shape``: leading axes, e.g. stacked layers), or the
+        stateless meta of a current/blockwise recipe."""
         recipe = recipe_lib.DelayedScaling() if recipe is None else recipe
-        recipe_lib.check_delayed(recipe, "recipe")
+        recipe_lib.check_recipe(recipe, "recipe")
+        if not isinstance(recipe, recipe_lib.DelayedScaling):
+            return cls(recipe=recipe)
         n = recipe.history_len if history_len is None else history_len
         fwd, bwd = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
         return cls(input=ScalingState.create(shape, n, fwd),
                    kernel=ScalingState.create(shape, n, fwd),
                    grad=ScalingState.create(shape, n, bwd))
+
+    @property
+    def stateless(self) -> bool:
+        """True for the current and blockwise recipes (no state to update)."""
+        return self.recipe is not None
 
     def replace(self, **changes) -> "Fp8Meta":
         """A copy with the given fields replaced (as ``dataclasses.replace``)."""
@@ -85,10 +97,30 @@ class Fp8Meta:
 
 
 jax.tree_util.register_dataclass(Fp8Meta, data_fields=["input", "kernel", "grad"],
-                                 meta_fields=[])
+                                 meta_fields=["recipe"])
+
+
+def _serialize_aux(aux) -> bytes:
+    (recipe,) = aux
+    if recipe is None:
+        return b"null"
+    fields = {f.name: getattr(recipe, f.name) for f in dataclasses.fields(recipe)}
+    fields["fp8_format"] = fields["fp8_format"].value
+    return json.dumps({"recipe": type(recipe).__name__, **fields}).encode()
+
+
+def _deserialize_aux(data: bytes):
+    fields = json.loads(data.decode())
+    if fields is None:
+        return (None,)
+    cls = {c.__name__: c for c in recipe_lib.RECIPES}[fields.pop("recipe")]
+    fields["fp8_format"] = recipe_lib.Format(fields["fp8_format"])
+    return (cls(**fields),)
+
+
 jax.export.register_pytree_node_serialization(
-    Fp8Meta, serialized_name="jax_fp8.Fp8Meta", serialize_auxdata=lambda aux: b"",
-    deserialize_auxdata=lambda data: ())
+    Fp8Meta, serialized_name="jax_fp8.Fp8Meta", serialize_auxdata=_serialize_aux,
+    deserialize_auxdata=_deserialize_aux)
 
 
 def amax_cotangent(ct: ScalingState, amax, primal: ScalingState) -> ScalingState:

@@ -94,13 +94,22 @@ def _role(path) -> str | None:
 
 
 def check_states_follow(recipe, tree, name: str = "tree") -> None:
-    """Raises ValueError when a state of `tree` was not made by `recipe`.
+    """Raises ValueError when a state of `tree` was not made by `recipe` (a stateless
+    recipe, current or blockwise, makes none).
 
     Each state's history length must be ``recipe.history_len`` and its FP8 dtype the
     one the recipe gives its role (``fwd_dtype`` for ``input``/``kernel``, ``bwd_dtype``
     for ``grad``; either for states whose role the tree does not name).
     """
-    recipe_lib.check_delayed(recipe, "recipe")
+    recipe_lib.check_recipe(recipe, "recipe")
+    if not isinstance(recipe, recipe_lib.DelayedScaling):
+        found = states_info(tree)
+        if found:
+            raise ValueError(
+                f"{name}{jax.tree_util.keystr(found[0][0])} is a delayed-scaling state, but "
+                f"the recipe {type(recipe).__name__} keeps none: give the layers the same "
+                f"recipe (their states come from it)")
+        return
     fwd, bwd = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
     for path, fp8_dtype, history_len in states_info(tree):
         role = _role(path)

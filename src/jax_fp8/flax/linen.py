@@ -55,6 +55,9 @@ _NAMES = ("input", "kernel", "grad")
 
 
 def _meta_variables(module: nn.Module, recipe, collection):
+    recipe_lib.check_recipe(recipe, "recipe")
+    if not isinstance(recipe, recipe_lib.DelayedScaling):
+        return None  # current / blockwise scaling: no state
     fwd, bwd = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
     dtypes = {"input": fwd, "kernel": fwd, "grad": bwd}
     return [module.variable(collection, name, ScalingState.create, (), recipe.history_len,
@@ -67,7 +70,9 @@ def _meta_variables(module: nn.Module, recipe, collection):
 _successor: dict = {}
 
 
-def _read(vs) -> Fp8Meta:
+def _read(vs, recipe) -> Fp8Meta:
+    if vs is None:
+        return Fp8Meta(recipe=recipe)
     meta = Fp8Meta(*(v.value for v in vs))
     while True:
         entry = _successor.get(id(meta.input.amax_history))
@@ -79,6 +84,8 @@ def _read(vs) -> Fp8Meta:
 def _write(module: nn.Module, vs, used: Fp8Meta, meta: Fp8Meta, collection):
     # Thread the meta: the next call of this module consumes what this one returned, so
     # the amaxes of all calls combine by max.
+    if vs is None:
+        return
     if module.is_mutable_collection(collection):
         for v, name in zip(vs, _NAMES):
             v.value = getattr(meta, name)
@@ -92,14 +99,21 @@ def _write(module: nn.Module, vs, used: Fp8Meta, meta: Fp8Meta, collection):
 
 
 class Fp8DotGeneral(nn.Module):
-    """Drop-in ``dot_general_cls`` for ``nn.Dense`` / ``nn.DenseGeneral``: FP8 delayed scaling.
+    """Drop-in ``dot_general_cls`` for ``nn.Dense`` / ``nn.DenseGeneral``: FP8 GEMMs.
 
     Attributes:
-      recipe: the DelayedScaling recipe (history length, FP8 format) for fresh states.
+      recipe: DelayedScaling (the default: the states, history length and FP8 format,
+        live in ``collection``), Float8CurrentScaling or Float8BlockScaling (no state).
       collection: the variable collection holding the FP8 state.
+
+    Example::
+
+        dg = functools.partial(Fp8DotGeneral, recipe=jax_fp8.Float8BlockScaling())
+        nn.Dense(1024, dot_general_cls=dg)
     """
 
-    recipe: recipe_lib.DelayedScaling = recipe_lib.DelayedScaling()
+    recipe: recipe_lib.DelayedScaling | recipe_lib.Float8CurrentScaling | \
+        recipe_lib.Float8BlockScaling = recipe_lib.DelayedScaling()
     collection: str = FP8_COLLECTION
 
     @nn.compact
@@ -107,7 +121,7 @@ class Fp8DotGeneral(nn.Module):
                  preferred_element_type=None, **kwargs):
         del kwargs  # e.g. out_sharding
         vs = _meta_variables(self, self.recipe, self.collection)
-        used = _read(vs)
+        used = _read(vs, self.recipe)
         out, meta = fp8_dot_general(lhs, rhs, dimension_numbers, used, precision,
                                     preferred_element_type)
         _write(self, vs, used, meta, self.collection)
@@ -117,14 +131,15 @@ class Fp8DotGeneral(nn.Module):
 class Fp8Einsum(nn.Module):
     """Two-operand FP8 einsum: ``Fp8Einsum()("bsd,dh->bsh", x, kernel)``; rhs is the kernel."""
 
-    recipe: recipe_lib.DelayedScaling = recipe_lib.DelayedScaling()
+    recipe: recipe_lib.DelayedScaling | recipe_lib.Float8CurrentScaling | \
+        recipe_lib.Float8BlockScaling = recipe_lib.DelayedScaling()
     collection: str = FP8_COLLECTION
 
     @nn.compact
     def __call__(self, eqn, lhs, rhs, precision=None, preferred_element_type=None):
         del precision
         vs = _meta_variables(self, self.recipe, self.collection)
-        used = _read(vs)
+        used = _read(vs, self.recipe)
         out, meta = fp8_einsum(eqn, lhs, rhs, used,
                                preferred_element_type=preferred_element_type)
         _write(self, vs, used, meta, self.collection)
@@ -181,7 +196,7 @@ class Fp8TrainState(train_state.TrainState):
                                  "and keep the other collections yourself")
             params = rest["params"]
         recipe = recipe_lib.DelayedScaling() if recipe is None else recipe
-        recipe_lib.check_delayed(recipe, "recipe")
+        recipe_lib.check_recipe(recipe, "recipe")
         fp8 = {} if fp8 is None else fp8
         state_lib.check_states_follow(recipe, fp8, "fp8")
         counts: dict = {}
@@ -217,7 +232,7 @@ class Fp8TrainState(train_state.TrainState):
     def apply_gradients(self, *, grads, fp8_grads=None, **kwargs):
         """The optimizer step on ``params``, and the FP8 state from ONE ``update_states``."""
         new = super().apply_gradients(grads=grads, **kwargs)
-        if fp8_grads is None:
+        if fp8_grads is None or not isinstance(self.recipe, recipe_lib.DelayedScaling):
             return new
         return new.replace(fp8=new_fp8_state(self.fp8, fp8_grads, self.recipe))
 

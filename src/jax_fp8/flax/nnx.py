@@ -50,18 +50,25 @@ def _set(var, value):
 
 
 class _Fp8Base(nnx.Module):
-    def __init__(self, recipe: recipe_lib.DelayedScaling | None = None):
+    def __init__(self, recipe=None):
         recipe = recipe_lib.DelayedScaling() if recipe is None else recipe
+        recipe_lib.check_recipe(recipe, "recipe")
         meta = Fp8Meta.create(recipe)
-        self.input = Fp8State(meta.input)
-        self.kernel = Fp8State(meta.kernel)
-        self.grad = Fp8State(meta.grad)
+        self.stateless_recipe = meta.recipe  # None for delayed scaling (static)
+        if not meta.stateless:
+            self.input = Fp8State(meta.input)
+            self.kernel = Fp8State(meta.kernel)
+            self.grad = Fp8State(meta.grad)
 
     @property
     def meta(self) -> Fp8Meta:
+        if self.stateless_recipe is not None:
+            return Fp8Meta(recipe=self.stateless_recipe)
         return Fp8Meta(*(_get(getattr(self, n)) for n in _NAMES))
 
     def _thread(self, meta: Fp8Meta):
+        if meta.stateless:
+            return
         for n in _NAMES:
             _set(getattr(self, n), getattr(meta, n))
 
@@ -95,8 +102,8 @@ class Fp8Einsum(_Fp8Base):
 class Fp8Linear(nnx.Linear):
     """``nnx.Linear`` whose matmul is an FP8 delayed-scaling GEMM."""
 
-    def __init__(self, in_features: int, out_features: int, *,
-                 recipe: recipe_lib.DelayedScaling | None = None, rngs: nnx.Rngs, **kwargs):
+    def __init__(self, in_features: int, out_features: int, *, recipe=None, rngs: nnx.Rngs,
+                 **kwargs):
         if "dot_general" in kwargs:
             raise TypeError("Fp8Linear sets dot_general itself")
         super().__init__(in_features, out_features, rngs=rngs,
@@ -108,8 +115,12 @@ def fp8_state(model) -> nnx.State:
     return nnx.state(model, Fp8State)
 
 
-def update_fp8(model, fp8_grads, recipe: recipe_lib.DelayedScaling | None = None):
-    """Replaces every `Fp8State` of ``model`` with ONE fused ``update_states`` call."""
+def update_fp8(model, fp8_grads, recipe=None):
+    """Replaces every `Fp8State` of ``model`` with ONE fused ``update_states`` call (a model
+    of a stateless recipe, current or blockwise, has none: nothing to do)."""
+    if recipe is not None and not isinstance(recipe_lib.check_recipe(recipe),
+                                             recipe_lib.DelayedScaling):
+        return fp8_state(model)
     new = new_fp8_state(fp8_state(model), fp8_grads, recipe)
     nnx.update(model, new)
     return new
