@@ -4,9 +4,9 @@ dequantized operands, within error bounds derived below; on the GPU the cuBLASLt
 powers of two from block to block, so that any mix-up of the scale layouts shows.
 
 Notation: a_ik = qa_ik * sa(i, k // 128), b_jk = qb_jk * sb(j, k // 128) (sa, sb the
-scale_inv of each operand's block), E_ij = sum_k a_ik b_jk computed in float64 (exact
-here: power-of-two scales make a_ik b_jk an 8-bit product, and float64 holds the sums to
-2**-53 relative, far below every bound), S_ij = sum_k |a_ik| |b_jk|, u = 2**-24, u_out the
+scale_inv of each operand's block), E_ij = sum_k a_ik b_jk computed in float64 (the
+dequantized operands are exact in float64; its sums are within K 2**-53 S_ij, far below
+every bound), S_ij = sum_k |a_ik| |b_jk|, u = 2**-24, u_out the
 unit roundoff of the output dtype (2**-24 float32, 2**-8 bfloat16, 2**-11 float16).
 
 * Reference (XLA, float32): the dequantized operands are exact (FP8 times a power of two;
@@ -67,8 +67,8 @@ def exact(qa, sa, qb, sb, ra, rb):
         full = np.repeat(np.repeat(s.astype(np.float64), r, -2), 128, -1)[..., :m, :k]
         return q.astype(np.float64) * full
     a, b = deq(qa, sa, ra), deq(qb, sb, rb)
-    return np.einsum("...mk,...nk->...mn", a, b), np.einsum("...mk,...nk->...mn", np.abs(a),
-                                                          np.abs(b))
+    b_t = np.swapaxes(b, -1, -2)
+    return a @ b_t, np.abs(a) @ np.abs(b_t)
 
 
 def assert_within(out, e, s, coef, out_dtype, what):
@@ -227,8 +227,8 @@ def test_gpu_repeated_calls_and_many_shapes_reuse_plans(gpu_device):
             assert_within(out, e, s, cublas_coef(k), np.float32, f"rep {rep} {(m, n, k)}")
 
 
-def test_bfloat16_inputs_of_the_bound_helpers():
-    """The helpers' float64 product is exact for power-of-two scales (8-bit products)."""
+def test_exact_product_helper():
+    """The float64 E and S of a hand-computed case."""
     q = np.asarray(np.array([[1.5, -2.0]], F32).astype(ml_dtypes.float8_e4m3fn))
     e, s = exact(q, np.ones((1, 1), F32), q, np.full((1, 1), 0.5, F32), 1, 1)
     assert e[0, 0] == (2.25 + 4.0) * 0.5 and s[0, 0] == e[0, 0]
