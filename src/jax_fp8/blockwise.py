@@ -128,6 +128,8 @@ def dequantize_blocks(x_fp8, scale_inv, block_shape=(1, 128), dtype=jnp.float32)
     """``x_fp8 * scale_inv`` broadcast over each block, in float32, cast to ``dtype``.
 
     Shapes: x_fp8 [..., M, K], scale_inv [..., ceil(M/bm), ceil(K/bk)] -> [..., M, K].
+    The IEEE products (also for a subnormal scale_inv), except that products in the
+    subnormal range read as zeros of their sign (XLA flushes them).
     """
     rows = _block_rows(block_shape)
     x_fp8, scale_inv = jnp.asarray(x_fp8), jnp.asarray(scale_inv, jnp.float32)
