@@ -127,7 +127,7 @@ struct Gemm {  // one call's GEMM, as cuBLASLt sees it
 };
 
 // Makes the plan: descriptor, layouts and the best algorithm, or marks it as a fallback.
-void MakePlan(Plan& plan, LtHandle handle, const Gemm& g, const uint32_t align[3]) {
+void MakePlan(Plan& plan, LtHandle handle, const Gemm& g, const uint32_t (&align)[5]) {
   if (!handle) return;
   LtDesc desc = nullptr;
   if (g_lt.desc_create(&desc, kCompute32F, kR32F) != kLtSuccess) return;
