@@ -916,9 +916,10 @@ def _plot(results, out, plt):
     for a in axes:
         a.set_xlabel("step")
         a.grid(alpha=0.3)
-        a.legend(fontsize=8)
+        a.legend(fontsize=8, loc="upper right")
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    # (fixed margins: tight_layout costs seconds with these legends)
+    fig.subplots_adjust(left=0.06, right=0.98, bottom=0.12, top=0.86, wspace=0.25)
     fig.savefig(out / "loss.png", dpi=120)
     plt.close(fig)
     written.append(out / "loss.png")
@@ -951,9 +952,9 @@ def _plot(results, out, plt):
         a.set_xlabel("step")
         a.grid(alpha=0.3)
     for a in axes[1:]:
-        a.legend(fontsize=6)
+        a.legend(fontsize=6, loc="upper right")
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.05, right=0.98, bottom=0.12, top=0.86, wspace=0.22)
     fig.savefig(out / "fp8.png", dpi=120)
     plt.close(fig)
     written.append(out / "fp8.png")
@@ -1001,6 +1002,9 @@ def parse_args(argv=None):
                     help="exit status when a run stopped before its last step (default 0)")
     ap.add_argument("--plot-only", action="store_true",
                     help="only (re)draw the plots from --out/results.json")
+    ap.add_argument("--no-plot", action="store_true",
+                    help="write results.json but no plots (e.g. for a process that a later "
+                         "one continues)")
     ap.add_argument("--attention", choices=["auto", "xla", "cudnn"], default="auto",
                     help="jax.nn.dot_product_attention implementation (auto: cudnn on a "
                          "GPU when it compiles, else xla); the same for every run")
@@ -1061,6 +1065,12 @@ def main(argv=None, started: float | None = None) -> dict:
         print(summary_table(results))
         return results
 
+    if not args.resume:
+        for name in args.run_names:
+            ckpt = out / name / "ckpt"
+            if ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir()):
+                raise SystemExit(f"{ckpt} has checkpoints: pass --resume to continue the "
+                                 f"run, or use another --out")
     deadline = Deadline(started, args.max_minutes)
     data = ByteData(cfg)
     attention = pick_attention(args.attention, cfg)
@@ -1106,8 +1116,9 @@ def main(argv=None, started: float | None = None) -> dict:
         del run
     if results is None:
         results = load_results(results_path) or {**header, "runs": {}}
-    for p in plot_results(results, out):
-        log(f"wrote {p}")
+    if not args.no_plot:
+        for p in plot_results(results, out):
+            log(f"wrote {p}")
     log(f"wrote {results_path}")
     print(summary_table(results))
     if unfinished and args.exit_code_unfinished:

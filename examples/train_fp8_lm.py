@@ -7,15 +7,20 @@ in the compute dtype, as in Transformer Engine. The whole model's FP8 state is u
 ONE fused ``jax_fp8.update_states`` call per step (`Fp8TrainState.apply_gradients`), and
 the optimizer (AdamW with gradient clipping) never sees it.
 
-    python examples/train_fp8_lm.py --steps 300 --out runs/fp8 --compare
+    pip install ".[examples]"          # or ".[test]": flax, optax, matplotlib, tqdm
+    python examples/train_fp8_lm.py --steps 300 --out runs/fp8_lm --compare
 
-(defaults: d_model 128, 2 layers, seq 64, batch 16 on CPU -- about 4 minutes on 2 cores
+(defaults: d_model 128, 2 layers, seq 64, batch 16 on CPU -- a few minutes on 2 cores
 with --compare; d_model 256, 4 layers, seq 256, batch 32 on a GPU.)
 
---compare also trains the same model (same initial weights, same batches) without FP8
-and reports the loss gap. Writes DIR/metrics.json ("loss", "reference_loss", the gap,
-tokens/s, the tracked FP8 tensors' amax/scale) and, if matplotlib is installed,
-DIR/loss.png and DIR/fp8_scaling.png. Runs on the GPU when JAX sees one, else on CPU.
+--compare also trains the same model (same initial weights, same batches) without FP8.
+Each run shows a progress bar (a line every 10 % when stderr is not a terminal) and is
+evaluated every --eval-every steps on the same held-out batches. At the end the script
+prints each run's final train loss (mean of the last 10 % of steps) and validation loss,
+and the relative gap. Everything goes under --out (nothing else is written): DIR/metrics.json
+("loss", "reference_loss", "valid_curve", "final", the gap, tokens/s, the tracked FP8
+tensors' amax/scale) and, if matplotlib is installed, DIR/loss.png (train and validation
+loss) and DIR/fp8_scaling.png. Runs on the GPU when JAX sees one, else on CPU.
 """
 
 from __future__ import annotations
@@ -24,8 +29,11 @@ import argparse
 import functools
 import json
 import math
+import os
 import pathlib
+import shutil
 import sys
+import tempfile
 import time
 
 import jax
@@ -36,6 +44,11 @@ import flax.linen as nn
 
 import jax_fp8
 from jax_fp8.flax import Fp8DotGeneral, Fp8TrainState
+
+try:
+    from tqdm.auto import tqdm
+except ImportError:  # progress lines instead of a bar
+    tqdm = None
 
 DEFAULT_CORPUS = pathlib.Path(__file__).resolve().parent / "data" / "corpus.txt"
 
@@ -131,23 +144,6 @@ def make_optimizer(lr, steps, warmup):
                        optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=0.1))
 
 
-def fp8_train_step(state: Fp8TrainState, batch):
-    def loss_fn(params, fp8):
-        return cross_entropy(state.apply_model(params, fp8, batch[:, :-1]), batch)
-
-    loss, (grads, fp8_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(state.params,
-                                                                          state.fp8)
-    return state.apply_gradients(grads=grads, fp8_grads=fp8_grads), loss
-
-
-def ref_train_step(state, batch):
-    def loss_fn(params):
-        return cross_entropy(state.apply_fn({"params": params}, batch[:, :-1]), batch)
-
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
-
-
 def tracked_tensors(n_layers):
     """A few FP8 states to plot: (label, path into the fp8 collection)."""
     last = f"block_{n_layers - 1}"
@@ -162,82 +158,174 @@ def _state_at(fp8, path):
     return fp8[block][layer]["Fp8DotGeneral_0"][name]
 
 
-def progress(tag, step, steps, loss, tok_s, done=False):
-    msg = f"\r[{tag}] step {step:5d}/{steps}  loss {loss:7.4f}  {tok_s:10,.0f} tok/s"
-    sys.stderr.write(msg + ("\n" if done else ""))
-    sys.stderr.flush()
+def fp8_train_step(state: Fp8TrainState, batch, tracked=()):
+    def loss_fn(params, fp8):
+        return cross_entropy(state.apply_model(params, fp8, batch[:, :-1]), batch)
+
+    loss, (grads, fp8_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(state.params,
+                                                                          state.fp8)
+    new = state.apply_gradients(grads=grads, fp8_grads=fp8_grads)
+    # The newest amax sits at the end of each history after the update.
+    states = jax_fp8.unpack_states(new.fp8)
+    track = jnp.stack([jnp.stack([_state_at(states, path).amax_history[-1],
+                                  _state_at(states, path).scale]) for _, path in tracked])
+    return new, loss, track
 
 
-def run(args, data, params0, model, tag, fp8_vars=None, recipe=None):
+def ref_train_step(state, batch):
+    def loss_fn(params):
+        return cross_entropy(state.apply_fn({"params": params}, batch[:, :-1]), batch)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss, jnp.zeros((0, 2))
+
+
+class Progress:
+    """One bar per run (tqdm) on a terminal; a line every 10 % of the steps otherwise."""
+
+    def __init__(self, tag: str, total: int):
+        self.tag, self.total = tag, total
+        self.bar = None
+        if tqdm is not None and sys.stderr.isatty():
+            self.bar = tqdm(total=total, desc=tag, unit="step", dynamic_ncols=True,
+                            file=sys.stderr)
+        self.every, self.last = max(1, total // 10), 0
+
+    def update(self, n: int, **postfix):
+        text = "  ".join(f"{k} {v}" for k, v in postfix.items())
+        if self.bar is not None:
+            self.bar.update(n - self.bar.n)
+            self.bar.set_postfix_str(text, refresh=True)
+        elif n - self.last >= self.every or n == self.total:
+            print(f"[{self.tag}] step {n}/{self.total}  {text}", file=sys.stderr, flush=True)
+            self.last = n
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run(args, data, variables, model, tag, recipe=None):
+    """Trains one model; variables holds "params" (and "fp8_meta" for the FP8 run)."""
     tx = make_optimizer(args.lr, args.steps, args.warmup)
     # Fresh copies: the step donates its state, and both runs start from the same weights.
-    params0, fp8_vars = jax.device_put(jax.device_get((params0, fp8_vars)))
-    if fp8_vars is not None:
-        state = Fp8TrainState.create(apply_fn=model.apply, params=params0, fp8=fp8_vars, tx=tx,
+    variables = jax.device_put(jax.device_get(variables))
+    fp8 = "fp8_meta" in variables
+    tracked = tracked_tensors(args.layers) if fp8 else []
+    if fp8:
+        state = Fp8TrainState.create(apply_fn=model.apply, variables=variables, tx=tx,
                                      recipe=recipe)
-        step_fn = jax.jit(fp8_train_step, donate_argnums=(0,))
+        step_fn = jax.jit(functools.partial(fp8_train_step, tracked=tracked),
+                          donate_argnums=(0,))
+
+        def eval_loss(state, b):
+            return cross_entropy(model.apply(state.variables(), b[:, :-1]), b)
     else:
         from flax.training import train_state
-        state = train_state.TrainState.create(apply_fn=model.apply, params=params0, tx=tx)
+        state = train_state.TrainState.create(apply_fn=model.apply,
+                                              params=variables["params"], tx=tx)
         step_fn = jax.jit(ref_train_step, donate_argnums=(0,))
+
+        def eval_loss(state, b):
+            return cross_entropy(model.apply({"params": state.params}, b[:, :-1]), b)
+    eval_fn = jax.jit(eval_loss)
+    # The same held-out batches for every evaluation of both runs.
+    vb = data.batches(args.batch, "valid", seed=12345)
+    valid_batches = [jnp.asarray(next(vb)) for _ in range(args.eval_batches)]
+    valid_steps, valid_curve = [], []
+
+    def evaluate(step):
+        if valid_batches:
+            losses = jax.device_get([eval_fn(state, b) for b in valid_batches])
+            valid_steps.append(step)
+            valid_curve.append(float(np.mean(losses)))
+
     batches = data.batches(args.batch)
     tokens_per_step = args.batch * args.seq_len
-    losses, track = [], {}
-    tracked = tracked_tensors(args.layers) if fp8_vars is not None else []
+    losses, track = [], []
     t_start = time.perf_counter()
     t_compiled = None
+    train_s = 0.0             # step time after the first (compiling) step, evals excluded
     every = max(1, args.steps // 100)
+    bar = Progress(tag, args.steps)
+    t_seg = None
     for step in range(args.steps):
+        if t_seg is None and t_compiled is not None:
+            t_seg = time.perf_counter()
         batch = jnp.asarray(next(batches))
-        state, loss = step_fn(state, batch)
-        if fp8_vars is not None:
-            # The newest amax sits at the end of each history after the update.
-            for label, path in tracked:
-                st = _state_at(jax_fp8.unpack_states(state.fp8), path)
-                # (a new array: the state's own buffers are donated to the next step)
-                track.setdefault(label, []).append(jnp.stack([st.amax_history[-1], st.scale]))
+        state, loss, tr = step_fn(state, batch)
         losses.append(loss)
+        track.append(tr)
         if step == 0:
             jax.block_until_ready(loss)
             t_compiled = time.perf_counter()
-        if (step + 1) % every == 0 or step + 1 == args.steps:
-            current = float(loss)
-            elapsed = time.perf_counter() - t_compiled
-            tok_s = tokens_per_step * step / elapsed if step and elapsed > 0 else 0.0
-            progress(tag, step + 1, args.steps, current, tok_s, done=step + 1 == args.steps)
+        done = step + 1
+        do_eval = done % args.eval_every == 0 or done == args.steps
+        if done % every == 0 or do_eval:
+            current = float(loss)             # waits for the step
+            if t_seg is not None:
+                train_s += time.perf_counter() - t_seg
+                t_seg = None
+            if do_eval:
+                evaluate(done)
+            tok_s = tokens_per_step * step / train_s if train_s > 0 else 0.0
+            postfix = {"loss": f"{current:.4f}"}
+            if valid_curve:
+                postfix["val"] = f"{valid_curve[-1]:.4f}"
+            postfix["tok/s"] = f"{tok_s:,.0f}"
+            bar.update(done, **postfix)
+    bar.close()
     jax.block_until_ready(state)
     t_end = time.perf_counter()
     losses = [float(x) for x in jax.device_get(losses)]
     steady = args.steps - 1
-    tok_s = tokens_per_step * steady / (t_end - t_compiled) if steady > 0 else float("nan")
-    track = {k: {"amax": [float(a) for a, _ in np.asarray(jax.device_get(v))],
-                 "scale": [float(s) for _, s in np.asarray(jax.device_get(v))]}
-             for k, v in track.items()}
-    # Held-out loss (a few batches, same for both runs).
-    if fp8_vars is not None:
-        def eval_loss(b):
-            return cross_entropy(model.apply(state.variables(), b[:, :-1]), b)
-    else:
-        def eval_loss(b):
-            return cross_entropy(model.apply({"params": state.params}, b[:, :-1]), b)
-    valid = float("nan")
-    if args.eval_batches > 0:
-        eval_fn = jax.jit(eval_loss)
-        vb = data.batches(args.batch, "valid", seed=12345)
-        valid = float(np.mean([float(eval_fn(jnp.asarray(next(vb))))
-                               for _ in range(args.eval_batches)]))
+    tok_s = tokens_per_step * steady / train_s if steady > 0 and train_s > 0 else float("nan")
+    track = np.asarray(jax.device_get(track), np.float64)        # [steps, tensors, 2]
+    track = {label: {"amax": track[:, i, 0].tolist(), "scale": track[:, i, 1].tolist()}
+             for i, (label, _) in enumerate(tracked)}
+    k = max(1, args.steps // 10)
     return dict(loss=losses, tokens_per_s=tok_s, compile_s=t_compiled - t_start,
-                total_s=t_end - t_start, valid_loss=valid, track=track)
+                total_s=t_end - t_start, valid_loss=valid_curve[-1] if valid_curve else
+                float("nan"), valid_steps=valid_steps, valid_curve=valid_curve,
+                final_train_loss=float(np.mean(losses[-k:])), track=track)
 
 
-def plot(out, metrics, args):
+def _matplotlib(out: pathlib.Path):
+    """pyplot, with matplotlib's config/font cache in a temporary folder under `out`
+    (removed by `_matplotlib_done`), or None when matplotlib is not installed."""
+    tmp = None
+    if "MPLCONFIGDIR" not in os.environ and "matplotlib" not in sys.modules:
+        tmp = tempfile.mkdtemp(prefix=".matplotlib-", dir=out)
+        os.environ["MPLCONFIGDIR"] = tmp
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: skipping plots", file=sys.stderr)
-        return []
+        plt = None
+    return plt, tmp
+
+
+def _matplotlib_done(tmp):
+    if tmp is not None:
+        if os.environ.get("MPLCONFIGDIR") == tmp:
+            del os.environ["MPLCONFIGDIR"]
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def plot(out, metrics, args):
+    """loss.png (train and validation loss of each run) and fp8_scaling.png."""
+    plt, tmp = _matplotlib(out)
+    try:
+        if plt is None:
+            print("matplotlib is not installed: skipping plots", file=sys.stderr)
+            return []
+        return _plot(plt, out, metrics, args)
+    finally:
+        _matplotlib_done(tmp)
+
+
+def _plot(plt, out, metrics, args):
     written = []
 
     def smooth(v, k=max(1, args.steps // 50)):
@@ -248,14 +336,20 @@ def plot(out, metrics, args):
         return np.arange(k - 1, len(v)), c
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    ax.plot(*smooth(metrics["loss"]), label=f"FP8 ({args.format})")
+    runs = [("FP8 (" + args.format + ")", "", "C0")]
     if "reference_loss" in metrics:
-        ax.plot(*smooth(metrics["reference_loss"]), label=f"reference ({metrics['dtype']})",
-                linestyle="--")
+        runs.append((f"reference ({metrics['dtype']})", "reference_", "C1"))
+    for label, prefix, color in runs:
+        ax.plot(*smooth(metrics[prefix + "loss"]), color=color, lw=1.2,
+                label=f"{label} train (smoothed)")
+        curve = metrics[prefix + "valid_curve"]
+        if curve["loss"]:
+            ax.plot(curve["steps"], curve["loss"], color=color, ls="--", marker="o", ms=3,
+                    label=f"{label} validation")
     ax.set_xlabel("step")
-    ax.set_ylabel("train loss (nats/char, smoothed)")
+    ax.set_ylabel("loss (nats/char)")
     ax.set_title(f"char LM d={args.d_model} L={args.layers} T={args.seq_len} B={args.batch}")
-    ax.legend()
+    ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / "loss.png", dpi=120)
@@ -303,7 +397,9 @@ def parse_args(argv=None):
                     help="also train the same model without FP8 and store its losses")
     ap.add_argument("--corpus", default=str(DEFAULT_CORPUS))
     ap.add_argument("--eval-batches", type=int, default=4,
-                    help="held-out batches for the final validation loss (0: skip)")
+                    help="held-out batches of each validation loss (0: no validation)")
+    ap.add_argument("--eval-every", type=int, default=None,
+                    help="validation loss every this many steps (default: steps // 10)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     gpu = jax.default_backend() == "gpu"
@@ -313,6 +409,12 @@ def parse_args(argv=None):
             setattr(args, name, gpu_default if gpu else cpu_default)
     if args.d_model % args.heads:
         ap.error("--d-model must be divisible by --heads")
+    if args.steps < 1:
+        ap.error("--steps must be >= 1")
+    if args.eval_every is None:
+        args.eval_every = max(1, args.steps // 10)
+    if args.eval_every < 1:
+        ap.error("--eval-every must be >= 1")
     return args
 
 
@@ -340,21 +442,27 @@ def main(argv=None):
           f"params={n_params:,} fp8 tensors={n_fp8} vocab={data.vocab} "
           f"recipe={args.format} L={args.history_len}", file=sys.stderr)
 
-    fp8_run = run(args, data, params0, fp8_model, "fp8", fp8_vars=fp8_0, recipe=recipe)
+    fp8_run = run(args, data, variables, fp8_model, "fp8", recipe=recipe)
     metrics = {"config": {k: v for k, v in vars(args).items()}, "backend": backend,
                "device": jax.devices()[0].device_kind, "dtype": dtype,
                "jax_version": jax.__version__, "n_params": int(n_params),
                "n_fp8_tensors": n_fp8, "loss": fp8_run["loss"],
                "tokens_per_s": fp8_run["tokens_per_s"], "valid_loss": fp8_run["valid_loss"],
+               "valid_curve": {"steps": fp8_run["valid_steps"],
+                               "loss": fp8_run["valid_curve"]},
                "compile_s": fp8_run["compile_s"], "fp8_tracked": fp8_run["track"]}
+    k = max(1, args.steps // 10)
+    final = {"train_window_steps": k, "valid_batches": args.eval_batches,
+             "fp8": {"train_loss": fp8_run["final_train_loss"],
+                     "valid_loss": fp8_run["valid_loss"]}}
     if args.compare:
-        ref_run = run(args, data, params0, ref_model, "ref")
+        ref_run = run(args, data, {"params": variables["params"]}, ref_model, "reference")
         metrics.update(reference_loss=ref_run["loss"],
                        reference_tokens_per_s=ref_run["tokens_per_s"],
-                       reference_valid_loss=ref_run["valid_loss"])
-        k = max(1, args.steps // 10)
-        fp8_tail = float(np.mean(fp8_run["loss"][-k:]))
-        ref_tail = float(np.mean(ref_run["loss"][-k:]))
+                       reference_valid_loss=ref_run["valid_loss"],
+                       reference_valid_curve={"steps": ref_run["valid_steps"],
+                                              "loss": ref_run["valid_curve"]})
+        fp8_tail, ref_tail = fp8_run["final_train_loss"], ref_run["final_train_loss"]
         diff = np.asarray(fp8_run["loss"]) - np.asarray(ref_run["loss"])
         metrics["gap"] = {
             "window_steps": k,
@@ -363,19 +471,26 @@ def main(argv=None):
             "max_abs_per_step": float(np.max(np.abs(diff))),
             "mean_abs_per_step_second_half": float(np.mean(np.abs(diff[len(diff) // 2:]))),
             "valid_abs": fp8_run["valid_loss"] - ref_run["valid_loss"],
+            "valid_rel": (fp8_run["valid_loss"] - ref_run["valid_loss"])
+            / ref_run["valid_loss"],
         }
+        final["reference"] = {"train_loss": ref_tail, "valid_loss": ref_run["valid_loss"]}
+        final["rel_gap"] = {"train": metrics["gap"]["rel"], "valid": metrics["gap"]["valid_rel"]}
+    metrics["final"] = final
     with open(out / "metrics.json", "w") as f:
         json.dump(metrics, f, indent=1)
     plots = plot(out, metrics, args)
-    summary = (f"FP8 final loss {np.mean(fp8_run['loss'][-max(1, args.steps // 10):]):.4f} "
-               f"(valid {fp8_run['valid_loss']:.4f}), {fp8_run['tokens_per_s']:,.0f} tok/s")
+
+    print(f"final losses (train: mean of the last {k} steps; validation: "
+          f"{args.eval_batches} held-out batches of {args.batch})")
+    rows = [("fp8", fp8_run)] + ([("reference", ref_run)] if args.compare else [])
+    for name, r in rows:
+        print(f"  {name:10s} train {r['final_train_loss']:.4f}  valid {r['valid_loss']:.4f}"
+              f"  {r['tokens_per_s']:,.0f} tok/s")
     if args.compare:
-        g = metrics["gap"]
-        summary += (f"; reference {g['reference_final_loss']:.4f} "
-                    f"(valid {metrics['reference_valid_loss']:.4f}); "
-                    f"gap {g['abs']:+.4f} ({100 * g['rel']:+.2f}%) over the last "
-                    f"{g['window_steps']} steps")
-    print(summary)
+        g = final["rel_gap"]
+        print(f"  relative gap (fp8 - reference) / reference: train {100 * g['train']:+.2f} %,"
+              f" valid {100 * g['valid']:+.2f} %")
     print(f"wrote {out / 'metrics.json'}" + "".join(f", {p}" for p in plots))
     return metrics
 
