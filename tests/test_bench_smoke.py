@@ -44,7 +44,7 @@ def test_bench_update_tiny_run(tmp_path):
         assert rows[(2, "fused_pytree")]["kernels_hlo"] == 1
         assert rows[(3, "fused_stacked")]["kernels_hlo"] == 1
     for r in rows.values():
-        assert r["wall_us_median"] > 0 and r["device_us"] > 0 and r["compile_s"] >= 0
+        assert r["wall_us_median"] > 0 and r["device_us"] >= 0 and r["compile_s"] >= 0
     assert data["launch_floor"]["kernels_hlo"] >= 1
     assert data["ratios"][0]["wall_us_median:per_tensor_jnp/fused_pytree"] > 0
     md = (out / "results.md").read_text()
