@@ -23,6 +23,19 @@ unit roundoff of the output dtype (2**-24 float32, 2**-8 bfloat16, 2**-11 float1
   A wrong scale layout multiplies whole blocks by other powers of two: errors of order S.
 * The plain CUDA kernel: float32 partials per block and a float32 sum over blocks:
   |out - E| <= (K + K/128 + 4) u S + u_out |E|.
+
+The output rounding, for every path: the GEMM's float32 result y (|y - E| <= coef S) is
+rounded once to out_dtype (a float16 output is computed in float32 and cast: the kernels
+write float32, XLA converts), |out - y| <= u_out |y| <= u_out (|E| + coef S), so
+  |out - E| <= coef (1 + u_out) S + u_out |E|   (+ 2**-25 for float16: see below).
+For float16 that is one extra rounding of relative 2**-11, valid while |y| stays in
+float16's normal range: below 2**-14 the spacing is 2**-24 (an absolute error of at most
+2**-25, added to the bound), and at |y| >= 65520 (65504 + half its spacing) the cast
+overflows to +-inf, as IEEE's float32 -> float16 conversion must. The random operands
+below have block scales spread over 2**-6 .. 2**6 per operand, so |E| reaches 2**26:
+float16 cases are brought into range by a power-of-two shift of both operands' scales
+(`fit_float16`: max S <= 2**15, which changes no relative error), and
+test_float16_overflow_is_inf checks the +-inf side with exact products.
 """
 
 import jax
@@ -40,6 +53,10 @@ TARGET = 'custom_call_target="jax_fp8_block_gemm"'
 U = 2.0 ** -24
 U_OUT = {np.dtype(np.float32): 2.0 ** -24, np.dtype(jnp.bfloat16): 2.0 ** -8,
          np.dtype(np.float16): 2.0 ** -11}
+# Half the subnormal spacing of the output type where it matters (float16's 2**-24; the
+# float32/bfloat16 results here are never near their subnormal ranges).
+TINY_OUT = {np.dtype(np.float16): 2.0 ** -25}
+F16_MAX_S = 2.0 ** 15  # fit_float16's target: |out| <= S (1 + coef) < 65504
 FAST_COMPILE = {"xla_backend_optimization_level": 0}  # CPU: same IEEE arithmetic, faster
 
 
@@ -60,6 +77,19 @@ def operand(rng, lead, rows, k, fp8, block, pow2=True):
     return q, s
 
 
+def fit_float16(ops, e, s):
+    """Operands (qa, sa, qb, sb) and their exact (E, S) with both scales shifted by powers
+    of two so that max S <= F16_MAX_S: a float16 output stays finite (the module
+    docstring). Powers of two scale the float64 E and S exactly (no under/overflow here),
+    and the block-to-block variation of the scales, which catches layout mix-ups, stays."""
+    qa, sa, qb, sb = ops
+    p = max(0, int(np.ceil(np.log2(max(float(s.max()), 1.0) / F16_MAX_S))))
+    pa, pb = (p + 1) // 2, p // 2
+    sa = (sa * F32(2.0 ** -pa)).astype(F32)
+    sb = (sb * F32(2.0 ** -pb)).astype(F32)
+    return (qa, sa, qb, sb), e * 2.0 ** -p, s * 2.0 ** -p
+
+
 def exact(qa, sa, qb, sb, ra, rb):
     """float64 E and S (see the module docstring)."""
     def deq(q, s, r):
@@ -74,7 +104,8 @@ def exact(qa, sa, qb, sb, ra, rb):
 def assert_within(out, e, s, coef, out_dtype, what):
     out = np.asarray(out, np.float64)
     u_out = U_OUT[np.dtype(out_dtype)]
-    tol = coef * (1 + u_out) * s + u_out * np.abs(e)  # the GEMM's error, then one rounding
+    # the GEMM's error, then one rounding to out_dtype (the module docstring)
+    tol = coef * (1 + u_out) * s + u_out * np.abs(e) + TINY_OUT.get(np.dtype(out_dtype), 0.0)
     err = np.abs(out - e)
     bad = err > tol
     assert not bad.any(), (f"{what}: {bad.sum()} of {bad.size} outside the bound; worst "
@@ -114,15 +145,19 @@ CPU_CASES = [((), 130, 72, 300, "1d", "1d", E4M3, E4M3, np.float32, True),
 def test_reference_within_bound(backend, device):
     """The XLA reference on every backend (on the GPU only where cuBLASLt is not used)."""
     rng = np.random.default_rng(0)
-    ops = []
-    for lead, m, n, k, ba, bb, ta, tb, _, pow2 in CPU_CASES:
-        ops.append((*operand(rng, lead, m, k, ta, ba, pow2), *operand(rng, lead, n, k, tb, bb, pow2)))
+    ops, exacts = [], []
+    for lead, m, n, k, ba, bb, ta, tb, out_dtype, pow2 in CPU_CASES:
+        o = (*operand(rng, lead, m, k, ta, ba, pow2), *operand(rng, lead, n, k, tb, bb, pow2))
+        e, s = exact(*o, rows_of(ba), rows_of(bb))
+        if np.dtype(out_dtype) == np.float16:
+            o, e, s = fit_float16(o, e, s)
+        ops.append(o)
+        exacts.append((e, s))
 
     def fn(ops):
         return [gemm(rows_of(c[4]), rows_of(c[5]), c[8], "xla")(*o) for c, o in zip(CPU_CASES, ops)]
 
-    for case, o, out in zip(CPU_CASES, ops, run(device, fn, ops)):
-        e, s = exact(*o, rows_of(case[4]), rows_of(case[5]))
+    for case, (e, s), out in zip(CPU_CASES, exacts, run(device, fn, ops)):
         assert out.shape == e.shape and out.dtype == np.dtype(case[8])
         assert_within(out, e, s, reference_coef(case[3]), case[8], f"reference {case}")
 
@@ -188,14 +223,57 @@ def test_gpu_gemm_within_bound(gpu_device, shape, blocks, types, out_dtype, impl
     ops = (*operand(rng, lead, m, k, types[0], blocks[0], pow2=m % 256 != 0),
            *operand(rng, lead, n, k, types[1], blocks[1], pow2=m % 256 != 0))
     ra, rb = rows_of(blocks[0]), rows_of(blocks[1])
+    e, s = exact(*ops, ra, rb)
+    if np.dtype(out_dtype) == np.float16:  # keep |E| within float16's range
+        ops, e, s = fit_float16(ops, e, s)
+        assert np.abs(e).max() < 65504, "fit_float16"
     fn = gemm(ra, rb, out_dtype, impl)
     x = jax.device_put(ops, gpu_device)
     hlo = jax.jit(fn).lower(*x).compile().as_text()
     assert TARGET in hlo, f"no custom call ({gemm_lib.cublas_status()})"
     out = helpers.run_on(gpu_device, fn, *ops)
-    e, s = exact(*ops, ra, rb)
     coef = cublas_coef(k) if impl == "auto" else fallback_coef(k)
     assert_within(out, e, s, coef, out_dtype, f"{impl} {shape} {blocks}")
+
+
+def overflow_operands():
+    """a [8, 128] E4M3 with 1x128 blocks, b [8, 128] with 1x128 blocks, whose products are
+    exact in every path (small integers times powers of two; the tensor cores' partial
+    sums need 8 significant bits): E[i, j] = sign_i * sa_i * (32768 for j < 4, else
+    2048). Row scales put E at 32768, 65504 (float16's max), 65519 (rounds down to it),
+    65520 (the first value that rounds to inf), 2**16, 2**20 and 2**-5, with both signs."""
+    sa = np.array([1.0, 65504 / 32768, 65519 / 32768, 65520 / 32768, 2.0, 32.0,
+                   65520 / 32768, 2.0 ** -20], F32)[:, None]
+    sign = np.array([1, 1, -1, 1, -1, 1, -1, 1], F32)[:, None]
+    qa = np.asarray((sign * np.full((8, 128), 16.0, F32)).astype(E4M3))
+    qb = np.asarray(np.where(np.arange(8)[:, None] < 4, F32(16.0),
+                             F32(1.0)) * np.ones((8, 128), F32)).astype(E4M3)
+    return qa, sa, np.asarray(qb), np.ones((8, 1), F32)
+
+
+@pytest.mark.parametrize("impl", ["xla", "auto", "fallback"])
+def test_float16_overflow_is_inf(backend, device, impl):
+    """A float16 output is the float32 product cast to float16: an exact result of
+    magnitude >= 65520 comes out as +-inf, 65519 as 65504, the rest exactly (every path;
+    on the CPU "auto" and "fallback" are the reference too)."""
+    ops = overflow_operands()
+    e, _ = exact(*ops, 1, 1)
+    want = e.astype(F32)
+    assert np.array_equal(want, e), "exact in float32"
+    with np.errstate(over="ignore"):
+        want = want.astype(np.float16)  # IEEE round to nearest even, overflowing to inf
+    # rows 3, 4, 6 overflow in their first four columns, row 5 everywhere
+    assert np.isinf(want).sum() == 3 * 4 + 8 and np.isfinite(want[[0, 1, 2, 7]]).all()
+    fn = gemm(1, 1, np.float16, impl)
+    if backend == "gpu" and impl != "xla":
+        hlo = jax.jit(fn).lower(*jax.device_put(ops, device)).compile().as_text()
+        assert TARGET in hlo, f"no custom call ({gemm_lib.cublas_status()})"
+    out = run(device, fn, *ops)
+    assert out.dtype == np.float16
+    beyond = np.abs(e) >= 65520
+    assert np.isinf(out[beyond]).all() and (np.sign(out[beyond]) == np.sign(e[beyond])).all(), \
+        f"{impl}: |exact| >= 65520 must give +-inf, got {out[beyond]}"
+    np.testing.assert_array_equal(out, want, err_msg=f"{impl}: float16 output vs the exact product")
 
 
 @pytest.mark.gpu
