@@ -10,8 +10,11 @@ Dense layers compute their GEMMs:
                      per step (jax_fp8.flax.Fp8TrainState)
   flax_fp8           flax.linen.Fp8DirectDotGeneralOp (history 1024), its
                      "_overwrite_with_gradient" collection handled the usual Flax way
-  jax_fp8_current    Fp8DotGeneral with Float8CurrentScaling()  (skipped, with a message,
-  jax_fp8_blockwise  Fp8DotGeneral with Float8BlockScaling()     while the library refuses it)
+  jax_fp8_current    Fp8DotGeneral with Float8CurrentScaling() (per-tensor, no state)
+  jax_fp8_blockwise  Fp8DotGeneral with Float8BlockScaling() (E4M3, 1x128 / 128x128 blocks)
+
+Each run is one entry of the RUNS table below (a recipe run is skipped, with a message,
+when the installed jax_fp8 does not provide or accept its recipe).
 
 Model: GPT-style, pre-LayerNorm, causal multi-head attention, GELU MLP (4x), learned
 positions, untied LM head, vocabulary 256 (bytes). Parameters are float32; compute is
@@ -32,12 +35,15 @@ cosine decay to 10 % of the peak, gradient clipping at global norm 1.0.
 
 Recorded per run (``--out/results.json``, merged with what earlier processes wrote):
 train loss every step, validation loss every ``--eval-every`` steps and at the end,
-tokens/s (after ``--timing-warmup`` steps of each process, eval/probe/checkpoint time
-excluded), the newest amax and the scale of a few FP8 tensors every step, and every
+tokens/s (after ``--timing-warmup`` steps of each process, evaluation and checkpoint
+time excluded), the newest amax and the scale of a few FP8 tensors every step, and every
 ``--probe-every`` steps, on a few layers, the fraction of the incoming gradient's nonzero
 bf16 values that underflow to 0 when multiplied by the scale and cast to float8_e5m2 --
-with the run's own gradient scale where it has one (delayed scaling) and with the
-per-tensor current scale ``57344 / amax(grad)`` (for every run, bf16 included). Plots:
+with the scale the run quantizes that gradient with in that step, where it has one
+(delayed scaling), and with the per-tensor current scale ``57344 / amax(grad)`` (for
+every run, bf16 included). The gradient is taken inside the train step itself (a zero
+added to each probed Dense output; its cotangent is what the GEMM's backward receives),
+the fractions computed under a ``lax.cond`` on probe steps only. Plots:
 ``--out/loss.png`` (train and validation loss) and ``--out/fp8.png`` (amax, scale,
 underflow). Checkpoints (orbax) every ``--ckpt-every`` steps under ``--out/<run>/ckpt``.
 
@@ -62,9 +68,9 @@ params N = 8 * 12 * 1024^2 (Dense kernels) + 1024 * 1024 (positions) + 2 * 256 *
 backward, causal half not skipped) = 613.4M + 100.7M = 714M. Tokens per step =
 48 * 1024 = 49,152, so 35.1 TFLOP per step. bf16 at 35 % MFU of an H200's ~790 TFLOP/s
 dense bf16 peak = 276.5 TFLOP/s: 0.127 s per step, 381 s (6.3 min) for 3,000 steps; with
-compilation (~1 min), 31 evaluations of 8 batches (forward only, ~10 s), 30 underflow
-probes (~5 s) and 7 checkpoints of ~1.2 GB (~15 s): about 7.5-8 minutes for the bf16 run,
-less for the FP8 runs. (64 windows, 65,536 tokens/step, would already need 8.5 min of
+compilation (~1 min), 31 evaluations of 8 batches (forward only, ~10 s) and 7
+checkpoints of ~1.2 GB (~15 s): about 7.5-8 minutes for the bf16 run, less for the FP8
+runs. (64 windows, 65,536 tokens/step, would already need 8.5 min of
 steps alone.) 3,000 steps see 147M tokens, about 5 passes over the ~30 MB of training
 bytes.
 """
@@ -175,11 +181,15 @@ class RunSpec:
       or "flax_fp8" (Flax's Fp8DirectDotGeneralOp).
     recipe: for kind "jax_fp8", a function of the Config returning the recipe; a run
       whose recipe the library does not provide or accept yet is skipped with a message.
+    grad_scale: which scale the run's GEMM backward quantizes the incoming gradient
+      with, for the underflow plot: "state" (a delayed-scaling state's), "current"
+      (57344 / amax of the tensor itself) or None (bf16: no FP8; blockwise: per block).
     """
 
     kind: str
     description: str
     recipe: Callable[[Config], Any] | None = None
+    grad_scale: str | None = None
 
 
 def _recipe(name: str, **kwargs):
@@ -196,11 +206,13 @@ def _recipe(name: str, **kwargs):
 RUNS = {
     "bf16": RunSpec("bf16", "nn.Dense, bf16 compute"),
     "jax_fp8_delayed": RunSpec("jax_fp8", "jax_fp8 Fp8DotGeneral, DelayedScaling HYBRID",
-                               _recipe("DelayedScaling", fp8_format=jax_fp8.Format.HYBRID)),
-    "flax_fp8": RunSpec("flax_fp8", "flax.linen.Fp8DirectDotGeneralOp"),
+                               _recipe("DelayedScaling", fp8_format=jax_fp8.Format.HYBRID),
+                               grad_scale="state"),
+    "flax_fp8": RunSpec("flax_fp8", "flax.linen.Fp8DirectDotGeneralOp", grad_scale="state"),
     "jax_fp8_current": RunSpec("jax_fp8", "jax_fp8 Fp8DotGeneral, Float8CurrentScaling",
-                               _recipe("Float8CurrentScaling")),
-    "jax_fp8_blockwise": RunSpec("jax_fp8", "jax_fp8 Fp8DotGeneral, Float8BlockScaling",
+                               _recipe("Float8CurrentScaling"), grad_scale="current"),
+    "jax_fp8_blockwise": RunSpec("jax_fp8", "jax_fp8 Fp8DotGeneral, Float8BlockScaling "
+                                 "(E4M3, 1x128 / 128x128 blocks)",
                                  _recipe("Float8BlockScaling")),
 }
 
@@ -462,19 +474,31 @@ class Run:
 
     # -- the jitted functions
 
-    def _loss_and_grads(self, state, batch, perturbations=None):
+    def _loss_and_grads(self, state, batch):
+        """(loss, param grads, FP8-state grads or None, grads of the probed Dense outputs).
+
+        The probed layers add a zero "perturbation" to their output; its gradient is the
+        cotangent that layer's GEMM backward receives (quantized to E5M2 by the FP8 runs).
+        """
         x = batch[:, :-1]
         kind = self.kind
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.perturbations)
         if kind == "jax_fp8":
-            def loss_fn(params, fp8):
-                return cross_entropy(state.apply_model(params, fp8, x), batch)
-            loss, (grads, fp8_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
-                state.params, state.fp8)
-            return loss, grads, fp8_grads
-        loss, grads = jax.value_and_grad(
-            lambda p: cross_entropy(state.apply_fn(
-                p if kind == "flax_fp8" else {"params": p}, x), batch))(state.params)
-        return loss, grads, None
+            def loss_fn(params, fp8, pt):
+                # = state.apply_model(params, fp8, x), with the perturbations added
+                out, _ = state.apply_fn({**state.variables(params, fp8), "perturbations": pt},
+                                        x, mutable=[state.fp8_collection])
+                return cross_entropy(out, batch)
+            loss, (grads, fp8_grads, pgrads) = jax.value_and_grad(
+                loss_fn, argnums=(0, 1, 2))(state.params, state.fp8, zeros)
+            return loss, grads, fp8_grads, pgrads
+
+        def loss_fn(params, pt):
+            v = dict(params) if kind == "flax_fp8" else {"params": params}
+            return cross_entropy(state.apply_fn({**v, "perturbations": pt}, x), batch)
+        loss, (grads, pgrads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(state.params,
+                                                                            zeros)
+        return loss, grads, None, pgrads
 
     def track(self, state):
         """[n tracked, 2]: (newest amax, scale) per tracked FP8 tensor, or None."""
@@ -485,15 +509,36 @@ class Run:
         return jnp.stack([jnp.stack([a.astype(jnp.float32), s.astype(jnp.float32)])
                           for a, s in rows])
 
+    def underflow(self, state, pgrads):
+        """[n probed, 2]: E5M2 underflow fraction of each probed layer's incoming gradient,
+        with the scale the run quantizes it with this step (NaN where it has none) and
+        with the current per-tensor scale 57344 / amax."""
+        rows = []
+        for _, i, name in probed_layers(self.cfg):
+            grad = pgrads[f"block_{i}"][f"{name}_grad"].astype(jnp.float32)
+            amax = jnp.max(jnp.abs(grad))
+            current = jnp.where(amax > 0, E5M2_MAX / amax, 1.0)
+            own = fp8_scale_of(self.kind, state, i, name, "grad")
+            rows.append(jnp.stack([underflow_fraction(grad, own[1]) if own else jnp.nan,
+                                   underflow_fraction(grad, current)]))
+        return jnp.stack(rows).astype(jnp.float32)
+
     def train_step(self, state, batch):
-        loss, grads, fp8_grads = self._loss_and_grads(state, batch)
+        loss, grads, fp8_grads, pgrads = self._loss_and_grads(state, batch)
+        # Every probe_every steps (state.step is the step being taken): the underflow
+        # fractions, from the state's scales before this step's FP8-state update.
+        n = len(probed_layers(self.cfg))
+        underflow = jax.lax.cond(
+            state.step % self.cfg.probe_every == 0,
+            lambda: self.underflow(state, pgrads),
+            lambda: jnp.full((n, 2), jnp.nan, jnp.float32))
         if self.kind == "jax_fp8":
             new = state.apply_gradients(grads=grads, fp8_grads=fp8_grads)
             gnorm = optax.global_norm(grads)
         else:
             new = state.apply_gradients(grads=grads)
             gnorm = optax.global_norm(grads["params"] if self.kind == "flax_fp8" else grads)
-        metrics = {"loss": loss, "grad_norm": gnorm}
+        metrics = {"loss": loss, "grad_norm": gnorm, "underflow": underflow}
         track = self.track(new)
         if track is not None:
             metrics["track"] = track
@@ -505,37 +550,6 @@ class Run:
             return cross_entropy(state.apply_model(state.params, state.fp8, x), batch)
         v = state.params if self.kind == "flax_fp8" else {"params": state.params}
         return cross_entropy(state.apply_fn(v, x), batch)
-
-    def probe(self, state, batch):
-        """[n probed, 2]: E5M2 underflow fraction of each probed layer's incoming gradient,
-        with the run's own gradient scale (NaN where it has none) and with the current
-        per-tensor scale 57344 / amax."""
-        x = batch[:, :-1]
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.perturbations)
-        if self.kind == "jax_fp8":
-            variables = state.variables()
-
-            def loss_fn(pt):
-                out, _ = state.apply_fn({**variables, "perturbations": pt}, x,
-                                        mutable=[state.fp8_collection])
-                return cross_entropy(out, batch)
-        else:
-            variables = dict(state.params) if self.kind == "flax_fp8" else \
-                {"params": state.params}
-
-            def loss_fn(pt):
-                return cross_entropy(state.apply_fn({**variables, "perturbations": pt}, x),
-                                     batch)
-        g = jax.grad(loss_fn)(zeros)
-        rows = []
-        for _, i, name in probed_layers(self.cfg):
-            grad = g[f"block_{i}"][f"{name}_grad"].astype(jnp.float32)
-            amax = jnp.max(jnp.abs(grad))
-            current = jnp.where(amax > 0, E5M2_MAX / amax, 1.0)
-            own = fp8_scale_of(self.kind, state, i, name, "grad")
-            rows.append(jnp.stack([underflow_fraction(grad, own[1]) if own else jnp.nan,
-                                   underflow_fraction(grad, current)]))
-        return jnp.stack(rows)
 
 
 def underflow_fraction(grad, scale):
@@ -629,12 +643,13 @@ class Deadline:
 
 
 def new_record(run: Run) -> dict:
+    has_state = run.kind == "flax_fp8" or (run.kind == "jax_fp8" and bool(run.extra))
     return {"description": run.spec.description, "kind": run.kind,
             "recipe": None if run.recipe is None else repr(run.recipe),
+            "grad_scale": run.spec.grad_scale,
             "train_loss": [], "grad_norm": [], "val_steps": [], "val_loss": [],
             "fp8_tracked": {label: {"amax": [], "scale": []}
-                            for label, *_ in tracked_tensors(run.cfg)} if run.kind != "bf16"
-            else {},
+                            for label, *_ in tracked_tensors(run.cfg)} if has_state else {},
             "e5m2_underflow": {"steps": [], "layers": {
                 label: {"run_scale": [], "current_scale": []}
                 for label, *_ in probed_layers(run.cfg)}},
@@ -675,7 +690,6 @@ def train_run(run: Run, cfg: Config, data: ByteData, params0, out: pathlib.Path,
     proc["compile_s"] = round(time.perf_counter() - t, 3)
     log(f"[{run.name}] compiled the step in {proc['compile_s']:.1f} s")
     eval_fn = jax.jit(run.eval_loss)
-    probe_fn = jax.jit(run.probe)
     val = [jnp.asarray(b) for b in data.val_batches(cfg.eval_batches)]
 
     start = 0
@@ -705,19 +719,19 @@ def train_run(run: Run, cfg: Config, data: ByteData, params0, out: pathlib.Path,
             record["val_loss"].append(v)
         return v
 
-    def probe(step, batch):
-        values = np.asarray(jax.device_get(probe_fn(state, batch)), np.float64)
-        und = record["e5m2_underflow"]
-        und["steps"].append(step)
-        for (label, *_), (own, cur) in zip(probed_layers(cfg), values):
-            und["layers"][label]["run_scale"].append(None if np.isnan(own) else float(own))
-            und["layers"][label]["current_scale"].append(float(cur))
-
     pending = []
 
     def flush():
         got = jax.device_get(pending)
         for m in got:
+            step_taken = len(record["train_loss"])
+            if step_taken % cfg.probe_every == 0:
+                und = record["e5m2_underflow"]
+                und["steps"].append(step_taken)
+                for (label, *_), (own, cur) in zip(probed_layers(cfg), m["underflow"]):
+                    series = und["layers"][label]
+                    series["run_scale"].append(None if np.isnan(own) else float(own))
+                    series["current_scale"].append(float(cur))
             record["train_loss"].append(float(m["loss"]))
             record["grad_norm"].append(float(m["grad_norm"]))
             if "track" in m:
@@ -739,8 +753,6 @@ def train_run(run: Run, cfg: Config, data: ByteData, params0, out: pathlib.Path,
     try:
         while step < cfg.steps:
             batch = jnp.asarray(data.train_batch(step))
-            if step % cfg.probe_every == 0:
-                probe(step, batch)            # the scales this step will quantize with
             if seg_t is None and step - start >= cfg.timing_warmup:
                 seg_t = time.perf_counter()   # time from here to the next sync point
             state, metrics = step_fn(state, batch)
@@ -751,7 +763,7 @@ def train_run(run: Run, cfg: Config, data: ByteData, params0, out: pathlib.Path,
                 seg_steps += 1
             boundary = (step % cfg.log_every == 0 or step == cfg.steps
                         or step % cfg.eval_every == 0 or step % cfg.ckpt_every == 0
-                        or step % cfg.probe_every == 0 or done_here == cfg.timing_warmup
+                        or done_here == cfg.timing_warmup
                         or (args.stop_after is not None and done_here >= args.stop_after))
             if not boundary:
                 continue
@@ -938,10 +950,11 @@ def _plot(results, out, plt):
         for li, (label, s) in enumerate(und.get("layers", {}).items()):
             c = f"C{li}"
             own = [np.nan if v is None else v for v in s["run_scale"]]
-            if not np.all(np.isnan(own)):
+            which = r.get("grad_scale")
+            if which == "state" and not np.all(np.isnan(own)):
                 axes[2].plot(und["steps"], own, ls, color=c, marker=".", lw=1,
-                             label=f"{name} {label} (own scale)")
-            elif name == "bf16":
+                             label=f"{name} {label} (its scale)")
+            elif which == "current" or name == "bf16":   # bf16: what current scaling would do
                 axes[2].plot(und["steps"], s["current_scale"], ls, color=c, marker="x",
                              lw=0.8, label=f"{name} {label} (current scale)")
     axes[0].set_title("newest amax per step")
@@ -988,8 +1001,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
-    ap.add_argument("--runs", default="bf16,jax_fp8_delayed,flax_fp8",
-                    help=f"comma-separated, or 'all': {', '.join(RUNS)}")
+    ap.add_argument("--runs", default="all",
+                    help=f"comma-separated, or 'all' (the default): {', '.join(RUNS)}")
     ap.add_argument("--out", default="runs/convergence")
     ap.add_argument("--resume", action="store_true",
                     help="continue each run from its latest checkpoint under --out/<run>/ckpt")

@@ -4,12 +4,14 @@
   train and validation losses of both runs and their gap, the plots, and nothing written
   outside --out (cwd, HOME and TMPDIR stay empty);
 * examples/convergence.py --preset smoke: two runs (bf16, jax_fp8_delayed) stopped after
-  2 of 4 steps, resumed from their orbax checkpoints, results.json's schema, and the
-  resumed run equal to an uninterrupted one.
+  2 of 4 steps, resumed from their orbax checkpoints, and results.json's schema; a recipe
+  the library refuses is skipped with a message (in-process); with --runslow, the resumed
+  run equals an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -20,7 +22,23 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-HAS_MPL = __import__("importlib.util").util.find_spec("matplotlib") is not None
+HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+COMMON = ["--preset", "smoke", "--layers", "1", "--steps", "4", "--ckpt-every", "2",
+          "--eval-every", "2", "--probe-every", "2", "--log-every", "1",
+          "--timing-warmup", "0"]
+
+
+def _load(script):
+    path = ROOT / "examples" / script
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod       # dataclasses (flax modules) look their module up
+    dont_write, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.dont_write_bytecode = dont_write
+    return mod
 
 
 def _env(tmp_path: pathlib.Path, **extra) -> dict:
@@ -78,18 +96,32 @@ def test_demo_smoke(tmp_path):
         assert not list((tmp_path / d).iterdir()), d
 
 
-def test_convergence_smoke_checkpoint_resume(tmp_path):
+def _cached_env(tmp_path):
     # (Test-only: a compilation cache under tmp_path shares compiles between processes.)
-    env = _env(tmp_path, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    cwd = tmp_path / "cwd"
+    return _env(tmp_path, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+def _stop_and_resume(tmp_path, runs, out):
+    """Process 1 stops after 2 of 4 steps (as --max-minutes does); process 2 resumes."""
+    env, cwd = _cached_env(tmp_path), tmp_path / "cwd"
+    cwd.mkdir(exist_ok=True)
+    p = _run("convergence.py", COMMON + runs + ["--out", str(out), "--stop-after", "2",
+                                                "--exit-code-unfinished", "3", "--no-plot"],
+             cwd, env)
+    assert p.returncode == 3, p.stderr[-5000:]
+    first = json.loads((out / "results.json").read_text())
+    p2 = _run("convergence.py", COMMON + runs + ["--out", str(out), "--resume"], cwd, env)
+    assert p2.returncode == 0, p2.stderr[-5000:]
+    return first, p2
+
+
+def test_convergence_smoke_checkpoint_resume(tmp_path):
+    env, cwd = _cached_env(tmp_path), tmp_path / "cwd"
     cwd.mkdir()
     out = tmp_path / "conv"
-    common = ["--preset", "smoke", "--layers", "1", "--steps", "4", "--ckpt-every", "2",
-              "--eval-every", "2", "--probe-every", "2", "--log-every", "1",
-              "--timing-warmup", "0"]
-    runs = ["--runs", "bf16,jax_fp8_delayed,jax_fp8_current"]
+    common, runs = COMMON, ["--runs", "bf16,jax_fp8_delayed"]
 
     # 1. Stop after 2 steps (as --max-minutes does): checkpointed, unfinished (status 3).
     p = _run("convergence.py", common + runs + ["--out", str(out), "--stop-after", "2",
@@ -114,11 +146,7 @@ def test_convergence_smoke_checkpoint_resume(tmp_path):
     assert res["steps"] == 4 and res["params"] > 0 and res["device"]
     assert res["tokens_per_step"] == 4 * 64
     assert res["data"]["files_train"] > 0 and res["data"]["files_val"] > 0
-    # A recipe the library does not accept yet is skipped with a message, else trained.
-    if "jax_fp8_current" in res.get("skipped", {}):
-        assert "does not accept" in res["skipped"]["jax_fp8_current"]
-        assert "jax_fp8_current" not in res["runs"]
-        assert "skipped" in p.stderr
+    assert set(res["runs"]) == {"bf16", "jax_fp8_delayed"} and not res["skipped"]
     for name in ("bf16", "jax_fp8_delayed"):
         r = res["runs"][name]
         assert r["complete"] and r["steps_done"] == 4
@@ -145,11 +173,32 @@ def test_convergence_smoke_checkpoint_resume(tmp_path):
         assert (out / "loss.png").is_file() and (out / "fp8.png").is_file()
     assert not list(cwd.iterdir()) and not list((tmp_path / "home").iterdir())
 
-    # 3. The resumed run equals one trained without a stop (same batches, same weights).
-    p = _run("convergence.py", common + ["--runs", "jax_fp8_delayed", "--no-plot", "--out",
+
+
+@pytest.mark.slow
+def test_convergence_resumed_run_equals_uninterrupted(tmp_path):
+    _, p = _stop_and_resume(tmp_path, ["--runs", "jax_fp8_delayed"], tmp_path / "resumed")
+    cwd, env = tmp_path / "cwd", _cached_env(tmp_path)
+    p = _run("convergence.py", COMMON + ["--runs", "jax_fp8_delayed", "--no-plot", "--out",
                                          str(tmp_path / "straight")], cwd, env)
     assert p.returncode == 0, p.stderr[-5000:]
-    straight = json.loads((tmp_path / "straight" / "results.json").read_text())
-    a, b = straight["runs"]["jax_fp8_delayed"], fp8
-    assert a["train_loss"] == b["train_loss"] and a["val_loss"] == b["val_loss"]
-    assert a["fp8_tracked"] == b["fp8_tracked"]
+    a, b = (json.loads((tmp_path / d / "results.json").read_text())["runs"]["jax_fp8_delayed"]
+            for d in ("straight", "resumed"))
+    # Same batches, same initial weights, restored optimizer and FP8 state: bit for bit.
+    for key in ("train_loss", "val_loss", "grad_norm", "fp8_tracked", "e5m2_underflow"):
+        assert a[key] == b[key], key
+
+
+def test_convergence_skips_a_recipe_the_library_refuses(tmp_path, monkeypatch):
+    conv = _load("convergence.py")
+    # A recipe that this jax_fp8 does not have, and an object its layers refuse as one.
+    monkeypatch.setitem(conv.RUNS, "missing", conv.RunSpec(
+        "jax_fp8", "not in jax_fp8", conv._recipe("Float8NoSuchScaling")))
+    monkeypatch.setitem(conv.RUNS, "refused", conv.RunSpec(
+        "jax_fp8", "not a recipe", lambda cfg: object()))
+    out = tmp_path / "out"
+    res = conv.main(COMMON + ["--runs", "missing,refused", "--out", str(out), "--no-plot"])
+    assert res["runs"] == {} and set(res["skipped"]) == {"missing", "refused"}
+    assert "Float8NoSuchScaling" in res["skipped"]["missing"]
+    assert all("does not accept" in why for why in res["skipped"].values())
+    assert json.loads((out / "results.json").read_text())["skipped"] == res["skipped"]
