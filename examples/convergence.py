@@ -63,9 +63,9 @@ run is not finished yet: pass ``--exit-code-unfinished 3``).
 
 Sizing of the h200 preset (d_model 1024, 8 layers, 16 heads, seq 1024, batch 48):
 params N = 8 * 12 * 1024^2 (Dense kernels) + 1024 * 1024 (positions) + 2 * 256 * 1024
-(embedding, head) + biases and norms = 102.2M. Training FLOPs per token =
+(embedding, head) + biases and norms = 102.3M. Training FLOPs per token =
 6 N + 12 * layers * seq * d_model (attention scores and weighted sum, forward and
-backward, causal half not skipped) = 613.4M + 100.7M = 714M. Tokens per step =
+backward, causal half not skipped) = 614.1M + 100.7M = 714.7M. Tokens per step =
 48 * 1024 = 49,152, so 35.1 TFLOP per step. bf16 at 35 % MFU of an H200's ~790 TFLOP/s
 dense bf16 peak = 276.5 TFLOP/s: 0.127 s per step, 381 s (6.3 min) for 3,000 steps; with
 compilation (~1 min), 31 evaluations of 8 batches (forward only, ~10 s) and 7
@@ -936,36 +936,51 @@ def _plot(results, out, plt):
     plt.close(fig)
     written.append(out / "loss.png")
 
-    styles = ["-", "--", ":", "-."]
-    fig, axes = plt.subplots(1, 3, figsize=(16.5, 4.4))
+    from matplotlib.lines import Line2D
+    styles = ["-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1))]
+    fig, axes = plt.subplots(1, 3, figsize=(16.5, 4.6))
+    tensors, layers = {}, {}             # legend entries: colours per tensor / layer,
+    shown_track, shown_und = {}, {}      # line styles per run
     for ri, (name, r) in enumerate(runs.items()):
-        ls = styles[ri % len(styles)]   # line style per run, colour per tensor
-        for ti, (label, series) in enumerate(r.get("fp8_tracked", {}).items()):
+        ls = styles[ri % len(styles)]   # line style per run, colour per tensor / layer
+        for label, series in r.get("fp8_tracked", {}).items():
             if not series["amax"]:
                 continue
-            c = f"C{ti}"
-            axes[0].semilogy(series["amax"], ls, color=c, lw=1, label=f"{name} {label}")
-            axes[1].semilogy(series["scale"], ls, color=c, lw=1, label=f"{name} {label}")
+            c = tensors.setdefault(label, f"C{len(tensors)}")
+            axes[0].semilogy(series["amax"], ls=ls, color=c, lw=1)
+            axes[1].semilogy(series["scale"], ls=ls, color=c, lw=1)
+            shown_track[name] = ls
         und = r.get("e5m2_underflow", {})
-        for li, (label, s) in enumerate(und.get("layers", {}).items()):
-            c = f"C{li}"
+        which = r.get("grad_scale")
+        for label, s in und.get("layers", {}).items():
+            c = layers.setdefault(label, f"C{len(layers)}")
             own = [np.nan if v is None else v for v in s["run_scale"]]
-            which = r.get("grad_scale")
             if which == "state" and not np.all(np.isnan(own)):
-                axes[2].plot(und["steps"], own, ls, color=c, marker=".", lw=1,
-                             label=f"{name} {label} (its scale)")
+                axes[2].plot(und["steps"], own, ls=ls, color=c, marker=".", lw=1)
             elif which == "current" or name == "bf16":   # bf16: what current scaling would do
-                axes[2].plot(und["steps"], s["current_scale"], ls, color=c, marker="x",
-                             lw=0.8, label=f"{name} {label} (current scale)")
+                axes[2].plot(und["steps"], s["current_scale"], ls=ls, color=c, marker="x",
+                             lw=0.8)
+            else:
+                continue
+            shown_und[name] = ls
     axes[0].set_title("newest amax per step")
     axes[1].set_title("scale (x * scale -> FP8)")
-    axes[2].set_title("E5M2 underflow: nonzero bf16 grads -> 0")
+    axes[2].set_title("E5M2 underflow: nonzero bf16 grads -> 0\n"
+                      "(FP8 runs: their scale; bf16: the current scale)", fontsize=9)
     axes[2].set_yscale("symlog", linthresh=1e-6)
     for a in axes:
         a.set_xlabel("step")
         a.grid(alpha=0.3)
-    for a in axes[1:]:
-        a.legend(fontsize=6, loc="upper right")
+    def run_handles(shown):
+        return [Line2D([], [], color="k", ls=ls, lw=1, label=n) for n, ls in shown.items()]
+    if tensors:
+        axes[0].legend(handles=run_handles(shown_track), fontsize=7, loc="upper right")
+        axes[1].legend(handles=[Line2D([], [], color=c, lw=2, label=t)
+                                for t, c in tensors.items()], fontsize=7, loc="upper right")
+    if layers:
+        axes[2].legend(handles=[Line2D([], [], color=c, lw=2, label=t)
+                                for t, c in layers.items()] + run_handles(shown_und),
+                       fontsize=6, loc="upper right")
     fig.suptitle(title, fontsize=9)
     fig.subplots_adjust(left=0.05, right=0.98, bottom=0.12, top=0.86, wspace=0.22)
     fig.savefig(out / "fp8.png", dpi=120)
