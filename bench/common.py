@@ -81,6 +81,10 @@ def platform_name() -> str:
 
 
 def _git_commit():
+    # A copy of the sources without their git history (e.g. sent to a GPU machine) can
+    # name its commit: JAX_FP8_SOURCE_COMMIT=<hash>.
+    if os.environ.get("JAX_FP8_SOURCE_COMMIT"):
+        return os.environ["JAX_FP8_SOURCE_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                               capture_output=True, text=True, timeout=10).stdout.strip()
