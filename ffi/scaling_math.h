@@ -1,4 +1,4 @@
-// The per-tensor arithmetic of the delayed-scaling update (SPEC.md), in one place.
+// The per-tensor arithmetic of the delayed-scaling update (docs/semantics.md), in one place.
 //
 // Every function here is __host__ __device__ and inline, so the CPU loop
 // (update_cpu.cc) and the CUDA kernel (update_cuda.cu) compile the very same
@@ -16,7 +16,7 @@
 #define JAX_FP8_HD inline
 #endif
 
-// Flushing subnormals would change results that SPEC.md pins down (1 / FLT_MAX is a
+// Flushing subnormals would change results that docs/semantics.md pins down (1 / FLT_MAX is a
 // subnormal); refuse to build the device code that way.
 #if defined(__CUDA_ARCH__) && defined(__CUDACC_FTZ__)
 #error "jax_fp8 kernels must be built without -ftz=true / --use_fast_math"
@@ -30,7 +30,7 @@ constexpr uint32_t kPow2Mask = 0xFF800000u;  // sign + exponent: round down to 2
 
 enum class AmaxAlgo : int32_t { kMax = 0, kMostRecent = 1 };
 
-// Options shared by every tensor of one call (the recipe's part of SPEC.md).
+// Options shared by every tensor of one call (the recipe's part of docs/semantics.md).
 struct UpdateOptions {
   AmaxAlgo algo;
   bool power_of_2_scale;
@@ -79,7 +79,7 @@ JAX_FP8_HD float fmax_num(float a, float b) {
 // the CUDA kernel keeps fmax_num (the version validated on the H200).
 JAX_FP8_HD float running_max(float acc, float x) { return x > acc ? x : acc; }
 
-// The staging slot after merging the newly observed amax (h0 in SPEC.md).
+// The staging slot after merging the newly observed amax (h0 in docs/semantics.md).
 JAX_FP8_HD float merge_amax(float staged, const float* amax) {
   return amax ? fmax_num(staged, *amax) : staged;
 }

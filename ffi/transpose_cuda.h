@@ -9,7 +9,8 @@ namespace jax_fp8 {
 
 // Whether the kernels below take these sizes: rows and cols multiples of 4 (whole
 // 32-bit words on both sides) and the tile grid within CUDA's limits. The Python side
-// (jax_fp8/_transpose.py) checks the same before it emits a call.
+// (jax_fp8/_primitives/layout.py) asks this very function (exported by the CUDA module)
+// before it emits a call.
 bool TransposeBytesSupports(int64_t batch, int64_t rows, int64_t cols);
 
 // out[b, c, r] = in[b, r, c] for 1-byte elements.

@@ -15,7 +15,7 @@
 namespace jax_fp8 {
 namespace {
 
-// XLA's CPU threads may run with flush-to-zero / denormals-are-zero set; SPEC.md
+// XLA's CPU threads may run with flush-to-zero / denormals-are-zero set; docs/semantics.md
 // requires IEEE subnormals, so clear those modes for the duration of the update.
 class ScopedIeeeSubnormals {
  public:

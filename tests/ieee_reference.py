@@ -1,9 +1,9 @@
-"""An independent NumPy float32 implementation of SPEC.md, the bit-exact reference.
+"""An independent NumPy float32 implementation of docs/semantics.md, the bit-exact reference.
 
-Nothing here imports jax_fp8: the numbers come straight from SPEC.md. NumPy's
+Nothing here imports jax_fp8: the numbers come straight from docs/semantics.md. NumPy's
 float32 arithmetic runs on the host's IEEE hardware without flush-to-zero (the
 default MXCSR / FPCR state of a Python process), so subnormal inputs and results
-are kept exactly as SPEC.md asks. `assert_no_ftz()` checks that at import time.
+are kept exactly as docs/semantics.md asks. `assert_no_ftz()` checks that at import time.
 
 Every function works on whole arrays: a history [..., L] holds independent tensors
 on its leading axes, so the tests feed thousands of cases in one call.
@@ -18,7 +18,7 @@ FLT_MAX = F32(np.finfo(np.float32).max)
 FLT_MIN = F32(np.finfo(np.float32).tiny)  # smallest normal
 POW2_MASK = np.uint32(0xFF800000)
 
-# SPEC.md's fp8_max table, written out (not taken from ml_dtypes or jax_fp8).
+# the contract's (docs/semantics.md) fp8_max table, written out (not taken from ml_dtypes or jax_fp8).
 FP8_MAX = {
     "float8_e4m3fn": 448.0,
     "float8_e5m2": 57344.0,
@@ -77,7 +77,7 @@ def fmax_num(a, b) -> np.ndarray:
 
 def update(history, scale, amax=None, *, fp8_dtype="float8_e4m3fn", margin=0.0,
            amax_compute_algo="max", power_of_2_scale=False, skip_unused=False, smax=None):
-    """SPEC.md's update of history [..., L], scale [...], amax [...] or None.
+    """the contract's (docs/semantics.md) update of history [..., L], scale [...], amax [...] or None.
 
     Returns (history', scale', scale_inv') as new float32 arrays; inputs untouched.
     `smax` overrides scaled_max(fp8_dtype, margin) (for per-tensor maxima).

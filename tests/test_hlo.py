@@ -77,7 +77,7 @@ def test_many_states_compile_to_one_custom_call(device):
 
 @pytest.mark.slow
 def test_1000_states_compile_to_one_custom_call():
-    """SPEC.md's 1,000-tensor model, compiled (slow: XLA CPU's compile time grows
+    """A 1,000-tensor model, compiled (slow: XLA CPU's compile time grows
     quadratically with the custom call's operand count)."""
     tree = _tree(1000)
     compiled = jax.jit(functools.partial(jax_fp8.update_states, in_place=True),

@@ -1,5 +1,5 @@
 """Bit-exact numerics: the kernels (CPU, and CUDA when present) against the NumPy
-reference of SPEC.md on every case; the jnp fallback against it wherever no
+reference of docs/semantics.md on every case; the jnp fallback against it wherever no
 subnormal is involved, and the subnormal cases documented as the only difference.
 """
 
@@ -96,7 +96,7 @@ def _assert_case_equal(inputs, spec, got, want, rows=None):
 
 @pytest.mark.parametrize("ci", range(len(COMBOS)), ids=[combo_id(c) for c in COMBOS])
 def test_kernel_matches_reference(backend, ci):
-    """The fused kernel equals SPEC.md bit for bit: NaN payloads, ±0, ±inf and
+    """The fused kernel equals docs/semantics.md bit for bit: NaN payloads, ±0, ±inf and
     subnormals included, for every history length, shape, dtype and margin."""
     for inputs, spec, got, want in _sweep(backend, ci, "auto", kernel_specs(ci)):
         _assert_case_equal(inputs, spec, got, want)
@@ -128,7 +128,7 @@ def assert_close_ulp(got, want, what, max_ulp, want_unrounded=None):
 
 @pytest.mark.parametrize("ci", range(len(COMBOS)), ids=[combo_id(c) for c in COMBOS])
 def test_jnp_matches_reference_except_subnormals(backend, ci):
-    """The jnp fallback equals SPEC.md on every tensor whose inputs and reference
+    """The jnp fallback equals docs/semantics.md on every tensor whose inputs and reference
     outputs hold no subnormal; the sweep must contain both kinds of tensors.
     On GPU, the divided values (scale, scale_inv) are held to 2 ulp (XLA's GPU
     division is not correctly rounded), the history to every bit."""
@@ -162,9 +162,9 @@ def test_jnp_matches_reference_except_subnormals(backend, ci):
 
 @pytest.mark.gpu
 @pytest.mark.xfail(strict=True, reason="XLA's float32 division on GPU is not correctly "
-                   "rounded, so the jnp fallback's scale can be 1-2 ulp off SPEC.md there")
+                   "rounded, so the jnp fallback's scale can be 1-2 ulp off docs/semantics.md there")
 def test_jnp_gpu_division_is_exact(gpu_device):
-    """Documents the GPU jnp fallback's deviation from SPEC.md (strict xfail: if
+    """Documents the GPU jnp fallback's deviation from docs/semantics.md (strict xfail: if
     XLA or the fallback starts dividing exactly, this XPASSes and fails, so the
     2-ulp allowance above can be removed)."""
     h = np.array([[126.96296], [846.7693], [273.2087], [542.0671]], np.float32)
@@ -205,7 +205,7 @@ def test_jnp_differs_from_kernel_only_on_subnormal_tensors():
 
 
 # ----------------------------------------------------------------------------
-# SPEC.md's hand checks (E4M3, margin 0, L = 1, previous scale 1).
+# the contract's (docs/semantics.md) hand checks (E4M3, margin 0, L = 1, previous scale 1).
 
 HAND_CHECKS = [
     # (amax, margin, expected scale)
@@ -240,7 +240,7 @@ def test_spec_hand_checks(backend, amax, margin, want, via):
 
 def test_hand_check_subnormal_scale_inv_kernel_vs_jnp():
     """The documented difference: 1 / FLT_MAX is the subnormal 2.9387359e-39 in the
-    kernel (SPEC.md) and 0 in the jnp fallback (XLA flushes it) on CPU."""
+    kernel (docs/semantics.md) and 0 in the jnp fallback (XLA flushes it) on CPU."""
     h = np.array([448 / float(FLT_MAX) / 2], np.float32)
     k, j = run_on(jax.devices("cpu")[0], lambda h, s: (
         jax_fp8.amax_and_scale_update(h, s),
@@ -535,7 +535,7 @@ def test_update_states_jnp_matches_reference_except_subnormals(backend):
 
 @pytest.mark.gpu
 def test_cpu_and_gpu_kernels_give_identical_bits(gpu_device):
-    """SPEC.md: the CPU and CUDA kernels produce identical bits for every input."""
+    """docs/semantics.md: the CPU and CUDA kernels produce identical bits for every input."""
     cpu = jax.devices("cpu")[0]
     rng = np.random.default_rng(11)
     for L, lead in ((1, (300,)), (16, (7, 9)), (1024, (33,)), (1025, (5,)), (1026, (4,)),

@@ -1,4 +1,4 @@
-"""jax_fp8.ops: quantize/dequantize, the FP8 dot_general and how its amaxes combine."""
+"""Quantize/dequantize, the FP8 dot_general and how its amaxes combine."""
 
 import functools
 import re
@@ -62,7 +62,7 @@ def test_quantize_saturates_and_keeps_nan(dtype, fmax):
 def test_quantize_dequantize_roundtrip_and_scale_convention():
     x = rand(0, (64, 32), 3.0)
     amax = float(jax_fp8.compute_amax(x))
-    st = state(448.0 / amax)                   # SPEC: x_fp8 = x * scale
+    st = state(448.0 / amax)                   # docs/semantics.md: x_fp8 = x * scale
     q = jax_fp8.quantize(x, st)
     assert float(jnp.max(jnp.abs(q.astype(jnp.float32)))) == pytest.approx(448.0, rel=0.07)
     back = jax_fp8.dequantize(q, st, jnp.float32)

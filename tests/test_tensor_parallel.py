@@ -1,6 +1,6 @@
 """Tensor-parallel and FSDP FP8 train steps (8 host devices, data 4 x model 2): one fused update,
 the whole model's amaxes in ONE max all-reduce (each amax is a max over all devices,
-jax_fp8/_amax.py, so XLA combines them), and the new FP8 state equal, bit for bit, to
+jax_fp8/_primitives/amax.py, so XLA combines them), and the new FP8 state equal, bit for bit, to
 the same step on one device."""
 
 import pytest

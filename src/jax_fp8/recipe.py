@@ -44,7 +44,7 @@ def check_margin(margin) -> float:
 
 
 def scaled_max(fp8_dtype, margin) -> float:
-    """float32(fp8_max) * float32(2 ** -margin), computed once in float32 (SPEC.md).
+    """float32(fp8_max) * float32(2 ** -margin), computed once in float32 (docs/semantics.md).
 
     Returned as the Python float equal to that float32 value.
     """

@@ -70,14 +70,14 @@ def _bind(histories, scales, scale_invs, amaxes, scaled_maxes, amax_compute_algo
 def amax_and_scale_update(amax_history, scale, amax=None, *, fp8_dtype=jnp.float8_e4m3fn,
                           margin=0.0, amax_compute_algo="max", power_of_2_scale=False,
                           skip_unused=False, implementation="auto"):
-    """Delayed-scaling update of one FP8 tensor or a stack of them (SPEC.md).
+    """Delayed-scaling update of one FP8 tensor or a stack of them (docs/semantics.md).
 
     Args:
       amax_history: float32 [..., L]; index 0 is the staging slot.
       scale: float32 [...], the quantization scale (x_fp8 = x * scale).
       amax: optional float32 [...], newly observed amax merged into slot 0.
       fp8_dtype: the FP8 dtype the scale is for (gives fp8_max).
-      margin, amax_compute_algo, power_of_2_scale, skip_unused: as in SPEC.md.
+      margin, amax_compute_algo, power_of_2_scale, skip_unused: as in docs/semantics.md.
       implementation: "auto" (the fused kernel where built) or "jnp".
 
     Returns:

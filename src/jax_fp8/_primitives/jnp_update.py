@@ -1,7 +1,7 @@
 """The update in plain jax.numpy: the fallback on platforms with no kernel.
 
 Same bits as the kernels (scaling_math.h) except where XLA flushes subnormals to
-zero in its own float32 arithmetic (SPEC.md): a subnormal amax, scale or result.
+zero in its own float32 arithmetic (docs/semantics.md): a subnormal amax, scale or result.
 """
 
 from __future__ import annotations

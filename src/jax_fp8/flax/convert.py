@@ -4,7 +4,7 @@ Flax (``flax.linen.fp8_ops``, e.g. ``Fp8DirectDotGeneralOp``)
 -------------------------------------------------------------
 Flax keeps, per module, in the ``"_overwrite_with_gradient"`` collection:
 ``{input,kernel,output_grad}_amax_history`` float32 ``[L]`` and ``{...}_scale`` float32
-``[1]`` (leading axes added by ``nn.scan``). Two differences from jax_fp8 (SPEC.md):
+``[1]`` (leading axes added by ``nn.scan``). Two differences from jax_fp8 (docs/semantics.md):
 
 * Flax's ``scale`` is the *dequantization* factor (``x_fp8 = x / scale``): our
   ``scale_inv``.
@@ -30,7 +30,7 @@ so ``nn.Dense(..., dot_general_cls=...)`` trees line up; ``Fp8Einsum_<n>`` keeps
 Transformer Engine
 ------------------
 TE (PyTorch ``fp8_meta``) stores a group of N tensors as ``amax_history [L, N]`` (history
-on axis 0), ``scale [N]`` and ``scale_inv [N]``, with the same convention as SPEC.md. `to_te`
+on axis 0), ``scale [N]`` and ``scale_inv [N]``, with the same convention as docs/semantics.md. `to_te`
 stacks every ScalingState of a pytree (leading axes flattened, tree order) into that
 layout; `from_te` splits it back, into the structure of a template tree or into one
 stacked ScalingState.

@@ -16,7 +16,7 @@ Usage::
 Every FP8 tensor's state is an `Fp8State` variable (an ``nnx.Variable`` subtype) holding a
 `ScalingState`; ``nnx.Optimizer(..., wrt=nnx.Param)`` never touches it. A module called
 several times per step threads its state (it writes the meta it got back to its
-variables), so the amaxes of all calls combine by max (see `jax_fp8.ops`).
+variables), so the amaxes of all calls combine by max (see `jax_fp8.meta`).
 """
 
 from __future__ import annotations
