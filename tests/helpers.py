@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 import jax_fp8
+# Buffer placement for the 64-bit-offset launch (re-exported for the tests).
+from jax_fp8.devtools.buffers import WIDE_SPAN_BYTES, buffer_span, put_far_from  # noqa: F401
 
 F32 = np.float32
 FLT_MAX = F32(np.finfo(np.float32).max)
@@ -216,26 +218,3 @@ def run_8_device_worker(script: str, *args: str, timeout: int = 300) -> dict:
     return json.loads(lines[-1][len("RESULTS "):])
 
 
-WIDE_SPAN_BYTES = (1 << 32) * 4  # past this, the CUDA launcher needs 64-bit offsets
-
-
-def buffer_span(tree) -> int:
-    """Bytes between the lowest and highest device buffer address in `tree`."""
-    addrs = [a.addressable_data(0).unsafe_buffer_pointer() for a in jax.tree.leaves(tree)]
-    return max(addrs) - min(addrs)
-
-
-def put_far_from(near, far_host, device, max_gb: int = 40):
-    """Places `far_host` on `device` more than 16 GB (WIDE_SPAN_BYTES) away from the
-    already placed `near`, as a large model's amaxes in XLA's temporary buffer sit far
-    from its FP8 state. The allocator reuses free space near earlier buffers, so this
-    keeps 1 GB fillers (and each too-near try) alive until a new placement lands far
-    enough. Returns (far, keep_alive) or (None, keep_alive) when it could not."""
-    keep = []
-    for _ in range(max_gb):
-        far = jax.device_put(far_host, device)
-        if buffer_span((near, far)) > WIDE_SPAN_BYTES:
-            return far, keep
-        keep.append(far)
-        keep.append(jax.device_put(np.zeros((1 << 28,), np.float32), device))
-    return None, keep
