@@ -26,6 +26,11 @@ struct BlockQuantizeArgs {
   float* scale_inv_t;
   float amax_epsilon;
   bool power_of_2_scale;
+  // Both scale_inv in the block GEMM's layout instead (block_gemm_cuda.h: 1-D blocks of
+  // an operand [R, K] as [batch, ceil(K/128), round_up(R, 4)], 128 x 128 tiles as [batch,
+  // ceil(R/128), round_up(ceil(K/128), 4)]; the padding is 1.0), where the operand is q
+  // [rows, cols] or q_t [cols, rows].
+  bool gemm_layout;
 };
 
 // Whether the kernel takes these sizes (the grid fits CUDA's limits).

@@ -25,15 +25,27 @@ std::string Shape(ffi::Span<const int64_t> dims) {
   return s + "]";
 }
 
+int64_t RoundUp4(int64_t a) { return (a + 3) / 4 * 4; }
+
 // Checks one (data, scale_inv) result pair: data `lead + {r, c}` of the FP8 type, scales
-// `lead + {r or ceil(r/128), ceil(c/128)}` of float32.
+// float32 `lead + {r or ceil(r/128), ceil(c/128)}`, or in the GEMM layout
+// `lead + {ceil(c/128), round_up(r, 4)}` (1-D) / `lead + {ceil(r/128), round_up(ceil(c/128), 4)}`.
 ffi::Error CheckPair(ffi::AnyBuffer data, ffi::AnyBuffer scale, const std::vector<int64_t>& lead,
-                     int64_t r, int64_t c, bool tile_2d, ffi::DataType fp8, const char* what) {
+                     int64_t r, int64_t c, bool tile_2d, bool gemm_layout, ffi::DataType fp8,
+                     const char* what) {
   std::vector<int64_t> want_data = lead, want_scale = lead;
   want_data.push_back(r);
   want_data.push_back(c);
-  want_scale.push_back(tile_2d ? CeilDiv(r, 128) : r);
-  want_scale.push_back(CeilDiv(c, 128));
+  if (!gemm_layout) {
+    want_scale.push_back(tile_2d ? CeilDiv(r, 128) : r);
+    want_scale.push_back(CeilDiv(c, 128));
+  } else if (tile_2d) {
+    want_scale.push_back(CeilDiv(r, 128));
+    want_scale.push_back(RoundUp4(CeilDiv(c, 128)));
+  } else {
+    want_scale.push_back(CeilDiv(c, 128));
+    want_scale.push_back(RoundUp4(r));
+  }
   const auto dd = data.dimensions(), sd = scale.dimensions();
   if (data.element_type() != fp8 || std::vector<int64_t>(dd.begin(), dd.end()) != want_data) {
     return Invalid(std::string(what) + " data must be " + Shape(want_data) + " of one FP8 type, got " +
@@ -49,7 +61,7 @@ ffi::Error CheckPair(ffi::AnyBuffer data, ffi::AnyBuffer scale, const std::vecto
 
 ffi::Error BlockQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets rets,
                              bool tile_2d, bool rowwise, bool colwise, float amax_epsilon,
-                             bool power_of_2_scale) {
+                             bool power_of_2_scale, bool gemm_layout) {
   BlockQuantizeArgs a{};
   switch (x.element_type()) {
     case ffi::DataType::F32: a.in_type = InType::kF32; break;
@@ -73,6 +85,7 @@ ffi::Error BlockQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Remaini
   a.tile_2d = tile_2d;
   a.amax_epsilon = amax_epsilon;
   a.power_of_2_scale = power_of_2_scale;
+  a.gemm_layout = gemm_layout;
   a.x = x.untyped_data();
   size_t next = 0;
   ffi::DataType fp8 = ffi::DataType::INVALID;
@@ -86,10 +99,10 @@ ffi::Error BlockQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Remaini
     if (fp8 != ffi::DataType::F8E4M3FN && fp8 != ffi::DataType::F8E5M2) {
       return Invalid("results must be f8e4m3fn or f8e5m2");
     }
-    ffi::Error err = pass == 0 ? CheckPair(**data, **scale, lead, a.rows, a.cols, tile_2d, fp8,
-                                           "row-wise")
-                               : CheckPair(**data, **scale, lead, a.cols, a.rows, tile_2d, fp8,
-                                           "column-wise");
+    ffi::Error err = pass == 0 ? CheckPair(**data, **scale, lead, a.rows, a.cols, tile_2d,
+                                           gemm_layout, fp8, "row-wise")
+                               : CheckPair(**data, **scale, lead, a.cols, a.rows, tile_2d,
+                                           gemm_layout, fp8, "column-wise");
     if (err.failure()) return err;
     if (pass == 0) {
       a.q = (*data)->untyped_data();
@@ -123,7 +136,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp8BlockQuantizeCuda, BlockQuantizeImpl,
                                   .Attr<bool>("rowwise")
                                   .Attr<bool>("colwise")
                                   .Attr<float>("amax_epsilon")
-                                  .Attr<bool>("power_of_2_scale"),
+                                  .Attr<bool>("power_of_2_scale")
+                                  .Attr<bool>("gemm_layout"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_fp8

@@ -46,6 +46,7 @@ import pytest
 
 import helpers
 from jax_fp8._primitives import block_gemm as gemm_lib
+from jax_fp8._primitives import block_quantize as bq
 
 F32 = np.float32
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -129,10 +130,10 @@ def run(device, fn, *args, **kw):
     return helpers.run_on(device, fn, *args, compiler_options=opts, **kw)
 
 
-def gemm(ra, rb, out_dtype, impl="auto"):
+def gemm(ra, rb, out_dtype, impl="auto", scale_layout="spec"):
     return lambda qa, sa, qb, sb: gemm_lib.block_gemm(
         qa, sa, qb, sb, a_block_rows=ra, b_block_rows=rb, out_dtype=out_dtype,
-        implementation=impl)
+        implementation=impl, scale_layout=scale_layout)
 
 
 # (lead, M, N, K, a block, b block, a type, b type, out dtype, power-of-two scales)
@@ -173,6 +174,40 @@ def test_vmap_and_jit_agree(backend, device):
     np.testing.assert_array_equal(batched, np.stack(each))
 
 
+# (lead, M, N, K, a block, b block): cuBLASLt shapes, and M = 102 (padded scale rows;
+# not a cuBLASLt shape: the reference on the GPU under "auto").
+LAYOUT_CASES = [((), 64, 136, 256, "1d", "2d"), ((2,), 72, 40, 384, "2d", "1d"),
+                ((), 8, 8, 16, "1d", "1d"), ((), 102, 64, 640, "1d", "1d")]
+
+
+@pytest.mark.parametrize("impl", ["xla", "auto", "fallback"])
+def test_gemm_scale_layout_gives_the_same_product(backend, device, impl):
+    """scale_layout="gemm": the scales as the quantization kernel writes them for the FP8
+    dot (bq.to_gemm_layout of the spec layout, padding included) give the spec layout's
+    product: the same bits through the reference and the plain kernel, both within the
+    bound through cuBLASLt (on the CPU every implementation is the reference)."""
+    rng = np.random.default_rng(5)
+    ops = [(*operand(rng, lead, m, k, E4M3, ba), *operand(rng, lead, n, k, E4M3, bb))
+           for lead, m, n, k, ba, bb in LAYOUT_CASES]
+
+    def fn(ops):
+        outs = []
+        for (qa, sa, qb, sb), (_, _, _, _, ba, bb) in zip(ops, LAYOUT_CASES):
+            ra, rb = rows_of(ba), rows_of(bb)
+            outs.append((gemm(ra, rb, np.float32, impl)(qa, sa, qb, sb),
+                         gemm(ra, rb, np.float32, impl, "gemm")(
+                             qa, bq.to_gemm_layout(sa, ra), qb, bq.to_gemm_layout(sb, rb))))
+        return outs
+
+    for case, o, (spec, in_gemm) in zip(LAYOUT_CASES, ops, run(device, fn, ops)):
+        e, s = exact(*o, rows_of(case[4]), rows_of(case[5]))
+        coef = fallback_coef(case[3]) if impl == "fallback" else cublas_coef(case[3])
+        for out, layout in ((spec, "spec"), (in_gemm, "gemm")):
+            assert_within(out, e, s, coef, np.float32, f"{impl} {case} {layout} layout")
+        if impl != "auto" or backend == "cpu":
+            np.testing.assert_array_equal(in_gemm, spec, err_msg=f"{impl} {case}")
+
+
 def test_bad_operands_are_rejected():
     qa, sa = operand(np.random.default_rng(2), (), 8, 256, E4M3, "1d")
     with pytest.raises(ValueError, match="b_scale_inv"):
@@ -181,6 +216,8 @@ def test_bad_operands_are_rejected():
         gemm(1, 1, np.float32)(qa, sa, qa[:, :128], sa[:, :1])
     with pytest.raises(TypeError, match="FP8"):
         gemm(1, 1, np.float32)(qa.astype(F32), sa, qa, sa)
+    with pytest.raises(ValueError, match="a_scale_inv"):  # spec-layout scales, gemm layout
+        gemm(1, 1, np.float32, scale_layout="gemm")(qa, sa, qa, bq.to_gemm_layout(sa, 1))
 
 
 def test_cuda_conditions_are_cublas_shapes():

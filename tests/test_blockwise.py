@@ -1,7 +1,15 @@
 """quantize_blocks, its column-wise copy, scale_from_amax and current scaling: the bits of
 the NumPy oracle (tests/block_reference.py) on every backend, zeros, +-inf, NaN,
 subnormals and huge values included; the CUDA kernel's bits equal the jax.numpy path's
-on the same GPU; jit, vmap, disable_jit, grad and shard_map."""
+on the same GPU, in both scale layouts (SPEC.md's and the block GEMM's, which the kernel
+writes directly, padding included); jit, vmap, disable_jit, grad and shard_map.
+
+The kernel (ffi/block_quantize_cuda.cu) has a fast path for tiles without NaN and a
+patching path for tiles that hold one; the GPU tests run every shape twice, as generated
+(most tiles of the small shapes hold a NaN) and with the NaNs replaced (only the fast
+path), so both are compared bit for bit against the jax.numpy lowering and the oracle.
+Under compute-sanitizer they are the kernel's memcheck / racecheck / initcheck cases
+(initcheck reads every output back to the host, so an unwritten scale pad shows)."""
 
 import itertools
 
@@ -292,6 +300,46 @@ def test_hlo_custom_call_only_on_cuda(backend, device):
             amax_epsilon=0.0, colwise=True, implementation="xla")).lower(x).compile().as_text()
         assert TARGET not in xla
         assert hlo.count(TARGET) == 1, "one kernel for both copies"
+        gemm = jax.jit(lambda x: bq.block_quantize(
+            x, block_rows=1, fp8_dtype=jnp.float8_e4m3fn, power_of_2_scale=True,
+            amax_epsilon=0.0, colwise=True, scale_layout="gemm")).lower(x).compile().as_text()
+        assert gemm.count(TARGET) == 1, "the gemm scale layout is the kernel's too"
+
+
+# (shape, block): scale layouts with and without padding (rows or ceil(cols/128) not
+# multiples of 4), an empty array, leading axes.
+LAYOUT_CASES = [((2, 133, 300), (1, 128)), ((2, 133, 300), (128, 128)), ((129, 1), (1, 128)),
+                ((5, 6), (128, 128)), ((3, 600, 130), (128, 128)), ((0, 7), (1, 128)),
+                ((8, 1024), (1, 128)), ((1024, 8), (128, 128))]
+
+
+def test_gemm_scale_layout_is_the_spec_layout_transposed_and_padded(backend, device):
+    """scale_layout="gemm" (what scaled_dot_general feeds the block GEMM): the same FP8
+    data, scale_inv in block_gemm's layout (bq.gemm_scale_shape) = to_gemm_layout of the
+    spec layout (1x128: [..., Kb, round_up(R, 4)], 128x128: [..., Rb, round_up(Kb, 4)],
+    padded with 1.0), and from_gemm_layout inverts it. On CUDA: the kernel's own writes."""
+    rng = np.random.default_rng(14)
+    xs = [block_data(rng, shape, ml_dtypes.bfloat16) for shape, _ in LAYOUT_CASES]
+
+    def fn(xs):
+        outs = []
+        for x, (_, b) in zip(xs, LAYOUT_CASES):
+            opts = dict(block_rows=b[0], fp8_dtype=FP8[0], power_of_2_scale=True,
+                        amax_epsilon=0.0, rowwise=True, colwise=True)
+            outs.append((bq.block_quantize(x, **opts),
+                         bq.block_quantize(x, scale_layout="gemm", **opts)))
+        return outs
+
+    for x, (shape, b), (spec, gemm) in zip(xs, LAYOUT_CASES, run(device, fn, xs, check_device=False)):
+        for name, i, operand in (("row-wise", 0, shape), ("column-wise", 2, shape[:-2] + shape[:-3:-1])):
+            what = f"{shape} {b} {name}"
+            assert_fp8_equal(gemm[i], spec[i], f"{what} data")
+            assert gemm[i + 1].shape == bq.gemm_scale_shape(operand, b[0]), what
+            helpers.assert_bits_equal(gemm[i + 1], np.asarray(bq.to_gemm_layout(spec[i + 1], b[0])),
+                                      f"{what} scale_inv (gemm layout)")
+            helpers.assert_bits_equal(
+                np.asarray(bq.from_gemm_layout(gemm[i + 1], b[0], *operand[-2:])), spec[i + 1],
+                f"{what} from_gemm_layout")
 
 
 # ------------------------------------------------------------------------ GPU: the kernel
@@ -300,10 +348,10 @@ GPU_SHAPES = [(128, 128), (256, 512), (1, 1), (3, 5), (130, 257), (127, 129), (4
               (1028, 8), (2, 3, 200, 300), (6, 130, 6), (4096, 4096), (513, 4100)]
 
 
-def _impl(x, impl, block, fp8, rowwise, colwise, pow2=True, eps=0.0):
+def _impl(x, impl, block, fp8, rowwise, colwise, pow2=True, eps=0.0, scale_layout="spec"):
     return bq.block_quantize(x, block_rows=block[0], fp8_dtype=fp8, power_of_2_scale=pow2,
                              amax_epsilon=eps, rowwise=rowwise, colwise=colwise,
-                             implementation=impl)
+                             implementation=impl, scale_layout=scale_layout)
 
 
 @pytest.mark.gpu
@@ -315,23 +363,39 @@ def _impl(x, impl, block, fp8, rowwise, colwise, pow2=True, eps=0.0):
                          ids=["row", "col", "both"])
 def test_gpu_kernel_bits_equal_reference_on_gpu(gpu_device, shape, dtype, fp8, block, layouts):
     """The CUDA kernel against the jax.numpy lowering on the same GPU and the oracle:
-    edge tiles, rows/cols not multiples of 4 (byte stores), all layouts."""
+    edge tiles, rows/cols not multiples of 4 (byte stores) or of 16 (no 16-byte q_t
+    stores), all layouts; x as generated (NaN tiles: the patching path) and with its NaNs
+    replaced by 1.5 (the fast path everywhere); the scales in both layouts."""
     x = block_data(np.random.default_rng(sum(shape)), shape, dtype)
-    kernel = run(gpu_device, lambda x: _impl(x, "auto", block, fp8, *layouts), x)
-    xla = run(gpu_device, lambda x: _impl(x, "xla", block, fp8, *layouts), x)
+    clean = np.where(np.isnan(x.astype(F32)), F32(1.5), x.astype(F32)).astype(dtype)
+
+    def fn(x, clean):
+        return [(_impl(a, "auto", block, fp8, *layouts),
+                 _impl(a, "auto", block, fp8, *layouts, scale_layout="gemm"),
+                 _impl(a, "xla", block, fp8, *layouts)) for a in (x, clean)]
+
     names = (["row data", "row scale_inv"] if layouts[0] else []) + \
             (["col data", "col scale_inv"] if layouts[1] else [])
-    for name, k, r in zip(names, kernel, xla):
-        if "data" in name:
-            assert_fp8_equal(k, r, f"kernel vs XLA on the GPU: {name}")
-        else:
-            helpers.assert_bits_equal(k, r, f"kernel vs XLA on the GPU: {name}")
-    outs = iter(kernel)
-    if layouts[0]:
-        check_against_oracle((next(outs), next(outs)), x, block, fp8, what="kernel row-wise")
-    if layouts[1]:
-        check_against_oracle((next(outs), next(outs)), np.swapaxes(x, -1, -2), block, fp8,
-                             what="kernel column-wise")
+    operands = ([x.shape] if layouts[0] else []) + ([np.swapaxes(x, -1, -2).shape] if layouts[1] else [])
+    for a, which, (kernel, gemm, xla) in zip((x, clean), ("as generated", "without NaN"),
+                                             run(gpu_device, fn, x, clean)):
+        for i, (name, k, g, r) in enumerate(zip(names, kernel, gemm, xla)):
+            what = f"kernel vs XLA on the GPU ({which}): {name}"
+            if "data" in name:
+                assert_fp8_equal(k, r, what)
+                assert_fp8_equal(g, r, what + " (gemm layout call)")
+            else:
+                helpers.assert_bits_equal(k, r, what)
+                helpers.assert_bits_equal(g, np.asarray(bq.to_gemm_layout(r, block[0])),
+                                          what + " in the gemm layout (padding 1.0)")
+                assert g.shape == bq.gemm_scale_shape(operands[i // 2], block[0])
+        outs = iter(kernel)
+        if layouts[0]:
+            check_against_oracle((next(outs), next(outs)), a, block, fp8,
+                                 what=f"kernel row-wise ({which})")
+        if layouts[1]:
+            check_against_oracle((next(outs), next(outs)), np.swapaxes(a, -1, -2), block, fp8,
+                                 what=f"kernel column-wise ({which})")
 
 
 @pytest.mark.gpu
@@ -346,8 +410,9 @@ def test_gpu_kernel_options(gpu_device, pow2, eps):
 
 
 @pytest.mark.gpu
-def test_gpu_kernel_grid_stride_over_many_tiles(gpu_device):
-    """More row tiles x batch than CUDA's grid y limit (65535): the kernel loops."""
+def test_gpu_kernel_more_tiles_than_grid_y(gpu_device):
+    """More row tiles x batch (140,000) than CUDA's grid y limit (65535): the kernel's
+    tiles spread over the grid's y and z."""
     x = block_data(np.random.default_rng(13), (70000, 130, 4), ml_dtypes.bfloat16)
     for block in BLOCKS:
         got = run(gpu_device, lambda x: _impl(x, "auto", block, FP8[0], True, True), x)

@@ -10,11 +10,13 @@ Float8BlockScaling (DeepSeek-V3 / TE's recipe; E4M3, or E5M2 gradients under HYB
   dgrad    dx = g . w^T:   g row-wise (blocks along N, role "grad"), w row-wise ([K, N])
   wgrad    dw = x^T . g:   x column-wise ([K, M], blocks along M), g column-wise ([N, M])
   Every GEMM is cuBLASLt's TN form: both operands contract over their minor axis. Each
-  tensor is quantized once per use-site in both layouts from one read of it (one kernel
-  on CUDA); a 1x128-blocked copy along the other axis is quantized afresh from the high
-  precision tensor (SPEC.md), a 128x128 tile is the same tile either way. The residuals
-  are the FP8 copies the backward needs (x column-wise, w row-wise, with their scales):
-  1 byte per element instead of the high-precision input, and the backward reads
+  tensor is quantized once, in both layouts from one read of it (one kernel on CUDA); a
+  1x128-blocked copy along the other axis is quantized afresh from the high precision
+  tensor (SPEC.md), a 128x128 tile is the same tile either way. The kernel writes the
+  scales in the layout the GEMM reads (scale_layout="gemm"), so on CUDA a forward and
+  backward is 3 quantization kernels and 3 GEMMs with no XLA op between them. The
+  residuals are the FP8 copies the backward needs (x column-wise, w row-wise, with their
+  scales): 1 byte per element instead of the high-precision input, and the backward reads
   neither x nor w again.
 Float8CurrentScaling (one scale per tensor, from ``jax_fp8.compute_amax``)
   the three GEMMs as jax_fp8's delayed-scaling path runs them (``_gemms.gemm``: XLA's
@@ -132,7 +134,13 @@ def _forward(x, w, recipe, out_dtype, keep):
 def _quantize(a, recipe, role, fp8_dtype, rowwise, colwise):
     return bq.block_quantize(a, block_rows=recipe.block_shape(role)[0], fp8_dtype=fp8_dtype,
                              power_of_2_scale=recipe.power_of_2_scale,
-                             amax_epsilon=recipe.amax_epsilon, rowwise=rowwise, colwise=colwise)
+                             amax_epsilon=recipe.amax_epsilon, rowwise=rowwise, colwise=colwise,
+                             scale_layout="gemm")
+
+
+def _gemm(a, sa, b, sb, ra, rb, out_dtype):
+    return gemm_lib.block_gemm(a, sa, b, sb, a_block_rows=ra, b_block_rows=rb,
+                               out_dtype=out_dtype, scale_layout="gemm")
 
 
 def _block_forward(x, w, recipe, out_dtype, keep):
@@ -146,19 +154,15 @@ def _block_forward(x, w, recipe, out_dtype, keep):
         qx, sx = _quantize(x, recipe, "x", fwd, True, False)
         qw, sw = _quantize(w, recipe, "w", fwd, False, True)
         residuals = None
-    out = gemm_lib.block_gemm(qx, sx, qw, sw, a_block_rows=xr, b_block_rows=wr,
-                              out_dtype=out_dtype)
-    return out, residuals
+    return _gemm(qx, sx, qw, sw, xr, wr, out_dtype), residuals
 
 
 def _block_backward(recipe, residuals, g, x_dtype, w_dtype):
     qx_t, sx_t, qw_kn, sw_kn = residuals
     xr, wr, gr = (recipe.block_shape(r)[0] for r in ("x", "w", "grad"))
     qg, sg, qg_t, sg_t = _quantize(g, recipe, "grad", recipe.fp8_format.bwd_dtype, True, True)
-    dx = gemm_lib.block_gemm(qg, sg, qw_kn, sw_kn, a_block_rows=gr, b_block_rows=wr,
-                             out_dtype=x_dtype)                      # [M, N] . [K, N]^T
-    dw = gemm_lib.block_gemm(qx_t, sx_t, qg_t, sg_t, a_block_rows=xr, b_block_rows=gr,
-                             out_dtype=w_dtype)                      # [K, M] . [N, M]^T
+    dx = _gemm(qg, sg, qw_kn, sw_kn, gr, wr, x_dtype)       # [M, N] . [K, N]^T
+    dw = _gemm(qx_t, sx_t, qg_t, sg_t, xr, gr, w_dtype)     # [K, M] . [N, M]^T
     return dx, dw
 
 

@@ -5,13 +5,19 @@ a [..., M, K] and b [..., N, K] FP8, their scale_inv [..., M or ceil(M/128), cei
 and [..., N or ceil(N/128), ceil(K/128)] (`block_rows` 1 or 128, jax_fp8.quantize_blocks'
 layout), out [..., M, N] in `out_dtype`.
 
+With ``scale_layout="gemm"`` the scales come in cuBLASLt's layout instead
+(block_quantize.gemm_scale_shape: 1x128 blocks [..., ceil(K/128), round_up(R, 4)],
+128x128 tiles [..., ceil(R/128), round_up(ceil(K/128), 4)]), as the quantization kernel
+writes them for jax_fp8's FP8 dot: then no XLA op runs between the two custom calls.
+
 On CUDA with an SM90 GPU and cuBLASLt >= 12.9 (dlopen'ed from JAX's nvidia-cublas wheel)
 and sizes it takes (`cublas_takes`): one custom call, ffi/block_gemm_cuda.cc, which runs
 cuBLASLt's VEC128 / BLK128x128 matmul (or its own plain kernel where cuBLASLt finds no
-algorithm). The scales are transposed and padded to cuBLASLt's layout here, in XLA ops on
-arrays 128 (or 16,384) times smaller than the operands. Everywhere else the reference:
-each operand dequantized in float32 (q * scale_inv broadcast over its block), a float32
-dot_general at HIGHEST precision, cast to out_dtype.
+algorithm). Scales in the spec layout are transposed and padded to cuBLASLt's layout
+here, in XLA ops on arrays 128 (or 16,384) times smaller than the operands. Everywhere
+else the reference: each operand dequantized in float32 (q * scale_inv broadcast over its
+block), a float32 dot_general at HIGHEST precision, cast to out_dtype (a float16 output
+is the float32 result rounded once: beyond 65504 it is +-inf).
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ from jax.interpreters import ad, batching, mlir
 
 from jax_fp8 import _registration
 from jax_fp8._primitives import common, partition
-from jax_fp8._primitives.block_quantize import BLOCK, check_not_explicit, scale_rows, up_scaled
+from jax_fp8._primitives.block_quantize import (BLOCK, SCALE_LAYOUTS, check_not_explicit,
+                                                from_gemm_layout, scale_shape, to_gemm_layout,
+                                                up_scaled)
 
 TARGET = "jax_fp8_block_gemm"
 WORKSPACE_BYTES = 32 * 1024 * 1024  # cuBLASLt's recommendation for Hopper
@@ -43,15 +51,12 @@ _KERNEL_OUT = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
 block_gemm_p = Primitive("jax_fp8_block_gemm")
 
 
-def _scale_shape(shape, block_rows):
-    *lead, r, k = shape
-    return tuple(lead) + (scale_rows(r, block_rows), -(-k // BLOCK))
-
-
 def _abstract_eval(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype,
-                   implementation):
+                   implementation, scale_layout):
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"jax_fp8_block_gemm: implementation must be one of {IMPLEMENTATIONS}")
+    if scale_layout not in SCALE_LAYOUTS:
+        raise ValueError(f"jax_fp8_block_gemm: scale_layout must be one of {SCALE_LAYOUTS}")
     for name, q, rows in (("a", a, a_block_rows), ("b", b, b_block_rows)):
         if q.ndim < 2 or np.dtype(q.dtype).itemsize != 1:
             raise TypeError(f"jax_fp8_block_gemm: {name} must be an FP8 array of rank >= 2, "
@@ -62,7 +67,7 @@ def _abstract_eval(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dt
         raise ValueError(f"jax_fp8_block_gemm: need a [..., M, K] and b [..., N, K], got "
                          f"{list(a.shape)} and {list(b.shape)}")
     for name, s, q, rows in (("a", a_scale, a, a_block_rows), ("b", b_scale, b, b_block_rows)):
-        want = _scale_shape(q.shape, rows)
+        want = scale_shape(q.shape, rows, scale_layout)
         if s.shape != want or s.dtype != np.float32:
             raise ValueError(f"jax_fp8_block_gemm: {name}_scale_inv must be float32{list(want)}, "
                              f"got {s.dtype}{list(s.shape)}")
@@ -85,8 +90,11 @@ def dequantize(q, scale_inv, block_rows):
 
 
 def reference(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype,
-              implementation=None):
+              implementation=None, scale_layout="spec"):
     del implementation
+    if scale_layout == "gemm":
+        a_scale = from_gemm_layout(a_scale, a_block_rows, *a.shape[-2:])
+        b_scale = from_gemm_layout(b_scale, b_block_rows, *b.shape[-2:])
     x = dequantize(a, a_scale, a_block_rows)
     y = dequantize(b, b_scale, b_block_rows)
     batch = tuple(range(a.ndim - 2))
@@ -133,22 +141,20 @@ def cublas_takes(a, b, a_block_rows, b_block_rows, out_dtype) -> bool:
 def cublas_scales(scale_inv, block_rows):
     """scale_inv in the layout cuBLASLt reads: 1 x 128 blocks [..., R, Kb] -> [..., Kb,
     round_up(R, 4)] (R contiguous); 128 x 128 tiles [..., Rb, Kb] -> [..., Rb, round_up(Kb, 4)]."""
-    s = jnp.swapaxes(scale_inv, -1, -2) if block_rows == 1 else scale_inv
-    minor = s.shape[-1]
-    pad = -minor % 4
-    if pad:
-        s = jnp.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, pad)], constant_values=1.0)
-    return s
+    return to_gemm_layout(scale_inv, block_rows)
 
 
-def _ffi_gemm(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype, fallback):
+def _ffi_gemm(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype, fallback,
+              scale_layout):
     m, n = a.shape[-2], b.shape[-2]
+    # float16 out: cuBLASLt writes float32, one convert rounds it (as the reference does)
     kernel_dtype = out_dtype if np.dtype(out_dtype) in _KERNEL_OUT else np.dtype(np.float32)
+    if scale_layout == "spec":
+        a_scale, b_scale = cublas_scales(a_scale, a_block_rows), cublas_scales(b_scale, b_block_rows)
     call = jax.ffi.ffi_call(TARGET, (
         jax.ShapeDtypeStruct(a.shape[:-2] + (m, n), kernel_dtype),
         jax.ShapeDtypeStruct((256 if fallback else WORKSPACE_BYTES,), jnp.uint8)))
-    out, _ = call(a, cublas_scales(a_scale, a_block_rows), b,
-                  cublas_scales(b_scale, b_block_rows), a_block_rows=np.int32(a_block_rows),
+    out, _ = call(a, a_scale, b, b_scale, a_block_rows=np.int32(a_block_rows),
                   b_block_rows=np.int32(b_block_rows), force_fallback=bool(fallback))
     return out.astype(out_dtype)
 
@@ -159,13 +165,13 @@ def _cuda_lowering(ctx, a, a_scale, b, b_scale, **params):
     rows = (params["a_block_rows"], params["b_block_rows"])
     fp8_ok = {np.dtype(a_aval.dtype), np.dtype(b_aval.dtype)} <= set(_FP8)
     sizes_ok = min(a_aval.shape[-2:] + b_aval.shape[-2:-1] + (math.prod(a_aval.shape[:-2]),)) > 0
+    ffi = functools.partial(_ffi_gemm, a_block_rows=rows[0], b_block_rows=rows[1],
+                            out_dtype=params["out_dtype"], scale_layout=params["scale_layout"])
     if impl == "fallback" and fp8_ok and sizes_ok and not partition.needs_partitioning(ctx):
-        fn = functools.partial(_ffi_gemm, a_block_rows=rows[0], b_block_rows=rows[1],
-                               out_dtype=params["out_dtype"], fallback=True)
+        fn = functools.partial(ffi, fallback=True)
     elif (impl == "auto" and not partition.needs_partitioning(ctx)
           and cublas_takes(a_aval, b_aval, *rows, params["out_dtype"]) and cublas_status()[0]):
-        fn = functools.partial(_ffi_gemm, a_block_rows=rows[0], b_block_rows=rows[1],
-                               out_dtype=params["out_dtype"], fallback=False)
+        fn = functools.partial(ffi, fallback=False)
     else:
         fn = _jitted_reference(tuple(sorted(params.items())))
     return mlir.lower_fun(fn, multiple_results=False)(ctx, a, a_scale, b, b_scale)
@@ -204,8 +210,8 @@ ad.primitive_jvps[block_gemm_p] = _jvp
 
 
 def block_gemm(a, a_scale_inv, b, b_scale_inv, *, a_block_rows, b_block_rows, out_dtype,
-               implementation="auto"):
+               implementation="auto", scale_layout="spec"):
     """Binds the primitive: a [..., M, K], b [..., N, K] (with their scale_inv) -> [..., M, N]."""
     return block_gemm_p.bind(a, a_scale_inv, b, b_scale_inv, a_block_rows=int(a_block_rows),
                              b_block_rows=int(b_block_rows), out_dtype=np.dtype(out_dtype),
-                             implementation=implementation)
+                             implementation=implementation, scale_layout=scale_layout)

@@ -13,6 +13,12 @@ The primitive: x [..., M, K] -> the row-wise copy (q [..., M, K], scale_inv
 axes swapped: q_t [..., K, M], scale_inv_t) or both from one read of x. On CUDA one custom
 call (one kernel); elsewhere, under a multi-device jit (XLA partitions the jax.numpy ops),
 for FP8 types the kernel does not write, or with ``implementation="xla"``, the math below.
+
+``scale_layout="gemm"`` gives each scale_inv in the layout the block GEMM reads
+(``gemm_scale_shape``: 1x128 blocks of an operand [R, K] as [..., ceil(K/128),
+round_up(R, 4)], 128x128 tiles as [..., ceil(R/128), round_up(ceil(K/128), 4)], padded
+with 1.0), which the kernel writes directly: the FP8 dot needs no XLA op between its
+quantization and its GEMMs. ``to_gemm_layout`` / ``from_gemm_layout`` convert.
 """
 
 from __future__ import annotations
@@ -164,6 +170,48 @@ def scale_rows(m: int, block_rows: int) -> int:
     return m if block_rows == 1 else -(-m // block_rows)
 
 
+SCALE_LAYOUTS = ("spec", "gemm")
+
+
+def _round4(n: int) -> int:
+    return -(-n // 4) * 4
+
+
+def gemm_scale_shape(shape, block_rows: int) -> tuple:
+    """The block GEMM's scale_inv shape for an operand [..., R, K] (block_gemm_cuda.h):
+    1x128 blocks [..., ceil(K/128), round_up(R, 4)] (R contiguous), 128x128 tiles
+    [..., ceil(R/128), round_up(ceil(K/128), 4)]."""
+    *lead, r, k = shape
+    kb = -(-k // BLOCK)
+    tail = (kb, _round4(r)) if block_rows == 1 else (-(-r // BLOCK), _round4(kb))
+    return tuple(lead) + tail
+
+
+def scale_shape(shape, block_rows: int, layout: str = "spec") -> tuple:
+    """scale_inv's shape for an operand [..., R, K] in either layout."""
+    if layout == "gemm":
+        return gemm_scale_shape(shape, block_rows)
+    *lead, r, k = shape
+    return tuple(lead) + (scale_rows(r, block_rows), -(-k // BLOCK))
+
+
+def to_gemm_layout(scale_inv, block_rows: int):
+    """scale_inv [..., R or ceil(R/128), ceil(K/128)] in the GEMM layout (padded with 1.0)."""
+    s = jnp.swapaxes(scale_inv, -1, -2) if block_rows == 1 else scale_inv
+    pad = -s.shape[-1] % 4
+    if pad:
+        s = jnp.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, pad)], constant_values=1.0)
+    return s
+
+
+def from_gemm_layout(scale_inv, block_rows: int, r: int, k: int):
+    """The inverse of to_gemm_layout for an operand [..., r, k]."""
+    if block_rows == 1:
+        return jnp.swapaxes(scale_inv[..., :r], -1, -2)
+    kb = -(-k // BLOCK)
+    return scale_inv[..., :kb]
+
+
 def quantize_reference(x, *, block_rows: int, fp8_dtype, power_of_2_scale: bool,
                        amax_epsilon: float):
     """x [..., M, K] -> (q [..., M, K], scale_inv [..., M or ceil(M/128), ceil(K/128)])."""
@@ -207,46 +255,49 @@ def _like(x, shape, dtype):
 
 
 def _abstract_eval(x, *, block_rows, fp8_dtype, power_of_2_scale, amax_epsilon, rowwise,
-                   colwise, implementation):
+                   colwise, implementation, scale_layout):
     del power_of_2_scale, amax_epsilon
     check_not_explicit("jax_fp8_block_quantize", x)
     if x.ndim < 2 or np.dtype(x.dtype) not in INPUT_DTYPES:
         raise TypeError(f"jax_fp8_block_quantize: takes a float32/bfloat16/float16 array of "
                         f"rank >= 2, got {x.dtype}{list(x.shape)}")
     if block_rows not in (1, BLOCK) or not (rowwise or colwise) or \
-            implementation not in IMPLEMENTATIONS:
+            implementation not in IMPLEMENTATIONS or scale_layout not in SCALE_LAYOUTS:
         raise ValueError(f"jax_fp8_block_quantize: bad parameters block_rows={block_rows}, "
-                         f"rowwise={rowwise}, colwise={colwise}, implementation={implementation}")
+                         f"rowwise={rowwise}, colwise={colwise}, implementation={implementation}, "
+                         f"scale_layout={scale_layout}")
     *lead, m, k = x.shape
     lead = tuple(lead)
     outs = []
     if rowwise:
         outs += [_like(x, lead + (m, k), fp8_dtype),
-                 _like(x, lead + (scale_rows(m, block_rows), -(-k // BLOCK)), np.float32)]
+                 _like(x, scale_shape(lead + (m, k), block_rows, scale_layout), np.float32)]
     if colwise:
         outs += [_like(x, lead + (k, m), fp8_dtype),
-                 _like(x, lead + (scale_rows(k, block_rows), -(-m // BLOCK)), np.float32)]
+                 _like(x, scale_shape(lead + (k, m), block_rows, scale_layout), np.float32)]
     return outs
 
 
 def _reference(x, *, block_rows, fp8_dtype, power_of_2_scale, amax_epsilon, rowwise, colwise,
-               implementation):
+               implementation, scale_layout):
     del implementation
     opts = dict(block_rows=block_rows, fp8_dtype=fp8_dtype, power_of_2_scale=power_of_2_scale,
                 amax_epsilon=amax_epsilon)
     outs = []
-    if rowwise:
-        outs += quantize_reference(x, **opts)
-    if colwise:
-        outs += quantize_reference(jnp.swapaxes(x, -1, -2), **opts)
+    for wanted, a in ((rowwise, x), (colwise, jnp.swapaxes(x, -1, -2))):
+        if wanted:
+            q, s = quantize_reference(a, **opts)
+            outs += [q, to_gemm_layout(s, block_rows) if scale_layout == "gemm" else s]
     return outs
 
 
 def kernel_takes(shape, dtype, fp8_dtype) -> bool:
-    """Whether the CUDA kernel takes x (as ffi/block_quantize_cuda.cu's BlockQuantizeSupports)."""
+    """Whether the CUDA kernel takes x (as ffi/block_quantize_cuda.cu's BlockQuantizeSupports:
+    at most 2**31 - 1 tiles of 128 rows and of 128 columns)."""
     *lead, m, k = shape
     return (np.dtype(dtype) in INPUT_DTYPES and np.dtype(fp8_dtype) in KERNEL_FP8
-            and m > 0 and k > 0 and math.prod(lead) > 0 and -(-k // BLOCK) < 2 ** 31)
+            and m > 0 and k > 0 and math.prod(lead) > 0 and -(-k // BLOCK) < 2 ** 31
+            and math.prod(lead) * -(-m // BLOCK) < 2 ** 31)
 
 
 def _cuda_lowering(ctx, x, **params):
@@ -257,7 +308,8 @@ def _cuda_lowering(ctx, x, **params):
     return jax.ffi.ffi_lowering(TARGET)(
         ctx, x, tile_2d=params["block_rows"] == BLOCK, rowwise=bool(params["rowwise"]),
         colwise=bool(params["colwise"]), amax_epsilon=F32(params["amax_epsilon"]),
-        power_of_2_scale=bool(params["power_of_2_scale"]))
+        power_of_2_scale=bool(params["power_of_2_scale"]),
+        gemm_layout=params["scale_layout"] == "gemm")
 
 
 @functools.lru_cache(maxsize=None)
@@ -301,9 +353,10 @@ ad.primitive_jvps[block_quantize_p] = _jvp
 
 
 def block_quantize(x, *, block_rows, fp8_dtype, power_of_2_scale, amax_epsilon, rowwise=True,
-                   colwise=False, implementation="auto"):
+                   colwise=False, implementation="auto", scale_layout="spec"):
     """Binds the primitive (see the module docstring for the results)."""
     return block_quantize_p.bind(
         x, block_rows=int(block_rows), fp8_dtype=np.dtype(fp8_dtype),
         power_of_2_scale=bool(power_of_2_scale), amax_epsilon=float(amax_epsilon),
-        rowwise=bool(rowwise), colwise=bool(colwise), implementation=implementation)
+        rowwise=bool(rowwise), colwise=bool(colwise), implementation=implementation,
+        scale_layout=scale_layout)
