@@ -31,6 +31,12 @@
 //   q_t row).
 // - Edge tiles: loads past the array read zeros (they change no max from 0), stores
 //   past it are skipped; vector loads and stores only where sizes and pointers align.
+//   Whole tiles take a branch-free path (16 vector loads, 16 word stores).
+// - Grid: one CTA per tile, (column tiles, row tiles x batch over y and z); 18 KB of
+//   shared memory, 64 registers (16-bit inputs: 4 CTAs, 128 KB of loads in flight per
+//   SM; ptxas spills two invariant words) or 128 (float32: 2 CTAs, no spills). x [8192, 4096]: 2048 CTAs, 3.9 waves on 132 SMs.
+//   A 1 x 128, both-layouts pass over it moves 64 MiB in, 2 x 32 MiB out and 2 MiB of
+//   scales (~45 us at 3 TB/s) with ~14 instructions per element (~14 us of issue time).
 // The scale arithmetic is IEEE float32 (no flush-to-zero, correctly rounded division), so
 // the bits are those of the jax.numpy reference (jax_fp8/_primitives/block_quantize.py).
 #include <cuda_bf16.h>
@@ -341,7 +347,7 @@ struct Params {
 };
 
 template <typename In, Fp8Type kFp8, bool kTile2d>
-__global__ void __launch_bounds__(kThreads, In4<In>::kBits == 32 ? 2 : 3)
+__global__ void __launch_bounds__(kThreads, In4<In>::kBits == 32 ? 2 : 4)
     BlockQuantizeKernel(const BlockQuantizeArgs a, const Params p) {
   constexpr int W = In4<In>::kWords;
   __shared__ Smem sm;
