@@ -289,16 +289,22 @@ def test_errors_name_the_argument(bad, err):
         jax_fp8.quantize_blocks(**kwargs)
 
 
-def test_hlo_custom_call_only_on_cuda(backend, device):
+def test_hlo_custom_call_only_with_the_kernel_on_cuda(backend, device):
+    """The CUDA kernel is opt-in (implementation="kernel"); the default lowers to XLA's
+    ops everywhere."""
     x = jax.device_put(np.ones((256, 256), F32), device)
     opts = FAST_COMPILE if backend == "cpu" else None
     hlo = jax.jit(blockwise.quantize_blocks_both).lower(x).compile(opts).as_text()
+    assert TARGET not in hlo
+
+    def kernel(x):
+        return bq.block_quantize(x, block_rows=1, fp8_dtype=jnp.float8_e4m3fn,
+                                 power_of_2_scale=True, amax_epsilon=0.0, rowwise=True,
+                                 colwise=True, implementation="kernel")
+
+    hlo = jax.jit(kernel).lower(x).compile(opts).as_text()
     assert (TARGET in hlo) == (backend == "gpu")
     if backend == "gpu":
-        xla = jax.jit(lambda x: bq.block_quantize(
-            x, block_rows=1, fp8_dtype=jnp.float8_e4m3fn, power_of_2_scale=True,
-            amax_epsilon=0.0, colwise=True, implementation="xla")).lower(x).compile().as_text()
-        assert TARGET not in xla
         assert hlo.count(TARGET) == 1, "one kernel for both copies"
         gemm = jax.jit(lambda x: bq.block_quantize(
             x, block_rows=1, fp8_dtype=jnp.float8_e4m3fn, power_of_2_scale=True,
@@ -370,8 +376,8 @@ def test_gpu_kernel_bits_equal_reference_on_gpu(gpu_device, shape, dtype, fp8, b
     clean = np.where(np.isnan(x.astype(F32)), F32(1.5), x.astype(F32)).astype(dtype)
 
     def fn(x, clean):
-        return [(_impl(a, "auto", block, fp8, *layouts),
-                 _impl(a, "auto", block, fp8, *layouts, scale_layout="gemm"),
+        return [(_impl(a, "kernel", block, fp8, *layouts),
+                 _impl(a, "kernel", block, fp8, *layouts, scale_layout="gemm"),
                  _impl(a, "xla", block, fp8, *layouts)) for a in (x, clean)]
 
     names = (["row data", "row scale_inv"] if layouts[0] else []) + \
@@ -403,7 +409,7 @@ def test_gpu_kernel_bits_equal_reference_on_gpu(gpu_device, shape, dtype, fp8, b
 def test_gpu_kernel_options(gpu_device, pow2, eps):
     x = block_data(np.random.default_rng(12), (300, 700))
     for block in BLOCKS:
-        got = run(gpu_device, lambda x: _impl(x, "auto", block, FP8[0], True, True,
+        got = run(gpu_device, lambda x: _impl(x, "kernel", block, FP8[0], True, True,
                                                          pow2, eps), x)
         check_against_oracle(got[:2], x, block, FP8[0], pow2, eps, what="row-wise")
         check_against_oracle(got[2:], x.T, block, FP8[0], pow2, eps, what="column-wise")
@@ -415,7 +421,7 @@ def test_gpu_kernel_more_tiles_than_grid_y(gpu_device):
     tiles spread over the grid's y and z."""
     x = block_data(np.random.default_rng(13), (70000, 130, 4), ml_dtypes.bfloat16)
     for block in BLOCKS:
-        got = run(gpu_device, lambda x: _impl(x, "auto", block, FP8[0], True, True), x)
+        got = run(gpu_device, lambda x: _impl(x, "kernel", block, FP8[0], True, True), x)
         want = run(gpu_device, lambda x: _impl(x, "xla", block, FP8[0], True, True), x)
         for g, w in zip(got, want):
             np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
@@ -436,7 +442,7 @@ def test_gpu_kernel_is_near_memory_bound(gpu_device, shape, block, layouts):
     ran at ~1 TB/s); the achieved rate is printed (pytest -s)."""
     from jax_fp8.devtools import trace
     x = jax.device_put(jax.random.normal(jax.random.key(0), shape, jnp.bfloat16), gpu_device)
-    quant = jax.jit(lambda x: _impl(x, "auto", block, FP8[0], *layouts, scale_layout="gemm"))
+    quant = jax.jit(lambda x: _impl(x, "kernel", block, FP8[0], *layouts, scale_layout="gemm"))
     carry = (x, quant(x))
     jax.block_until_ready(carry)
     steps = 20
