@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import collections
 import functools
+import glob
+import os
 import re
+import tempfile
 from typing import NamedTuple
 
 __all__ = [
     "Collective", "Gemm", "Instruction", "Module", "all_reduce_kinds", "alias_bytes",
     "collectives", "computations_calling", "count_collectives", "count_custom_calls",
     "count_kernels", "custom_calls", "fp8_gemms", "fusion_kinds", "gemms",
-    "kernel_instructions", "kernel_name", "memory", "op_families", "parse", "shape_bytes",
+    "kernel_instructions", "kernel_name", "memory", "op_families", "parse", "partitioned",
+    "shape_bytes",
     "source_ops", "text_of",
 ]
 
@@ -408,3 +412,21 @@ def alias_bytes(compiled) -> int | None:
     """Bytes of the outputs that reuse (alias) donated inputs; None where not reported."""
     return memory(compiled).get("alias_size_in_bytes")
 
+
+
+def partitioned(lowered) -> str:
+    """The HLO text of ``lowered`` (a ``jax.jit(f).lower(...)``) right after XLA's SPMD
+    partitioner, before the backend's own passes: the collectives the partitioner inserted,
+    with the element types the program gives them (e.g. an FP8 weight's all-gather), which
+    a backend may change later (XLA:CPU widens FP8 collectives to f16). Compiles the program
+    once more, dumping that one pass into a temporary directory.
+
+    Raises ValueError for a program that is not partitioned (one device)."""
+    with tempfile.TemporaryDirectory() as d:
+        lowered.compile(compiler_options={"xla_dump_to": d,
+                                          "xla_dump_hlo_pass_re": "spmd-partitioning"})
+        files = sorted(glob.glob(os.path.join(d, "*after_spmd-partitioning*.txt")))
+        if not files:
+            raise ValueError("the program ran no SPMD partitioner (a one-device program?)")
+        with open(files[-1]) as f:
+            return f.read()
