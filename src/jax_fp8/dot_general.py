@@ -26,7 +26,7 @@ from jax_fp8.quantization import compute_amax, quantize
 from jax_fp8.scaled_dot import scaled_dot_general
 from jax_fp8.state import ScalingState
 
-__all__ = ["fp8_dot_general"]
+__all__ = ["fp8_dot_general", "gemm_flops"]
 
 
 def _fwd(lhs, rhs, meta, dimension_numbers, out_dtype):
@@ -159,8 +159,27 @@ def canonical_dimension_numbers(dimension_numbers, lhs_ndim, rhs_ndim):
     return dn
 
 
+def gemm_flops(lhs_shape, rhs_shape, dimension_numbers) -> int:
+    """2 * batch * M * N * K: the FLOPs of ``lax.dot_general`` on these shapes."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    size = lambda shape, axes: int(np.prod([shape[a] for a in axes], dtype=np.int64))  # noqa: E731
+    lhs_free = [a for a in range(len(lhs_shape)) if a not in lc + lb]
+    rhs_free = [a for a in range(len(rhs_shape)) if a not in rc + rb]
+    return 2 * size(lhs_shape, lb) * size(lhs_shape, lhs_free) * size(rhs_shape, rhs_free) \
+        * size(lhs_shape, lc)
+
+
+def check_min_fp8_flops(value, name: str = "min_fp8_flops") -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number of FLOPs (int or float), got {value!r}")
+    if not value >= 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return float(value)
+
+
 def fp8_dot_general(lhs, rhs, dimension_numbers, meta: Fp8Meta, precision=None,
-                    preferred_element_type=None, **unused_kwargs):
+                    preferred_element_type=None, *, min_fp8_flops: float = 0,
+                    **unused_kwargs):
     """FP8 ``lax.dot_general``; returns ``(out, meta)``.
 
     Shapes are those of ``lax.dot_general(lhs, rhs, dimension_numbers)``; lhs is the
@@ -179,6 +198,13 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, meta: Fp8Meta, precision=None,
     precision); other keyword arguments (e.g. Flax's ``out_sharding``) are accepted and
     ignored.
 
+    ``min_fp8_flops``: a GEMM too small to gain from FP8 (fewer FLOPs than this, counted
+    as ``2 * batch * M * N * K`` of the forward product, see `gemm_flops`) runs as
+    ``lax.dot_general`` in the operands' dtype instead, with ``precision`` as given, and
+    ``meta`` is returned untouched (a delayed-scaling state then sees no amax). 0, the
+    default, keeps every GEMM in FP8. Where FP8 starts to pay is a property of the GPU:
+    see docs/benchmarks.md ("One Dense layer").
+
     Example::
 
         meta = jax_fp8.Fp8Meta.create()
@@ -188,7 +214,7 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, meta: Fp8Meta, precision=None,
       (out, meta): ``out`` in ``preferred_element_type`` (default: the result type of
       lhs and rhs), and the meta to thread to the next use.
     """
-    del precision, unused_kwargs
+    del unused_kwargs  # precision: used only by a GEMM kept out of FP8
     check_meta(meta)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     for name, x in (("lhs", lhs), ("rhs", rhs)):
@@ -202,6 +228,12 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, meta: Fp8Meta, precision=None,
     dn = canonical_dimension_numbers(dimension_numbers, lhs.ndim, rhs.ndim)
     out_dtype = np.dtype(preferred_element_type if preferred_element_type is not None
                          else jnp.result_type(lhs, rhs))
+    if check_min_fp8_flops(min_fp8_flops) and \
+            gemm_flops(lhs.shape, rhs.shape, dn) < min_fp8_flops:
+        dtype = jnp.result_type(lhs, rhs)
+        out = lax.dot_general(lhs.astype(dtype), rhs.astype(dtype), dn, precision=precision,
+                              preferred_element_type=out_dtype)
+        return out, meta
     if meta.stateless:  # current / blockwise: scales from the operands themselves
         return scaled_dot_general(lhs, rhs, dn, meta.recipe, out_dtype), meta
     meta_lib.claim(meta, "fp8_dot_general")

@@ -10,12 +10,14 @@ from jax_fp8.meta import Fp8Meta
 __all__ = ["fp8_einsum"]
 
 
-def fp8_einsum(eqn: str, lhs, rhs, meta: Fp8Meta, preferred_element_type=None):
+def fp8_einsum(eqn: str, lhs, rhs, meta: Fp8Meta, preferred_element_type=None, *,
+               min_fp8_flops: float = 0):
     """Two-operand einsum (``"...,...->..."``) as one `fp8_dot_general`; returns (out, meta).
 
     Letters in both operands and the output are batch axes, in both operands only are
     contracted, in one operand only are kept (or summed first when absent from the output).
     Repeated letters within one operand (diagonals) and ellipses are not supported.
+    ``min_fp8_flops`` as in `fp8_dot_general`.
     """
     eqn = eqn.replace(" ", "")
     if "..." in eqn:
@@ -50,7 +52,8 @@ def fp8_einsum(eqn: str, lhs, rhs, meta: Fp8Meta, preferred_element_type=None):
     contract = [c for c in a if c in b and c not in out]
     dn = ((tuple(a.index(c) for c in contract), tuple(b.index(c) for c in contract)),
           (tuple(a.index(c) for c in batch), tuple(b.index(c) for c in batch)))
-    y, meta = fp8_dot_general(lhs, rhs, dn, meta, preferred_element_type=preferred_element_type)
+    y, meta = fp8_dot_general(lhs, rhs, dn, meta, preferred_element_type=preferred_element_type,
+                              min_fp8_flops=min_fp8_flops)
     produced = batch + [c for c in a if c not in b] + [c for c in b if c not in a]
     perm = tuple(produced.index(c) for c in out)
     if perm != tuple(range(len(perm))):

@@ -105,6 +105,8 @@ class Fp8DotGeneral(nn.Module):
       recipe: DelayedScaling (the default: the states, history length and FP8 format,
         live in ``collection``), Float8CurrentScaling or Float8BlockScaling (no state).
       collection: the variable collection holding the FP8 state.
+      min_fp8_flops: GEMMs with fewer FLOPs (2 * batch * M * N * K) run in the operands'
+        dtype, not FP8 (`jax_fp8.fp8_dot_general`); 0 (the default): every GEMM is FP8.
 
     Example::
 
@@ -115,6 +117,7 @@ class Fp8DotGeneral(nn.Module):
     recipe: recipe_lib.DelayedScaling | recipe_lib.Float8CurrentScaling | \
         recipe_lib.Float8BlockScaling = recipe_lib.DelayedScaling()
     collection: str = FP8_COLLECTION
+    min_fp8_flops: float = 0
 
     @nn.compact
     def __call__(self, lhs, rhs, dimension_numbers, precision=None,
@@ -123,17 +126,19 @@ class Fp8DotGeneral(nn.Module):
         vs = _meta_variables(self, self.recipe, self.collection)
         used = _read(vs, self.recipe)
         out, meta = fp8_dot_general(lhs, rhs, dimension_numbers, used, precision,
-                                    preferred_element_type)
+                                    preferred_element_type, min_fp8_flops=self.min_fp8_flops)
         _write(self, vs, used, meta, self.collection)
         return out
 
 
 class Fp8Einsum(nn.Module):
-    """Two-operand FP8 einsum: ``Fp8Einsum()("bsd,dh->bsh", x, kernel)``; rhs is the kernel."""
+    """Two-operand FP8 einsum: ``Fp8Einsum()("bsd,dh->bsh", x, kernel)``; rhs is the kernel.
+    Attributes as `Fp8DotGeneral`'s."""
 
     recipe: recipe_lib.DelayedScaling | recipe_lib.Float8CurrentScaling | \
         recipe_lib.Float8BlockScaling = recipe_lib.DelayedScaling()
     collection: str = FP8_COLLECTION
+    min_fp8_flops: float = 0
 
     @nn.compact
     def __call__(self, eqn, lhs, rhs, precision=None, preferred_element_type=None):
@@ -141,7 +146,8 @@ class Fp8Einsum(nn.Module):
         vs = _meta_variables(self, self.recipe, self.collection)
         used = _read(vs, self.recipe)
         out, meta = fp8_einsum(eqn, lhs, rhs, used,
-                               preferred_element_type=preferred_element_type)
+                               preferred_element_type=preferred_element_type,
+                               min_fp8_flops=self.min_fp8_flops)
         _write(self, vs, used, meta, self.collection)
         return out
 

@@ -26,7 +26,7 @@ from typing import Callable
 from flax import nnx
 
 from jax_fp8 import recipe as recipe_lib
-from jax_fp8.dot_general import fp8_dot_general
+from jax_fp8.dot_general import check_min_fp8_flops, fp8_dot_general
 from jax_fp8.einsum import fp8_einsum
 from jax_fp8.meta import Fp8Meta, new_fp8_state
 from jax_fp8.state import ScalingState
@@ -50,9 +50,10 @@ def _set(var, value):
 
 
 class _Fp8Base(nnx.Module):
-    def __init__(self, recipe=None):
+    def __init__(self, recipe=None, *, min_fp8_flops: float = 0):
         recipe = recipe_lib.DelayedScaling() if recipe is None else recipe
         recipe_lib.check_recipe(recipe, "recipe")
+        self.min_fp8_flops = check_min_fp8_flops(min_fp8_flops)  # a static float
         meta = Fp8Meta.create(recipe)
         self.stateless_recipe = meta.recipe  # None for delayed scaling (static)
         if not meta.stateless:
@@ -76,14 +77,15 @@ class _Fp8Base(nnx.Module):
 class Fp8DotGeneral(_Fp8Base):
     """A stateful FP8 ``dot_general``: pass an instance as ``nnx.Linear(dot_general=...)``.
 
-    One instance per layer (its state is that layer's).
+    One instance per layer (its state is that layer's). ``min_fp8_flops``: GEMMs with
+    fewer FLOPs run in the operands' dtype (`jax_fp8.fp8_dot_general`).
     """
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                  preferred_element_type=None, **kwargs):
         del kwargs  # out_sharding, ...
         out, meta = fp8_dot_general(lhs, rhs, dimension_numbers, self.meta, precision,
-                                    preferred_element_type)
+                                    preferred_element_type, min_fp8_flops=self.min_fp8_flops)
         self._thread(meta)
         return out
 
@@ -94,7 +96,8 @@ class Fp8Einsum(_Fp8Base):
     def __call__(self, eqn, lhs, rhs, precision=None, preferred_element_type=None):
         del precision
         out, meta = fp8_einsum(eqn, lhs, rhs, self.meta,
-                               preferred_element_type=preferred_element_type)
+                               preferred_element_type=preferred_element_type,
+                               min_fp8_flops=self.min_fp8_flops)
         self._thread(meta)
         return out
 
@@ -102,12 +105,13 @@ class Fp8Einsum(_Fp8Base):
 class Fp8Linear(nnx.Linear):
     """``nnx.Linear`` whose matmul is an FP8 delayed-scaling GEMM."""
 
-    def __init__(self, in_features: int, out_features: int, *, recipe=None, rngs: nnx.Rngs,
-                 **kwargs):
+    def __init__(self, in_features: int, out_features: int, *, recipe=None,
+                 min_fp8_flops: float = 0, rngs: nnx.Rngs, **kwargs):
         if "dot_general" in kwargs:
             raise TypeError("Fp8Linear sets dot_general itself")
         super().__init__(in_features, out_features, rngs=rngs,
-                         dot_general=Fp8DotGeneral(recipe), **kwargs)
+                         dot_general=Fp8DotGeneral(recipe, min_fp8_flops=min_fp8_flops),
+                         **kwargs)
 
 
 def fp8_state(model) -> nnx.State:
