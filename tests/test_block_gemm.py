@@ -247,13 +247,24 @@ def test_gpu_cublaslt_is_found():
     assert ok, why
 
 
+def _gpu_cases():
+    """A covering set rather than the full product (each case compiles a GEMM): every shape
+    x block layout on E4M3 x E4M3 -> bf16; every type pair x output type x block layout on
+    one shape; the fallback kernel on every shape and on the other types."""
+    e4, bf16, mid = (E4M3, E4M3), jnp.bfloat16, ((), 256, 512, 1024)
+    cases = [(shape, blocks, e4, bf16, "auto") for shape in GPU_SHAPES for blocks in GPU_BLOCKS]
+    cases += [(mid, blocks, types, out, "auto") for blocks in GPU_BLOCKS for types in GPU_TYPES
+              for out in (jnp.bfloat16, np.float32, np.float16) if (types, out) != (e4, bf16)]
+    cases += [(shape, ("1d", "2d"), e4, np.float32, "fallback") for shape in GPU_SHAPES]
+    cases += [(((), 136, 264, 400), blocks, types, out, "fallback") for blocks in GPU_BLOCKS
+              for types, out in (((E5M2, E4M3), np.float16), ((E4M3, E5M2), jnp.bfloat16))]
+    return [pytest.param(*c, id=f"{c[4]}-{c[0]}-{'x'.join(c[1])}-"
+                         f"{'x'.join(np.dtype(d).name[7:] for d in c[2])}-{np.dtype(c[3]).name}")
+            for c in cases]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
-@pytest.mark.parametrize("blocks", GPU_BLOCKS, ids="x".join)
-@pytest.mark.parametrize("types", GPU_TYPES, ids=lambda t: "x".join(np.dtype(d).name[7:] for d in t))
-@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, np.float32, np.float16],
-                         ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("impl", ["auto", "fallback"])
+@pytest.mark.parametrize("shape, blocks, types, out_dtype, impl", _gpu_cases())
 def test_gpu_gemm_within_bound(gpu_device, shape, blocks, types, out_dtype, impl):
     lead, m, n, k = shape
     rng = np.random.default_rng(m + n + k)
