@@ -1,9 +1,11 @@
 """The documentation stays true to the code: the API reference is current and complete,
-relative links resolve, and no tracked file carries notes about how it was produced."""
+relative links resolve, README.md's snippets run, and no tracked file carries notes about
+how it was produced."""
 
 from __future__ import annotations
 
 import importlib
+import os
 import pathlib
 import re
 import subprocess
@@ -70,8 +72,11 @@ _REF_LINK = re.compile(r"^\s*\[[^\]]+\]:\s*(\S+)", re.MULTILINE)
 _HTML_LINK = re.compile(r"""(?:href|src)\s*=\s*["']([^"']+)["']""")
 
 
-def _markdown_files():
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+def _pages():
+    """(path, text) of every documentation page that exists."""
+    paths = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "examples" / "README.md",
+             *sorted((ROOT / "docs").glob("*.md"))]
+    return [(md, md.read_text(encoding="utf-8")) for md in paths if md.exists()]
 
 
 def _relative_links(text):
@@ -82,20 +87,6 @@ def _relative_links(text):
             if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", target) or target.startswith("#"):
                 continue  # http(s):, mailto:, ... or a link within the page
             yield target
-
-
-def test_relative_links_resolve():
-    broken = []
-    for md in _markdown_files():
-        if not md.exists():
-            continue
-        for target in _relative_links(md.read_text(encoding="utf-8")):
-            path = target.split("#", 1)[0].split("?", 1)[0]
-            if not path:
-                continue
-            if not (md.parent / path).exists():
-                broken.append(f"{md.relative_to(ROOT)}: {target}")
-    assert not broken, "links to files that do not exist:\n" + "\n".join(broken)
 
 
 def _slug(heading):
@@ -116,25 +107,32 @@ def _anchors(md):
     return out
 
 
-def test_anchors_resolve():
-    """`page.md#section` and `#section` links name a heading or an <a id> of that page."""
-    broken = []
-    for md in _markdown_files():
-        if not md.exists():
-            continue
-        text = md.read_text(encoding="utf-8")
+def _broken_links():
+    """(missing files, missing sections): `page.md`, `page.md#section` and `#section`
+    links that name no file, or no heading or <a id> of that page."""
+    files, sections = [], []
+    for md, text in _pages():
         stripped = _CODE.sub("", _FENCE.sub("", text))
         targets = list(_relative_links(text)) + [
             m.group(1) for m in _INLINE_LINK.finditer(stripped) if m.group(1).startswith("#")]
         for target in targets:
-            if "#" not in target:
-                continue
-            path, anchor = target.split("#", 1)
-            page = md if not path else (md.parent / path)
-            if page.suffix != ".md" or not page.exists():
-                continue
-            if anchor not in _anchors(page):
-                broken.append(f"{md.relative_to(ROOT)}: {target}")
+            path, _, anchor = target.split("?", 1)[0].partition("#")
+            page = md.parent / path if path else md
+            where = f"{md.relative_to(ROOT)}: {target}"
+            if not page.exists():
+                files.append(where)
+            elif anchor and page.suffix == ".md" and anchor not in _anchors(page):
+                sections.append(where)
+    return files, sections
+
+
+def test_relative_links_resolve():
+    broken = _broken_links()[0]
+    assert not broken, "links to files that do not exist:\n" + "\n".join(broken)
+
+
+def test_anchors_resolve():
+    broken = _broken_links()[1]
     assert not broken, "links to sections that do not exist:\n" + "\n".join(broken)
 
 
@@ -147,6 +145,34 @@ def test_link_checker_finds_links():
         "floating-point-ieee-float32-no-flush-to-zero"
     assert _slug("The update (H200)") == "the-update-h200"
     assert _slug("`quantize_blocks`") == "quantize_blocks"
+
+
+# ---------------------------------------------------------------------------- snippets
+
+_PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
+
+
+def _snippets(md):
+    """The page's ```python blocks that run as written: all but those naming a path the
+    reader fills in (/path/to/...)."""
+    blocks = _PYTHON_BLOCK.findall(md.read_text(encoding="utf-8"))
+    return [b for b in blocks if "/path/to/" not in b]
+
+
+def test_readme_snippets_run(tmp_path):
+    """README.md's snippets run on CPU, in order, each seeing the names the earlier ones
+    defined (as a reader pastes them into one interpreter)."""
+    pytest.importorskip("flax")
+    pytest.importorskip("optax")
+    snippets = _snippets(ROOT / "README.md")
+    assert snippets
+    script = tmp_path / "snippets.py"
+    script.write_text("\n\n".join(snippets), encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env.update(JAX_PLATFORMS="cpu", PYTHONDONTWRITEBYTECODE="1")
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-5000:]
 
 
 # -------------------------------------------------------------------------- provenance
