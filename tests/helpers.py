@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -197,6 +198,32 @@ def subnormal_rows(*arrays_and_lead):
             sub = sub.any(axis=-1)
         out = sub if out is None else (out | sub)
     return out
+
+
+def mse_fp8_step(state, x, y):
+    """One step of an `Fp8TrainState` on the mean squared error of the model's output (in
+    float32) against y: the parameters' and the FP8 state's gradients go to
+    apply_gradients. Returns (new state, loss)."""
+    def loss(params, fp8):
+        return jnp.mean((state.apply_model(params, fp8, x).astype(jnp.float32) - y) ** 2)
+    val, (g, fg) = jax.value_and_grad(loss, argnums=(0, 1))(state.params, state.fp8)
+    return state.apply_gradients(grads=g, fp8_grads=fg), val
+
+
+def recorder(results: dict):
+    """For the *_worker.py scripts: a decorator that runs the function at once and records
+    "ok", or its traceback, under its name in `results` (one failing check does not stop
+    the others; the worker prints `results` for the parent test)."""
+    import traceback
+
+    def check(fn):
+        try:
+            fn()
+            results[fn.__name__] = "ok"
+        except Exception:  # noqa: BLE001 - reported to the parent test
+            results[fn.__name__] = traceback.format_exc()
+        return fn
+    return check
 
 
 def run_8_device_worker(script: str, *args: str, timeout: int = 300) -> dict:

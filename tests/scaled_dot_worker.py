@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import block_reference as ref  # noqa: E402
+import helpers  # noqa: E402
 import test_block_gemm as tg  # noqa: E402
 from test_scaled_dot import expected  # noqa: E402
 import jax_fp8  # noqa: E402
@@ -39,15 +39,7 @@ W = (RNG.normal(size=(384, 128)) * 0.05).astype(np.float32)
 C = RNG.normal(size=(256, 128)).astype(np.float32)
 FP8 = jnp.float8_e4m3fn
 RECIPES = {"block": jax_fp8.Float8BlockScaling(), "current": jax_fp8.Float8CurrentScaling()}
-
-
-def check(fn):
-    try:
-        fn()
-        RESULTS[fn.__name__] = "ok"
-    except Exception:  # noqa: BLE001 - reported to the parent test
-        RESULTS[fn.__name__] = traceback.format_exc()
-    return fn
+check = helpers.recorder(RESULTS)
 
 
 def sharded(fn, args, specs):

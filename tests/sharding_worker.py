@@ -12,7 +12,6 @@ import json
 import os
 import re
 import sys
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -30,15 +29,7 @@ COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "reduce-scatter",
 TARGET = 'custom_call_target="jax_fp8_update"'
 
 RESULTS: dict[str, str] = {}
-
-
-def check(fn):
-    try:
-        fn()
-        RESULTS[fn.__name__] = "ok"
-    except Exception:  # noqa: BLE001 - reported to the parent test
-        RESULTS[fn.__name__] = traceback.format_exc()
-    return fn
+check = helpers.recorder(RESULTS)
 
 
 def is_state(x):

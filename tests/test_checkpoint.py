@@ -11,6 +11,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
+import helpers
 import jax_fp8
 from jax_fp8.flax import Fp8DotGeneral, Fp8TrainState
 from jax_fp8.flax import nnx as fnnx
@@ -49,12 +50,7 @@ class MLP(nn.Module):
         return nn.Dense(4, dot_general_cls=dg)(x)
 
 
-@jax.jit
-def _step(state, x, y):
-    def loss(params, fp8):
-        return jnp.mean((state.apply_model(params, fp8, x) - y) ** 2)
-    val, (g, fg) = jax.value_and_grad(loss, argnums=(0, 1))(state.params, state.fp8)
-    return state.apply_gradients(grads=g, fp8_grads=fg), val
+_step = jax.jit(helpers.mse_fp8_step)
 
 
 @pytest.mark.parametrize("pack", [False, True], ids=["per_tensor", "packed"])

@@ -102,12 +102,7 @@ def test_packed_train_state_trains_bit_equal_to_unpacked(on_cpu):
     # 3 layers x (input, kernel: e4m3; grad: e5m2), history 8: two groups, 6 arrays.
     assert len(jax.tree.leaves(packed.fp8)) == 6 and len(jax.tree.leaves(plain.fp8)) == 27
 
-    @jax.jit
-    def step(state):
-        def loss(params, fp8):
-            return jnp.mean((state.apply_model(params, fp8, x) - y) ** 2)
-        val, (g, fg) = jax.value_and_grad(loss, argnums=(0, 1))(state.params, state.fp8)
-        return state.apply_gradients(grads=g, fp8_grads=fg), val
+    step = jax.jit(lambda state: helpers.mse_fp8_step(state, x, y))
 
     text = step.lower(packed).compile().as_text()
     assert text.count(TARGET) == 1

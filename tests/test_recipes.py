@@ -11,6 +11,7 @@ import optax
 import pytest
 from flax import nnx
 
+import helpers
 import jax_fp8
 from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8Einsum, Fp8TrainState
 from jax_fp8.flax import nnx as fnnx
@@ -44,12 +45,7 @@ def test_the_same_model_trains_with_each_recipe(name):
                                  recipe=recipe)
     assert (FP8_COLLECTION in v) == (name == "delayed")
 
-    @jax.jit
-    def step(state):
-        def loss(p, f):
-            return jnp.mean((state.apply_model(p, f, x) - y) ** 2)
-        val, (g, fg) = jax.value_and_grad(loss, argnums=(0, 1))(state.params, state.fp8)
-        return state.apply_gradients(grads=g, fp8_grads=fg), val
+    step = jax.jit(lambda state: helpers.mse_fp8_step(state, x, y))
 
     losses = []
     for _ in range(25):

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 
+import helpers
 import jax_fp8
 from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8TrainState
 
@@ -63,11 +64,7 @@ def _state(model, x, pack=True):
                                 pack_fp8=pack)
 
 
-def train_step(state, x, y):
-    def loss(params, fp8):
-        return jnp.mean((state.apply_model(params, fp8, x) - y) ** 2)
-    val, (g, fg) = jax.value_and_grad(loss, argnums=(0, 1))(state.params, state.fp8)
-    return state.apply_gradients(grads=g, fp8_grads=fg), val
+train_step = helpers.mse_fp8_step
 
 
 def split_step(rest, fp8, x, y):

@@ -67,12 +67,7 @@ def test_flax_dense_trains_in_float16_as_in_bfloat16(dtype):
     state = Fp8TrainState.create(apply_fn=model.apply, variables=v, tx=optax.adam(1e-2),
                                  recipe=R16)
 
-    @jax.jit
-    def step(state):
-        def loss(p, f):
-            return jnp.mean((state.apply_model(p, f, x).astype(jnp.float32) - y) ** 2)
-        val, (g, fg) = jax.value_and_grad(loss, argnums=(0, 1))(state.params, state.fp8)
-        return state.apply_gradients(grads=g, fp8_grads=fg), val
+    step = jax.jit(lambda state: helpers.mse_fp8_step(state, x, y))
 
     losses = []
     for _ in range(30):
