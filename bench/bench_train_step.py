@@ -125,17 +125,30 @@ class RecipeNotAccepted(Exception):
 # --------------------------------------------------------------------------------------
 
 class Block(nn.Module):
-    """Pre-LN residual block: Dense d->3d (mixed a*sigmoid(b)+c), d->d, d->4d, 4d->d."""
+    """Pre-LN residual block: Dense d->3d (mixed a*sigmoid(b)+c), d->d, d->4d, 4d->d.
+
+    ``groups`` > 1 takes a, b, c interleaved: the 3d outputs are ``groups`` blocks of
+    (a, b, c) slices, so that in3's kernel split on its columns over ``groups`` devices
+    gives each device whole slices of a, b and c (no resharding between in3 and out
+    under tensor parallelism; bench_multigpu.py). 1: a, b, c are the three thirds."""
 
     d: int
     dot_general_cls: object = None
+    groups: int = 1
+
+    def split3(self, h):
+        if self.groups == 1:
+            return jnp.split(h, 3, axis=-1)
+        lead = h.shape[:-1]
+        g = h.reshape(*lead, self.groups, 3, self.d // self.groups)
+        return [g[..., i, :].reshape(*lead, self.d) for i in range(3)]
 
     @nn.compact
     def __call__(self, x):
         dense = functools.partial(nn.Dense, use_bias=False, dtype=jnp.bfloat16,
                                   param_dtype=jnp.float32, dot_general_cls=self.dot_general_cls)
         h = dense(3 * self.d, name="in3")(nn.LayerNorm(dtype=jnp.bfloat16, name="ln1")(x))
-        a, b, c = jnp.split(h, 3, axis=-1)
+        a, b, c = self.split3(h)
         x = x + dense(self.d, name="out")(a * nn.sigmoid(b) + c)
         h = dense(4 * self.d, name="up")(nn.LayerNorm(dtype=jnp.bfloat16, name="ln2")(x))
         return x + dense(self.d, name="down")(nn.gelu(h))
@@ -145,11 +158,12 @@ class Model(nn.Module):
     blocks: int
     d: int
     dot_general_cls: object = None
+    groups: int = 1
 
     @nn.compact
     def __call__(self, x):
         for i in range(self.blocks):
-            x = Block(self.d, self.dot_general_cls, name=f"block{i}")(x)
+            x = Block(self.d, self.dot_general_cls, self.groups, name=f"block{i}")(x)
         return nn.LayerNorm(dtype=jnp.bfloat16, name="ln_f")(x)
 
 
@@ -158,12 +172,16 @@ def mse(out, y):
 
 
 def model_for(variant, size, args):
+    """The variant's model. ``args.groups`` (Block's; bench_multigpu.py sets it, this
+    script's options have none): 1 when absent."""
     d, blocks, _ = size
+    groups = getattr(args, "groups", 1)
     if variant.kind == "bf16":
-        return Model(blocks, d)
+        return Model(blocks, d, groups=groups)
     if variant.kind == "flax":
-        return Model(blocks, d, functools.partial(FLAX_OP, amax_history_length=args.history_len))
-    return Model(blocks, d, functools.partial(Fp8DotGeneral, recipe=variant.recipe(args)))
+        return Model(blocks, d, functools.partial(FLAX_OP, amax_history_length=args.history_len),
+                     groups)
+    return Model(blocks, d, functools.partial(Fp8DotGeneral, recipe=variant.recipe(args)), groups)
 
 
 _INITS: dict = {}
@@ -172,7 +190,7 @@ _INITS: dict = {}
 def _init(variant, size, args, collection):
     """A jitted init returning one variable collection (cached per model and size)."""
     recipe = None if variant.recipe is None else repr(variant.recipe(args))
-    key = (variant.kind, recipe, size, args.history_len, collection)
+    key = (variant.kind, recipe, size, args.history_len, getattr(args, "groups", 1), collection)
     if key not in _INITS:
         model = model_for(variant, size, args)
         _INITS[key] = jax.jit(lambda rng, x: model.init(rng, x).get(collection, {}))
@@ -214,16 +232,30 @@ def jax_fp8_step(state, x, y):
     return state.apply_gradients(grads=grads, fp8_grads=fp8_grads), loss
 
 
-def compile_step(variant, state, x, y):
-    """(compiled, lower_s, compile_s) of the variant's step, its state donated."""
-    step = jax_fp8_step if variant.kind == "jax_fp8" else plain_step
+def step_function(variant):
+    """The variant's train step: (state, x, y) -> (state, loss)."""
+    return jax_fp8_step if variant.kind == "jax_fp8" else plain_step
+
+
+def lower_step(variant, state, x, y, **jit_kwargs):
+    """(lowered, lower_s) of the variant's step, its state donated; ``jit_kwargs`` go to
+    jax.jit (e.g. the out_shardings of a sharded step)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
         t0 = time.perf_counter()
-        lowered = jax.jit(step, donate_argnums=(0,)).lower(state, x, y)
-        t1 = time.perf_counter()
+        lowered = jax.jit(step_function(variant), donate_argnums=(0,),
+                          **jit_kwargs).lower(state, x, y)
+    return lowered, time.perf_counter() - t0
+
+
+def compile_step(variant, state, x, y):
+    """(compiled, lower_s, compile_s) of the variant's step, its state donated."""
+    lowered, lower_s = lower_step(variant, state, x, y)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
+        t0 = time.perf_counter()
         compiled = lowered.compile()
-    return compiled, t1 - t0, time.perf_counter() - t1
+    return compiled, lower_s, time.perf_counter() - t0
 
 
 def setup(variant, size, args, x, y, abstract=False):
@@ -312,27 +344,8 @@ def measure(variant, size, args, x, y, platform, progress):
         return compiled(s, x, y)
 
     progress.status(f"{tag}: timing")
-    losses = []
-    for _ in range(args.warmup):
-        state, loss = step(state)
-        losses.append(float(loss))
-    times, dispatch = [], []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        state, loss = step(state)
-        dispatch.append(time.perf_counter() - t0)
-        jax.block_until_ready((state, loss))
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
-    r["blocked_ms"] = statistics.median(times) * 1e3
-    r["blocked_ms_all"] = [round(t * 1e3, 4) for t in times]
-    r["dispatch_ms"] = statistics.median(dispatch) * 1e3
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        state, loss = step(state)
-    jax.block_until_ready((state, loss))
-    r["pipelined_ms"] = (time.perf_counter() - t0) / args.steps * 1e3
-    losses.append(float(loss))
+    state, times, losses = time_steps(step, state, args)
+    r.update(times)
     if args.trace_steps:
         progress.status(f"{tag}: tracing")
         n = args.trace_steps
@@ -354,6 +367,34 @@ def measure(variant, size, args, x, y, platform, progress):
     r["loss_finite"] = all(math.isfinite(v) for v in losses)
     del state, compiled
     return r
+
+
+def time_steps(step, state, args):
+    """Runs ``state, loss = step(state)``: args.warmup steps, args.steps steps each followed
+    by block_until_ready, args.steps steps back to back. Returns (state, times, losses):
+    times has blocked_ms (the median), blocked_ms_all, dispatch_ms, pipelined_ms."""
+    losses, r = [], {}
+    for _ in range(args.warmup):
+        state, loss = step(state)
+        losses.append(float(loss))
+    times, dispatch = [], []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        state, loss = step(state)
+        dispatch.append(time.perf_counter() - t0)
+        jax.block_until_ready((state, loss))
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    r["blocked_ms"] = statistics.median(times) * 1e3
+    r["blocked_ms_all"] = [round(t * 1e3, 4) for t in times]
+    r["dispatch_ms"] = statistics.median(dispatch) * 1e3
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        state, loss = step(state)
+    jax.block_until_ready((state, loss))
+    r["pipelined_ms"] = (time.perf_counter() - t0) / args.steps * 1e3
+    losses.append(float(loss))
+    return state, r, losses
 
 
 def fresh_row(variant, size, fresh):

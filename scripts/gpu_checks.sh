@@ -17,10 +17,13 @@
 #   bench-train-fresh  bench/bench_train_step.py --compile-fresh --compile-only (cold
 #                      compile time of every variant, each in a new process)
 #   bench-layout       bench/bench_layout_kernels.py
-#   multigpu           scripts/multigpu_dp.py --trace on every local GPU; skipped on one GPU
+#   multigpu           bench/bench_multigpu.py on every local GPU: data-parallel, FSDP and
+#                      tensor-parallel steps of bf16, Flax FP8 and jax_fp8, into
+#                      DIR/bench_multigpu (NVLink multicast off: NCCL_NVLS_ENABLE=0);
+#                      skipped on one GPU
 #
 # DIR defaults to out/gpu_checks in the repository (OUT=DIR works too). Extra flags for a benchmark:
-# BENCH_UPDATE_ARGS, BENCH_TRAIN_ARGS, BENCH_LAYOUT_ARGS.
+# BENCH_UPDATE_ARGS, BENCH_TRAIN_ARGS, BENCH_LAYOUT_ARGS, BENCH_MULTIGPU_ARGS.
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$ROOT/out/gpu_checks}
@@ -74,7 +77,8 @@ sanitize() {
 multigpu() {
   local n; n=$(gpu_count)
   [ "$n" -gt 1 ] || { echo "one GPU ($n): no multi-GPU run"; return 99; }
-  NCCL_NVLS_ENABLE=0 $PY scripts/multigpu_dp.py --trace
+  NCCL_NVLS_ENABLE=0 $PY bench/bench_multigpu.py \
+    --outdir "$OUT/bench_multigpu" ${BENCH_MULTIGPU_ARGS:-}
 }
 
 environment 2>&1 | tee "$OUT/environment.txt"
