@@ -86,7 +86,8 @@ UPDATE_TARGET = "jax_fp8_update"
 class Variant:
     """One way to run the step. ``kind``: "bf16", "flax" or "jax_fp8"; ``recipe``:
     args -> the jax_fp8 recipe; ``update_calls``: jax_fp8_update calls the compiled step
-    must have (None: not checked); ``default``: run without --variants."""
+    must have (None: not checked); ``default``: run without --variants; ``min_fp8_flops``:
+    the layers' (GEMMs below it stay bf16)."""
 
     name: str
     label: str
@@ -95,6 +96,7 @@ class Variant:
     pack_fp8: bool = True
     update_calls: int | None = None
     default: bool = True
+    min_fp8_flops: float = 0
 
 
 def _delayed(args):
@@ -107,6 +109,10 @@ VARIANTS = {v.name: v for v in (
     Variant("jax_fp8", "jax_fp8 (Fp8TrainState, packed)", "jax_fp8", _delayed, update_calls=1),
     Variant("jax_fp8_unpacked", "jax_fp8, pack_fp8=False", "jax_fp8", _delayed,
             pack_fp8=False, update_calls=1),
+    # Where delayed scaling stops paying on an H200 (bench_dense.py: 1.02x bf16 at
+    # 4096 x 2048 x 2048, a 2**35-FLOP forward GEMM; slower below).
+    Variant("jax_fp8_min_flops", "jax_fp8, min_fp8_flops=2**35", "jax_fp8", _delayed,
+            update_calls=1, default=False, min_fp8_flops=2.0 ** 35),
     Variant("jax_fp8_current", "jax_fp8, Float8CurrentScaling", "jax_fp8",
             lambda args: jax_fp8.Float8CurrentScaling(), default=False),
     Variant("jax_fp8_blockwise", "jax_fp8, Float8BlockScaling", "jax_fp8",
@@ -181,7 +187,8 @@ def model_for(variant, size, args):
     if variant.kind == "flax":
         return Model(blocks, d, functools.partial(FLAX_OP, amax_history_length=args.history_len),
                      groups)
-    return Model(blocks, d, functools.partial(Fp8DotGeneral, recipe=variant.recipe(args)), groups)
+    return Model(blocks, d, functools.partial(Fp8DotGeneral, recipe=variant.recipe(args),
+                                              min_fp8_flops=variant.min_fp8_flops), groups)
 
 
 _INITS: dict = {}
