@@ -14,7 +14,7 @@ import pytest
 import jax_fp8
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MEASURED = ("bf16", "flax_fp8", "jax_fp8", "jax_fp8_unpacked")
+MEASURED = ("bf16", "flax_fp8", "jax_fp8", "jax_fp8_unpacked", "jax_fp8_min_flops")
 RECIPES = ("jax_fp8_current", "jax_fp8_blockwise")
 
 
