@@ -1,8 +1,8 @@
-"""An independent NumPy oracle of SPEC.md's current and blockwise scaling (no jax_fp8 import).
+"""An independent NumPy oracle of the contract's current and blockwise scaling (no jax_fp8 import).
 
 NumPy's float32 arithmetic is IEEE with subnormals (tests/ieee_reference.py checks the
 process has no flush-to-zero), and ml_dtypes casts float32 to FP8 with round-to-nearest-even.
-Written straight from SPEC.md, "Current and blockwise scaling":
+Written straight from the contract (docs/semantics.md, "Current and blockwise scaling"):
 
     amax of a block = fmaxf(0, |x_1|, ..., |x_n|)       (NaN ignored)
     amax < eps -> eps; amax 0, inf or NaN -> s = 1, else s = fp8_max / amax; inf s -> FLT_MAX

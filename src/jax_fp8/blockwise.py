@@ -1,6 +1,6 @@
-"""Current and blockwise FP8 quantization (SPEC.md): each tensor, 1x128 block or 128x128 tile scaled from its own amax.
+"""Current and blockwise FP8 quantization (docs/semantics.md): each tensor, 1x128 block or 128x128 tile scaled from its own amax.
 
-The numbers (SPEC.md, "Current and blockwise scaling"): a block's amax is
+The numbers (docs/semantics.md, "Current and blockwise scaling"): a block's amax is
 ``fmaxf(0, |x_1|, ..., |x_n|)`` (NaN ignored), its scale Transformer Engine's
 ``compute_scale_from_amax`` (``scale_from_amax`` here), ``x_fp8 = saturate_cast(x * s)``
 and ``scale_inv = 1 / s``, all IEEE float32 with subnormals kept. The CUDA kernel
@@ -62,7 +62,7 @@ def scale_from_amax(amax, fp8_dtype=jnp.float8_e4m3fn, *, power_of_2_scale=False
                     amax_epsilon=0.0) -> jax.Array:
     """The quantization scale ``s`` (``x_fp8 = saturate_cast(x * s)``) from an amax.
 
-    SPEC.md / TE's ``compute_scale_from_amax``, elementwise over a float32 amax of any
+    docs/semantics.md / TE's ``compute_scale_from_amax``, elementwise over a float32 amax of any
     shape: ``amax < amax_epsilon`` is raised to it; an amax of 0, inf or NaN gives 1;
     otherwise ``fp8_max / amax`` (correctly rounded), FLT_MAX where that overflows; with
     ``power_of_2_scale`` rounded down to a power of two. Exact IEEE float32, subnormal

@@ -12,7 +12,7 @@ Float8BlockScaling (DeepSeek-V3 / TE's recipe; E4M3, or E5M2 gradients under HYB
   Every GEMM is cuBLASLt's TN form: both operands contract over their minor axis. Each
   tensor is quantized once, in both layouts from one read of it (one kernel on CUDA); a
   1x128-blocked copy along the other axis is quantized afresh from the high precision
-  tensor (SPEC.md), a 128x128 tile is the same tile either way. The kernel writes the
+  tensor (docs/semantics.md), a 128x128 tile is the same tile either way. The kernel writes the
   scales in the layout the GEMM reads (scale_layout="gemm"), so on CUDA a forward and
   backward is 3 quantization kernels and 3 GEMMs with no XLA op between them. The
   residuals are the FP8 copies the backward needs (x column-wise, w row-wise, with their
