@@ -8,7 +8,7 @@
 # Sections (default: all but bench-train-fresh, in this order):
 #   build              pip install --no-build-isolation --no-deps . (jax_fp8 with its CUDA
 #                      kernels); leave it out to use the jax_fp8 already installed
-#   tests              pytest -q tests (GPU tests included; PYTEST_ARGS adds flags, e.g.
+#   tests              pytest -v tests (GPU tests included; PYTEST_ARGS adds flags, e.g.
 #                      "-n 4" with pytest-xdist)
 #   sanitize           compute-sanitizer memcheck/racecheck/initcheck/synccheck on jax_fp8's
 #                      kernels (scripts/sanitize.sh); skipped without compute-sanitizer
@@ -67,7 +67,10 @@ build() {
   (cd /tmp && $PY -c "import jax_fp8; assert jax_fp8.HAS_CUDA_KERNEL, 'built without its CUDA kernel'; print('CUDA kernel loaded')")
 }
 
-tests() { XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -q -rfEs ${PYTEST_ARGS:-} tests; }
+# One line per test (-v) in the log, so that a run cut short still names what failed;
+# junit XML and the slowest tests when it ends.
+tests() { XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -v -rfEs --durations=25 \
+            --junitxml "$OUT/tests.xml" ${PYTEST_ARGS:-} tests; }
 
 sanitize() {
   command -v compute-sanitizer >/dev/null || { echo "no compute-sanitizer on PATH"; return 99; }
