@@ -10,6 +10,8 @@ Dense layers compute their GEMMs:
                      per step (jax_fp8.flax.Fp8TrainState)
   flax_fp8           flax.linen.Fp8DirectDotGeneralOp (history 1024), its
                      "_overwrite_with_gradient" collection handled the usual Flax way
+  jax_fp8_delayed_e4m3  the same with DelayedScaling(E4M3): E4M3 gradients too (3 mantissa
+                     bits instead of E5M2's 2, range 448 times the scale)
   jax_fp8_current    Fp8DotGeneral with Float8CurrentScaling() (per-tensor, no state)
   jax_fp8_blockwise  Fp8DotGeneral with Float8BlockScaling() (E4M3, 1x128 / 128x128 blocks)
 
@@ -114,7 +116,6 @@ except ImportError:  # progress lines instead of a bar
 FP8_COLLECTION = "fp8_meta"
 FLAX_OWG = getattr(flax_fp8_ops, "OVERWRITE_WITH_GRADIENT", "_overwrite_with_gradient")
 FLAX_OP = getattr(flax_fp8_ops, "Fp8DirectDotGeneralOp", None)
-E5M2_MAX = float(jnp.finfo(jnp.float8_e5m2).max)          # 57344
 FP8_LAYERS = ("qkv", "attn_out", "mlp_in", "mlp_out")
 
 
@@ -183,13 +184,17 @@ class RunSpec:
       whose recipe the library does not provide or accept yet is skipped with a message.
     grad_scale: which scale the run's GEMM backward quantizes the incoming gradient
       with, for the underflow plot: "state" (a delayed-scaling state's), "current"
-      (57344 / amax of the tensor itself) or None (bf16: no FP8; blockwise: per block).
+      (the FP8 type's max / amax of the tensor itself) or None (bf16: no FP8; blockwise:
+      per block).
+    grad_dtype: the FP8 type the run quantizes gradients to; the underflow probe casts
+      to it (bf16 runs: what an FP8 run of the default recipe would use).
     """
 
     kind: str
     description: str
     recipe: Callable[[Config], Any] | None = None
     grad_scale: str | None = None
+    grad_dtype: str = "float8_e5m2"
 
 
 def _recipe(name: str, **kwargs):
@@ -208,6 +213,9 @@ RUNS = {
     "jax_fp8_delayed": RunSpec("jax_fp8", "jax_fp8 Fp8DotGeneral, DelayedScaling HYBRID",
                                _recipe("DelayedScaling", fp8_format=jax_fp8.Format.HYBRID),
                                grad_scale="state"),
+    "jax_fp8_delayed_e4m3": RunSpec("jax_fp8", "jax_fp8 Fp8DotGeneral, DelayedScaling E4M3",
+                                    _recipe("DelayedScaling", fp8_format=jax_fp8.Format.E4M3),
+                                    grad_scale="state", grad_dtype="float8_e4m3fn"),
     "flax_fp8": RunSpec("flax_fp8", "flax.linen.Fp8DirectDotGeneralOp", grad_scale="state"),
     "jax_fp8_current": RunSpec("jax_fp8", "jax_fp8 Fp8DotGeneral, Float8CurrentScaling",
                                _recipe("Float8CurrentScaling"), grad_scale="current"),
@@ -510,17 +518,18 @@ class Run:
                           for a, s in rows])
 
     def underflow(self, state, pgrads):
-        """[n probed, 2]: E5M2 underflow fraction of each probed layer's incoming gradient,
-        with the scale the run quantizes it with this step (NaN where it has none) and
-        with the current per-tensor scale 57344 / amax."""
+        """[n probed, 2]: underflow fraction, in the run's gradient FP8 type, of each probed
+        layer's incoming gradient, with the scale the run quantizes it with this step (NaN
+        where it has none) and with the current per-tensor scale (max of the type / amax)."""
         rows = []
+        dtype = jnp.dtype(self.spec.grad_dtype)
         for _, i, name in probed_layers(self.cfg):
             grad = pgrads[f"block_{i}"][f"{name}_grad"].astype(jnp.float32)
             amax = jnp.max(jnp.abs(grad))
-            current = jnp.where(amax > 0, E5M2_MAX / amax, 1.0)
+            current = jnp.where(amax > 0, float(jnp.finfo(dtype).max) / amax, 1.0)
             own = fp8_scale_of(self.kind, state, i, name, "grad")
-            rows.append(jnp.stack([underflow_fraction(grad, own[1]) if own else jnp.nan,
-                                   underflow_fraction(grad, current)]))
+            rows.append(jnp.stack([underflow_fraction(grad, own[1], dtype) if own else jnp.nan,
+                                   underflow_fraction(grad, current, dtype)]))
         return jnp.stack(rows).astype(jnp.float32)
 
     def train_step(self, state, batch):
@@ -552,9 +561,9 @@ class Run:
         return cross_entropy(state.apply_fn(v, x), batch)
 
 
-def underflow_fraction(grad, scale):
-    """Fraction of the nonzero values of `grad` that are 0 after `grad * scale` -> E5M2."""
-    q = (grad * scale.astype(jnp.float32)).astype(jnp.float8_e5m2)
+def underflow_fraction(grad, scale, dtype=jnp.float8_e5m2):
+    """Fraction of the nonzero values of `grad` that are 0 after `grad * scale` -> dtype."""
+    q = (grad * scale.astype(jnp.float32)).astype(dtype)
     nonzero = grad != 0
     lost = jnp.sum(nonzero & (q.astype(jnp.float32) == 0))
     return lost / jnp.maximum(jnp.sum(nonzero), 1)
@@ -646,7 +655,7 @@ def new_record(run: Run) -> dict:
     has_state = run.kind == "flax_fp8" or (run.kind == "jax_fp8" and bool(run.extra))
     return {"description": run.spec.description, "kind": run.kind,
             "recipe": None if run.recipe is None else repr(run.recipe),
-            "grad_scale": run.spec.grad_scale,
+            "grad_scale": run.spec.grad_scale, "grad_dtype": run.spec.grad_dtype,
             "train_loss": [], "grad_norm": [], "val_steps": [], "val_loss": [],
             "fp8_tracked": {label: {"amax": [], "scale": []}
                             for label, *_ in tracked_tensors(run.cfg)} if has_state else {},
@@ -965,8 +974,8 @@ def _plot(results, out, plt):
             shown_und[name] = ls
     axes[0].set_title("newest amax per step")
     axes[1].set_title("scale (x * scale -> FP8)")
-    axes[2].set_title("E5M2 underflow: nonzero bf16 grads -> 0\n"
-                      "(FP8 runs: their scale; bf16: the current scale)", fontsize=9)
+    axes[2].set_title("gradient underflow: nonzero bf16 grads -> 0 in E5M2 (E4M3 runs: "
+                      "E4M3)\n(FP8 runs: their scale; bf16: the current scale)", fontsize=9)
     axes[2].set_yscale("symlog", linthresh=1e-6)
     for a in axes:
         a.set_xlabel("step")
