@@ -55,14 +55,13 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
-import gc  # noqa: E402
+import functools  # noqa: E402
 import glob  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-import traceback  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -561,23 +560,12 @@ def derive(results):
     """Per mode and variant: speed-ups vs bf16 and vs Flax FP8 of every time, and the
     weight all-gathers' bytes over bf16's."""
     out = {}
-    for mode in dict.fromkeys(r["mode"] for r in results):
-        rows = {r["variant"]: r for r in results if r["mode"] == mode}
-        base, flax_row = rows.get("bf16", {}), rows.get("flax_fp8", {})
-        per = {}
-        for v, r in rows.items():
-            e = {}
-            for metric, _ in TIMES:
-                t = r.get(metric)
-                if t:
-                    if base.get(metric):
-                        e[f"{metric}:vs_bf16"] = base[metric] / t
-                    if flax_row.get(metric):
-                        e[f"{metric}:vs_flax"] = flax_row[metric] / t
-            wb = base.get("weight_all_gathers", {}).get("bytes")
-            if wb:
-                e["weight_gather_bytes_over_bf16"] = r["weight_all_gathers"]["bytes"] / wb
-            per[v] = e
+    for mode, rows in common.by_group(results, "mode").items():
+        per = common.speedups(rows, [metric for metric, _ in TIMES])
+        wb = rows.get("bf16", {}).get("weight_all_gathers", {}).get("bytes")
+        if wb:
+            for v, r in rows.items():
+                per[v]["weight_gather_bytes_over_bf16"] = r["weight_all_gathers"]["bytes"] / wb
         out[mode] = per
     return out
 
@@ -673,19 +661,9 @@ def markdown(data):
         for r in rows:
             for err in r.get("check_errors", []):
                 lines.append(f"\nCHECK FAILED {mode} {r['variant']}: {err}")
-    for x in data["skipped"]:
-        lines.append(f"\nSkipped {x['mode']} {x['variant']}: {x['reason']}")
-    for x in data["failures"]:
-        lines.append(f"\nFAILED {x['mode']} {x['variant']}: {x['error']}")
-    lines += ["", f"Command: `{meta['command']}`; total {meta.get('total_s', '?')} s"]
+    lines += common.skipped_and_failed(data, "mode")
+    lines += ["", common.command_line(meta)]
     return "\n".join(lines)
-
-
-def assemble(meta, results, failures, skipped, partial):
-    data = {"meta": meta, "results": results, "derived": derive(results),
-            "failures": failures, "skipped": skipped, "partial": partial}
-    data["report_markdown"] = markdown(data)
-    return data
 
 
 # --------------------------------------------------------------------------------------
@@ -715,11 +693,8 @@ def _meshes(text):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(
-        description="bf16, Flax FP8 and jax_fp8 train steps, data-parallel, FSDP and "
-                    "tensor-parallel, on every local device (bench/README.md).",
-        epilog=__doc__[__doc__.index("Examples:"):],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.arg_parser("bf16, Flax FP8 and jax_fp8 train steps, data-parallel, FSDP and "
+                          "tensor-parallel, on every local device (bench/README.md).", __doc__)
     p.add_argument("--modes", type=_names(MODES, "--modes"), default=list(MODES),
                    help="comma-separated subset of dp,fsdp,tp (default: all)")
     p.add_argument("--variants", type=_names(tuple(bts.VARIANTS), "--variants"),
@@ -801,46 +776,33 @@ def run(argv=None):
     host_xy = tuple(jnp.asarray(rng.standard_normal((args.tokens, args.d), np.float32),
                                 jnp.bfloat16) for _ in range(2))
     plan = [(m, bts.VARIANTS[v]) for m in args.modes for v in args.variants]
-    results, failures, skipped = [], [], []
-    t_all = time.perf_counter()
+    runs = common.Runs(meta, args.outdir, derive, markdown, time.perf_counter())
     with common.Progress(len(plan), "multi-device train step") as progress:
         progress.log(f"multi-device train step: {meta['device_count']} × {meta['device']} "
                      f"({meta['platform']}), jax {meta['jax_version']}, meshes "
                      f"{meta['settings']['meshes']}, variants {args.variants}")
         for mode, v in plan:
-            where, t0 = {"mode": mode, "variant": v.name}, time.perf_counter()
-            done = f"{mode} {v.name}: "
-            try:
-                r = measure(mode, make_mesh(mode, args.meshes[mode]), v, args, host_xy,
-                            progress)
-                results.append(r)
-                failures += [{**where, "error": e} for e in r.get("check_errors", [])]
-                done += _summary(r, time.perf_counter() - t0)
-            except bts.RecipeNotAccepted as err:
-                skipped.append({**where, "reason": str(err)})
-                done += f"skipped: {err}"
-            except Exception as err:  # noqa: BLE001 - the other runs still go
-                traceback.print_exc(file=sys.stderr)
-                failures.append({**where, "error": f"{type(err).__name__}: {err}"})
-                done += f"FAILED: {type(err).__name__}: {err}"
-            gc.collect()
-            progress.advance(done)
-            meta["total_s"] = round(time.perf_counter() - t_all, 1)
-            bts.write_outputs(args.outdir, assemble(meta, results, failures, skipped, True))
-    data = assemble(meta, results, failures, skipped, partial=False)
-    bts.write_outputs(args.outdir, data)
-    print(data["report_markdown"])
-    print(f"wrote {os.path.join(args.outdir, 'results.json')} and results.md", file=sys.stderr)
+            runs.measure({"mode": mode, "variant": v.name},
+                         functools.partial(measure_checked, mode, v, args, host_xy, progress),
+                         _summary, progress)
+    data = runs.finish()
+    common.print_report(data, args.outdir)
     return data
 
 
-def _summary(r, seconds):
-    parts = [f"compile {r['compile_s']:.1f} s"]
-    parts += [f"{name} {r[key]:.3f} ms" for key, name in TIMES if r.get(key) is not None]
+def measure_checked(mode, variant, args, host_xy, progress):
+    """(result row, the errors of its checks) of one variant in one mode."""
+    r = measure(mode, make_mesh(mode, args.meshes[mode]), variant, args, host_xy, progress)
+    return r, r.get("check_errors", [])
+
+
+def _summary(r):
+    """The progress line's phrases for one result row."""
+    parts = [f"compile {r['compile_s']:.1f} s"] + common.times_text(r, TIMES)
     parts.append(f"max all-reduces {r['all_reduce_kinds'].get('maximum', 0)}")
     parts.append("replicas identical" if r["replicas"]["bit_identical"] else "REPLICAS DIFFER")
     parts += [f"CHECK FAILED: {e}" for e in r.get("check_errors", [])]
-    return ", ".join(parts) + f"; took {seconds:.0f} s"
+    return parts
 
 
 def main(argv=None):

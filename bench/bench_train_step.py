@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import gc
 import gzip
 import json
 import math
@@ -57,7 +56,6 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
 import warnings
 from typing import Callable
 
@@ -121,9 +119,7 @@ VARIANTS = {v.name: v for v in (
 SIZES = {"small": (1024, 24, 1024), "medium": (2048, 24, 4096), "large": (4096, 8, 8192)}
 CPU_SMOKE_SIZE = (32, 1, 32)
 
-
-class RecipeNotAccepted(Exception):
-    """This jax_fp8 does not take the variant's recipe (yet): the variant is skipped."""
+RecipeNotAccepted = common.RecipeNotAccepted   # a variant that raises it is skipped
 
 
 # --------------------------------------------------------------------------------------
@@ -472,24 +468,15 @@ def derive(results):
     """Per size: each variant's speed-ups vs bf16 and vs Flax FP8 for every time, its
     device time over its FP8 GEMM floor, and its non-GEMM time minus bf16's."""
     out = {}
-    for key in dict.fromkeys(r["size"] for r in results):
-        rows = {r["variant"]: r for r in results if r["size"] == key}
-        base, flax_row = rows.get("bf16", {}), rows.get("flax_fp8", {})
-        per = {}
+    for key, rows in common.by_group(results, "size").items():
+        per = common.speedups(rows, [metric for metric, _ in TIMES])
+        base = rows.get("bf16", {})
         for v, r in rows.items():
-            e = {}
-            for metric, _ in TIMES:
-                t = r.get(metric)
-                if t:
-                    if base.get(metric):
-                        e[f"{metric}:vs_bf16"] = base[metric] / t
-                    if flax_row.get(metric):
-                        e[f"{metric}:vs_flax"] = flax_row[metric] / t
+            e = per[v]
             if r.get("device_ms") and r.get("fp8_gemm_floor_ms"):
                 e["device_over_floor"] = r["device_ms"] / r["fp8_gemm_floor_ms"]
             if r.get("non_gemm_ms") is not None and base.get("non_gemm_ms") is not None:
                 e["non_gemm_minus_bf16_ms"] = r["non_gemm_ms"] - base["non_gemm_ms"]
-            per[v] = e
         out[key] = per
     return out
 
@@ -574,27 +561,9 @@ def markdown(data):
         for r in rows:
             if r.get("check_error"):
                 lines.append(f"\nCHECK FAILED {key} {r['variant']}: {r['check_error']}")
-    for x in data["skipped"]:
-        lines.append(f"\nSkipped {x['size']} {x['variant']}: {x['reason']}")
-    for f in data["failures"]:
-        lines.append(f"\nFAILED {f['size']} {f['variant']}: {f['error']}")
-    lines += ["", f"Command: `{meta['command']}`; total {meta.get('total_s', '?')} s"]
+    lines += common.skipped_and_failed(data, "size")
+    lines += ["", common.command_line(meta)]
     return "\n".join(lines)
-
-
-def assemble(meta, results, failures, skipped, partial):
-    data = {"meta": meta, "results": results, "derived": derive(results),
-            "failures": failures, "skipped": skipped, "partial": partial}
-    data["report_markdown"] = markdown(data)
-    return data
-
-
-def write_outputs(outdir, data):
-    common.write_json(os.path.join(outdir, "results.json"), data)
-    md = data["report_markdown"]
-    if data["partial"]:
-        md = "(partial results: the run had not finished)\n\n" + md
-    common.write_text(os.path.join(outdir, "results.md"), md + "\n")
 
 
 # --------------------------------------------------------------------------------------
@@ -629,11 +598,8 @@ def _variants(text):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(
-        description="A whole Flax train step: bf16, Flax FP8 and jax_fp8 side by side, at "
-                    "several model sizes (bench/README.md).",
-        epilog=__doc__[__doc__.index("Examples:"):],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.arg_parser("A whole Flax train step: bf16, Flax FP8 and jax_fp8 side by side, "
+                          "at several model sizes (bench/README.md).", __doc__)
     p.add_argument("--sizes", type=_sizes, default=list(SIZES.values()), metavar="DxBxT,...",
                    help="model width x blocks x tokens, or small/medium/large (default: "
                         + ",".join(size_key(s) for s in SIZES.values()) + ")")
@@ -683,6 +649,24 @@ def _finalize(args, argv):
     return args
 
 
+def measure_variant(variant, size, args, x, y, platform, progress, fresh):
+    """(result row, check errors) of one variant at one size, its fresh compile's (``fresh``,
+    {} without --compile-fresh) times in the row: measured here, or with --compile-only
+    --compile-fresh the fresh compile alone."""
+    if args.compile_only and args.compile_fresh:  # the fresh compile is all
+        r = fresh_row(variant, size, fresh)
+    else:
+        r = measure(variant, size, args, x, y, platform, progress)
+    r.update({f"{k}_fresh_s": fresh[f"{k}_s"] for k in ("lower", "compile") if f"{k}_s" in fresh})
+    errors = []
+    if "error" in fresh:  # (the in-process measurement went on)
+        r["compile_fresh_error"] = fresh["error"]
+        errors.append(f"fresh compile: {fresh['error']}")
+    if r.get("check_error"):
+        errors.append(r["check_error"])
+    return r, errors
+
+
 def run(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _finalize(build_parser().parse_args(argv), argv)
@@ -691,7 +675,7 @@ def run(argv=None):
     os.makedirs(args.outdir, exist_ok=True)
     variants = [VARIANTS[v] for v in args.variants]
     plan = [(size, v) for size in args.sizes for v in variants]
-    results, failures, skipped, fresh = [], [], [], {}
+    fresh = {}
     t_all = time.perf_counter()
     with common.Progress(len(plan) * (1 + args.compile_fresh), "train step") as progress:
         if args.compile_fresh:  # before this process takes the device's memory
@@ -714,6 +698,7 @@ def run(argv=None):
                               "history_len": args.history_len, "lr": args.lr,
                               "compile_fresh": args.compile_fresh,
                               "compile_only": args.compile_only})
+        runs = common.Runs(meta, args.outdir, derive, markdown, t_all)
         progress.log(f"train step: {meta['device']} ({platform}), jax {meta['jax_version']}, "
                      f"sizes {meta['settings']['sizes']}, variants {args.variants}")
         if platform == "gpu" and not jax_fp8.HAS_CUDA_KERNEL:
@@ -728,56 +713,29 @@ def run(argv=None):
                 d, _, tokens = size
                 x, y = (jnp.asarray(rng.standard_normal((tokens, d), np.float32), jnp.bfloat16)
                         for _ in range(2))
-            where = {"size": size_key(size), "variant": v.name}
-            t0, done = time.perf_counter(), f"{where['size']} {v.name}: "
-            try:
-                if args.compile_only and args.compile_fresh:  # the fresh compile is all
-                    r = fresh_row(v, size, fresh.get((size, v.name), {}))
-                else:
-                    r = measure(v, size, args, x, y, platform, progress)
-                f = fresh.get((size, v.name), {})
-                r.update({f"{k}_fresh_s": f[f"{k}_s"] for k in ("lower", "compile")
-                          if f"{k}_s" in f})
-                if "error" in f:  # (the in-process measurement went on)
-                    r["compile_fresh_error"] = f["error"]
-                    failures.append({**where, "error": f"fresh compile: {f['error']}"})
-                results.append(r)
-                if r.get("check_error"):
-                    failures.append({**where, "error": r["check_error"]})
-                done += _summary(r, time.perf_counter() - t0)
-            except RecipeNotAccepted as err:
-                skipped.append({**where, "reason": str(err)})
-                done += f"skipped: {err}"
-            except Exception as err:  # noqa: BLE001 - the other variants still run
-                traceback.print_exc(file=sys.stderr)
-                failures.append({**where, "error": f"{type(err).__name__}: {err}"})
-                done += f"FAILED: {type(err).__name__}: {err}"
-            gc.collect()
-            progress.advance(done)
-            meta["total_s"] = round(time.perf_counter() - t_all, 1)
-            write_outputs(args.outdir, assemble(meta, results, failures, skipped, partial=True))
-    data = assemble(meta, results, failures, skipped, partial=False)
-    write_outputs(args.outdir, data)
-    if results and not args.compile_only:
+            runs.measure({"size": size_key(size), "variant": v.name},
+                         functools.partial(measure_variant, v, size, args, x, y, platform,
+                                           progress, fresh.get((size, v.name), {})),
+                         _summary, progress)
+    data = runs.finish()
+    if data["results"] and not args.compile_only:
         common.save_plot("plot_train_step", data, os.path.join(args.outdir, "train_step.png"),
                          lambda m: print(m, file=sys.stderr))
-    print(data["report_markdown"])
-    print(f"wrote {os.path.join(args.outdir, 'results.json')} and results.md", file=sys.stderr)
+    common.print_report(data, args.outdir)
     return data
 
 
-def _summary(r, seconds):
+def _summary(r):
+    """The progress line's phrases for one result row."""
     parts = [f"init {r['init_s']:.1f} s, compile {r['compile_s']:.1f} s"
              if r.get("compile_s") is not None else
              f"fresh compile {r.get('compile_fresh_s', 0):.1f} s"]
-    for key, name in TIMES:
-        if r.get(key) is not None:
-            parts.append(f"{name} {r[key]:.3f} ms")
+    parts += common.times_text(r, TIMES)
     if r.get("fp8_gemm_floor_ms") is not None:
         parts.append(f"FP8 GEMM floor {r['fp8_gemm_floor_ms']:.3f} ms")
     if r.get("check_error"):
         parts.append(f"CHECK FAILED: {r['check_error']}")
-    return ", ".join(parts) + f"; took {seconds:.0f} s"
+    return parts
 
 
 def main(argv=None):

@@ -335,7 +335,7 @@ def markdown(data):
             f"{x['column']} at N={x['n']} L={x['l']} ({x['reason']})" for x in data["skipped"]))
     for f in data["failures"]:
         lines.append(f"FAILED N={f.get('n')} L={f.get('l')} {f.get('column', '')}: {f['error']}")
-    lines.extend(["", f"Command: `{meta['command']}`; total {meta.get('total_s', '?')} s"])
+    lines.extend(["", common.command_line(meta)])
     return "\n".join(lines)
 
 
@@ -358,11 +358,9 @@ def _columns(text):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(
-        description="One FP8 scaling update of N tensors: jax_fp8's fused update vs the "
-                    "per-tensor and stacked jax.numpy updates and a copy (bench/README.md).",
-        epilog=__doc__[__doc__.index("Examples:"):],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.arg_parser("One FP8 scaling update of N tensors: jax_fp8's fused update vs the "
+                          "per-tensor and stacked jax.numpy updates and a copy "
+                          "(bench/README.md).", __doc__)
     p.add_argument("--sizes", type=_ints, default=None,
                    help=f"numbers of tensors N (default {','.join(map(str, DEFAULT_SIZES))}; "
                         f"--quick {','.join(map(str, QUICK_SIZES))})")
@@ -465,8 +463,7 @@ def run(argv=None):
 
 
 def _write(outdir, data, plot):
-    common.write_json(os.path.join(outdir, "results.json"), data)
-    common.write_text(os.path.join(outdir, "results.md"), data["report_markdown"] + "\n")
+    common.write_outputs(outdir, data)
     if plot:
         common.save_plot("plot_update", data, os.path.join(outdir, "bench_update.png"),
                          lambda m: print(m, file=sys.stderr))

@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: progress display, what-ran-where metadata, output files.
+"""What the benchmark scripts share: progress display, what-ran-where metadata, output files,
+the run of a plan item by item (`Runs`) and the speed-ups and report lines derived from it.
 
 Imported as a sibling module by the scripts in this directory (``python bench/<script>.py``
 puts bench/ on the import path).
@@ -6,7 +7,9 @@ puts bench/ on the import path).
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import gc
 import json
 import math
 import os
@@ -15,6 +18,7 @@ import shlex
 import subprocess
 import sys
 import time
+import traceback
 
 import numpy as np
 
@@ -154,6 +158,23 @@ def write_json(path: str, data) -> None:
     write_text(path, json.dumps(data, indent=1, default=_json_default) + "\n")
 
 
+def write_outputs(outdir: str, data: dict) -> None:
+    """OUTDIR/results.json and OUTDIR/results.md (``data["report_markdown"]``, headed by a
+    note while ``data["partial"]``: the run has not finished)."""
+    write_json(os.path.join(outdir, "results.json"), data)
+    md = data["report_markdown"]
+    if data.get("partial"):
+        md = "(partial results: the run had not finished)\n\n" + md
+    write_text(os.path.join(outdir, "results.md"), md + "\n")
+
+
+def arg_parser(description: str, doc: str) -> argparse.ArgumentParser:
+    """A script's parser: ``description``, and the script's docstring ``doc`` from its
+    "Examples:" on as the help's epilog (its line breaks kept)."""
+    return argparse.ArgumentParser(description=description, epilog=doc[doc.index("Examples:"):],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def fmt(x, spec: str = "{:.2f}", missing: str = "—") -> str:
     return missing if x is None else spec.format(x)
 
@@ -183,3 +204,116 @@ def save_plot(kind: str, data: dict, png: str, log) -> None:
     except ImportError as err:
         log(f"no plot ({err}); draw it where matplotlib is: python bench/plot.py "
             f"{os.path.join(os.path.dirname(png), 'results.json')} --png {png}")
+
+
+# --------------------------------------------------------------------------------------
+# A plan of variants run item by item (bench_train_step.py, bench_multigpu.py).
+# --------------------------------------------------------------------------------------
+
+class RecipeNotAccepted(Exception):
+    """This jax_fp8 does not take the variant's recipe (yet): the variant is skipped."""
+
+
+class Runs:
+    """The rows a plan's items gave, its failures and its skipped items, and the outputs.
+
+    ``derive(results)`` -> the "derived" entry of results.json, ``markdown(data)`` -> the
+    report; OUTDIR/results.json and results.md are rewritten after every item (partial until
+    ``finish``), so an interrupted run keeps what it measured. ``t0``: the run's start
+    (perf_counter), from which meta["total_s"] counts."""
+
+    def __init__(self, meta, outdir, derive, markdown, t0):
+        self.meta, self.outdir, self.t0 = meta, outdir, t0
+        self.derive, self.markdown = derive, markdown
+        self.results, self.failures, self.skipped = [], [], []
+
+    def measure(self, where, measure, summary, progress):
+        """One item: ``measure()`` -> (row, the errors of its checks), ``where`` (e.g.
+        {"size": ..., "variant": ...}) naming it in failures and skipped and, its values
+        joined, in the progress line, with ``summary(row)`` (a list of phrases). A variant
+        whose recipe is not accepted is skipped; any other error is a failure, and the
+        other items still run."""
+        t0, done = time.perf_counter(), " ".join(where.values()) + ": "
+        try:
+            row, errors = measure()
+            self.results.append(row)
+            self.failures += [{**where, "error": e} for e in errors]
+            done += ", ".join(summary(row)) + f"; took {time.perf_counter() - t0:.0f} s"
+        except RecipeNotAccepted as err:
+            self.skipped.append({**where, "reason": str(err)})
+            done += f"skipped: {err}"
+        except Exception as err:  # noqa: BLE001 - the other items still run
+            traceback.print_exc(file=sys.stderr)
+            self.failures.append({**where, "error": f"{type(err).__name__}: {err}"})
+            done += f"FAILED: {type(err).__name__}: {err}"
+        gc.collect()
+        progress.advance(done)
+        self.meta["total_s"] = round(time.perf_counter() - self.t0, 1)
+        self.write(partial=True)
+
+    def data(self, partial):
+        """results.json's content: meta, results, derived, failures, skipped, partial and
+        the markdown report."""
+        data = {"meta": self.meta, "results": self.results, "derived": self.derive(self.results),
+                "failures": self.failures, "skipped": self.skipped, "partial": partial}
+        data["report_markdown"] = self.markdown(data)
+        return data
+
+    def write(self, partial):
+        data = self.data(partial)
+        write_outputs(self.outdir, data)
+        return data
+
+    def finish(self):
+        """The final (not partial) outputs, written; returns their data."""
+        return self.write(partial=False)
+
+
+def print_report(data, outdir):
+    """The markdown report to stdout, where the files went to stderr."""
+    print(data["report_markdown"])
+    print(f"wrote {os.path.join(outdir, 'results.json')} and results.md", file=sys.stderr)
+
+
+def by_group(results, group):
+    """{value of ``group`` (e.g. "size"): {variant: row}}, in the order of the results."""
+    out = {}
+    for r in results:
+        out.setdefault(r[group], {})[r["variant"]] = r
+    return out
+
+
+def speedups(rows, metrics):
+    """{variant: {"<metric>:vs_bf16": bf16's time / the variant's, "<metric>:vs_flax": Flax
+    FP8's / the variant's}} of one group's ``rows`` ({variant: row}; > 1 is faster), for
+    every metric (a time) both rows have, non-zero."""
+    base, flax_row = rows.get("bf16", {}), rows.get("flax_fp8", {})
+    out = {}
+    for v, r in rows.items():
+        e = {}
+        for metric in metrics:
+            t = r.get(metric)
+            if t:
+                if base.get(metric):
+                    e[f"{metric}:vs_bf16"] = base[metric] / t
+                if flax_row.get(metric):
+                    e[f"{metric}:vs_flax"] = flax_row[metric] / t
+        out[v] = e
+    return out
+
+
+def times_text(r, times):
+    """"device 1.234 ms", ... for each (key, name) of ``times`` the row ``r`` has."""
+    return [f"{name} {r[key]:.3f} ms" for key, name in times if r.get(key) is not None]
+
+
+def command_line(meta):
+    """The report's last line: the command and its total time."""
+    return f"Command: `{meta['command']}`; total {meta.get('total_s', '?')} s"
+
+
+def skipped_and_failed(data, group):
+    """The report's lines for the skipped and the failed items (``group``: the key naming
+    an item besides its variant, e.g. "size"), each after a blank line."""
+    lines = [f"\nSkipped {x[group]} {x['variant']}: {x['reason']}" for x in data["skipped"]]
+    return lines + [f"\nFAILED {x[group]} {x['variant']}: {x['error']}" for x in data["failures"]]
