@@ -39,6 +39,10 @@
 //   scales (~45 us at 3 TB/s) with ~14 instructions per element (~14 us of issue time).
 // The scale arithmetic is IEEE float32 (no flush-to-zero, correctly rounded division), so
 // the bits are those of the jax.numpy reference (jax_fp8/_primitives/block_quantize.py).
+// tests/test_block_quantize_host.py compiles this file for the host (tests/cuda/host_cuda.h:
+// CUDA threads as fibers, the conversions as the PTX ISA specifies them) and checks its
+// bits against that reference without a GPU; it rewrites the one __shared__ declaration
+// and the two launches below, so keep them in their present form.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>

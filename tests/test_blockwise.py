@@ -427,6 +427,115 @@ def test_gpu_kernel_more_tiles_than_grid_y(gpu_device):
             np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
 
 
+# NaN bit patterns: quiet and signalling, both signs, other payloads.
+NAN_BITS = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FFFFFFF, 0xFFFFFFFF],
+                    np.uint32)
+
+
+def nan_tile_cases(rng, dtype):
+    """(name, x) pairs whose tiles hold NaNs: one NaN of each sign at positions all over a
+    128 x 128 tile (each of the 4 x 4 byte groups a thread transposes, other warps and
+    lanes, the corners), a whole NaN row, whole NaN columns of both signs, a NaN column
+    with +-inf, NaN and inf sprinkled over edge tiles, a tile that is mostly NaN, and a
+    batch whose edge tile holds NaNs. Values vary in magnitude by row, so that columns
+    and rows get different scales."""
+    nans = NAN_BITS.view(F32)
+
+    def base(shape):
+        scale = np.exp2(rng.integers(-8, 8, size=shape[:-1] + (1,))).astype(F32)
+        return rng.normal(size=shape).astype(F32) * scale
+
+    cases = []
+    for pos in [(0, 0), (0, 1), (1, 0), (3, 4), (4, 3), (15, 127), (16, 0), (64, 65),
+                (127, 0), (127, 127)]:
+        for bits in NAN_BITS[:4]:
+            x = base((128, 128))
+            x[pos] = bits.view(F32)
+            cases.append((f"NaN 0x{int(bits):08x} at {pos}", x))
+    x = base((256, 256))
+    x[5, :] = nans[1]
+    cases.append(("a whole -NaN row", x))
+    x = base((256, 256))
+    x[:, 7], x[:, 8] = nans[0], nans[1]
+    cases.append(("whole NaN columns, +NaN and -NaN", x))
+    x = base((256, 256))
+    x[:, 9] = nans[1]
+    x[3, 9], x[200, 9], x[10, 10] = np.inf, -np.inf, np.inf
+    cases.append(("a -NaN column with +-inf", x))
+    x = base((130, 257))
+    mask = rng.random(x.shape) < 0.05
+    x[mask] = rng.choice(np.concatenate([nans, np.array([np.inf, -np.inf], F32)]), mask.sum())
+    cases.append(("5% NaN and inf, edge tiles", x))
+    x = np.full((128, 128), nans[1], F32)
+    x[::3, ::5] = rng.normal(size=x[::3, ::5].shape).astype(F32)
+    cases.append(("mostly -NaN", x))
+    x = base((2, 128, 132))
+    x[1, 40:44, 128:] = nans[1]
+    x[0, 127, :] = nans[0]
+    cases.append(("a batch, NaNs in an edge tile", x))
+    with np.errstate(over="ignore", invalid="ignore"):
+        return [(name, a.astype(dtype)) for name, a in cases]
+
+
+def assert_nan_tile_bytes_equal(got, want, x, what):
+    """assert_fp8_equal, naming the input value (its bits) behind each differing byte."""
+    got, want = np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    if np.array_equal(got, want):
+        return
+    bits = x.view(np.uint32 if x.dtype.itemsize == 4 else np.uint16)
+    bad = np.argwhere(got != want)
+    lines = [f"{what}: {len(bad)} of {got.size} bytes differ"]
+    for idx in bad[:8]:
+        idx = tuple(int(i) for i in idx)
+        lines.append(f"  at {idx}: got 0x{got[idx]:02x}, want 0x{want[idx]:02x}, "
+                     f"x = 0x{int(bits[idx]):0{2 * x.dtype.itemsize}x}")
+    raise AssertionError("\n".join(lines))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", IN_DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("fp8", FP8, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("block", BLOCKS, ids=str)
+@pytest.mark.parametrize("layouts", [(False, True), (True, True)], ids=["col", "both"])
+def test_gpu_kernel_nan_tiles_bits_equal_reference(gpu_device, dtype, fp8, block, layouts):
+    """Tiles that hold NaNs (the kernel's patching path): the kernel's bytes and scales,
+    in both layouts, equal the jax.numpy lowering's on the same GPU and the oracle's bit
+    for bit: a NaN becomes the type's quiet NaN with x's sign (0x7F / 0x7E, | 0x80), the
+    other values of its blocks are cast with the scale of the block's amax without the
+    NaN. Every pair (kernel, XLA on the GPU, oracle) is compared and all differences are
+    reported together, each byte with x's bits behind it, so a failure tells which side
+    is off and on which values."""
+    cases = nan_tile_cases(np.random.default_rng(14), dtype)
+
+    def fn(xs):
+        return [(_impl(x, "kernel", block, fp8, *layouts), _impl(x, "xla", block, fp8, *layouts))
+                for x in xs]
+
+    failures = []
+
+    def compare(check, *args):
+        try:
+            check(*args)
+        except AssertionError as e:
+            failures.append(str(e))
+
+    for (name, x), (kernel, xla) in zip(cases, run(gpu_device, fn, [x for _, x in cases])):
+        k, r = list(kernel), list(xla)
+        for layout in (["row-wise"] if layouts[0] else []) + ["column-wise"]:
+            a = x if layout == "row-wise" else np.swapaxes(x, -1, -2)
+            oq, os_ = ref.quantize_blocks(a, block, fp8, True, 0.0)
+            what = f"{name}, {layout}"
+            compare(assert_nan_tile_bytes_equal, k[0], r[0], a, f"{what}: kernel vs XLA data")
+            compare(assert_nan_tile_bytes_equal, k[0], oq, a, f"{what}: kernel vs oracle data")
+            compare(assert_nan_tile_bytes_equal, r[0], oq, a, f"{what}: XLA vs oracle data")
+            compare(helpers.assert_bits_equal, k[1], os_, f"{what}: kernel vs oracle scale_inv")
+            compare(helpers.assert_bits_equal, r[1], os_, f"{what}: XLA vs oracle scale_inv")
+            k, r = k[2:], r[2:]
+    assert not failures, "\n".join(failures[:12]) + (
+        f"\n... {len(failures) - 12} more" if len(failures) > 12 else "")
+
+
 # (x shape, block, layouts): what one Dense layer's step quantizes at d = 4096 / 8192 tokens.
 BANDWIDTH_CASES = [((8192, 4096), (1, 128), (True, True)), ((4096, 4096), (128, 128), (True, True)),
                    ((8192, 4096), (1, 128), (True, False))]
