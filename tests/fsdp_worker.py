@@ -86,6 +86,26 @@ def functional_case(mesh, w_spec, x_spec, fp8=True):
             "scales_moved": bool(fp8) and any(float(m.kernel.scale) != 1.0 for m in got[1])}
 
 
+def current_scaling_case(mesh):
+    """Float8CurrentScaling: the weight's scale is its global amax (one max over devices),
+    its shard quantized where it lives and gathered as FP8 too."""
+    meta = jax_fp8.Fp8Meta.create(jax_fp8.Float8CurrentScaling())
+
+    def loss(ws, x):
+        h = x.astype(jnp.bfloat16)
+        for w in ws:
+            h = jax.nn.gelu(jax_fp8.fp8_dot_general(h, w.astype(jnp.bfloat16), DN, meta)[0])
+        return jnp.mean(h.astype(jnp.float32) ** 2), h
+
+    step = jax.jit(jax.grad(loss, has_aux=True))
+    sharded = jax.device_put((ws_np, x_np), (NamedSharding(mesh, P("fsdp", None)),
+                                             NamedSharding(mesh, P(("data", "fsdp"), None))))
+    got = step(*sharded)
+    want = step(*jax.device_put((ws_np, x_np), jax.devices()[0]))
+    return {"gathers": gathers(step.lower(*sharded)),
+            "output_equal_one_device": bits_equal(got[1], want[1])}
+
+
 class Mlp(nn.Module):
     fp8: bool = True
 
@@ -144,6 +164,7 @@ results = {
     "rows_bf16": functional_case(auto, P("fsdp", None), batch, fp8=False),
     "cols": functional_case(auto, P(None, "fsdp"), batch),
     "rows_explicit": functional_case(explicit, P("fsdp", None), batch),
+    "rows_current": current_scaling_case(auto),
     "flax": flax_case(auto),
     "flax_bf16": flax_case(auto, fp8=False),
 }

@@ -1,6 +1,6 @@
 """FSDP on 8 host devices: a weight sharded over devices is quantized where it lives and
 all-gathered as FP8 (half the bytes of bf16's gather), in plain jax.jit code, on a mesh
-with Explicit axes and in a Flax Fp8TrainState step; the forward output and the new FP8
+with Explicit axes, in a Flax Fp8TrainState step and with current scaling; the forward output and the new FP8
 state equal the one-device step's bit for bit (tests/fsdp_worker.py)."""
 
 import pytest
@@ -15,7 +15,7 @@ def results():
     return helpers.run_8_device_worker("fsdp_worker.py", timeout=600)
 
 
-@pytest.mark.parametrize("case", ["rows", "rows_explicit", "cols", "flax"])
+@pytest.mark.parametrize("case", ["rows", "rows_explicit", "cols", "rows_current", "flax"])
 def test_every_all_gather_moves_fp8(results, case):
     gathers = results[case]["gathers"]
     assert gathers and set(gathers) <= set(FP8), gathers
@@ -38,6 +38,12 @@ def test_fsdp_step_has_the_one_device_bits(results, case):
     assert r["output_and_fp8_state_equal_one_device"], r
     # The weight gradients are sums over devices, in another order than on one device.
     assert r["weights_max_diff_over_max"] < 1e-4, r
+
+
+def test_current_scaling_fsdp_gathers_fp8_weights_with_the_one_device_bits(results):
+    r = results["rows_current"]
+    assert sorted(r["gathers"]["f8e4m3fn"])[-4:] == [256 * 256] * 4, r
+    assert r["output_equal_one_device"], r
 
 
 def test_flax_fsdp_fp8_state_has_the_one_device_bits(results):
