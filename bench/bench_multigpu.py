@@ -73,6 +73,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 
 import bench_train_step as bts  # noqa: E402  (the model, variants, states, steps, timing)
 import common  # noqa: E402
+import jax_fp8  # noqa: E402
 from jax_fp8.devtools import hlo, trace  # noqa: E402
 
 MODES = ("dp", "fsdp", "tp")
@@ -469,18 +470,21 @@ def replica_check(state):
 # One (mode, variant).
 # --------------------------------------------------------------------------------------
 
-def checks(variant, r, mesh):
-    """The properties that must hold; each failure is a string in r["check_errors"]."""
+def checks(variant, r, mesh, recipe=None):
+    """The properties that must hold; each failure is a string in r["check_errors"].
+    ``recipe``: a jax_fp8 variant's. Delayed scaling: one `maximum` all-reduce for every
+    amax of the step; delayed and current scaling: FP8 weight all-gathers under FSDP
+    (block scaling has no partitioning rule yet: docs/multi_device.md)."""
     errors = []
     bts.check_update_calls(variant, r)            # jax_fp8: one jax_fp8_update
     if "check_error" in r:
         errors.append(r.pop("check_error"))
     maxima = r["all_reduce_kinds"].get("maximum", 0)
-    if variant.kind == "jax_fp8" and mesh.size > 1 and maxima != 1:
+    if isinstance(recipe, jax_fp8.DelayedScaling) and mesh.size > 1 and maxima != 1:
         errors.append(f"{maxima} `maximum` all-reduces in the compiled step, expected 1")
     gathers = r["weight_all_gathers"]["dtypes"]
-    if variant.kind == "jax_fp8" and r["mode"] == "fsdp" and set(gathers) - {"f8e4m3fn",
-                                                                             "f8e5m2"}:
+    per_tensor = isinstance(recipe, (jax_fp8.DelayedScaling, jax_fp8.Float8CurrentScaling))
+    if per_tensor and r["mode"] == "fsdp" and set(gathers) - {"f8e4m3fn", "f8e5m2"}:
         errors.append(f"weight all-gathers not all FP8: {gathers}")
     if not r.get("replicas", {}).get("bit_identical", True):
         errors.append(f"replicas differ: {r['replicas']['mismatched'][:5]}")
@@ -543,7 +547,7 @@ def measure(mode, mesh, variant, args, host_xy, progress):
     r["replicas"] = replica_check(state)
     r["loss_first"], r["loss_last"] = losses[0], losses[-1]
     r["loss_finite"] = all(math.isfinite(v) for v in losses)
-    checks(variant, r, mesh)
+    checks(variant, r, mesh, variant.recipe(args) if variant.recipe else None)
     del state, compiled
     return r
 
