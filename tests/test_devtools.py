@@ -193,6 +193,12 @@ def test_text_of_rejects_other_objects():
         hlo.text_of(3)
 
 
+def test_partitioned_refuses_a_one_device_program():
+    lowered = jax.jit(lambda x: x * 2).lower(jnp.ones(4))
+    with pytest.raises(ValueError, match="SPMD partitioner"):
+        hlo.partitioned(lowered)
+
+
 def test_one_update_custom_call_in_a_compiled_update():
     tree = [jax_fp8.ScalingState.create((), 16) for _ in range(5)]
     compiled = jax.jit(jax_fp8.update_states).lower(tree).compile()
