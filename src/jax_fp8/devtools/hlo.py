@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 __all__ = [
     "Collective", "Gemm", "Instruction", "Module", "all_reduce_kinds", "alias_bytes",
-    "collectives", "computations_calling", "count_collectives", "count_custom_calls",
+    "collectives", "compile_partitioned", "computations_calling", "count_collectives", "count_custom_calls",
     "count_kernels", "custom_calls", "fp8_gemms", "fusion_kinds", "gemms",
     "kernel_instructions", "kernel_name", "memory", "op_families", "parse", "partitioned",
     "shape_bytes",
@@ -414,19 +414,26 @@ def alias_bytes(compiled) -> int | None:
 
 
 
+def compile_partitioned(lowered):
+    """``(compiled, text)``: ``lowered.compile()`` and, from the same compile, the HLO text
+    right after XLA's SPMD partitioner (see `partitioned`), dumped into a temporary
+    directory. Raises ValueError for a program that is not partitioned (one device)."""
+    with tempfile.TemporaryDirectory() as d:
+        compiled = lowered.compile(compiler_options={
+            "xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+        files = sorted(glob.glob(os.path.join(d, "*after_spmd-partitioning*.txt")))
+        if not files:
+            raise ValueError("the program ran no SPMD partitioner (a one-device program?)")
+        with open(files[-1]) as f:
+            return compiled, f.read()
+
+
 def partitioned(lowered) -> str:
     """The HLO text of ``lowered`` (a ``jax.jit(f).lower(...)``) right after XLA's SPMD
     partitioner, before the backend's own passes: the collectives the partitioner inserted,
     with the element types the program gives them (e.g. an FP8 weight's all-gather), which
     a backend may change later (XLA:CPU widens FP8 collectives to f16). Compiles the program
-    once more, dumping that one pass into a temporary directory.
+    once more (`compile_partitioned`).
 
     Raises ValueError for a program that is not partitioned (one device)."""
-    with tempfile.TemporaryDirectory() as d:
-        lowered.compile(compiler_options={"xla_dump_to": d,
-                                          "xla_dump_hlo_pass_re": "spmd-partitioning"})
-        files = sorted(glob.glob(os.path.join(d, "*after_spmd-partitioning*.txt")))
-        if not files:
-            raise ValueError("the program ran no SPMD partitioner (a one-device program?)")
-        with open(files[-1]) as f:
-            return f.read()
+    return compile_partitioned(lowered)[1]
