@@ -1,13 +1,16 @@
 """Drives jax_fp8's CUDA kernels through the real JAX path, for compute-sanitizer.
 
-Run by scripts/sanitize.sh (``python scripts/sanitize_driver.py [transpose]``).
+Run by scripts/sanitize.sh (``python scripts/sanitize_driver.py [transpose|block]``).
 
 Covers: a donated (aliased, in-place) per-tensor pytree, a stacked state, mixed
 history lengths (1 .. 5000, several passes per block), skip_unused, amax inputs, and
 1,500 states in one call (two launches past the kernel-parameter limit), and 300
 donated states whose amaxes lie > 16 GB away (64-bit offsets, one launch). With the
 argument "transpose": the FP8 transpose kernels instead (byte transpose; quantize +
-transpose + amax), tile edges and batches.
+transpose + amax), tile edges and batches. With "block": the block quantization kernel
+(both block shapes, both layouts, both scale layouts, every input type, edge tiles, NaN
+and inf tiles, a batch) and the block-scaled GEMM's custom call (cuBLASLt's kernel and the
+handler's own fallback kernel, 1x128 and 128x128 operands, ragged M/N/K).
 """
 
 import sys
@@ -47,6 +50,69 @@ if sys.argv[1:] == ["transpose"]:
                 # (Compared on the host: a comparison on the device would be an XLA
                 # kernel's output, which initcheck does not track.)
                 assert np.asarray(amax) == np.abs(np.asarray(x, np.float32)).max(), (shape, dtype)
+    print("sanitize driver done")
+    sys.exit(0)
+if sys.argv[1:] == ["block"]:
+    from jax_fp8._primitives import block_gemm as bg, block_quantize as bq
+    cpu = jax.devices("cpu")[0]
+    e4m3, e5m2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+    def special(shape, in_dtype):
+        x = rng.standard_normal(shape) * 3.0
+        flat = x.reshape(-1)
+        flat[rng.integers(0, flat.size, max(1, flat.size // 97))] = np.nan
+        flat[rng.integers(0, flat.size, max(1, flat.size // 89))] = np.inf
+        flat[rng.integers(0, flat.size, max(1, flat.size // 31))] = 0.0
+        flat[rng.integers(0, flat.size, max(1, flat.size // 53))] *= 1e-41
+        return x.astype(in_dtype)
+
+    # Quantization: every output of the kernel copied back to the host (the kernel's own
+    # writes are what initcheck tracks; the inputs come from the host).
+    n = 0
+    for shape in [(1, 4), (130, 260), (2, 129, 200), (1024, 1024)]:
+        for in_dtype, fp8 in ((np.float32, e4m3), (jnp.bfloat16, e5m2), (np.float16, e4m3),
+                              (jnp.bfloat16, e4m3)):
+            x = jax.device_put(special(shape, in_dtype))
+            for rows in (1, 128):
+                for rowwise, colwise, layout in ((True, False, "spec"), (False, True, "spec"),
+                                                 (True, True, "spec"), (True, True, "gemm")):
+                    jax.device_get(bq.block_quantize(
+                        x, block_rows=rows, fp8_dtype=fp8, power_of_2_scale=True,
+                        amax_epsilon=0.0, rowwise=rowwise, colwise=colwise,
+                        implementation="kernel", scale_layout=layout))
+                    n += 1
+    print(f"block quantize: {n} calls")
+
+    # The GEMM: operands and scales (in the GEMM's layout) made on the host, so the
+    # custom call is the only device work; results compared on the host with the
+    # reference (the dequantized float32 product) computed on the CPU.
+    def operand(r, k, rows, fp8):
+        q = rng.integers(0, 256, (r, k), dtype=np.uint8)
+        q[(q & 0x7F) >= (0x7F if fp8 == e4m3 else 0x7C)] = 0x38  # no NaN/inf bytes
+        s = np.exp2(rng.integers(-4, 4, (bq.scale_rows(r, rows), -(-k // 128)))).astype(np.float32)
+        return q.view(np.dtype(fp8)), s
+
+    n = 0
+    for m, nn, k in [(128, 128, 128), (136, 264, 400), (512, 384, 1024), (8, 8, 16)]:
+        for a_rows, b_rows in ((1, 1), (1, 128), (128, 1)):
+            for impl in ("auto", "fallback"):
+                a, sa = operand(m, k, a_rows, e4m3)
+                b, sb = operand(nn, k, b_rows, e4m3)
+                ga = jax.device_get(bg.cublas_scales(jax.device_put(sa, cpu), a_rows))
+                gb = jax.device_get(bg.cublas_scales(jax.device_put(sb, cpu), b_rows))
+                got = bg.block_gemm(jax.device_put(a), jax.device_put(ga), jax.device_put(b),
+                                    jax.device_put(gb), a_block_rows=a_rows, b_block_rows=b_rows,
+                                    out_dtype=jnp.float32, implementation=impl,
+                                    scale_layout="gemm")
+                want = bg.block_gemm(*(jax.device_put(v, cpu) for v in (a, sa, b, sb)),
+                                     a_block_rows=a_rows, b_block_rows=b_rows,
+                                     out_dtype=jnp.float32)
+                got, want = np.asarray(got), np.asarray(want)
+                # Loose: this is a memory check; tests/test_block_gemm.py holds the bound.
+                assert np.allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max()), (
+                    m, nn, k, a_rows, b_rows, impl)
+                n += 1
+    print(f"block gemm: {n} calls")
     print("sanitize driver done")
     sys.exit(0)
 lengths = [1, 2, 3, 16, 1023, 1024, 1025, 5000]
