@@ -220,7 +220,7 @@ def test_gpu_gradients_same_with_and_without_the_kernels(gpu_device, monkeypatch
         return helpers.run_on(gpu_device, jax.grad(loss, argnums=(0, 1, 2)), x, w, meta)
 
     with_kernel = grads()
-    monkeypatch.setattr(_transpose, "quantize_rotate_applies", lambda *a: False)
+    monkeypatch.setattr(layout, "quantize_rotate_applies", lambda *a: False)
     jax.clear_caches()
     without = grads()
     for a, b in zip(jax.tree.leaves(with_kernel[2]), jax.tree.leaves(without[2])):

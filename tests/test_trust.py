@@ -364,8 +364,8 @@ def test_export_round_trip_and_what_a_fresh_process_says(tmp_path):
         jax.export.export(f)(tree)
     # In a fresh process without `import jax_fp8`, both kinds of program say so.
     arrays = jax.jit(lambda h, s: jax_fp8.amax_and_scale_update(h, s))
-    exp2 = jax.export.export(arrays, disabled_checks=jax_fp8.export_disabled_checks())(
-        jnp.zeros(4), jnp.ones(()))
+    exp2 = jax.export.export(arrays, disabled_checks=jax_fp8.export_disabled_checks(),
+                             platforms=("cpu",))(jnp.zeros(4), jnp.ones(()))
     (tmp_path / "tree.bin").write_bytes(blob)
     (tmp_path / "arrays.bin").write_bytes(exp2.serialize())
     code = (

@@ -9,8 +9,8 @@ the FP8 type's quiet NaN with x's sign (0x7F/0xFF for E4M3, 0x7E/0xFE for E5M2).
 
 Per-tensor current scaling (``quantize_current``) takes its amax from
 ``jax_fp8.compute_amax``: one max over all devices under a multi-device jit, XLA's own
-max elsewhere. Unlike a block's, that amax reads a subnormal maximum as 0 (XLA flushes
-subnormals), and a NaN in x makes it NaN on the GPU (scale 1) where XLA's vectorized CPU
+max elsewhere. Unlike a block's, that amax may read a subnormal maximum as 0 (XLA:CPU
+flushes subnormals), and a NaN in x makes it NaN on the GPU (scale 1) where XLA's vectorized CPU
 max may drop it; the scale arithmetic after it is the exact one.
 """
 

@@ -80,6 +80,43 @@ def abs_bits(x32):
     return jnp.where(mag > _INF, U32(0), mag)
 
 
+def divide_rn(a, b):
+    """a / b in float32, correctly rounded (to nearest even), for positive normal a and b
+    whose quotient is normal or overflows (then inf). Integer arithmetic on the
+    significands: XLA:GPU's float32 division is not correctly rounded (up to 2 ulp off).
+
+    With significands ma, mb in [2**23, 2**24) and s = 24 if ma < mb else 23, the
+    quotient's significand n = ma * 2**s / mb lies in [2**23, 2**24); a float division
+    estimates it to within a few units, the exact remainder ma * 2**s - n * mb (computed
+    modulo 2**32, where it is small) corrects it and decides the rounding.
+    Shapes: a, b [...] float32 -> [...] float32."""
+    ua, ub = _bits(a), _bits(b)
+    ma = (ua & U32(0x7FFFFF)) | _MIN_NORMAL
+    mb = (ub & U32(0x7FFFFF)) | _MIN_NORMAL
+    lt = ma < mb
+    shift = jnp.where(lt, U32(24), U32(23))
+    t = (ma.astype(jnp.float32) / mb.astype(jnp.float32)) * jnp.where(lt, F32(2.0 ** 24),
+                                                                       F32(2.0 ** 23))
+    n = t.astype(jnp.int32)
+    mbi = mb.astype(jnp.int32)
+    r = lax.bitcast_convert_type((ma << shift) - n.astype(jnp.uint32) * mb, jnp.int32)
+    # |r| < 2**29 (the estimate is within a few units): r / mb taken in floats is within
+    # one of its floor, and two exact steps each way finish the correction.
+    d = jnp.floor(r.astype(jnp.float32) / mb.astype(jnp.float32)).astype(jnp.int32)
+    n, r = n + d, r - d * mbi
+    for _ in range(2):
+        n, r = jnp.where(r < 0, n - 1, n), jnp.where(r < 0, r + mbi, r)
+        n, r = jnp.where(r >= mbi, n + 1, n), jnp.where(r >= mbi, r - mbi, r)
+    up = (2 * r > mbi) | ((2 * r == mbi) & ((n & 1) == 1))
+    n = n + up.astype(jnp.int32)
+    carry = n >> 24                                   # rounded up to 2**24
+    n = jnp.where(carry == 1, n >> 1, n)
+    e = ((ua >> 23).astype(jnp.int32) - (ub >> 23).astype(jnp.int32) + 127
+         + (23 - shift.astype(jnp.int32)) + carry)
+    bits = (e.astype(jnp.uint32) << 23) | (n.astype(jnp.uint32) & U32(0x7FFFFF))
+    return _f32(jnp.where(e >= 255, _INF, jnp.where(e <= 0, U32(0), bits)))
+
+
 def scale_from_amax_f32(amax, fp8_max: float, amax_epsilon: float = 0.0,
                         power_of_2_scale: bool = False):
     """SPEC.md's scale from a float32 amax (any shape), as IEEE float32 bits."""
@@ -95,7 +132,7 @@ def scale_from_amax_f32(amax, fp8_max: float, amax_epsilon: float = 0.0,
     tiny = (mag != 0) & (mag < _MIN_NORMAL)          # fp8_max / subnormal overflows
     # Elsewhere a is a positive normal and the quotient a normal or inf: no subnormal
     # reaches the division.
-    q = _bits(F32(fp8_max) / _f32(jnp.where(one | tiny, _ONE, a)))
+    q = _bits(divide_rn(jnp.full(a.shape, F32(fp8_max)), _f32(jnp.where(one | tiny, _ONE, a))))
     s = jnp.where(one, _ONE, jnp.where(tiny | (q == _INF), _FLT_MAX, q))
     if power_of_2_scale:
         s = s & _POW2
@@ -109,7 +146,11 @@ def scale_inverse(scale):
     sign, mag = b & _SIGN, b & _MAG
     e = mag >> 23
     big = (e >= 253) & (e != 255)
-    plain = _bits(F32(1.0) / _f32(jnp.where(big, _ONE, mag)))
+    # 1 / scale for a normal scale below 2**126 exactly; 0, inf, NaN and subnormals: XLA's
+    normal = (e >= 1) & (e <= 252)
+    d = _f32(jnp.where(normal, mag, _ONE))
+    plain = jnp.where(normal, _bits(divide_rn(jnp.ones_like(d), d)),
+                      _bits(F32(1.0) / _f32(jnp.where(big, _ONE, mag))))
     # scale = ms * 2**(e - 150): 1 / scale = m * 2**-149 with m = 2**p / ms, p = 299 - e.
     ms = (mag & U32(0x7FFFFF)) | _MIN_NORMAL
     msi = ms.astype(jnp.int32)
@@ -224,8 +265,12 @@ def quantize_reference(x, *, block_rows: int, fp8_dtype, power_of_2_scale: bool,
     amax = jnp.max(abs_bits(xp), axis=(2, 4), initial=U32(0))
     scale = scale_from_amax_f32(_f32(amax), recipe_lib.fp8_max(fp8_dtype), amax_epsilon,
                                 power_of_2_scale)
-    q = cast_scaled(xp, scale[:, :, None, :, None], fp8_dtype)
+    q = lax.bitcast_convert_type(cast_scaled(xp, scale[:, :, None, :, None], fp8_dtype),
+                                 jnp.uint8)
+    # The padding is cut off as bytes: XLA:CPU (jax 0.11) slices FP8 arrays through a
+    # float conversion that rewrites every E5M2 NaN as 0x7F.
     q = q.reshape(b, mb * block_rows, kb * BLOCK)[:, :m, :k].reshape(x.shape)
+    q = lax.bitcast_convert_type(q, fp8_dtype)
     inverse = pow2_inverse(scale) if power_of_2_scale else scale_inverse(scale)
     return q, inverse.reshape(lead + (mb, kb))
 
