@@ -313,6 +313,8 @@ def test_cpu_device_events():
     events += [{"ph": "X", "pid": 1, "tid": 1, "dur": 1.0, "name": "end: dot.3",
                 "args": {"hlo_op": "dot.3"}},
                {"ph": "X", "pid": 1, "tid": 2, "dur": 30.0, "name": "PjitFunction(f)"}]
+    # A jax with a CUDA plugin names a GPU process even when nothing ran there.
+    events.append({"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}})
     dev = trace.device_events(events)
     assert len(dev) == 4
     assert trace.per_run_us(dev) == [6.0, 6.0]
@@ -355,7 +357,9 @@ def test_load_finds_the_newest_trace(tmp_path):
 
 
 def test_capture_a_cpu_program():
-    tree = [jax_fp8.ScalingState.create((), 16) for _ in range(3)]
+    # On the CPU device also where jax has a GPU (its default device then).
+    tree = jax.device_put([jax_fp8.ScalingState.create((), 16) for _ in range(3)],
+                          jax.devices("cpu")[0])
     step = jax.jit(jax_fp8.update_states, donate_argnums=0)
     tree, events = trace.capture(step, step(tree), steps=3)
     assert len(tree) == 3

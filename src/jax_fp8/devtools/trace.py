@@ -3,7 +3,7 @@
 A trace is the list of Chrome/Perfetto trace events that ``jax.profiler`` writes as
 ``**/*perfetto_trace.json.gz`` (``create_perfetto_trace=True``). On a GPU the device's
 work is the complete events (``ph == "X"``) of the processes named ``/device:GPU:N``:
-one per kernel or memcpy, with its duration ``dur`` in µs. The CPU backend has no
+one per kernel or memcpy, with its duration ``dur`` in µs. A CPU run has no events in a
 device process; there the XLA runtime's op events (those with an ``hlo_op`` argument)
 stand in, so the same code measures time spent inside XLA ops. Example::
 
@@ -115,10 +115,13 @@ def device_events(events: list[Event], platform: str | None = None) -> list[Even
     """The device's work: complete events of the ``/device:GPU`` processes (their derived
     "XLA Ops"-like timelines left out) or, on CPU, the XLA op events.
 
-    platform: ``"gpu"`` or ``"cpu"``; None picks GPU when the trace has a device process.
+    platform: ``"gpu"`` or ``"cpu"``; None picks GPU when a device process has events.
     """
     procs, threads = _names(events)
-    pids = {pid for pid, name in procs.items() if _DEVICE.search(name)}
+    # A jax with a CUDA plugin names a /device:GPU:0 process in every trace, a CPU run's
+    # too (JAX_PLATFORMS=cpu, or a program on the CPU device); only its events tell.
+    pids = {e.get("pid") for e in events if e.get("ph") == "X"
+            and _DEVICE.search(procs.get(e.get("pid"), ""))}
     if platform is None:
         platform = "gpu" if pids else "cpu"
     if platform != "cpu":
