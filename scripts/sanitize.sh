@@ -19,7 +19,7 @@ for target in ${SANITIZE_TARGETS:-update transpose block block_all}; do
   case $target in
     update) filter=(--kernel-name kns=UpdateKernel); driver=update; log_suffix="" ;;
     transpose) filter=(--kernel-name kns=Transpose); driver=transpose; log_suffix=_transpose ;;
-    block) filter=(--kernel-name kns=Block); driver=block; log_suffix=_block ;;
+    block) filter=(--kernel-name kns=Block); driver=block_kernels; log_suffix=_block ;;
     block_all) filter=(); driver=block; log_suffix=_block_all; tools=memcheck ;;
     *) echo "unknown target $target"; exit 2 ;;
   esac

@@ -315,21 +315,18 @@ def test_errors_name_the_argument(bad, err):
         jax_fp8.quantize_blocks(**kwargs)
 
 
-def test_hlo_custom_call_only_with_the_kernel_on_cuda(backend, device):
-    """The CUDA kernel is opt-in (implementation="kernel"); the default lowers to XLA's
-    ops everywhere."""
+def test_hlo_custom_call_only_on_cuda(backend, device):
+    """On CUDA the default is the kernel, one custom call for both copies;
+    implementation="xla" and every other platform lower to XLA's ops."""
     x = jax.device_put(np.ones((256, 256), F32), device)
     opts = FAST_COMPILE if backend == "cpu" else None
     hlo = jax.jit(blockwise.quantize_blocks_both).lower(x).compile(opts).as_text()
-    assert TARGET not in hlo
-
-    def kernel(x):
-        return bq.block_quantize(x, block_rows=1, fp8_dtype=jnp.float8_e4m3fn,
-                                 power_of_2_scale=True, amax_epsilon=0.0, rowwise=True,
-                                 colwise=True, implementation="kernel")
-
-    hlo = jax.jit(kernel).lower(x).compile(opts).as_text()
     assert (TARGET in hlo) == (backend == "gpu")
+    xla = jax.jit(lambda x: bq.block_quantize(
+        x, block_rows=1, fp8_dtype=jnp.float8_e4m3fn, power_of_2_scale=True,
+        amax_epsilon=0.0, rowwise=True, colwise=True, implementation="xla")).lower(x).compile(
+            opts).as_text()
+    assert TARGET not in xla
     if backend == "gpu":
         assert hlo.count(TARGET) == 1, "one kernel for both copies"
         gemm = jax.jit(lambda x: bq.block_quantize(

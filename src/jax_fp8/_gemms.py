@@ -10,6 +10,8 @@ Shardings of the results follow the primal operands' (Explicit meshes need them)
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,6 +104,30 @@ def rhs_grad(g, x, y, dimension_numbers, out_dtype, scale_invs):
 _DIRECT_OUT = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
 
 
+def _gemm_sizes(a_shape, b_shape, dimension_numbers):
+    """(M, N, K) of dot_general(a, b): the products of a's and b's free axes and of the
+    contracting axes."""
+    (a_c, b_c), (a_b, b_b) = dimension_numbers
+    m = math.prod(d for i, d in enumerate(a_shape) if i not in a_c and i not in a_b)
+    n = math.prod(d for i, d in enumerate(b_shape) if i not in b_c and i not in b_b)
+    return m, n, math.prod(a_shape[i] for i in a_c)
+
+
+def keep_fp8(q_a, q_b, dimension_numbers):
+    """q_a, q_b as the GEMM must see them. Where XLA:GPU runs no FP8 GEMM (a size not a
+    multiple of 16, or two E5M2 operands) it widens the FP8 operands, and its default
+    excess precision (``xla_allow_excess_precision``) then folds the widening into the
+    quantization, dropping the FP8 rounding (``f32 -> f8 -> bf16`` becomes ``f32 ->
+    bf16``): a result closer to the unquantized product, not the FP8 one, and different
+    from the same call run eagerly. An optimization barrier keeps the FP8 values there;
+    sizes the FP8 GEMM takes (every multiple of 16) go straight in."""
+    sizes = _gemm_sizes(q_a.shape, q_b.shape, dimension_numbers)
+    both_e5m2 = np.dtype(q_a.dtype) == np.dtype(q_b.dtype) == np.dtype(jnp.float8_e5m2)
+    if both_e5m2 or any(d % 16 for d in sizes):
+        return lax.optimization_barrier((q_a, q_b))
+    return q_a, q_b
+
+
 def gemm(q_a, q_b, dimension_numbers, scale_inv_a, scale_inv_b, out_dtype, precision=None,
          out_sharding=None):
     """``dot_general(q_a * scale_inv_a, q_b * scale_inv_b)`` in ``out_dtype`` for FP8 q_a, q_b.
@@ -118,13 +144,17 @@ def gemm(q_a, q_b, dimension_numbers, scale_inv_a, scale_inv_b, out_dtype, preci
     """
     out_dtype = np.dtype(out_dtype)
     factor = scale_inv_a * scale_inv_b
+    q_a, q_b = keep_fp8(q_a, q_b, dimension_numbers)
     if out_dtype in _DIRECT_OUT:
         out = lax.dot_general(q_a, q_b, dimension_numbers, precision=precision,
                               preferred_element_type=out_dtype, out_sharding=out_sharding)
         return out * jnp.asarray(factor).astype(out_dtype)
     out = lax.dot_general(q_a, q_b, dimension_numbers, precision=precision,
                           preferred_element_type=jnp.float32, out_sharding=out_sharding)
-    return (out * factor).astype(out_dtype)
+    # The barrier keeps XLA from folding the cast into the GEMM, so that the float32
+    # result is what gets scaled: a float16 GEMM result of FP8 values near fp8_max
+    # overflows (seen on XLA:GPU).
+    return (lax.optimization_barrier(out) * factor).astype(out_dtype)
 
 
 def kernel_grad_layout(dimension_numbers, lhs_ndim):

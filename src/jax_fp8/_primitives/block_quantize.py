@@ -11,9 +11,8 @@ same bits as the CUDA kernel (ffi/block_quantize_cuda.cu) and the NumPy oracle
 The primitive: x [..., M, K] -> the row-wise copy (q [..., M, K], scale_inv
 [..., M or ceil(M/128), ceil(K/128)]), the column-wise copy (the same for x with its last two
 axes swapped: q_t [..., K, M], scale_inv_t) or both from one read of x. On CUDA one custom
-call (one kernel) with ``implementation="kernel"``; by default, elsewhere, under a
-multi-device jit (XLA partitions the jax.numpy ops) and for FP8 types the kernel does not
-write, the math below (see IMPLEMENTATIONS).
+call (one kernel); elsewhere, under a multi-device jit (XLA partitions the jax.numpy ops),
+for FP8 types the kernel does not write, or with ``implementation="xla"``, the math below.
 
 ``scale_layout="gemm"`` gives each scale_inv in the layout the block GEMM reads
 (``gemm_scale_shape``: 1x128 blocks of an operand [R, K] as [..., ceil(K/128),
@@ -278,10 +277,8 @@ def quantize_reference(x, *, block_rows: int, fp8_dtype, power_of_2_scale: bool,
 # --------------------------------------------------------------------------- primitive
 
 TARGET = "jax_fp8_block_quantize"
-# "auto": the jax.numpy math everywhere (bit-exact); "kernel": the CUDA kernel where it
-# takes the input. The kernel is opt-in: on an H200 its column-wise copy of tiles that
-# hold a NaN differed from the reference in a few bytes (its NaN-free path matched), so
-# it is not the default until that is fixed and its bits are verified on a GPU again.
+# "auto" and "kernel": the CUDA kernel where it takes the input, else the jax.numpy math;
+# "xla": the jax.numpy math (the same bits).
 IMPLEMENTATIONS = ("auto", "xla", "kernel")
 block_quantize_p = Primitive("jax_fp8_block_quantize")
 block_quantize_p.multiple_results = True
@@ -352,7 +349,7 @@ def kernel_takes(shape, dtype, fp8_dtype) -> bool:
 
 def _cuda_lowering(ctx, x, **params):
     aval = ctx.avals_in[0]
-    if (params["implementation"] != "kernel" or partition.needs_partitioning(ctx)
+    if (params["implementation"] == "xla" or partition.needs_partitioning(ctx)
             or not kernel_takes(aval.shape, aval.dtype, params["fp8_dtype"])):
         return _reference_lowering(ctx, x, **params)
     return jax.ffi.ffi_lowering(TARGET)(
