@@ -234,6 +234,15 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, meta: Fp8Meta, precision=None,
         out = lax.dot_general(lhs.astype(dtype), rhs.astype(dtype), dn, precision=precision,
                               preferred_element_type=out_dtype)
         return out, meta
+    # float16 operands and results run as float32 inside, rounded to float16 once at the
+    # end (the same bits: the FP8 GEMMs' results are float32 either way); a float16 FP8
+    # step compiled by XLA:GPU overflowed once the scales put values near fp8_max.
+    f16, f32 = np.dtype(np.float16), np.dtype(np.float32)
+    if f16 in (np.dtype(lhs.dtype), np.dtype(rhs.dtype), out_dtype):
+        wide = [x.astype(f32) if np.dtype(x.dtype) == f16 else x for x in (lhs, rhs)]
+        out, meta = fp8_dot_general(*wide, dn, meta,
+                                    preferred_element_type=f32 if out_dtype == f16 else out_dtype)
+        return out.astype(out_dtype), meta
     if meta.stateless:  # current / blockwise: scales from the operands themselves
         return scaled_dot_general(lhs, rhs, dn, meta.recipe, out_dtype), meta
     meta_lib.claim(meta, "fp8_dot_general")
