@@ -23,7 +23,7 @@ compile time; device time per step from a profiler trace (the mean over devices 
 their kernels' summed durations; "busy": the union of their intervals, as collective
 kernels overlap compute on other streams), wall time per step pipelined and blocked;
 the collectives of the compiled step and of the program right after XLA's SPMD
-partitioner (hlo.partitioned, a second compile left out of the compile time: FP8
+partitioner (compilation.partitioned, a second compile left out of the compile time: FP8
 all-gathers are still FP8 there, XLA:CPU widens them later), with the mesh axes each
 one spans; the `maximum` all-reduces (jax_fp8: exactly 1, every amax in one) and
 jax_fp8_update calls (1); the weight all-gathers (fsdp; jax_fp8's must be FP8, their
@@ -72,7 +72,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 import bench_train_step as bts  # noqa: E402  (the model, variants, states, steps, timing)
 import common  # noqa: E402
 import jax_fp8  # noqa: E402
-from jax_fp8.devtools import hlo, trace  # noqa: E402
+from jax_fp8.devtools import compilation, hlo, trace  # noqa: E402
 
 MODES = ("dp", "fsdp", "tp")
 DEFAULT_VARIANTS = ("bf16", "flax_fp8", "jax_fp8")
@@ -151,7 +151,7 @@ def state_shardings(state, mode, mesh):
 def compile_step(lowered, one_compile=False):
     """(compiled, compile_s, HLO text right after XLA's SPMD partitioner).
 
-    The partitioned program comes from a second compile (hlo.partitioned, which dumps that
+    The partitioned program comes from a second compile (compilation.partitioned, which dumps that
     pass), left out of compile_s: dumping makes XLA:GPU write more than that pass (its
     LLVM IR, say). ``one_compile`` (--smoke) saves the second compile: the same dump rides
     on the timed compile."""
@@ -159,9 +159,9 @@ def compile_step(lowered, one_compile=False):
         t0 = time.perf_counter()
         compiled = lowered.compile()
         compile_s = time.perf_counter() - t0
-        return compiled, compile_s, hlo.partitioned(lowered)
+        return compiled, compile_s, compilation.partitioned(lowered)
     t0 = time.perf_counter()
-    compiled, text = hlo.compile_partitioned(lowered)
+    compiled, text = compilation.compile_partitioned(lowered)
     return compiled, time.perf_counter() - t0, text
 
 

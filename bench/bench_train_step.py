@@ -72,7 +72,7 @@ from flax.training import train_state
 
 import common
 import jax_fp8
-from jax_fp8.devtools import hlo, trace
+from jax_fp8.devtools import compilation, hlo, trace
 from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8TrainState
 
 FLAX_OP = getattr(flax_fp8_ops, "Fp8DirectDotGeneralOp", None) or flax_fp8_ops.Fp8DotGeneralOp
@@ -327,7 +327,7 @@ def measure(variant, size, args, x, y, platform, progress):
     state, compiled, r["lower_s"], r["compile_s"], r["init_s"] = setup(variant, size, args,
                                                                        x, y)
     r["state_arrays"] = len(jax.tree.leaves(state))
-    r["memory"] = hlo.memory(compiled)
+    r["memory"] = compilation.memory(compiled)
     r["temp_bytes"] = r["memory"].get("temp_size_in_bytes")
     text = compiled.as_text()
     mod = hlo.parse(text)
@@ -446,7 +446,7 @@ def child_compile(args):
         state, compiled, lower_s, compile_s, _ = setup(VARIANTS[name], size, args, x, x,
                                                        abstract=True)
         out = {"lower_s": lower_s, "compile_s": compile_s, "hlo": analyze(hlo.parse(compiled)),
-               "memory": hlo.memory(compiled), "state_arrays": len(jax.tree.leaves(state))}
+               "memory": compilation.memory(compiled), "state_arrays": len(jax.tree.leaves(state))}
     except RecipeNotAccepted as err:
         out = {"skip": str(err)}
     print("COMPILE_RESULT " + json.dumps(out), flush=True)

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 import common
 import jax_fp8
-from jax_fp8.devtools import hlo, trace
+from jax_fp8.devtools import compilation, hlo, trace
 
 DEFAULT_SIZES = (3, 48, 384, 1152, 4608)
 QUICK_SIZES = (3, 48, 384)
@@ -215,7 +215,7 @@ def run_config(n, hist_len, columns, args, platform, progress):
         cols[key] = {"compiled": compiled, "extra": extra, "state": state, "row": {
             "n": n, "l": hist_len, "column": key, "kernels_hlo": sum(kernels.values()),
             "kernels_hlo_by_opcode": kernels, "compile_s": round(compile_s, 3),
-            "state_bytes": tree_bytes(state), "alias_bytes": hlo.alias_bytes(compiled)}}
+            "state_bytes": tree_bytes(state), "alias_bytes": compilation.alias_bytes(compiled)}}
     calls = {k: (lambda st, c=c: c["compiled"](st, *c["extra"])) for k, c in cols.items()}
     progress.status(f"N={n} L={hist_len}: wall time")
     for key, s in _wall_times(calls, cols, args).items():

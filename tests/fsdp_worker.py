@@ -21,7 +21,7 @@ import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_fp8
-from jax_fp8.devtools import hlo
+from jax_fp8.devtools import compilation, hlo
 from jax_fp8.flax import Fp8DotGeneral, Fp8TrainState
 
 assert jax.device_count() == 8
@@ -33,7 +33,7 @@ RECIPE = jax_fp8.DelayedScaling(history_len=16)
 def gathers(lowered) -> dict:
     """{dtype: [bytes of each all-gather]} of the partitioned program."""
     out = collections.defaultdict(list)
-    for c in hlo.collectives(hlo.partitioned(lowered)):
+    for c in hlo.collectives(compilation.partitioned(lowered)):
         if c.opcode == "all-gather":
             out[c.dtypes[0]].append(c.bytes)
     return dict(out)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_fp8
-from jax_fp8.devtools import hlo, trace
+from jax_fp8.devtools import compilation, hlo, trace
 
 # A command buffer (looked into), fusions, a copy, the update custom call.
 HLO = """HloModule jit_f, is_scheduled=true
@@ -196,7 +196,7 @@ def test_text_of_rejects_other_objects():
 def test_partitioned_refuses_a_one_device_program():
     lowered = jax.jit(lambda x: x * 2).lower(jnp.ones(4))
     with pytest.raises(ValueError, match="SPMD partitioner"):
-        hlo.partitioned(lowered)
+        compilation.partitioned(lowered)
 
 
 def test_one_update_custom_call_in_a_compiled_update():
@@ -206,14 +206,14 @@ def test_one_update_custom_call_in_a_compiled_update():
     assert hlo.count_custom_calls(compiled, "jax_fp8_update") == want
     assert hlo.count_custom_calls(compiled.as_text(), "jax_fp8_update") == want
     assert hlo.count_kernels(compiled).get("custom-call", 0) == want
-    mem = hlo.memory(compiled)
+    mem = compilation.memory(compiled)
     assert mem["argument_size_in_bytes"] == 5 * (16 + 2) * 4
 
 
 def test_donated_update_aliases_its_state():
     tree = jax_fp8.ScalingState.create((8,), 16)
     compiled = jax.jit(jax_fp8.update_states, donate_argnums=0).lower(tree).compile()
-    alias = hlo.alias_bytes(compiled)
+    alias = compilation.alias_bytes(compiled)
     if alias is not None:
         assert alias == sum(x.nbytes for x in jax.tree.leaves(tree))
 

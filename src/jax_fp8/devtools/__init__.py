@@ -1,4 +1,4 @@
-"""Checks of compiled programs and profiler traces: ``hlo``, ``trace`` (and ``buffers``).
+"""Checks of compiled programs and profiler traces: ``hlo``, ``compilation``, ``trace`` (and ``buffers``).
 
 For verifying what a jitted program really runs, e.g. that a train step updates its
 FP8 state in ONE custom call, that its GEMMs are FP8, which collectives it issues, and
@@ -16,12 +16,13 @@ where its GPU time goes::
     print(trace.total_us(kernels) / 5)      # device time per step, µs
     print(trace.by_family(kernels, hlo.op_families(compiled)))
 
-``buffers`` places device buffers far apart, to reach the update kernel's 64-bit-offset
+``compilation`` reads what a compile reports besides its text (memory, aliased bytes)
+and the program right after XLA's SPMD partitioner. ``buffers`` places device buffers far apart, to reach the update kernel's 64-bit-offset
 launch on one GPU (tests and sanitizer runs). The modules are plain functions (no
 benchmark logic); hlo and trace
 work on any backend (on CPU the trace's "kernels" are XLA's op events).
 """
 
-from jax_fp8.devtools import buffers, hlo, trace
+from jax_fp8.devtools import buffers, compilation, hlo, trace
 
-__all__ = ["buffers", "hlo", "trace"]
+__all__ = ["buffers", "compilation", "hlo", "trace"]

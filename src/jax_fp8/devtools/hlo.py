@@ -14,19 +14,14 @@ from __future__ import annotations
 
 import collections
 import functools
-import glob
-import os
 import re
-import tempfile
 from typing import NamedTuple
 
 __all__ = [
-    "Collective", "Gemm", "Instruction", "Module", "all_reduce_kinds", "alias_bytes",
-    "collectives", "compile_partitioned", "computations_calling", "count_collectives", "count_custom_calls",
-    "count_kernels", "custom_calls", "fp8_gemms", "fusion_kinds", "gemms",
-    "kernel_instructions", "kernel_name", "memory", "op_families", "parse", "partitioned",
-    "shape_bytes",
-    "source_ops", "text_of",
+    "Collective", "Gemm", "Instruction", "Module", "all_reduce_kinds", "collectives",
+    "computations_calling", "count_collectives", "count_custom_calls", "count_kernels",
+    "custom_calls", "fp8_gemms", "fusion_kinds", "gemms", "kernel_instructions",
+    "kernel_name", "op_families", "parse", "shape_bytes", "source_ops", "text_of",
 ]
 
 
@@ -394,46 +389,3 @@ def source_ops(program) -> dict[str, str]:
         if op:
             out[kernel_name(ins.name)] = op
     return out
-
-
-def memory(compiled) -> dict[str, int]:
-    """``compiled.memory_analysis()`` as a dict of byte counts (argument, output, alias,
-    temp, generated code); empty where the backend does not report it."""
-    try:
-        stats = compiled.memory_analysis()
-    except Exception:  # noqa: BLE001 - not every backend or version reports it
-        return {}
-    keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
-            "temp_size_in_bytes", "generated_code_size_in_bytes")
-    return {k: int(getattr(stats, k)) for k in keys if getattr(stats, k, None) is not None}
-
-
-def alias_bytes(compiled) -> int | None:
-    """Bytes of the outputs that reuse (alias) donated inputs; None where not reported."""
-    return memory(compiled).get("alias_size_in_bytes")
-
-
-
-def compile_partitioned(lowered):
-    """``(compiled, text)``: ``lowered.compile()`` and, from the same compile, the HLO text
-    right after XLA's SPMD partitioner (see `partitioned`), dumped into a temporary
-    directory. Raises ValueError for a program that is not partitioned (one device)."""
-    with tempfile.TemporaryDirectory() as d:
-        compiled = lowered.compile(compiler_options={
-            "xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"})
-        files = sorted(glob.glob(os.path.join(d, "*after_spmd-partitioning*.txt")))
-        if not files:
-            raise ValueError("the program ran no SPMD partitioner (a one-device program?)")
-        with open(files[-1]) as f:
-            return compiled, f.read()
-
-
-def partitioned(lowered) -> str:
-    """The HLO text of ``lowered`` (a ``jax.jit(f).lower(...)``) right after XLA's SPMD
-    partitioner, before the backend's own passes: the collectives the partitioner inserted,
-    with the element types the program gives them (e.g. an FP8 weight's all-gather), which
-    a backend may change later (XLA:CPU widens FP8 collectives to f16). Compiles the program
-    once more (`compile_partitioned`).
-
-    Raises ValueError for a program that is not partitioned (one device)."""
-    return compile_partitioned(lowered)[1]
