@@ -151,9 +151,9 @@ def gemm(q_a, q_b, dimension_numbers, scale_inv_a, scale_inv_b, out_dtype, preci
         return out * jnp.asarray(factor).astype(out_dtype)
     out = lax.dot_general(q_a, q_b, dimension_numbers, precision=precision,
                           preferred_element_type=jnp.float32, out_sharding=out_sharding)
-    # The barrier keeps XLA from folding the cast into the GEMM, so that the float32
-    # result is what gets scaled: a float16 GEMM result of FP8 values near fp8_max
-    # overflows (seen on XLA:GPU).
+    # The barrier keeps XLA from folding the cast into the GEMM: the float32 result is
+    # what gets scaled, and is rounded once (a float16 GEMM result of FP8 values near
+    # fp8_max would overflow).
     return (lax.optimization_barrier(out) * factor).astype(out_dtype)
 
 
