@@ -104,13 +104,15 @@ def rhs_grad(g, x, y, dimension_numbers, out_dtype, scale_invs):
 _DIRECT_OUT = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
 
 
-def _gemm_sizes(a_shape, b_shape, dimension_numbers):
-    """(M, N, K) of dot_general(a, b): the products of a's and b's free axes and of the
-    contracting axes."""
+def gemm_sizes(a_shape, b_shape, dimension_numbers):
+    """(batch, M, N, K) of ``lax.dot_general(a, b, dimension_numbers)``: the products of
+    the batch axes, of a's and b's free axes and of the contracting axes."""
     (a_c, b_c), (a_b, b_b) = dimension_numbers
-    m = math.prod(d for i, d in enumerate(a_shape) if i not in a_c and i not in a_b)
-    n = math.prod(d for i, d in enumerate(b_shape) if i not in b_c and i not in b_b)
-    return m, n, math.prod(a_shape[i] for i in a_c)
+    a_free = [i for i in range(len(a_shape)) if i not in a_c and i not in a_b]
+    b_free = [i for i in range(len(b_shape)) if i not in b_c and i not in b_b]
+    return tuple(math.prod(shape[i] for i in axes)
+                 for shape, axes in ((a_shape, a_b), (a_shape, a_free), (b_shape, b_free),
+                                     (a_shape, a_c)))
 
 
 def keep_fp8(q_a, q_b, dimension_numbers):
@@ -121,7 +123,7 @@ def keep_fp8(q_a, q_b, dimension_numbers):
     bf16``): a result closer to the unquantized product, not the FP8 one, and different
     from the same call run eagerly. An optimization barrier keeps the FP8 values there;
     sizes the FP8 GEMM takes (every multiple of 16) go straight in."""
-    sizes = _gemm_sizes(q_a.shape, q_b.shape, dimension_numbers)
+    _, *sizes = gemm_sizes(q_a.shape, q_b.shape, dimension_numbers)
     both_e5m2 = np.dtype(q_a.dtype) == np.dtype(q_b.dtype) == np.dtype(jnp.float8_e5m2)
     if both_e5m2 or any(d % 16 for d in sizes):
         return lax.optimization_barrier((q_a, q_b))
@@ -151,10 +153,7 @@ def gemm(q_a, q_b, dimension_numbers, scale_inv_a, scale_inv_b, out_dtype, preci
         return out * jnp.asarray(factor).astype(out_dtype)
     out = lax.dot_general(q_a, q_b, dimension_numbers, precision=precision,
                           preferred_element_type=jnp.float32, out_sharding=out_sharding)
-    # The barrier keeps XLA from folding the cast into the GEMM: the float32 result is
-    # what gets scaled, and is rounded once (a float16 GEMM result of FP8 values near
-    # fp8_max would overflow).
-    return (lax.optimization_barrier(out) * factor).astype(out_dtype)
+    return (out * factor).astype(out_dtype)
 
 
 def kernel_grad_layout(dimension_numbers, lhs_ndim):

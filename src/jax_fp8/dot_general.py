@@ -161,12 +161,8 @@ def canonical_dimension_numbers(dimension_numbers, lhs_ndim, rhs_ndim):
 
 def gemm_flops(lhs_shape, rhs_shape, dimension_numbers) -> int:
     """2 * batch * M * N * K: the FLOPs of ``lax.dot_general`` on these shapes."""
-    (lc, rc), (lb, rb) = dimension_numbers
-    size = lambda shape, axes: int(np.prod([shape[a] for a in axes], dtype=np.int64))  # noqa: E731
-    lhs_free = [a for a in range(len(lhs_shape)) if a not in lc + lb]
-    rhs_free = [a for a in range(len(rhs_shape)) if a not in rc + rb]
-    return 2 * size(lhs_shape, lb) * size(lhs_shape, lhs_free) * size(rhs_shape, rhs_free) \
-        * size(lhs_shape, lc)
+    batch, m, n, k = _gemms.gemm_sizes(lhs_shape, rhs_shape, dimension_numbers)
+    return 2 * batch * m * n * k
 
 
 def check_min_fp8_flops(value, name: str = "min_fp8_flops") -> float:

@@ -131,7 +131,7 @@ def scale_from_amax_f32(amax, fp8_max: float, amax_epsilon: float = 0.0,
     tiny = (mag != 0) & (mag < _MIN_NORMAL)          # fp8_max / subnormal overflows
     # Elsewhere a is a positive normal and the quotient a normal or inf: no subnormal
     # reaches the division.
-    q = _bits(divide_rn(jnp.full(a.shape, F32(fp8_max)), _f32(jnp.where(one | tiny, _ONE, a))))
+    q = _bits(divide_rn(F32(fp8_max), _f32(jnp.where(one | tiny, _ONE, a))))
     s = jnp.where(one, _ONE, jnp.where(tiny | (q == _INF), _FLT_MAX, q))
     if power_of_2_scale:
         s = s & _POW2
@@ -148,7 +148,7 @@ def scale_inverse(scale):
     # 1 / scale for a normal scale below 2**126 exactly; 0, inf, NaN and subnormals: XLA's
     normal = (e >= 1) & (e <= 252)
     d = _f32(jnp.where(normal, mag, _ONE))
-    plain = jnp.where(normal, _bits(divide_rn(jnp.ones_like(d), d)),
+    plain = jnp.where(normal, _bits(divide_rn(F32(1.0), d)),
                       _bits(F32(1.0) / _f32(jnp.where(big, _ONE, mag))))
     # scale = ms * 2**(e - 150): 1 / scale = m * 2**-149 with m = 2**p / ms, p = 299 - e.
     ms = (mag & U32(0x7FFFFF)) | _MIN_NORMAL
