@@ -786,8 +786,10 @@ def train_run(run: Run, cfg: Config, data: ByteData, params0, out: pathlib.Path,
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 evaluate(step)
             stop = args.stop_after is not None and done_here >= args.stop_after
-            # Time to reach the next sync point, evaluate, checkpoint, plot and exit.
-            reserve = (2 * (ckpt_s or 10.0) + 2 * cfg.log_every * (step_s or 1.0)
+            # Time to reach the next sync point, evaluate, checkpoint, plot and exit (before
+            # the first timed segment the step time is unknown: the steps so far include
+            # compilation, so they would overstate it many times).
+            reserve = (2 * (ckpt_s or 10.0) + 2 * cfg.log_every * (step_s or 0.0)
                        + 2 * eval_s + 15.0)
             if not stop and step < cfg.steps and not deadline.allows(reserve):
                 stop = True

@@ -340,6 +340,9 @@ def test_cpu_device_events():
      "custom-call:jax_fp8_transpose_bytes"),
     ("void jax_fp8::QuantizeTransposeKernel<__nv_bfloat16>", "custom-call:jax_fp8_quantize_transpose"),
     ("jax_fp8_update.10", "custom-call:jax_fp8_update"),
+    ("void jax_fp8::(anonymous namespace)::BlockQuantizeKernel<__nv_bfloat16, "
+     "(jax_fp8::Fp8Type)0, false>(jax_fp8::BlockQuantizeArgs)", "custom-call:jax_fp8_block_quantize"),
+    ("void jax_fp8::BlockGemmFallbackKernel<float>", "custom-call:jax_fp8_block_gemm"),
     ("while.3", "other"),
 ])
 def test_kernel_family(name, family):

@@ -137,7 +137,7 @@ def test_dot_general_close_to_full_precision_with_calibrated_scales():
 
 
 def test_dot_general_uses_fp8_operands_in_both_passes():
-    x, w = rand(0, (8, 16)), rand(1, (16, 4))
+    x, w = rand(0, (16, 32)), rand(1, (32, 16))  # sizes FP8 GEMMs take
     f = lambda x, w, m: jnp.sum(jax_fp8.fp8_dot_general(x, w, DN, m)[0])  # noqa: E731
     hlo = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(x, w, meta_with()).as_text()
     dots = [line for line in hlo.splitlines() if "stablehlo.dot_general" in line]
@@ -412,7 +412,7 @@ def test_every_fp8_gemm_result_is_scaled_by_one_scalar_multiply_in_its_own_dtype
     used once; anything else (a convert in between) leaves the multiply to the next
     fusion, which on the H200 made XLA fuse LayerNorm's backward 3x slower. Checked on
     the lowered program of a forward + backward, for all three FP8 GEMMs."""
-    x, w = jnp.ones((16, 32), dtype), jnp.ones((32, 24), dtype)
+    x, w = jnp.ones((16, 32), dtype), jnp.ones((32, 48), dtype)  # multiples of 16: FP8 GEMMs
 
     def loss(x, w, m):
         y, _ = jax_fp8.fp8_dot_general(x, w, DN, m)

@@ -58,6 +58,27 @@ def test_float16_dot_general_does_not_overflow_once_scales_adapt():
             np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0.05)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shapes", [((2, 8), (8, 4)), ((32, 64), (64, 32))])
+def test_fp8_gemm_at_fp8_max_is_finite_at_every_size(dtype, shapes):
+    # XLA:GPU widens the FP8 operands of a GEMM it cannot run in FP8 (2x8x4) to float16
+    # for a float32 result, where 448 * 448 * 8 overflows; jax_fp8 widens them itself.
+    x, w = jnp.full(shapes[0], 100, dtype), jnp.ones(shapes[1], dtype)
+    k, n = shapes[1]
+    meta = jax_fp8.Fp8Meta.create(R16)
+    step = jax.jit(lambda x, w, meta: jax.value_and_grad(
+        lambda x, w, meta: jnp.sum(jax_fp8.fp8_dot_general(x, w, DN, meta)[0]
+                                   .astype(jnp.float32)), argnums=(0, 1, 2))(x, w, meta))
+    for i in range(3):  # from step 1 on, the scales put x and w at fp8_max
+        loss, (dx, dw, dm) = step(x, w, meta)
+        meta = jax_fp8.new_fp8_state(meta, dm, R16)
+        m = x.shape[0]
+        for got, want in ((loss, 100.0 * m * k * n), (dx, float(n)), (dw, 100.0 * m)):
+            got = np.asarray(got, np.float32)
+            assert np.all(np.isfinite(got)), (i, got)
+            np.testing.assert_allclose(got, want, rtol=0.05)  # E4M3 rounds 100 to 96
+
+
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 def test_flax_dense_trains_in_float16_as_in_bfloat16(dtype):
     model = nn.Sequential([nn.Dense(32, dtype=dtype, dot_general_cls=DG), nn.relu,

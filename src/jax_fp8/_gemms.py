@@ -115,18 +115,23 @@ def gemm_sizes(a_shape, b_shape, dimension_numbers):
                                      (a_shape, a_c)))
 
 
-def keep_fp8(q_a, q_b, dimension_numbers):
+def keep_fp8(q_a, q_b, dimension_numbers, out_dtype):
     """q_a, q_b as the GEMM must see them. Where XLA:GPU runs no FP8 GEMM (a size not a
-    multiple of 16, or two E5M2 operands) it widens the FP8 operands, and its default
-    excess precision (``xla_allow_excess_precision``) then folds the widening into the
-    quantization, dropping the FP8 rounding (``f32 -> f8 -> bf16`` becomes ``f32 ->
-    bf16``): a result closer to the unquantized product, not the FP8 one, and different
-    from the same call run eagerly. An optimization barrier keeps the FP8 values there;
-    sizes the FP8 GEMM takes (every multiple of 16) go straight in."""
+    multiple of 16, or two E5M2 operands) it widens the FP8 operands itself, and two
+    things go wrong there: its default excess precision (``xla_allow_excess_precision``)
+    folds the widening into the quantization, dropping the FP8 rounding (``f32 -> f8 ->
+    bf16`` becomes ``f32 -> bf16``: a result closer to the unquantized product, and
+    different from the same call run eagerly); and for a float32 result it widens to
+    float16 and overflows (a 2x8x4 product of 448s gives inf). Here an optimization barrier
+    keeps the FP8 values and they are widened explicitly, exactly, to bfloat16 for a
+    bfloat16 result and to float32 otherwise; sizes the FP8 GEMM takes (every multiple of
+    16) go straight in."""
     _, *sizes = gemm_sizes(q_a.shape, q_b.shape, dimension_numbers)
     both_e5m2 = np.dtype(q_a.dtype) == np.dtype(q_b.dtype) == np.dtype(jnp.float8_e5m2)
     if both_e5m2 or any(d % 16 for d in sizes):
-        return lax.optimization_barrier((q_a, q_b))
+        wide = jnp.bfloat16 if np.dtype(out_dtype) == np.dtype(jnp.bfloat16) else jnp.float32
+        q_a, q_b = lax.optimization_barrier((q_a, q_b))
+        return q_a.astype(wide), q_b.astype(wide)
     return q_a, q_b
 
 
@@ -146,7 +151,7 @@ def gemm(q_a, q_b, dimension_numbers, scale_inv_a, scale_inv_b, out_dtype, preci
     """
     out_dtype = np.dtype(out_dtype)
     factor = scale_inv_a * scale_inv_b
-    q_a, q_b = keep_fp8(q_a, q_b, dimension_numbers)
+    q_a, q_b = keep_fp8(q_a, q_b, dimension_numbers, out_dtype)
     if out_dtype in _DIRECT_OUT:
         out = lax.dot_general(q_a, q_b, dimension_numbers, precision=precision,
                               preferred_element_type=out_dtype, out_sharding=out_sharding)

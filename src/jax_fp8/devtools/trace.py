@@ -39,7 +39,9 @@ _DERIVED = re.compile(r"XLA Ops|XLA Modules|XLA TraceMe|Framework|TensorFlow|Ste
 _DEVICE = re.compile(r"/device:(GPU|TPU)")
 # jax_fp8's CUDA kernels -> their custom-call targets.
 _OWN_KERNELS = {"UpdateKernel": "jax_fp8_update", "TransposeBytesKernel": "jax_fp8_transpose_bytes",
-                "QuantizeTransposeKernel": "jax_fp8_quantize_transpose"}
+                "QuantizeTransposeKernel": "jax_fp8_quantize_transpose",
+                "BlockQuantizeKernel": "jax_fp8_block_quantize",
+                "BlockGemmFallbackKernel": "jax_fp8_block_gemm"}
 _FAMILY_RULES = (
     ("gemm", re.compile(r"nvjet|cublas|cutlass|xmma|gemm|matmul|^dot[._\d]|^dot$", re.I)),
     ("collective", re.compile(r"nccl|all.?reduce|all.?gather|reduce.?scatter|all.?to.?all|"
