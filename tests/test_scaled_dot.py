@@ -196,3 +196,48 @@ def test_eight_devices_equal_one_device():
     results = helpers.run_8_device_worker("scaled_dot_worker.py")
     bad = {k: v for k, v in results.items() if v != "ok"}
     assert results and not bad, "\n\n".join(f"{k}:\n{v}" for k, v in bad.items())
+
+
+def _block_step(x, w):
+    """jit(value_and_grad) of a block-scaled fp8_dot_general x [M, K] . w [K, N]."""
+    meta = jax_fp8.Fp8Meta.create(RECIPES["block"])
+
+    def loss(x, w):
+        return jnp.sum(jax_fp8.fp8_dot_general(x, w, DENSE, meta)[0].astype(F32))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+
+def _count(jaxpr, counts):
+    for eqn in jaxpr.eqns:
+        counts[eqn.primitive.name] = counts.get(eqn.primitive.name, 0) + 1
+        for p in eqn.params.values():
+            inner = getattr(p, "jaxpr", p)
+            if hasattr(inner, "eqns"):
+                _count(inner, counts)
+    return counts
+
+
+def test_block_scaled_step_is_three_quantizations_and_three_block_gemms():
+    """Forward and both gradients: x, w and the gradient are each quantized once (one
+    pass gives both layouts), and the three GEMMs are block-scaled GEMMs, no plain dot."""
+    x, w = jnp.ones((256, 512), jnp.bfloat16), jnp.ones((512, 384), jnp.bfloat16)
+    counts = _count(jax.make_jaxpr(_block_step(x, w))(x, w).jaxpr, {})
+    assert counts.get("jax_fp8_block_quantize") == 3, counts
+    assert counts.get("jax_fp8_block_gemm") == 3, counts
+    assert "dot_general" not in counts, counts
+
+
+@pytest.mark.gpu
+def test_gpu_block_scaled_step_runs_its_kernels_and_no_dequantized_copy(gpu_device):
+    """On the GPU the compiled step runs one block-quantize kernel per tensor and one
+    cuBLASLt block-scaled GEMM per GEMM, and holds no float32 copy of an operand (what
+    the reference path, dequantize then dot, would make)."""
+    x, w = (jax.device_put(jnp.ones(s, jnp.bfloat16), gpu_device)
+            for s in ((256, 512), (512, 384)))
+    hlo = _block_step(x, w).lower(x, w).compile().as_text()
+    assert hlo.count('custom_call_target="jax_fp8_block_quantize"') == 3, hlo
+    assert hlo.count('custom_call_target="jax_fp8_block_gemm"') == 3, hlo
+    # x [256, 512] and its column-wise copy, w as [512, 384] and [384, 512], the
+    # gradient's column-wise copy [384, 256] (the loss's own f32 [256, 384] is allowed)
+    for shape in ("256,512", "512,256", "512,384", "384,512", "384,256"):
+        assert f"f32[{shape}]" not in hlo, shape
