@@ -29,7 +29,10 @@ bf16's non-GEMM time; and from the compiled HLO the FP8 GEMMs, custom calls and
 jax_fp8_update calls (jax_fp8 variants: exactly one, checked).
 
 The compile time in one process is the later variants' with XLA's autotuning results
-of the earlier ones; --compile-fresh compiles each variant again in a fresh process.
+of the earlier ones; --compile-fresh compiles each variant again in a fresh process;
+--compile-cache DIR does that with JAX's persistent compilation cache and XLA's GPU
+autotune cache in DIR/<size>_<variant> (emptied first), then once more in another fresh
+process: what the caches save a second run.
 
 Progress goes to stderr, the markdown report to stdout; OUTDIR/results.json and
 results.md are rewritten after every variant (an interrupted run keeps what it
@@ -39,6 +42,7 @@ Examples:
   python bench/bench_train_step.py                               # 3 sizes x 4 variants
   python bench/bench_train_step.py --sizes 2048x24x4096 --variants bf16,jax_fp8
   python bench/bench_train_step.py --compile-fresh --compile-only  # cold compile times
+  python bench/bench_train_step.py --compile-fresh --compile-only --compile-cache /tmp/cc
   python bench/bench_train_step.py --cpu-smoke                    # seconds, on CPU
 """
 
@@ -52,6 +56,7 @@ import json
 import math
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -417,14 +422,23 @@ def fresh_row(variant, size, fresh):
     return r
 
 
-def fresh_compile(variant, size, args):
-    """Compiles the variant's step in a fresh Python process (no autotuning results or
-    compilation cache from other compiles); returns that process's result dict."""
+def fresh_compile(variant, size, args, cache_dir=None):
+    """Compiles the variant's step in a fresh Python process; returns that process's
+    result dict. Without ``cache_dir`` no autotuning results or compilation cache of
+    other compiles reach it; with it, JAX's persistent compilation cache (every compile
+    kept) and XLA's GPU autotune cache live there."""
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
                JAX_ENABLE_COMPILATION_CACHE="false")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     cached = re.compile(r"--xla_gpu_(per_fusion_autotune_cache_dir|load_autotune_results_from)")
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not cached.match(f)]
+    if cache_dir is not None:
+        env.update(JAX_ENABLE_COMPILATION_CACHE="true", JAX_COMPILATION_CACHE_DIR=cache_dir,
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+        # (a flag every XLA takes; only XLA:GPU autotunes. The backend is not started
+        # here: this process must not take the device's memory before the children run.)
+        flags.append(f"--xla_gpu_per_fusion_autotune_cache_dir={cache_dir}/autotune")
     env["XLA_FLAGS"] = " ".join(flags)
     if args.cpu_smoke:
         env["JAX_PLATFORMS"] = "cpu"
@@ -435,6 +449,20 @@ def fresh_compile(variant, size, args):
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"fresh compile exited {proc.returncode}: {proc.stderr[-1500:]}")
     return json.loads(lines[-1][len("COMPILE_RESULT "):])
+
+
+def cold_and_cached_compile(variant, size, args):
+    """fresh_compile's result; with --compile-cache also "cached_compile_s", the compile
+    time of a second fresh process that finds the first one's caches."""
+    if args.compile_cache is None:
+        return fresh_compile(variant, size, args)
+    cache_dir = os.path.join(os.path.abspath(args.compile_cache),
+                             f"{size_key(size)}_{variant.name}")
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    out = fresh_compile(variant, size, args, cache_dir)
+    if "compile_s" in out:
+        out["cached_compile_s"] = fresh_compile(variant, size, args, cache_dir)["compile_s"]
+    return out
 
 
 def child_compile(args):
@@ -519,15 +547,17 @@ def markdown(data):
              "the XLA op time); pipelined: wall time per step, steps dispatched back to back; "
              "blocked: median wall time of steps each followed by block_until_ready; × > 1 is "
              "faster; compile: in this process (later variants reuse earlier autotuning), "
-             "fresh: in a new process; temp: the compiled step's temporary buffers; FP8 GEMM "
+             "fresh: in a new process; cached: in a second new process that finds the first "
+             "one's compilation and autotune caches (--compile-cache); temp: the compiled "
+             "step's temporary buffers; FP8 GEMM "
              "floor: the FP8 GEMM kernels' time per step."]
     for key, per in data["derived"].items():
         rows = [r for r in data["results"] if r["size"] == key]
         d, blocks, tokens = key.split("x")
         lines += ["", f"## d = {d}, {blocks} blocks, {tokens} tokens", "",
                   "| variant | device ms | × bf16 | × Flax FP8 | pipelined ms | × bf16 | "
-                  "× Flax FP8 | blocked ms | compile s | fresh compile s | temp GiB |",
-                  "|---|" + "---:|" * 10]
+                  "× Flax FP8 | blocked ms | compile s | fresh compile s | cached compile s | "
+                  "temp GiB |", "|---|" + "---:|" * 11]
         for r in rows:
             e = per.get(r["variant"], {})
             cells = [r["label"]]
@@ -539,6 +569,7 @@ def markdown(data):
             cells += [common.fmt(r.get("blocked_ms"), "{:.3f}"),
                       common.fmt(r.get("compile_s"), "{:.1f}"),
                       common.fmt(r.get("compile_fresh_s"), "{:.1f}"),
+                      common.fmt(r.get("compile_cached_s"), "{:.1f}"),
                       common.fmt(None if temp is None else temp / gib)]
             lines.append("| " + " | ".join(cells) + " |")
         lines += ["", "| variant | GEMM ms | FP8 GEMM floor ms | device / floor | non-GEMM ms | "
@@ -617,6 +648,10 @@ def build_parser():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile-fresh", action="store_true",
                    help="also compile every variant in a fresh process (cold compile time)")
+    p.add_argument("--compile-cache", metavar="DIR", default=None,
+                   help="with --compile-fresh: the fresh compile with JAX's compilation cache "
+                        "and XLA's autotune cache in DIR/<size>_<variant> (emptied first), "
+                        "then a second fresh process that finds them (cached compile time)")
     p.add_argument("--compile-only", action="store_true",
                    help="compile and inspect the steps, run none")
     p.add_argument("--cpu-smoke", action="store_true",
@@ -645,6 +680,8 @@ def _finalize(args, argv):
                 setattr(args, name, value)
     if args.steps < 1:
         raise SystemExit("--steps must be >= 1")
+    if args.compile_cache is not None and not args.compile_fresh:
+        raise SystemExit("--compile-cache needs --compile-fresh")
     args.warmup, args.trace_steps = max(0, args.warmup), max(0, args.trace_steps)
     return args
 
@@ -658,6 +695,8 @@ def measure_variant(variant, size, args, x, y, platform, progress, fresh):
     else:
         r = measure(variant, size, args, x, y, platform, progress)
     r.update({f"{k}_fresh_s": fresh[f"{k}_s"] for k in ("lower", "compile") if f"{k}_s" in fresh})
+    if "cached_compile_s" in fresh:
+        r["compile_cached_s"] = fresh["cached_compile_s"]
     errors = []
     if "error" in fresh:  # (the in-process measurement went on)
         r["compile_fresh_error"] = fresh["error"]
@@ -682,13 +721,15 @@ def run(argv=None):
             for size, v in plan:
                 progress.status(f"{size_key(size)} {v.name}: fresh compile")
                 try:
-                    fresh[(size, v.name)] = fresh_compile(v, size, args)
+                    fresh[(size, v.name)] = cold_and_cached_compile(v, size, args)
                 except Exception as err:  # noqa: BLE001
                     fresh[(size, v.name)] = {"error": f"{type(err).__name__}: {err}"}
                 out = fresh[(size, v.name)]
                 progress.advance(f"{size_key(size)} {v.name}: fresh compile " + (
                     f"{out['compile_s']:.1f} s" if "compile_s" in out else
-                    f"skipped: {out['skip']}" if "skip" in out else f"FAILED: {out['error']}"))
+                    f"skipped: {out['skip']}" if "skip" in out else f"FAILED: {out['error']}")
+                    + (f", cached {out['cached_compile_s']:.1f} s"
+                       if "cached_compile_s" in out else ""))
         platform = common.platform_name()
         meta = common.environment(__file__, argv)
         meta.update(flax_version=flax.__version__, optax_version=optax.__version__,
@@ -697,6 +738,7 @@ def run(argv=None):
                               "warmup": args.warmup, "trace_steps": args.trace_steps,
                               "history_len": args.history_len, "lr": args.lr,
                               "compile_fresh": args.compile_fresh,
+                              "compile_cache": args.compile_cache is not None,
                               "compile_only": args.compile_only})
         runs = common.Runs(meta, args.outdir, derive, markdown, t_all)
         progress.log(f"train step: {meta['device']} ({platform}), jax {meta['jax_version']}, "

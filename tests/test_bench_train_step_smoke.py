@@ -82,3 +82,23 @@ def test_compile_fresh_compiles_in_a_new_process(tmp_path):
     assert r["compile_s"] is None and "device_ms" not in r     # nothing else compiled or ran
     assert r["hlo"]["jax_fp8_update"] == int(jax_fp8.HAS_CPU_KERNEL) and r["state_arrays"]
     assert "[1/2] 32x1x32 jax_fp8: fresh compile" in proc.stderr
+
+
+def test_compile_cache_times_a_second_process_that_finds_the_first_ones_cache(tmp_path):
+    cache = tmp_path / "cache"
+    (cache / "32x1x32_bf16").mkdir(parents=True)
+    (cache / "32x1x32_bf16" / "stale").write_text("emptied before the cold compile")
+    proc = run_bench("--variants", "bf16", "--compile-fresh", "--compile-only",
+                     "--compile-cache", str(cache), "--outdir", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    (r,) = json.loads((tmp_path / "out" / "results.json").read_text())["results"]
+    assert r["compile_fresh_s"] > 0 and r["compile_cached_s"] > 0
+    entries = os.listdir(cache / "32x1x32_bf16")
+    assert "stale" not in entries
+    assert any(e.startswith("jit_plain_step") for e in entries), entries  # the step, cached
+    assert "cached compile s" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_compile_cache_needs_compile_fresh(tmp_path):
+    proc = run_bench("--compile-cache", str(tmp_path), "--outdir", str(tmp_path))
+    assert proc.returncode != 0 and "--compile-cache needs --compile-fresh" in proc.stderr
