@@ -108,8 +108,8 @@ def gemm_sizes(a_shape, b_shape, dimension_numbers):
     """(batch, M, N, K) of ``lax.dot_general(a, b, dimension_numbers)``: the products of
     the batch axes, of a's and b's free axes and of the contracting axes."""
     (a_c, b_c), (a_b, b_b) = dimension_numbers
-    a_free = [i for i in range(len(a_shape)) if i not in a_c and i not in a_b]
-    b_free = [i for i in range(len(b_shape)) if i not in b_c and i not in b_b]
+    a_free = remaining(range(len(a_shape)), a_c, a_b)
+    b_free = remaining(range(len(b_shape)), b_c, b_b)
     return tuple(math.prod(shape[i] for i in axes)
                  for shape, axes in ((a_shape, a_b), (a_shape, a_free), (b_shape, b_free),
                                      (a_shape, a_c)))
