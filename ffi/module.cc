@@ -9,6 +9,7 @@
 #if defined(JAX_FP8_CUDA_MODULE)
 #include "block_gemm_cuda.h"
 #include "block_quantize_cuda_handler.h"
+#include "split_cuda_handler.h"
 #include "transpose_cuda.h"
 #include "transpose_cuda_handler.h"
 #include "update_cuda_handler.h"
@@ -30,6 +31,8 @@ NB_MODULE(JAX_FP8_MODULE_NAME, m) {
         nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8TransposeBytesCuda));
     d["jax_fp8_quantize_transpose"] =
         nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8QuantizeTransposeCuda));
+    // GPU only: on the CPU a packed state's pieces are XLA slices (packing.py).
+    d["jax_fp8_split_rows"] = nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8SplitRowsCuda));
     // GPU only: elsewhere the blockwise primitives lower to jax.numpy (_primitives/block_*.py).
     d["jax_fp8_block_quantize"] =
         nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8BlockQuantizeCuda));

@@ -115,3 +115,83 @@ def test_packed_train_state_trains_bit_equal_to_unpacked(on_cpu):
     # The scales moved: the amaxes reached the packed rows.
     assert all(float(np.min(np.asarray(g.amax_history)[:, -1])) > 0 for g in packed.fp8.groups)
     assert packed.variables()[FP8_COLLECTION] is not None
+
+
+# ----------------------------------------------------------------- the split of the scales
+
+SPLIT = 'custom_call_target="jax_fp8_split_rows"'
+
+
+def _split_cases(rng, pieces):
+    """(values, sizes): every float32 class (NaN payloads, infinities, subnormals, -0), and
+    piece sizes with zeros and a long piece; on the GPU more non-empty pieces than one
+    launch describes (2,040)."""
+    sizes = [0, 0] + list(rng.integers(1, 4, size=pieces)) + [3000, 0, 1]
+    bits = rng.integers(0, 2**32, size=sum(sizes), dtype=np.uint64).astype(np.uint32)
+    bits[:8] = [0x7FC00001, 0xFFBFFFFF, 0x7F800000, 0xFF800000, 0x00000001, 0x807FFFFF,
+                0x80000000, 0x00000000]
+    return bits.view(np.float32), tuple(int(n) for n in sizes)
+
+
+def test_split_rows_is_slices(backend, device):
+    from jax_fp8._primitives import split
+
+    # (XLA:CPU compiles thousands of slices slowly; the slices are its own ops anyway.)
+    values, sizes = _split_cases(np.random.default_rng(3), 2100 if backend == "gpu" else 40)
+    a = jax.device_put(values, device)
+    fn = jax.jit(lambda a: split.split_rows(a, sizes))
+    got = fn(a)
+    start = 0
+    for piece, n in zip(got, sizes):
+        helpers.assert_bits_equal(np.asarray(piece), values[start:start + n], "split piece")
+        start += n
+    text = fn.lower(a).compile().as_text()
+    # One custom call on CUDA (ffi/split_cuda.cu); XLA's slices elsewhere.
+    assert text.count(SPLIT) == (1 if backend == "gpu" else 0)
+    # vmap, the gradient (a concatenation) and sizes of one piece: plain slices.
+    b = jnp.stack([a[:10], -a[:10]])
+    helpers.assert_bits_equal(np.asarray(jax.vmap(lambda r: split.split_rows(r, (4, 6))[1])(b)),
+                              np.asarray(b[:, 4:]), "vmap")
+    g = jax.grad(lambda r: sum(p.sum() * (i + 1) for i, p in
+                               enumerate(split.split_rows(r, (4, 0, 6)))))(jnp.ones(10))
+    np.testing.assert_array_equal(np.asarray(g), [1.0] * 4 + [3.0] * 6)
+
+
+def test_split_rows_refuses_what_it_cannot_split():
+    from jax_fp8._primitives import split
+
+    with pytest.raises(TypeError, match="sizes summing to R"):
+        split.split_rows_p.bind(jnp.ones(5), sizes=(2, 2))
+    # Other dtypes and ranks are XLA slices.
+    out = split.split_rows(jnp.ones((5, 2)), (2, 3))
+    assert [o.shape for o in out] == [(2, 2), (3, 2)]
+
+
+@pytest.mark.gpu
+def test_gpu_packed_step_reads_its_scales_from_one_split_per_vector(gpu_device):
+    """The packed train step on the GPU: its scale vectors reach the layers through one
+    jax_fp8_split_rows each (no fusion per state), and it trains bit-equal to the
+    per-tensor layout."""
+    rng = np.random.default_rng(4)
+    with jax.default_device(gpu_device):
+        x = jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)
+        y = jnp.tanh(x[:, :4])
+        model = MLP()
+        variables = jax.jit(model.init)(jax.random.key(0), x)
+        recipe = jax_fp8.DelayedScaling(history_len=8)
+        plain, packed = [Fp8TrainState.create(apply_fn=model.apply, variables=variables,
+                                              tx=optax.adam(1e-2), recipe=recipe, pack_fp8=pack)
+                         for pack in (False, True)]
+        step = jax.jit(lambda state: helpers.mse_fp8_step(state, x, y))
+        text = step.lower(packed).compile().as_text()
+        # Two groups (E4M3, E5M2); the step reads scale_inv of both and the E4M3 scales
+        # (XLA may drop a split whose pieces it does not use).
+        assert 1 <= text.count(SPLIT) <= 4, text.count(SPLIT)
+        assert text.count(TARGET) == 1
+        assert "jax_fp8_split_rows" not in step.lower(plain).compile().as_text()
+        for _ in range(4):
+            plain, loss_plain = step(plain)
+            packed, loss_packed = step(packed)
+            assert float(loss_plain) == float(loss_packed)
+    _bits_equal(packed.fp8.unpack(), plain.fp8)
+    _bits_equal(packed.params, plain.params)

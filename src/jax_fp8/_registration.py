@@ -15,7 +15,7 @@ import jax.export  # noqa: F401  (jax.export.DisabledSafetyCheck)
 FFI_TARGET = "jax_fp8_update"
 # Every custom-call target the library emits (the CUDA-only ones on GPUs).
 FFI_TARGETS = ("jax_fp8_update", "jax_fp8_transpose_bytes", "jax_fp8_quantize_transpose",
-               "jax_fp8_block_quantize", "jax_fp8_block_gemm")
+               "jax_fp8_block_quantize", "jax_fp8_block_gemm", "jax_fp8_split_rows")
 
 
 def _register(module_name: str, platform: str):

@@ -6,8 +6,8 @@ cost per array argument (about 15-30 µs on the H200 machine) makes that 3N-arra
 boundary cost milliseconds per step: 27 ms for 288 states there, as much as half the
 GPU time of a 50 ms step. `pack_states` gathers the states into one stacked
 `ScalingState` per (FP8 dtype, history length), i.e. 3 arrays per group, and
-`PackedStates.unpack()` hands the per-tensor states back *inside* the step (slices,
-which XLA fuses into their consumers). The fused update then runs on the stacked
+`PackedStates.unpack()` hands the per-tensor states back *inside* the step (row
+pieces of the packed arrays; on CUDA one custom call per packed scale vector). The fused update then runs on the stacked
 groups, which is also its fastest layout.
 
     fp8 = jax_fp8.pack_states(variables["fp8_meta"])       # outside jit, once
@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jax_fp8._primitives import split as split_lib
 from jax_fp8.state import ScalingState
 
 
@@ -106,13 +107,11 @@ def _split_rows(a, sizes):
 
     Its gradient is ONE concatenation of the blocks' cotangents, rather than what JAX
     would build for separate slices: a zero-padded [R, ...] array per block, summed
-    (O(blocks x R) work for a group of hundreds of states).
+    (O(blocks x R) work for a group of hundreds of states). The scale vectors split in
+    one custom call on CUDA (`_primitives/split.py`: no per-state fusion to launch or
+    autotune); the histories, which a step does not read, as slices.
     """
-    out, start = [], 0
-    for n in sizes:
-        out.append(jax.lax.slice_in_dim(a, start, start + n, axis=0))
-        start += n
-    return tuple(out)
+    return tuple(split_lib.split_rows(a, sizes))
 
 
 def _split_rows_fwd(a, sizes):

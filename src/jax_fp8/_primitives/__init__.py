@@ -2,6 +2,8 @@
 
 ``update``: the fused scaling update (``jax_fp8_update``); ``amax``: a tensor's amax
 with one all-reduce per step under sharding; ``layout``: FP8 byte transposes and the
-gradient's quantize + transpose; ``partition``: sharded updates; ``jnp_update``: the
-same update in jax.numpy; ``common``: shared helpers (eager execution, manual axes).
+gradient's quantize + transpose; ``partition``: sharded updates; ``split``: a packed
+state's scale vectors cut into one buffer per state (``jax_fp8_split_rows``);
+``block_quantize`` / ``block_gemm``: block scaling; ``jnp_update``: the same update in
+jax.numpy; ``common``: shared helpers (eager execution, manual axes).
 """

@@ -41,7 +41,8 @@ _DEVICE = re.compile(r"/device:(GPU|TPU)")
 _OWN_KERNELS = {"UpdateKernel": "jax_fp8_update", "TransposeBytesKernel": "jax_fp8_transpose_bytes",
                 "QuantizeTransposeKernel": "jax_fp8_quantize_transpose",
                 "BlockQuantizeKernel": "jax_fp8_block_quantize",
-                "BlockGemmFallbackKernel": "jax_fp8_block_gemm"}
+                "BlockGemmFallbackKernel": "jax_fp8_block_gemm",
+                "SplitRowsKernel": "jax_fp8_split_rows"}
 _FAMILY_RULES = (
     ("gemm", re.compile(r"nvjet|cublas|cutlass|xmma|gemm|matmul|^dot[._\d]|^dot$", re.I)),
     ("collective", re.compile(r"nccl|all.?reduce|all.?gather|reduce.?scatter|all.?to.?all|"
