@@ -36,7 +36,8 @@ process: what the caches save a second run.
 
 Progress goes to stderr, the markdown report to stdout; OUTDIR/results.json and
 results.md are rewritten after every variant (an interrupted run keeps what it
-measured), OUTDIR/train_step.png is drawn at the end (needs matplotlib).
+measured; the fresh compiles, which all run first, also go to OUTDIR/fresh_compiles.json
+one by one), OUTDIR/train_step.png is drawn at the end (needs matplotlib).
 
 Examples:
   python bench/bench_train_step.py                               # 3 sizes x 4 variants
@@ -664,7 +665,10 @@ def build_parser():
     p.add_argument("--outdir", default=os.path.join("out", "bench_train_step"),
                    help="results.json, results.md, train_step.png (default out/bench_train_step)")
     p.add_argument("--child-timeout", type=float, default=900, help=argparse.SUPPRESS)
-    p.add_argument("--child-compile", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--child-compile", action="store_true",
+                   help="compile the step of one size and variant from shapes in this process "
+                        "and print the result as one JSON line (what --compile-fresh runs in "
+                        "each new process; with XLA_FLAGS, e.g. to inspect XLA's autotuning)")
     return p
 
 
@@ -725,6 +729,11 @@ def run(argv=None):
                 except Exception as err:  # noqa: BLE001
                     fresh[(size, v.name)] = {"error": f"{type(err).__name__}: {err}"}
                 out = fresh[(size, v.name)]
+                # Kept as they come (a run cut short keeps them; results.json is written
+                # once this process may start the backend, after every fresh compile).
+                with open(os.path.join(args.outdir, "fresh_compiles.json"), "w") as f:
+                    json.dump({f"{size_key(sz)} {name}": r for (sz, name), r in fresh.items()},
+                              f, indent=1)
                 progress.advance(f"{size_key(size)} {v.name}: fresh compile " + (
                     f"{out['compile_s']:.1f} s" if "compile_s" in out else
                     f"skipped: {out['skip']}" if "skip" in out else f"FAILED: {out['error']}")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # compute-sanitizer (memcheck, racecheck, initcheck, synccheck) on jax_fp8's CUDA
-# kernels (the update, the FP8 transposes, block quantization and the block-scaled GEMM), through the real JAX path
+# kernels (the update, the FP8 transposes, block quantization, the block-scaled GEMM and
+# the packed state's split), through the real JAX path
 # (scripts/sanitize_driver.py). Only jax_fp8's kernels are instrumented (XLA's own are
 # filtered out). Needs a GPU, compute-sanitizer and jax_fp8 installed with its CUDA
 # kernels; scripts/gpu_checks.sh runs it as its "sanitize" section.
@@ -11,16 +12,18 @@ mkdir -p "$out"
 here=$(cd "$(dirname "$0")" && pwd)
 status=0
 # SANITIZE_TARGETS: "update" (UpdateKernel), "transpose" (TransposeBytesKernel,
-# QuantizeTransposeKernel), "block" (BlockQuantizeKernel, BlockGemmFallbackKernel) and
+# QuantizeTransposeKernel), "block" (BlockQuantizeKernel, BlockGemmFallbackKernel),
 # "block_all" (memcheck of every kernel the block driver runs: cuBLASLt's block-scaled GEMM
-# kernels reading and writing the buffers our handler passes them).
-for target in ${SANITIZE_TARGETS:-update transpose block block_all}; do
+# kernels reading and writing the buffers our handler passes them) and "split"
+# (SplitRowsKernel: a packed state's scale vectors cut into one buffer per state).
+for target in ${SANITIZE_TARGETS:-update transpose block block_all split}; do
   tools=${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}
   case $target in
     update) filter=(--kernel-name kns=UpdateKernel); driver=update; log_suffix="" ;;
     transpose) filter=(--kernel-name kns=Transpose); driver=transpose; log_suffix=_transpose ;;
     block) filter=(--kernel-name kns=Block); driver=block_kernels; log_suffix=_block ;;
     block_all) filter=(); driver=block; log_suffix=_block_all; tools=memcheck ;;
+    split) filter=(--kernel-name kns=SplitRowsKernel); driver=split; log_suffix=_split ;;
     *) echo "unknown target $target"; exit 2 ;;
   esac
   for tool in $tools; do

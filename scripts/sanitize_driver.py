@@ -1,6 +1,6 @@
 """Drives jax_fp8's CUDA kernels through the real JAX path, for compute-sanitizer.
 
-Run by scripts/sanitize.sh (``python scripts/sanitize_driver.py [transpose|block]``).
+Run by scripts/sanitize.sh (``python scripts/sanitize_driver.py [transpose|block|split]``).
 
 Covers: a donated (aliased, in-place) per-tensor pytree, a stacked state, mixed
 history lengths (1 .. 5000, several passes per block), skip_unused, amax inputs, and
@@ -11,7 +11,8 @@ transpose + amax), tile edges and batches. With "block" (or "block_kernels", wit
 cuBLASLt's GEMM): the block quantization kernel
 (both block shapes, both layouts, both scale layouts, every input type, edge tiles, NaN
 and inf tiles, a batch) and the block-scaled GEMM's custom call (cuBLASLt's kernel and the
-handler's own fallback kernel, 1x128 and 128x128 operands, ragged M/N/K).
+handler's own fallback kernel, 1x128 and 128x128 operands, ragged M/N/K). With "split":
+the kernel that cuts a packed state's scale vectors into one buffer per state.
 """
 
 import sys
@@ -51,6 +52,17 @@ if sys.argv[1:] == ["transpose"]:
                 # (Compared on the host: a comparison on the device would be an XLA
                 # kernel's output, which initcheck does not track.)
                 assert np.asarray(amax) == np.abs(np.asarray(x, np.float32)).max(), (shape, dtype)
+    print("sanitize driver done")
+    sys.exit(0)
+if sys.argv[1:] == ["split"]:
+    # The packed state's split: empty pieces, one launch's worth and more (2,040 pieces
+    # per launch), a long piece; bits checked on the host.
+    from jax_fp8._primitives import split
+
+    for sizes in [(1, 0, 3), tuple(range(1, 65)), (2,) * 2100 + (5000, 0, 1)]:
+        values = rng.standard_normal(sum(sizes)).astype(np.float32)
+        pieces = split.split_rows_p.bind(jax.device_put(values), sizes=sizes)
+        assert np.array_equal(np.concatenate([np.asarray(p) for p in pieces]), values), sizes
     print("sanitize driver done")
     sys.exit(0)
 if sys.argv[1:] in (["block"], ["block_kernels"]):

@@ -82,6 +82,8 @@ def test_compile_fresh_compiles_in_a_new_process(tmp_path):
     assert r["compile_s"] is None and "device_ms" not in r     # nothing else compiled or ran
     assert r["hlo"]["jax_fp8_update"] == int(jax_fp8.HAS_CPU_KERNEL) and r["state_arrays"]
     assert "[1/2] 32x1x32 jax_fp8: fresh compile" in proc.stderr
+    kept = json.loads((tmp_path / "fresh_compiles.json").read_text())  # as they came
+    assert kept["32x1x32 jax_fp8"]["compile_s"] == r["compile_fresh_s"]
 
 
 def test_compile_cache_times_a_second_process_that_finds_the_first_ones_cache(tmp_path):
