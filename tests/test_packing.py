@@ -2,8 +2,9 @@
 
 Round trip, the fused update on a packed tree (bit-equal to the unpacked one, one
 custom call, 3 arrays per group), and Fp8TrainState(pack_fp8=True) training bit-equal
-to the unpacked train state, with the amaxes reaching the packed rows through the
-gradient of the unpacking slices.
+to the unpacked train state (on CPU and GPU), with the amaxes reaching the packed rows
+through the gradient of the unpacking; the split of the scale vectors (one custom call
+on CUDA) against slices.
 """
 
 import flax.linen as nn
@@ -18,6 +19,7 @@ import jax_fp8
 from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8TrainState
 
 TARGET = 'custom_call_target="jax_fp8_update"'
+SPLIT = 'custom_call_target="jax_fp8_split_rows"'
 
 
 def _mixed_tree(rng):
@@ -82,34 +84,34 @@ class MLP(nn.Module):
         return x
 
 
-@pytest.fixture
-def on_cpu():
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
-
-
-def test_packed_train_state_trains_bit_equal_to_unpacked(on_cpu):
+def test_packed_train_state_trains_bit_equal_to_unpacked(backend, device):
+    """On CUDA the packed step's scale vectors also reach the layers through one
+    jax_fp8_split_rows each (no fusion per state)."""
     rng = np.random.default_rng(2)
-    x = jnp.asarray(rng.standard_normal((32, 8)), jnp.float32)
-    y = jnp.tanh(x[:, :4])
-    model = MLP()
-    variables = jax.jit(model.init)(jax.random.key(0), x)
-    recipe = jax_fp8.DelayedScaling(history_len=8)
-    states = [Fp8TrainState.create(apply_fn=model.apply, variables=variables,
-                                   tx=optax.adam(1e-2), recipe=recipe, pack_fp8=pack)
-              for pack in (False, True)]
-    plain, packed = states
-    # 3 layers x (input, kernel: e4m3; grad: e5m2), history 8: two groups, 6 arrays.
-    assert len(jax.tree.leaves(packed.fp8)) == 6 and len(jax.tree.leaves(plain.fp8)) == 27
+    with jax.default_device(device):
+        x = jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)
+        y = jnp.tanh(x[:, :4])
+        model = MLP()
+        variables = jax.jit(model.init)(jax.random.key(0), x)
+        recipe = jax_fp8.DelayedScaling(history_len=8)
+        plain, packed = [Fp8TrainState.create(apply_fn=model.apply, variables=variables,
+                                              tx=optax.adam(1e-2), recipe=recipe, pack_fp8=pack)
+                         for pack in (False, True)]
+        # 3 layers x (input, kernel: e4m3; grad: e5m2), history 8: two groups, 6 arrays.
+        assert len(jax.tree.leaves(packed.fp8)) == 6 and len(jax.tree.leaves(plain.fp8)) == 27
 
-    step = jax.jit(lambda state: helpers.mse_fp8_step(state, x, y))
-
-    text = step.lower(packed).compile().as_text()
-    assert text.count(TARGET) == 1
-    for _ in range(4):
-        plain, loss_plain = step(plain)
-        packed, loss_packed = step(packed)
-        assert float(loss_plain) == float(loss_packed)
+        step = jax.jit(lambda state: helpers.mse_fp8_step(state, x, y))
+        text = step.lower(packed).compile().as_text()
+        assert text.count(TARGET) == 1
+        # Two groups (E4M3, E5M2); the step reads scale_inv of both and the E4M3 scales
+        # (XLA may drop a split whose pieces it does not use).
+        splits = text.count(SPLIT)
+        assert (1 <= splits <= 4) if backend == "gpu" else splits == 0, splits
+        assert SPLIT not in step.lower(plain).compile().as_text()
+        for _ in range(4):
+            plain, loss_plain = step(plain)
+            packed, loss_packed = step(packed)
+            assert float(loss_plain) == float(loss_packed)
     _bits_equal(packed.fp8.unpack(), plain.fp8)
     _bits_equal(packed.params, plain.params)
     # The scales moved: the amaxes reached the packed rows.
@@ -118,8 +120,6 @@ def test_packed_train_state_trains_bit_equal_to_unpacked(on_cpu):
 
 
 # ----------------------------------------------------------------- the split of the scales
-
-SPLIT = 'custom_call_target="jax_fp8_split_rows"'
 
 
 def _split_cases(rng, pieces):
@@ -165,33 +165,3 @@ def test_split_rows_refuses_what_it_cannot_split():
     # Other dtypes and ranks are XLA slices.
     out = split.split_rows(jnp.ones((5, 2)), (2, 3))
     assert [o.shape for o in out] == [(2, 2), (3, 2)]
-
-
-@pytest.mark.gpu
-def test_gpu_packed_step_reads_its_scales_from_one_split_per_vector(gpu_device):
-    """The packed train step on the GPU: its scale vectors reach the layers through one
-    jax_fp8_split_rows each (no fusion per state), and it trains bit-equal to the
-    per-tensor layout."""
-    rng = np.random.default_rng(4)
-    with jax.default_device(gpu_device):
-        x = jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)
-        y = jnp.tanh(x[:, :4])
-        model = MLP()
-        variables = jax.jit(model.init)(jax.random.key(0), x)
-        recipe = jax_fp8.DelayedScaling(history_len=8)
-        plain, packed = [Fp8TrainState.create(apply_fn=model.apply, variables=variables,
-                                              tx=optax.adam(1e-2), recipe=recipe, pack_fp8=pack)
-                         for pack in (False, True)]
-        step = jax.jit(lambda state: helpers.mse_fp8_step(state, x, y))
-        text = step.lower(packed).compile().as_text()
-        # Two groups (E4M3, E5M2); the step reads scale_inv of both and the E4M3 scales
-        # (XLA may drop a split whose pieces it does not use).
-        assert 1 <= text.count(SPLIT) <= 4, text.count(SPLIT)
-        assert text.count(TARGET) == 1
-        assert "jax_fp8_split_rows" not in step.lower(plain).compile().as_text()
-        for _ in range(4):
-            plain, loss_plain = step(plain)
-            packed, loss_packed = step(packed)
-            assert float(loss_plain) == float(loss_packed)
-    _bits_equal(packed.fp8.unpack(), plain.fp8)
-    _bits_equal(packed.params, plain.params)
