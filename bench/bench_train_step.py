@@ -427,7 +427,8 @@ def fresh_compile(variant, size, args, cache_dir=None):
     """Compiles the variant's step in a fresh Python process; returns that process's
     result dict. Without ``cache_dir`` no autotuning results or compilation cache of
     other compiles reach it; with it, JAX's persistent compilation cache (every compile
-    kept) and XLA's GPU autotune cache live there."""
+    kept) lives there, and with it XLA's GPU autotune cache, which JAX's cache turns on in
+    DIR/xla_gpu_per_fusion_autotune_cache_dir (``jax_persistent_cache_enable_xla_caches``)."""
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
                JAX_ENABLE_COMPILATION_CACHE="false")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
@@ -436,10 +437,8 @@ def fresh_compile(variant, size, args, cache_dir=None):
     if cache_dir is not None:
         env.update(JAX_ENABLE_COMPILATION_CACHE="true", JAX_COMPILATION_CACHE_DIR=cache_dir,
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-        # (a flag every XLA takes; only XLA:GPU autotunes. The backend is not started
-        # here: this process must not take the device's memory before the children run.)
-        flags.append(f"--xla_gpu_per_fusion_autotune_cache_dir={cache_dir}/autotune")
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+                   JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES=AUTOTUNE_CACHE)
     env["XLA_FLAGS"] = " ".join(flags)
     if args.cpu_smoke:
         env["JAX_PLATFORMS"] = "cpu"
@@ -452,9 +451,18 @@ def fresh_compile(variant, size, args, cache_dir=None):
     return json.loads(lines[-1][len("COMPILE_RESULT "):])
 
 
+AUTOTUNE_CACHE = "xla_gpu_per_fusion_autotune_cache_dir"  # (JAX's name for it, and its folder)
+
+
+def autotuned_fusions(cache_dir) -> int:
+    """The fusions XLA:GPU autotuned into a cache folder: one file each (0 elsewhere)."""
+    return sum(len(files) for _, _, files in os.walk(os.path.join(cache_dir, AUTOTUNE_CACHE)))
+
+
 def cold_and_cached_compile(variant, size, args):
     """fresh_compile's result; with --compile-cache also "cached_compile_s", the compile
-    time of a second fresh process that finds the first one's caches."""
+    time of a second fresh process that finds the first one's caches, and
+    "autotuned_fusions", what the first one's autotuning left in the cache."""
     if args.compile_cache is None:
         return fresh_compile(variant, size, args)
     cache_dir = os.path.join(os.path.abspath(args.compile_cache),
@@ -462,6 +470,7 @@ def cold_and_cached_compile(variant, size, args):
     shutil.rmtree(cache_dir, ignore_errors=True)
     out = fresh_compile(variant, size, args, cache_dir)
     if "compile_s" in out:
+        out["autotuned_fusions"] = autotuned_fusions(cache_dir)
         out["cached_compile_s"] = fresh_compile(variant, size, args, cache_dir)["compile_s"]
     return out
 
@@ -549,7 +558,8 @@ def markdown(data):
              "blocked: median wall time of steps each followed by block_until_ready; × > 1 is "
              "faster; compile: in this process (later variants reuse earlier autotuning), "
              "fresh: in a new process; cached: in a second new process that finds the first "
-             "one's compilation and autotune caches (--compile-cache); temp: the compiled "
+             "one's compilation and autotune caches (--compile-cache; autotuned: the fusions "
+             "XLA:GPU autotuned into that cache); temp: the compiled "
              "step's temporary buffers; FP8 GEMM "
              "floor: the FP8 GEMM kernels' time per step."]
     for key, per in data["derived"].items():
@@ -558,7 +568,7 @@ def markdown(data):
         lines += ["", f"## d = {d}, {blocks} blocks, {tokens} tokens", "",
                   "| variant | device ms | × bf16 | × Flax FP8 | pipelined ms | × bf16 | "
                   "× Flax FP8 | blocked ms | compile s | fresh compile s | cached compile s | "
-                  "temp GiB |", "|---|" + "---:|" * 11]
+                  "autotuned | temp GiB |", "|---|" + "---:|" * 12]
         for r in rows:
             e = per.get(r["variant"], {})
             cells = [r["label"]]
@@ -571,6 +581,7 @@ def markdown(data):
                       common.fmt(r.get("compile_s"), "{:.1f}"),
                       common.fmt(r.get("compile_fresh_s"), "{:.1f}"),
                       common.fmt(r.get("compile_cached_s"), "{:.1f}"),
+                      common.fmt(r.get("autotuned_fusions"), "{:d}"),
                       common.fmt(None if temp is None else temp / gib)]
             lines.append("| " + " | ".join(cells) + " |")
         lines += ["", "| variant | GEMM ms | FP8 GEMM floor ms | device / floor | non-GEMM ms | "
@@ -701,6 +712,7 @@ def measure_variant(variant, size, args, x, y, platform, progress, fresh):
     r.update({f"{k}_fresh_s": fresh[f"{k}_s"] for k in ("lower", "compile") if f"{k}_s" in fresh})
     if "cached_compile_s" in fresh:
         r["compile_cached_s"] = fresh["cached_compile_s"]
+        r["autotuned_fusions"] = fresh.get("autotuned_fusions")
     errors = []
     if "error" in fresh:  # (the in-process measurement went on)
         r["compile_fresh_error"] = fresh["error"]
@@ -737,7 +749,8 @@ def run(argv=None):
                 progress.advance(f"{size_key(size)} {v.name}: fresh compile " + (
                     f"{out['compile_s']:.1f} s" if "compile_s" in out else
                     f"skipped: {out['skip']}" if "skip" in out else f"FAILED: {out['error']}")
-                    + (f", cached {out['cached_compile_s']:.1f} s"
+                    + (f", cached {out['cached_compile_s']:.1f} s, "
+                       f"{out['autotuned_fusions']} fusions autotuned"
                        if "cached_compile_s" in out else ""))
         platform = common.platform_name()
         meta = common.environment(__file__, argv)

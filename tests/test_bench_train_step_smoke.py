@@ -95,6 +95,7 @@ def test_compile_cache_times_a_second_process_that_finds_the_first_ones_cache(tm
     assert proc.returncode == 0, proc.stderr[-5000:]
     (r,) = json.loads((tmp_path / "out" / "results.json").read_text())["results"]
     assert r["compile_fresh_s"] > 0 and r["compile_cached_s"] > 0
+    assert r["autotuned_fusions"] == 0           # (only XLA:GPU autotunes)
     entries = os.listdir(cache / "32x1x32_bf16")
     assert "stale" not in entries
     assert any(e.startswith("jit_plain_step") for e in entries), entries  # the step, cached
