@@ -15,6 +15,7 @@
 #include "update_cuda_handler.h"
 #define JAX_FP8_HANDLER JaxFp8UpdateCuda
 #else
+#include "split_cpu.h"
 #include "update_cpu.h"
 #define JAX_FP8_HANDLER JaxFp8UpdateCpu
 #endif
@@ -31,7 +32,7 @@ NB_MODULE(JAX_FP8_MODULE_NAME, m) {
         nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8TransposeBytesCuda));
     d["jax_fp8_quantize_transpose"] =
         nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8QuantizeTransposeCuda));
-    // GPU only: on the CPU a packed state's pieces are XLA slices (packing.py).
+    // A packed state's scale vectors, one buffer per state (both platforms).
     d["jax_fp8_split_rows"] = nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8SplitRowsCuda));
     // GPU only: elsewhere the blockwise primitives lower to jax.numpy (_primitives/block_*.py).
     d["jax_fp8_block_quantize"] =
@@ -41,6 +42,8 @@ NB_MODULE(JAX_FP8_MODULE_NAME, m) {
         nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8BlockGemmInitializeCuda));
     gemm["execute"] = nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8BlockGemmCuda));
     d["jax_fp8_block_gemm"] = gemm;
+#else
+    d["jax_fp8_split_rows"] = nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8SplitRowsCpu));
 #endif
     return d;
   });

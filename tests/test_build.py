@@ -12,6 +12,7 @@ import jax_fp8
 
 def test_cpu_kernel_is_built_and_registered():
     assert jax_fp8.HAS_CPU_KERNEL, jax_fp8._registration.CPU_IMPORT_ERROR
+    assert jax_fp8._registration.CPU_TARGETS == {"jax_fp8_update", "jax_fp8_split_rows"}
 
 
 def test_cuda_kernel_is_built_where_nvcc_is():
@@ -20,3 +21,4 @@ def test_cuda_kernel_is_built_where_nvcc_is():
     if os.environ.get("JAX_FP8_CUDA", "AUTO").upper() == "OFF" or shutil.which("nvcc") is None:
         return
     assert jax_fp8.HAS_CUDA_KERNEL, jax_fp8._registration.CUDA_IMPORT_ERROR
+    assert jax_fp8._registration.CUDA_TARGETS == set(jax_fp8._registration.FFI_TARGETS)

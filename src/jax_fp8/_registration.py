@@ -22,14 +22,15 @@ def _register(module_name: str, platform: str):
     try:
         module = importlib.import_module(f"jax_fp8.{module_name}")
     except ImportError as err:  # not built, or its shared libraries are missing
-        return None, str(err)
-    for name, capsule in module.registrations().items():
+        return None, str(err), frozenset()
+    targets = module.registrations()
+    for name, capsule in targets.items():
         jax.ffi.register_ffi_target(name, capsule, platform=platform)
-    return module, None
+    return module, None, frozenset(targets)
 
 
-CPU_MODULE, CPU_IMPORT_ERROR = _register("_jax_fp8_cpu", "cpu")
-CUDA_MODULE, CUDA_IMPORT_ERROR = _register("_jax_fp8_cuda", "CUDA")
+CPU_MODULE, CPU_IMPORT_ERROR, CPU_TARGETS = _register("_jax_fp8_cpu", "cpu")
+CUDA_MODULE, CUDA_IMPORT_ERROR, CUDA_TARGETS = _register("_jax_fp8_cuda", "CUDA")
 HAS_CPU_KERNEL = CPU_MODULE is not None
 HAS_CUDA_KERNEL = CUDA_MODULE is not None
 

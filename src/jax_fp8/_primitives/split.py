@@ -3,12 +3,13 @@ state hands each layer its scales.
 
 ``split_rows(a, sizes)`` is ``[a[0:n0], a[n0:n0+n1], ...]``. As XLA slices, a train step
 on a packed state (`jax_fp8.pack_states`) gets one tiny fusion per state for the scales
-cuBLASLt's FP8 GEMMs take by pointer: hundreds of kernel launches per step, and on
-XLA:GPU each such fusion is also autotuned when the step compiles (about 0.1 s apiece,
-most of a d = 2048, 24-block step's compile time). On CUDA the primitive is one custom
-call (ffi/split_cuda.cu), one launch. Elsewhere, and under a multi-device jit (whose
-partitioner handles slices), it lowers to the slices themselves; the bits are a copy's
-everywhere.
+cuBLASLt's FP8 GEMMs take by pointer: hundreds of kernels per step, each of which XLA:GPU
+also autotunes (384 of the 446 autotuned fusions of the benchmark's d = 2048, 24-block
+step), and on the CPU hundreds of users of one operand, which made XLA:CPU compile the
+step about twice as long. The primitive is one custom call: on CUDA one launch
+(ffi/split_cuda.cu), on the CPU copies (ffi/split_cpu.cc). Other platforms, and a
+multi-device jit (whose partitioner handles slices), lower to the slices themselves; the
+bits are a copy's everywhere.
 """
 
 from __future__ import annotations
@@ -48,15 +49,19 @@ split_rows_p.def_abstract_eval(_abstract_eval)
 split_rows_p.def_impl(common.eager_impl(split_rows_p))
 
 
-def _cuda_lowering(ctx, a, *, sizes):
+def _kernel_lowering(ctx, a, *, sizes):
     if partition.needs_partitioning(ctx):
         return mlir.lower_fun(_slices, multiple_results=True)(ctx, a, sizes=sizes)
     return jax.ffi.ffi_lowering(TARGET)(ctx, a)
 
 
 mlir.register_lowering(split_rows_p, mlir.lower_fun(_slices, multiple_results=True))
-if _registration.HAS_CUDA_KERNEL:
-    mlir.register_lowering(split_rows_p, _cuda_lowering, platform="cuda")
+# (Where the built modules register the target: a module built from older sources keeps
+# the slices.)
+if TARGET in _registration.CPU_TARGETS:
+    mlir.register_lowering(split_rows_p, _kernel_lowering, platform="cpu")
+if TARGET in _registration.CUDA_TARGETS:
+    mlir.register_lowering(split_rows_p, _kernel_lowering, platform="cuda")
 
 
 def _batch(args, dims, *, sizes):
