@@ -7,8 +7,9 @@ boundary cost milliseconds per step: 27 ms for 288 states there, as much as half
 GPU time of a 50 ms step. `pack_states` gathers the states into one stacked
 `ScalingState` per (FP8 dtype, history length), i.e. 3 arrays per group, and
 `PackedStates.unpack()` hands the per-tensor states back *inside* the step (row
-pieces of the packed arrays; on CUDA one custom call per packed scale vector). The fused update then runs on the stacked
-groups, which is also its fastest layout.
+pieces of the packed arrays; one `jax_fp8_split_rows` custom call per packed scale
+vector). The fused update then runs on the stacked groups, which is also its fastest
+layout.
 
     fp8 = jax_fp8.pack_states(variables["fp8_meta"])       # outside jit, once
     ...                                                    # inside the step:
@@ -108,8 +109,8 @@ def _split_rows(a, sizes):
     Its gradient is ONE concatenation of the blocks' cotangents, rather than what JAX
     would build for separate slices: a zero-padded [R, ...] array per block, summed
     (O(blocks x R) work for a group of hundreds of states). The scale vectors split in
-    one custom call on CUDA (`_primitives/split.py`: no per-state fusion to launch or
-    autotune); the histories, which a step does not read, as slices.
+    one custom call (`_primitives/split.py`: no slice per state for XLA to fuse, launch
+    or autotune); the histories, which a step does not read, as slices.
     """
     return tuple(split_lib.split_rows(a, sizes))
 
