@@ -78,6 +78,7 @@ from flax.training import train_state
 
 import common
 import jax_fp8
+import xla_log
 from jax_fp8.devtools import compilation, hlo, trace
 from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8TrainState
 
@@ -423,12 +424,16 @@ def fresh_row(variant, size, fresh):
     return r
 
 
-def fresh_compile(variant, size, args, cache_dir=None):
+def fresh_compile(variant, size, args, cache_dir=None, log_passes=False):
     """Compiles the variant's step in a fresh Python process; returns that process's
     result dict. Without ``cache_dir`` no autotuning results or compilation cache of
     other compiles reach it; with it, JAX's persistent compilation cache (every compile
     kept) lives there, and with it XLA's GPU autotune cache, which JAX's cache turns on in
-    DIR/xla_gpu_per_fusion_autotune_cache_dir (``jax_persistent_cache_enable_xla_caches``)."""
+    DIR/xla_gpu_per_fusion_autotune_cache_dir (``jax_persistent_cache_enable_xla_caches``).
+    ``log_passes``: the process logs XLA's pass timers, kept in
+    OUTDIR/compile_log_<size>_<variant>.txt.gz with XLA:GPU's autotuning log
+    (autotune_log_<size>_<variant>.txt: every candidate's run time), and the result gets
+    "passes" and "autotune" (`xla_log.summary`)."""
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
                JAX_ENABLE_COMPILATION_CACHE="false")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
@@ -439,6 +444,11 @@ def fresh_compile(variant, size, args, cache_dir=None):
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
                    JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES=AUTOTUNE_CACHE)
+    tag = f"{size_key(size)}_{variant.name}"
+    if log_passes:
+        env.update(xla_log.LOG_ENV)
+        flags.append("--xla_gpu_dump_autotune_logs_to="
+                     + os.path.join(os.path.abspath(args.outdir), f"autotune_log_{tag}.txt"))
     env["XLA_FLAGS"] = " ".join(flags)
     if args.cpu_smoke:
         env["JAX_PLATFORMS"] = "cpu"
@@ -446,9 +456,15 @@ def fresh_compile(variant, size, args, cache_dir=None):
            size_key(size), "--variants", variant.name, "--history-len", str(args.history_len)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("COMPILE_RESULT ")]
+    if log_passes:
+        with gzip.open(os.path.join(args.outdir, f"compile_log_{tag}.txt.gz"), "wt") as fp:
+            fp.write(proc.stderr)
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"fresh compile exited {proc.returncode}: {proc.stderr[-1500:]}")
-    return json.loads(lines[-1][len("COMPILE_RESULT "):])
+    out = json.loads(lines[-1][len("COMPILE_RESULT "):])
+    if log_passes and "compile_s" in out:
+        out.update(xla_log.summary(proc.stderr))
+    return out
 
 
 AUTOTUNE_CACHE = "xla_gpu_per_fusion_autotune_cache_dir"  # (JAX's name for it, and its folder)
@@ -464,11 +480,11 @@ def cold_and_cached_compile(variant, size, args):
     time of a second fresh process that finds the first one's caches, and
     "autotuned_fusions", what the first one's autotuning left in the cache."""
     if args.compile_cache is None:
-        return fresh_compile(variant, size, args)
+        return fresh_compile(variant, size, args, log_passes=args.compile_passes)
     cache_dir = os.path.join(os.path.abspath(args.compile_cache),
                              f"{size_key(size)}_{variant.name}")
     shutil.rmtree(cache_dir, ignore_errors=True)
-    out = fresh_compile(variant, size, args, cache_dir)
+    out = fresh_compile(variant, size, args, cache_dir, log_passes=args.compile_passes)
     if "compile_s" in out:
         out["autotuned_fusions"] = autotuned_fusions(cache_dir)
         out["cached_compile_s"] = fresh_compile(variant, size, args, cache_dir)["compile_s"]
@@ -543,6 +559,28 @@ def _families_table(rows, top=10):
     return lines
 
 
+def _compile_passes_table(rows, top=3):
+    """Where each fresh compile's time went (--compile-passes), one row per variant."""
+    rows = [r for r in rows if r.get("compile_passes")]
+    if not rows:
+        return []
+    lines = ["Fresh compile by XLA's pass timers (s): all HLO passes; XLA:GPU's autotuning "
+             "pass, split into its candidates' compilation and what follows it (their runs "
+             "on the device); the fusions it tuned; the slowest other passes.", "",
+             "| variant | fresh compile | HLO passes | autotuning | candidates' compilation | "
+             "after it | fusions tuned | slowest other passes |", "|---|" + "---:|" * 6 + "---|"]
+    for r in rows:
+        a = r.get("compile_autotune") or {}
+        others = [(k, s) for k, s in r["compile_passes"] if not xla_log.is_autotuning(k)][:top]
+        lines.append("| " + " | ".join([
+            r["label"], common.fmt(r.get("compile_fresh_s"), "{:.1f}"),
+            common.fmt(r.get("compile_pass_s"), "{:.1f}"), common.fmt(a.get("s"), "{:.1f}"),
+            common.fmt(a.get("compile_s"), "{:.1f}"), common.fmt(a.get("after_s"), "{:.1f}"),
+            common.fmt(a.get("fusions"), "{:d}"),
+            ", ".join(f"{k} {s:.2f}" for k, s in others)]) + " |")
+    return lines
+
+
 def markdown(data):
     meta, s = data["meta"], data["meta"]["settings"]
     gib = 2.0 ** 30
@@ -601,6 +639,9 @@ def markdown(data):
         fam = _families_table(rows)
         if fam:
             lines += [""] + fam
+        passes = _compile_passes_table(rows)
+        if passes:
+            lines += [""] + passes
         for r in rows:
             if r.get("check_error"):
                 lines.append(f"\nCHECK FAILED {key} {r['variant']}: {r['check_error']}")
@@ -664,6 +705,10 @@ def build_parser():
                    help="with --compile-fresh: the fresh compile with JAX's compilation cache "
                         "and XLA's autotune cache in DIR/<size>_<variant> (emptied first), "
                         "then a second fresh process that finds them (cached compile time)")
+    p.add_argument("--compile-passes", action="store_true",
+                   help="with --compile-fresh: the fresh (cold) compile logs XLA's pass "
+                        "timers; reported: its slowest passes, and XLA:GPU's autotuning split "
+                        "into its candidates' compilation and their runs (logs kept in OUTDIR)")
     p.add_argument("--compile-only", action="store_true",
                    help="compile and inspect the steps, run none")
     p.add_argument("--cpu-smoke", action="store_true",
@@ -695,8 +740,10 @@ def _finalize(args, argv):
                 setattr(args, name, value)
     if args.steps < 1:
         raise SystemExit("--steps must be >= 1")
-    if args.compile_cache is not None and not args.compile_fresh:
-        raise SystemExit("--compile-cache needs --compile-fresh")
+    for flag, value in (("--compile-cache", args.compile_cache is not None),
+                        ("--compile-passes", args.compile_passes)):
+        if value and not args.compile_fresh:
+            raise SystemExit(f"{flag} needs --compile-fresh")
     args.warmup, args.trace_steps = max(0, args.warmup), max(0, args.trace_steps)
     return args
 
@@ -713,6 +760,9 @@ def measure_variant(variant, size, args, x, y, platform, progress, fresh):
     if "cached_compile_s" in fresh:
         r["compile_cached_s"] = fresh["cached_compile_s"]
         r["autotuned_fusions"] = fresh.get("autotuned_fusions")
+    for key in ("passes", "pass_s", "autotune"):
+        if key in fresh:
+            r[f"compile_{key}"] = fresh[key]
     errors = []
     if "error" in fresh:  # (the in-process measurement went on)
         r["compile_fresh_error"] = fresh["error"]
@@ -751,7 +801,9 @@ def run(argv=None):
                     f"skipped: {out['skip']}" if "skip" in out else f"FAILED: {out['error']}")
                     + (f", cached {out['cached_compile_s']:.1f} s, "
                        f"{out['autotuned_fusions']} fusions autotuned"
-                       if "cached_compile_s" in out else ""))
+                       if "cached_compile_s" in out else "")
+                    + (f", autotuning {out['autotune']['s']:.1f} s (candidates' compilation "
+                       f"{out['autotune']['compile_s']:.1f} s)" if out.get("autotune") else ""))
         platform = common.platform_name()
         meta = common.environment(__file__, argv)
         meta.update(flax_version=flax.__version__, optax_version=optax.__version__,
@@ -761,6 +813,7 @@ def run(argv=None):
                               "history_len": args.history_len, "lr": args.lr,
                               "compile_fresh": args.compile_fresh,
                               "compile_cache": args.compile_cache is not None,
+                              "compile_passes": args.compile_passes,
                               "compile_only": args.compile_only})
         runs = common.Runs(meta, args.outdir, derive, markdown, t_all)
         progress.log(f"train step: {meta['device']} ({platform}), jax {meta['jax_version']}, "

@@ -1,6 +1,7 @@
 """CPU smoke tests of bench/bench_train_step.py (--cpu-smoke: one block, d = 32, 32 tokens),
 run as a user runs it, in a subprocess: every variant, the report, the fresh-process
-compile mode. (The HLO and trace parsing it uses is tested in test_devtools.py.)"""
+compile mode; and bench/xla_log.py, which reads XLA's compile log. (The HLO and trace
+parsing the benchmark uses is tested in test_devtools.py.)"""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest
 import jax_fp8
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import xla_log  # noqa: E402
 MEASURED = ("bf16", "flax_fp8", "jax_fp8", "jax_fp8_unpacked", "jax_fp8_min_flops")
 RECIPES = ("jax_fp8_current", "jax_fp8_blockwise")
 
@@ -105,3 +108,61 @@ def test_compile_cache_times_a_second_process_that_finds_the_first_ones_cache(tm
 def test_compile_cache_needs_compile_fresh(tmp_path):
     proc = run_bench("--compile-cache", str(tmp_path), "--outdir", str(tmp_path))
     assert proc.returncode != 0 and "--compile-cache needs --compile-fresh" in proc.stderr
+
+
+def test_compile_passes_reads_xla_s_pass_timers_from_the_fresh_compile(tmp_path):
+    proc = run_bench("--variants", "bf16", "--compile-fresh", "--compile-only",
+                     "--compile-passes", "--outdir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    (r,) = json.loads((tmp_path / "results.json").read_text())["results"]
+    names = [name for name, _ in r["compile_passes"]]
+    assert "layout-assignment" in names and 0 < r["compile_pass_s"] < r["compile_fresh_s"]
+    assert r["compile_autotune"] is None             # (only XLA:GPU autotunes)
+    assert (tmp_path / "compile_log_32x1x32_bf16.txt.gz").stat().st_size > 1000
+    assert "| bf16 (nn.Dense) | " in (tmp_path / "results.md").read_text().split(
+        "slowest other passes |")[1]
+
+
+def test_compile_passes_needs_compile_fresh(tmp_path):
+    proc = run_bench("--compile-passes", "--outdir", str(tmp_path))
+    assert proc.returncode != 0 and "--compile-passes needs --compile-fresh" in proc.stderr
+
+
+# Lines of an XLA:GPU compile log (jax 0.11.2, H200; thread 1024 the program's, 1092 and
+# 1098 autotuning workers), shortened: the autotuning pass "config-assigner" nested in a
+# pipeline of the same name, a pass inside it on the main thread, two workers compiling
+# candidates of one fusion, then the device runs (no lines) until the pass ends.
+GPU_LOG = """\
+I1201 23:59:59.000000    1024 hlo_pass_pipeline.cc:302] Running HLO pass pipeline on module jit_step: fusion
+I1201 23:59:59.000010    1024 hlo_pass_pipeline.cc:211]   HLO pass priority-fusion
+I1201 23:59:59.500010    1024 hlo_pass_pipeline.cc:206] HLO pass: priority-fusion time: 500 ms (500000 us) (cumulative: 0.5 s)
+I1201 23:59:59.500020    1024 hlo_pass_pipeline.cc:302] Running HLO pass pipeline on module jit_step: config-assigner
+I1201 23:59:59.500030    1024 hlo_pass_pipeline.cc:211]   HLO pass config-assigner
+I1201 23:59:59.600000    1024 hlo_pass_pipeline.cc:302] Running HLO pass pipeline on module wrapped_concatenate_computation.1: cublaslt_rewriter_pipeline
+I1201 23:59:59.600010    1024 hlo_pass_pipeline.cc:211]   HLO pass cublas-gemm-rewriter
+I1201 23:59:59.600020    1024 hlo_pass_pipeline.cc:206] HLO pass: cublas-gemm-rewriter time: 10 us (10 us) (cumulative: 1 s)
+I1202 00:00:00.000000    1098 hlo_pass_pipeline.cc:302] Running HLO pass pipeline on module gemm_fusion_dot_general.388: pre-scheduling-passes
+I1202 00:00:00.000001    1092 hlo_pass_pipeline.cc:302] Running HLO pass pipeline on module gemm_fusion_dot_general.388_computation: triton
+2026-12-02 00:00:01,000 a line that is not XLA's
+I1202 00:00:04.500030    1092 autotuner.cc:228] Using runner 0
+I1202 00:00:09.500030    1024 hlo_pass_pipeline.cc:206] HLO pass: config-assigner time: 10 s (10000000 us) (cumulative: 10.5 s)
+I1202 00:00:09.500040    1024 hlo_pass_pipeline.cc:211]   HLO pass copy-insertion
+I1202 00:00:09.800040    1024 hlo_pass_pipeline.cc:206] HLO pass: copy-insertion time: 300 ms (300000 us) (cumulative: 10.8 s)
+"""
+
+
+def test_xla_log_splits_gpu_autotuning_into_candidate_compiles_and_their_runs():
+    lines = xla_log.parse(GPU_LOG)
+    assert len(lines) == 14 and lines[-1].t - lines[0].t == pytest.approx(10.80004)  # midnight
+    assert xla_log.main_thread(lines) == 1024
+    # Own time: config-assigner without the pass run inside it.
+    assert xla_log.pass_times(lines) == pytest.approx(
+        {"config-assigner": 10 - 10e-6, "priority-fusion": 0.5, "copy-insertion": 0.3,
+         "cublas-gemm-rewriter": 10e-6})
+    a = xla_log.autotuning(lines)
+    assert a["passes"] == ["config-assigner"] and a["fusions"] == 1
+    assert a["s"] == pytest.approx(10) and a["compile_s"] == pytest.approx(5)
+    assert a["after_s"] == pytest.approx(5)
+    s = xla_log.summary(GPU_LOG, top=2)
+    assert [name for name, _ in s["passes"]] == ["config-assigner", "priority-fusion"]
+    assert s["pass_s"] == pytest.approx(10.8) and s["autotune"] == a
