@@ -10,6 +10,7 @@ Shardings of the results follow the primal operands' (Explicit meshes need them)
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -152,13 +153,45 @@ def gemm(q_a, q_b, dimension_numbers, scale_inv_a, scale_inv_b, out_dtype, preci
     out_dtype = np.dtype(out_dtype)
     factor = scale_inv_a * scale_inv_b
     q_a, q_b = keep_fp8(q_a, q_b, dimension_numbers, out_dtype)
-    if out_dtype in _DIRECT_OUT:
-        out = lax.dot_general(q_a, q_b, dimension_numbers, precision=precision,
-                              preferred_element_type=out_dtype, out_sharding=out_sharding)
+    direct = out_dtype in _DIRECT_OUT
+    out = fp8_dot(q_a, q_b, dimension_numbers, precision,
+                  out_dtype if direct else np.dtype(np.float32), out_sharding)
+    if direct:
         return out * jnp.asarray(factor).astype(out_dtype)
-    out = lax.dot_general(q_a, q_b, dimension_numbers, precision=precision,
-                          preferred_element_type=jnp.float32, out_sharding=out_sharding)
     return (out * factor).astype(out_dtype)
+
+
+def _is_fp8(x):
+    return np.dtype(x.dtype).itemsize == 1 and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def fp8_dot(q_a, q_b, dimension_numbers, precision, out_dtype, out_sharding=None):
+    """``lax.dot_general(q_a, q_b)``, on CUDA with the accumulation named as a dot algorithm.
+
+    For two FP8 operands on CUDA, ``precision`` HIGHEST becomes
+    ``DotAlgorithmPreset.ANY_F8_ANY_F8_F32`` (float32 accumulation) and anything else
+    ``ANY_F8_ANY_F8_F32_FAST_ACCUM`` (what cuBLASLt runs for DEFAULT): the same cuBLASLt
+    FP8 GEMMs as a Precision gets, and nothing else. With a Precision, XLA:GPU also
+    autotunes Triton FP8 kernels, which accumulate differently from cuBLASLt (Hopper's
+    tensor cores without its float32 promotion); its autotuner checks each candidate's
+    output against the others and describes every disagreeing element on the host, which
+    took most of an FP8 train step's compile time, and at HIGHEST it could still pick a
+    Triton kernel with the coarser accumulation. Other platforms (XLA:CPU takes no FP8
+    algorithm) and widened operands (`keep_fp8`) get ``precision`` as given.
+    """
+    def with_precision(a, b, prec=precision):
+        return lax.dot_general(a, b, dimension_numbers, precision=prec,
+                               preferred_element_type=out_dtype, out_sharding=out_sharding)
+
+    if not (_is_fp8(q_a) and _is_fp8(q_b)):
+        return with_precision(q_a, q_b)
+    highest = lax.Precision.HIGHEST in (precision if isinstance(precision, tuple)
+                                        else (precision,))
+    algorithm = (lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32 if highest
+                 else lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM)
+    return lax.platform_dependent(
+        q_a, q_b, cuda=functools.partial(with_precision, prec=algorithm),
+        default=with_precision)
 
 
 def kernel_grad_layout(dimension_numbers, lhs_ndim):
