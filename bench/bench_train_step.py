@@ -566,17 +566,24 @@ def _compile_passes_table(rows, top=3):
         return []
     lines = ["Fresh compile by XLA's pass timers (s): all HLO passes; XLA:GPU's autotuning "
              "pass, split into its candidates' compilation and what follows it (their runs "
-             "on the device); the fusions it tuned; the slowest other passes.", "",
+             "on the device); the fusions it tuned; the candidates whose output disagreed "
+             "with the winners' (and their elements outside the tolerance, in millions); "
+             "the slowest other passes.", "",
              "| variant | fresh compile | HLO passes | autotuning | candidates' compilation | "
-             "after it | fusions tuned | slowest other passes |", "|---|" + "---:|" * 6 + "---|"]
+             "after it | fusions tuned | disagreeing candidates | slowest other passes |",
+             "|---|" + "---:|" * 7 + "---|"]
     for r in rows:
         a = r.get("compile_autotune") or {}
+        c = r.get("compile_candidate_checks")
+        checks = "" if c is None else \
+            f"{c['disagreeing']} of {sum(c['candidates'].values())} " \
+            f"({c['disagreeing_elements'] / 1e6:.0f} M)"
         others = [(k, s) for k, s in r["compile_passes"] if not xla_log.is_autotuning(k)][:top]
         lines.append("| " + " | ".join([
             r["label"], common.fmt(r.get("compile_fresh_s"), "{:.1f}"),
             common.fmt(r.get("compile_pass_s"), "{:.1f}"), common.fmt(a.get("s"), "{:.1f}"),
             common.fmt(a.get("compile_s"), "{:.1f}"), common.fmt(a.get("after_s"), "{:.1f}"),
-            common.fmt(a.get("fusions"), "{:d}"),
+            common.fmt(a.get("fusions"), "{:d}"), checks,
             ", ".join(f"{k} {s:.2f}" for k, s in others)]) + " |")
     return lines
 
@@ -760,7 +767,7 @@ def measure_variant(variant, size, args, x, y, platform, progress, fresh):
     if "cached_compile_s" in fresh:
         r["compile_cached_s"] = fresh["cached_compile_s"]
         r["autotuned_fusions"] = fresh.get("autotuned_fusions")
-    for key in ("passes", "pass_s", "autotune"):
+    for key in ("passes", "pass_s", "autotune", "candidate_checks"):
         if key in fresh:
             r[f"compile_{key}"] = fresh[key]
     errors = []

@@ -7,7 +7,10 @@ file's VLOG(1)). On a GPU, XLA's autotuning pass compiles every candidate of eve
 it tunes as a module of its own, on worker threads, and then runs the candidates on the
 device, logging nothing; so the pass's time splits into the candidates' compilation (up
 to the last line a worker thread logs inside the pass) and what follows it (the
-candidates' runs, and applying the winners).
+candidates' runs, and applying the winners). At the autotuner's VLOG level 3 it also
+logs every candidate's result; a candidate whose output disagrees with the others' is
+logged with its count of disagreeing elements (`candidate_checks`): describing those
+elements is host work that grows with their number.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import dataclasses
 import re
 
 # TF_CPP_MIN_LOG_LEVEL=0: INFO lines reach stderr; the VMODULE level 1 turns on the timers.
-LOG_ENV = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "hlo_pass_pipeline=1"}
+# autotuner=3: each autotuning candidate's result.
+LOG_ENV = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "hlo_pass_pipeline=1,autotuner=3"}
 
 # XLA:GPU's autotuning passes over the versions jax 0.10-0.11 ship ("config-assigner" is
 # the autotuner of the newer ones); any pass named "*autotun*" counts too.
@@ -27,6 +31,8 @@ _LINE = re.compile(r"^[IWEF]\d{4} (\d\d):(\d\d):(\d\d(?:\.\d+)?)\s+(\d+) ([^\]]+
 _PASS_TIME = re.compile(r"HLO pass: (\S+) time: .*?\((\d+) us\)")
 _PASS_START = re.compile(r"^\s*HLO pass (\S+)$")
 _PIPELINE = re.compile(r"Running HLO pass pipeline on module (\S+): (.+)$")
+_CANDIDATE = re.compile(r"^\{([A-Z][A-Z0-9_]*) : ")
+_MISMATCH = re.compile(r"Mismatch count: (\d+) / (\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,10 +138,39 @@ def autotuning(lines: list[Line], thread: int | None = None) -> dict | None:
     return out
 
 
+def candidate_checks(text: str) -> dict | None:
+    """The autotuning candidates' results in ``text`` (logged at the autotuner's VLOG
+    level 3): ``candidates`` (results logged, by backend), ``disagreeing`` (those logged
+    as WRONG RESULTS: output unlike the winning cluster's) and ``disagreeing_elements``
+    (their outputs' elements outside the tolerance, summed). None when none is logged."""
+    backends: dict[str, int] = {}
+    disagreeing = elements = 0
+    current_wrong = False
+    for raw in text.splitlines():
+        m = _LINE.match(raw)
+        if m:
+            c = _CANDIDATE.match(m[6])
+            current_wrong = bool(c) and "WRONG RESULTS" in m[6]
+            if c:
+                backends[c[1]] = backends.get(c[1], 0) + 1
+                disagreeing += current_wrong
+            continue
+        mm = _MISMATCH.search(raw) if current_wrong else None
+        if mm:
+            elements += int(mm[1])
+            current_wrong = False   # (one count per candidate)
+    if not backends:
+        return None
+    return {"candidates": dict(sorted(backends.items())), "disagreeing": disagreeing,
+            "disagreeing_elements": elements}
+
+
 def summary(text: str, top: int = 8) -> dict:
     """{"passes": the ``top`` slowest passes as [name, s], "pass_s": all passes' time,
-    "autotune": `autotuning` or None} of one compile's log."""
+    "autotune": `autotuning` or None, "candidate_checks": `candidate_checks` or None} of
+    one compile's log."""
     lines = parse(text)
     times = pass_times(lines)
     return {"passes": [[k, round(v, 3)] for k, v in list(times.items())[:top]],
-            "pass_s": round(sum(times.values()), 3), "autotune": autotuning(lines)}
+            "pass_s": round(sum(times.values()), 3), "autotune": autotuning(lines),
+            "candidate_checks": candidate_checks(text)}

@@ -131,7 +131,8 @@ def test_compile_passes_needs_compile_fresh(tmp_path):
 # Lines of an XLA:GPU compile log (jax 0.11.2, H200; thread 1024 the program's, 1092 and
 # 1098 autotuning workers), shortened: the autotuning pass "config-assigner" nested in a
 # pipeline of the same name, a pass inside it on the main thread, two workers compiling
-# candidates of one fusion, then the device runs (no lines) until the pass ends.
+# candidates of one fusion and three candidates' results (one disagreeing with the
+# winners), then the device runs (no lines) until the pass ends.
 GPU_LOG = """\
 I1201 23:59:59.000000    1024 hlo_pass_pipeline.cc:302] Running HLO pass pipeline on module jit_step: fusion
 I1201 23:59:59.000010    1024 hlo_pass_pipeline.cc:211]   HLO pass priority-fusion
@@ -145,6 +146,13 @@ I1202 00:00:00.000000    1098 hlo_pass_pipeline.cc:302] Running HLO pass pipelin
 I1202 00:00:00.000001    1092 hlo_pass_pipeline.cc:302] Running HLO pass pipeline on module gemm_fusion_dot_general.388_computation: triton
 2026-12-02 00:00:01,000 a line that is not XLA's
 I1202 00:00:04.500030    1092 autotuner.cc:228] Using runner 0
+I1202 00:00:04.500030    1092 autotuner.cc:253] {TRITON : goo.gle/debugonly  triton { block_m: 64 block_n: 128 } duration: 50.112us, scratch_bytes: 0}
+I1202 00:00:04.500030    1092 autotuner.cc:253] {TRITON : goo.gle/debugonly  triton { block_m: 16 block_n: 8 } WRONG RESULTS: Output disagrees with winning cluster (member of cluster -1 of 1; winning cluster has 19 member(s), trusted=1).
+Output buffer does not match reference buffer at leaf index {}:
+  Mismatch count: 8807 / 8388608 (0.1050%)
+  Relative tolerance: 0.01
+ duration: 1.604544ms, scratch_bytes: 0}
+I1202 00:00:04.500030    1092 autotuner.cc:253] {CUBLASLT_FISSION : goo.gle/debugonly  gemm { algorithm: 1 } duration: 40.32us, scratch_bytes: 33554432}
 I1202 00:00:09.500030    1024 hlo_pass_pipeline.cc:206] HLO pass: config-assigner time: 10 s (10000000 us) (cumulative: 10.5 s)
 I1202 00:00:09.500040    1024 hlo_pass_pipeline.cc:211]   HLO pass copy-insertion
 I1202 00:00:09.800040    1024 hlo_pass_pipeline.cc:206] HLO pass: copy-insertion time: 300 ms (300000 us) (cumulative: 10.8 s)
@@ -153,7 +161,7 @@ I1202 00:00:09.800040    1024 hlo_pass_pipeline.cc:206] HLO pass: copy-insertion
 
 def test_xla_log_splits_gpu_autotuning_into_candidate_compiles_and_their_runs():
     lines = xla_log.parse(GPU_LOG)
-    assert len(lines) == 14 and lines[-1].t - lines[0].t == pytest.approx(10.80004)  # midnight
+    assert len(lines) == 17 and lines[-1].t - lines[0].t == pytest.approx(10.80004)  # midnight
     assert xla_log.main_thread(lines) == 1024
     # Own time: config-assigner without the pass run inside it.
     assert xla_log.pass_times(lines) == pytest.approx(
@@ -166,3 +174,6 @@ def test_xla_log_splits_gpu_autotuning_into_candidate_compiles_and_their_runs():
     s = xla_log.summary(GPU_LOG, top=2)
     assert [name for name, _ in s["passes"]] == ["config-assigner", "priority-fusion"]
     assert s["pass_s"] == pytest.approx(10.8) and s["autotune"] == a
+    assert s["candidate_checks"] == {"candidates": {"CUBLASLT_FISSION": 1, "TRITON": 2},
+                                     "disagreeing": 1, "disagreeing_elements": 8807}
+    assert xla_log.candidate_checks("no candidates here") is None
