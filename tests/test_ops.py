@@ -405,6 +405,39 @@ _DOT_RE = re.compile(r"(%\w+) = stablehlo\.dot_general .*: \((tensor<[^>]*f8[^>]
                      r"(tensor<[^>]*>)\) -> tensor<[^>]*x(\w+)>")
 
 
+_FP8_DOT_RE = re.compile(r"stablehlo\.dot_general [^:]*?(algorithm = <[^>]*>)?\s*: "
+                         r"\((tensor<[^>]*f8[^>]*>), (tensor<[^>]*f8[^>]*>)\)")
+
+
+@pytest.mark.parametrize("platform", ["cuda", "cpu"])
+def test_fp8_gemms_name_their_accumulation_as_a_dot_algorithm_on_cuda(platform):
+    """Lowered for CUDA, every FP8 GEMM carries a dot algorithm: float32 accumulation for
+    the two gradient GEMMs, fast accumulation for the forward one (XLA:GPU then autotunes
+    only cuBLASLt's FP8 GEMMs for them). Lowered for CPU, which takes no FP8 algorithm,
+    none does. (Lowering needs no GPU.)"""
+    x, w = jnp.ones((16, 32), jnp.bfloat16), jnp.ones((32, 48), jnp.bfloat16)
+
+    def loss(x, w, m):
+        y, _ = jax_fp8.fp8_dot_general(x, w, DN, m)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    text = step.trace(x, w, Fp8Meta.create()).lower(lowering_platforms=(platform,)).as_text()
+    dots = _FP8_DOT_RE.findall(text)
+    assert len(dots) == 3, dots
+    if platform == "cpu":
+        assert [alg for alg, _, _ in dots] == ["", "", ""]
+        return
+    imprecise = {}
+    for alg, lhs, rhs in dots:
+        assert "accumulation_type = f32" in alg, alg
+        imprecise[(lhs, rhs)] = "allow_imprecise_accumulation = true" in alg
+    assert imprecise == {  # forward: x . w; gradients: g . w^T and x^T . g^T
+        ("tensor<16x32xf8E4M3FN>", "tensor<32x48xf8E4M3FN>"): True,
+        ("tensor<16x48xf8E5M2>", "tensor<32x48xf8E4M3FN>"): False,
+        ("tensor<32x16xf8E4M3FN>", "tensor<48x16xf8E5M2>"): False}
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_every_fp8_gemm_result_is_scaled_by_one_scalar_multiply_in_its_own_dtype(dtype):
     """XLA folds the dequantization into the cuBLASLt FP8 GEMM (its scale operand) only
@@ -419,18 +452,20 @@ def test_every_fp8_gemm_result_is_scaled_by_one_scalar_multiply_in_its_own_dtype
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, w, Fp8Meta.create()).as_text()
-    dots = _DOT_RE.findall(text)
+    # Value names are unique within a function (the GEMMs may be functions of their own).
+    dots = [(body, dot) for body in re.split(r"\n\s*func\.func ", text)
+            for dot in _DOT_RE.findall(body)]
     assert len(dots) == 3, dots
     out_type = {jnp.bfloat16: "bf16", jnp.float32: "f32"}[dtype]
-    for name, _, _, result_type in dots:
+    for body, (name, _, _, result_type) in dots:
         assert result_type == out_type, (name, result_type)
-        uses = [ln.strip() for ln in text.splitlines()
+        uses = [ln.strip() for ln in body.splitlines()
                 if re.search(re.escape(name) + r"\b", ln) and not ln.strip().startswith(name + " ")]
         assert len(uses) == 1, (name, uses)
         mul = re.match(r"(%\w+) = stablehlo\.multiply " + re.escape(name) + r", (%\w+) : "
                        r"tensor<[^>]*x" + out_type + ">", uses[0])
         assert mul, uses[0]
         factor = mul.group(2)
-        (factor_def,) = [ln for ln in text.splitlines() if ln.strip().startswith(factor + " = ")]
+        (factor_def,) = [ln for ln in body.splitlines() if ln.strip().startswith(factor + " = ")]
         assert "broadcast_in_dim" in factor_def and f"(tensor<{out_type}>)" in factor_def, \
             factor_def

@@ -153,45 +153,78 @@ def gemm(q_a, q_b, dimension_numbers, scale_inv_a, scale_inv_b, out_dtype, preci
     out_dtype = np.dtype(out_dtype)
     factor = scale_inv_a * scale_inv_b
     q_a, q_b = keep_fp8(q_a, q_b, dimension_numbers, out_dtype)
-    direct = out_dtype in _DIRECT_OUT
-    out = fp8_dot(q_a, q_b, dimension_numbers, precision,
-                  out_dtype if direct else np.dtype(np.float32), out_sharding)
-    if direct:
-        return out * jnp.asarray(factor).astype(out_dtype)
-    return (out * factor).astype(out_dtype)
+    if not (_is_fp8(q_a) and _is_fp8(q_b)):   # widened by keep_fp8
+        return _scaled_product(q_a, q_b, factor, dimension_numbers, precision, out_dtype,
+                               out_sharding)
+    platform = _platform_of(q_a)
+    if platform is not None:   # concrete operands (jit disabled): their device decides
+        return _scaled_product(q_a, q_b, factor, dimension_numbers,
+                               fp8_algorithm(precision) if platform == "cuda" else precision,
+                               out_dtype, out_sharding)
+    return _fp8_product(q_a, q_b, factor, dimension_numbers=dimension_numbers,
+                        precision=precision, out_dtype=out_dtype, out_sharding=out_sharding)
 
 
 def _is_fp8(x):
     return np.dtype(x.dtype).itemsize == 1 and jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def fp8_dot(q_a, q_b, dimension_numbers, precision, out_dtype, out_sharding=None):
-    """``lax.dot_general(q_a, q_b)``, on CUDA with the accumulation named as a dot algorithm.
+def _scaled_product(q_a, q_b, factor, dimension_numbers, precision, out_dtype, out_sharding):
+    """The GEMM and its scaling, as `gemm` describes them; ``precision`` may be a dot
+    algorithm."""
+    direct = out_dtype in _DIRECT_OUT
+    out = lax.dot_general(q_a, q_b, dimension_numbers, precision=precision,
+                          preferred_element_type=out_dtype if direct else jnp.float32,
+                          out_sharding=out_sharding)
+    if direct:
+        return out * jnp.asarray(factor).astype(out_dtype)
+    return (out * factor).astype(out_dtype)
 
-    For two FP8 operands on CUDA, ``precision`` HIGHEST becomes
-    ``DotAlgorithmPreset.ANY_F8_ANY_F8_F32`` (float32 accumulation) and anything else
-    ``ANY_F8_ANY_F8_F32_FAST_ACCUM`` (what cuBLASLt runs for DEFAULT): the same cuBLASLt
-    FP8 GEMMs as a Precision gets, and nothing else. With a Precision, XLA:GPU also
-    autotunes Triton FP8 kernels, which accumulate differently from cuBLASLt (Hopper's
-    tensor cores without its float32 promotion); its autotuner checks each candidate's
-    output against the others and describes every disagreeing element on the host, which
-    took most of an FP8 train step's compile time, and at HIGHEST it could still pick a
-    Triton kernel with the coarser accumulation. Other platforms (XLA:CPU takes no FP8
-    algorithm) and widened operands (`keep_fp8`) get ``precision`` as given.
-    """
-    def with_precision(a, b, prec=precision):
-        return lax.dot_general(a, b, dimension_numbers, precision=prec,
-                               preferred_element_type=out_dtype, out_sharding=out_sharding)
 
-    if not (_is_fp8(q_a) and _is_fp8(q_b)):
-        return with_precision(q_a, q_b)
+def fp8_algorithm(precision):
+    """The dot algorithm an FP8 GEMM runs with on CUDA for ``precision``: float32
+    accumulation for HIGHEST, cuBLASLt's fast accumulation (its DEFAULT) otherwise."""
     highest = lax.Precision.HIGHEST in (precision if isinstance(precision, tuple)
                                         else (precision,))
-    algorithm = (lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32 if highest
-                 else lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM)
+    return (lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32 if highest
+            else lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM)
+
+
+@functools.partial(jax.jit, static_argnames=("dimension_numbers", "precision", "out_dtype",
+                                             "out_sharding"))
+def _fp8_product(q_a, q_b, factor, *, dimension_numbers, precision, out_dtype, out_sharding):
+    """`_scaled_product` of two FP8 operands, on CUDA with the accumulation named as a dot
+    algorithm (`fp8_algorithm`), elsewhere with ``precision`` (XLA:CPU takes no FP8
+    algorithm).
+
+    Why: for the same Precision XLA:GPU runs the same cuBLASLt FP8 GEMMs, but it also
+    autotunes Triton FP8 kernels against them, which accumulate differently (Hopper's
+    tensor cores without cuBLASLt's float32 promotion): its autotuner checks each
+    candidate's output against the others' and describes every disagreeing element on
+    the host, which took most of an FP8 train step's compile time; and at HIGHEST it
+    could still pick a Triton kernel with the coarser accumulation. With the algorithm
+    only cuBLASLt's GEMMs are candidates.
+
+    A function of its own, jitted: the platform is chosen where it is lowered, which for
+    operands outside a jit (eagerly, under vmap or grad) is their device's.
+    """
+    product = functools.partial(_scaled_product, dimension_numbers=dimension_numbers,
+                                out_dtype=out_dtype, out_sharding=out_sharding)
     return lax.platform_dependent(
-        q_a, q_b, cuda=functools.partial(with_precision, prec=algorithm),
-        default=with_precision)
+        q_a, q_b, factor,
+        cuda=functools.partial(product, precision=fp8_algorithm(precision)),
+        default=functools.partial(product, precision=precision))
+
+
+def _platform_of(x):
+    """"cuda", or another platform name, for a concrete array (as jit-disabled code has);
+    None for a tracer."""
+    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+        return None
+    device = next(iter(x.devices()))
+    if device.platform == "gpu" and "cuda" in device.client.platform_version.lower():
+        return "cuda"
+    return device.platform
 
 
 def kernel_grad_layout(dimension_numbers, lhs_ndim):
