@@ -183,7 +183,10 @@ def test_train_state_keeps_fp8_out_of_the_optimizer_and_trains():
         losses.append(float(loss))
         ref_losses.append(float(ref_loss))
     assert losses[-1] < 0.3 * losses[0]
-    assert abs(losses[-1] - ref_losses[-1]) < 0.25 * ref_losses[-1] + 2e-3
+    # FP8 lags the unquantized model by a step or two: after 30 steps 0.061 against 0.049
+    # on the CPU, 0.063 against 0.048 on an H200 (25-32 % above; a bound of 25 % failed
+    # on the GPU). 40 % still fails a run that stalls or diverges.
+    assert abs(losses[-1] - ref_losses[-1]) < 0.4 * ref_losses[-1] + 2e-3
 
 
 def test_reused_module_amaxes_combine_by_max(on_cpu):
