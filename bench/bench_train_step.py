@@ -433,7 +433,7 @@ def fresh_compile(variant, size, args, cache_dir=None, log_passes=False):
     ``log_passes``: the process logs XLA's pass timers, kept in
     OUTDIR/compile_log_<size>_<variant>.txt.gz with XLA:GPU's autotuning log
     (autotune_log_<size>_<variant>.txt: every candidate's run time), and the result gets
-    "passes" and "autotune" (`xla_log.summary`)."""
+    "passes", "pass_s", "autotune" and "candidate_checks" (`xla_log.summary`)."""
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
                JAX_ENABLE_COMPILATION_CACHE="false")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_fp8 import recipe as recipe_lib
 from jax_fp8._primitives import layout
 
 def remaining(original, *removed_lists):
@@ -166,7 +167,7 @@ def gemm(q_a, q_b, dimension_numbers, scale_inv_a, scale_inv_b, out_dtype, preci
 
 
 def _is_fp8(x):
-    return np.dtype(x.dtype).itemsize == 1 and jnp.issubdtype(x.dtype, jnp.floating)
+    return np.dtype(x.dtype) in recipe_lib.FP8_DTYPES
 
 
 def _scaled_product(q_a, q_b, factor, dimension_numbers, precision, out_dtype, out_sharding):
