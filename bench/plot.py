@@ -102,8 +102,9 @@ def plot_train_step(data, png, dpi=90):
         ax.grid(True, axis="y", linewidth=0.3, alpha=0.5)
         ax.margins(y=0.12)
     meta = data.get("meta", {})
-    fig.suptitle(f"Train step — {meta.get('device', '?')}, jax {meta.get('jax_version', '?')} "
-                 "(solid: GEMM kernels, hatched: the rest; × vs bf16)", fontsize=9)
+    # Two lines: one panel (a single size) is too narrow for the whole title on one.
+    fig.suptitle(f"Train step — {meta.get('device', '?')}, jax {meta.get('jax_version', '?')}\n"
+                 "solid: GEMM kernels, hatched: the rest; × vs bf16", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=dpi)
     plt.close(fig)
