@@ -3,8 +3,10 @@
 XLA flushes float32 subnormals to zero in its own code (CPU and GPU), while SPEC.md keeps
 them. So the math here never feeds a subnormal to a float operation: amaxes are integer
 maxima of the bits of |x|, float16/bfloat16 are widened through their bits, a subnormal x
-is scaled up by 2**64 exactly (from its integer significand) before the multiply, and a
-subnormal 1/scale is computed in integers. The results are the IEEE float32 results, the
+is scaled up by 2**64 exactly (from its integer significand) before the multiply, and
+divisions are float64 divisions rounded once to float32 (`quotient.py`; XLA:GPU's float32
+division is not correctly rounded), a subnormal 1/scale rounded to its integer
+significand. The results are the IEEE float32 results, the
 same bits as the CUDA kernel (ffi/block_quantize_cuda.cu) and the NumPy oracle
 (tests/block_reference.py).
 
@@ -36,6 +38,7 @@ from jax.interpreters import ad, batching, mlir
 from jax_fp8 import _registration
 from jax_fp8 import recipe as recipe_lib
 from jax_fp8._primitives import common, partition
+from jax_fp8._primitives.quotient import divide_rn, divide_rn_to_integer
 
 F32 = np.float32
 U32 = np.uint32
@@ -79,43 +82,6 @@ def abs_bits(x32):
     return jnp.where(mag > _INF, U32(0), mag)
 
 
-def divide_rn(a, b):
-    """a / b in float32, correctly rounded (to nearest even), for positive normal a and b
-    whose quotient is normal or overflows (then inf). Integer arithmetic on the
-    significands: XLA:GPU's float32 division is not correctly rounded (up to 2 ulp off).
-
-    With significands ma, mb in [2**23, 2**24) and s = 24 if ma < mb else 23, the
-    quotient's significand n = ma * 2**s / mb lies in [2**23, 2**24); a float division
-    estimates it to within a few units, the exact remainder ma * 2**s - n * mb (computed
-    modulo 2**32, where it is small) corrects it and decides the rounding.
-    Shapes: a, b [...] float32 -> [...] float32."""
-    ua, ub = _bits(a), _bits(b)
-    ma = (ua & U32(0x7FFFFF)) | _MIN_NORMAL
-    mb = (ub & U32(0x7FFFFF)) | _MIN_NORMAL
-    lt = ma < mb
-    shift = jnp.where(lt, U32(24), U32(23))
-    t = (ma.astype(jnp.float32) / mb.astype(jnp.float32)) * jnp.where(lt, F32(2.0 ** 24),
-                                                                       F32(2.0 ** 23))
-    n = t.astype(jnp.int32)
-    mbi = mb.astype(jnp.int32)
-    r = lax.bitcast_convert_type((ma << shift) - n.astype(jnp.uint32) * mb, jnp.int32)
-    # |r| < 2**29 (the estimate is within a few units): r / mb taken in floats is within
-    # one of its floor, and two exact steps each way finish the correction.
-    d = jnp.floor(r.astype(jnp.float32) / mb.astype(jnp.float32)).astype(jnp.int32)
-    n, r = n + d, r - d * mbi
-    for _ in range(2):
-        n, r = jnp.where(r < 0, n - 1, n), jnp.where(r < 0, r + mbi, r)
-        n, r = jnp.where(r >= mbi, n + 1, n), jnp.where(r >= mbi, r - mbi, r)
-    up = (2 * r > mbi) | ((2 * r == mbi) & ((n & 1) == 1))
-    n = n + up.astype(jnp.int32)
-    carry = n >> 24                                   # rounded up to 2**24
-    n = jnp.where(carry == 1, n >> 1, n)
-    e = ((ua >> 23).astype(jnp.int32) - (ub >> 23).astype(jnp.int32) + 127
-         + (23 - shift.astype(jnp.int32)) + carry)
-    bits = (e.astype(jnp.uint32) << 23) | (n.astype(jnp.uint32) & U32(0x7FFFFF))
-    return _f32(jnp.where(e >= 255, _INF, jnp.where(e <= 0, U32(0), bits)))
-
-
 def scale_from_amax_f32(amax, fp8_max: float, amax_epsilon: float = 0.0,
                         power_of_2_scale: bool = False):
     """SPEC.md's scale from a float32 amax (any shape), as IEEE float32 bits."""
@@ -140,28 +106,21 @@ def scale_from_amax_f32(amax, fp8_max: float, amax_epsilon: float = 0.0,
 
 def scale_inverse(scale):
     """1 / scale, correctly rounded, also where the result is subnormal (scale > 2**126):
-    there it is computed in integers. (For a subnormal scale the result is XLA's.)"""
+    there its bits are the integer 2**149 / scale. (For a subnormal scale the result is
+    XLA's.)"""
     b = _bits(scale)
     sign, mag = b & _SIGN, b & _MAG
     e = mag >> 23
     big = (e >= 253) & (e != 255)
     # 1 / scale for a normal scale below 2**126 exactly; 0, inf, NaN and subnormals: XLA's
     normal = (e >= 1) & (e <= 252)
-    d = _f32(jnp.where(normal, mag, _ONE))
-    plain = jnp.where(normal, _bits(divide_rn(F32(1.0), d)),
+    plain = jnp.where(normal, _bits(divide_rn(F32(1.0), _f32(jnp.where(normal, mag, _ONE)))),
                       _bits(F32(1.0) / _f32(jnp.where(big, _ONE, mag))))
-    # scale = ms * 2**(e - 150): 1 / scale = m * 2**-149 with m = 2**p / ms, p = 299 - e.
-    ms = (mag & U32(0x7FFFFF)) | _MIN_NORMAL
-    msi = ms.astype(jnp.int32)
-    two_p = _f32((U32(299 + 127) - e) << 23)
-    t = two_p / msi.astype(jnp.float32)              # in (2**21, 2**23], within 1/4 of exact
-    m0 = t.astype(jnp.int32)
-    # remainder 2**p - m0 * ms, exact modulo 2**32 (2**p is 0 there) and small
-    r = lax.bitcast_convert_type(U32(0) - m0.astype(jnp.uint32) * ms, jnp.int32)
-    m0, r = jnp.where(r < 0, m0 - 1, m0), jnp.where(r < 0, r + msi, r)
-    m0, r = jnp.where(r >= msi, m0 + 1, m0), jnp.where(r >= msi, r - msi, r)
-    up = (2 * r > msi) | ((2 * r == msi) & ((m0 & 1) == 1))   # round half to even
-    tiny = (m0 + up.astype(jnp.int32)).astype(jnp.uint32)
+    # A subnormal 1 / scale is m * 2**-149 with m = round(2**149 / scale) (m = 2**23 is
+    # the smallest normal, whose bits are m too), taken as 2**100 / (scale * 2**-49):
+    # every factor a float32 normal, the scaling exact.
+    scaled = _f32(jnp.where(big, mag, U32(0x7E800000))) * F32(2.0 ** -49)
+    tiny = divide_rn_to_integer(F32(2.0 ** 100), scaled)
     return _f32(jnp.where(big, tiny, plain) | sign)
 
 
