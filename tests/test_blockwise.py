@@ -219,6 +219,39 @@ def test_divide_rn_is_ieee_division(backend, device):
     helpers.assert_bits_equal(got, want[keep], "divide_rn", {"a": a[keep], "b": b[keep]})
 
 
+def test_quotient_bits_are_ieee_division(backend, device):
+    """quotient_bits over the whole range: signs, quotients down to and below the
+    smallest subnormal (exact and halfway cases there too), overflow, zeros, infinities
+    and NaN operands; the bits of NumPy's float32 division (a quiet NaN for any NaN)."""
+    rng = np.random.default_rng(13)
+    n = 300000
+    a = rng.integers(0x00800000, 0x7F800000, n, dtype=np.uint32)
+    b = rng.integers(0x00800000, 0x7F800000, n, dtype=np.uint32)
+    a |= rng.integers(0, 2, n, dtype=np.uint32) << np.uint32(31)
+    b |= rng.integers(0, 2, n, dtype=np.uint32) << np.uint32(31)
+    a, b = a.view(F32), b.view(F32)
+    # quotients over the subnormal range and below it (operands normal)
+    small = (rng.uniform(1, 2, 50000) * 2.0 ** rng.integers(-126, -110, 50000)).astype(F32)
+    near_one = (rng.uniform(1, 2, 50000) * 2.0 ** rng.integers(0, 40, 50000)).astype(F32)
+    # exact subnormal quotients k * 2**-149 and ties (2k + 1) * 2**-150
+    k = rng.integers(1, 2 ** 23, 20000).astype(F32)
+    tie_num = ((2 * k + 1) * F32(2.0 ** -100)).astype(F32)
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, np.finfo(F32).max,
+                         np.finfo(F32).tiny], F32)
+    sa, sb = np.meshgrid(specials, specials)
+    a = np.concatenate([a, small, k * F32(2.0 ** -100), tie_num, sa.ravel()])
+    b = np.concatenate([b, near_one, np.full(20000, 2.0 ** 49, F32),
+                        np.full(20000, 2.0 ** 50, F32), sb.ravel()])
+    with np.errstate(all="ignore"):
+        want = (a / b).astype(F32).view(np.uint32)
+    want = np.where(np.isnan(want.view(F32)), np.uint32(0x7FC00000), want)
+    got = np.asarray(run(device, bq.quotient_bits, a, b))
+    nan_got = np.isnan(got.view(F32))
+    got = np.where(nan_got, np.uint32(0x7FC00000), got)
+    helpers.assert_bits_equal(got.view(F32), want.view(F32), "quotient_bits",
+                              {"a": a, "b": b})
+
+
 CURRENT = [(FP8[0], False, 0.0), (FP8[1], True, 1e3), (FP8[0], True, 0.0)]
 
 

@@ -4,9 +4,8 @@ XLA flushes float32 subnormals to zero in its own code (CPU and GPU), while SPEC
 them. So the math here never feeds a subnormal to a float operation: amaxes are integer
 maxima of the bits of |x|, float16/bfloat16 are widened through their bits, a subnormal x
 is scaled up by 2**64 exactly (from its integer significand) before the multiply, and
-divisions are float64 divisions rounded once to float32 (`quotient.py`; XLA:GPU's float32
-division is not correctly rounded), a subnormal 1/scale rounded to its integer
-significand. The results are the IEEE float32 results, the
+divisions are float64 divisions rounded to float32 in integers (`quotient.py`; XLA:GPU's
+float32 division is not correctly rounded), subnormal 1/scale included. The results are the IEEE float32 results, the
 same bits as the CUDA kernel (ffi/block_quantize_cuda.cu) and the NumPy oracle
 (tests/block_reference.py).
 
@@ -38,7 +37,7 @@ from jax.interpreters import ad, batching, mlir
 from jax_fp8 import _registration
 from jax_fp8 import recipe as recipe_lib
 from jax_fp8._primitives import common, partition
-from jax_fp8._primitives.quotient import divide_rn, divide_rn_to_integer
+from jax_fp8._primitives.quotient import divide_rn, quotient_bits
 
 F32 = np.float32
 U32 = np.uint32
@@ -105,23 +104,15 @@ def scale_from_amax_f32(amax, fp8_max: float, amax_epsilon: float = 0.0,
 
 
 def scale_inverse(scale):
-    """1 / scale, correctly rounded, also where the result is subnormal (scale > 2**126):
-    there its bits are the integer 2**149 / scale. (For a subnormal scale the result is
-    XLA's.)"""
+    """1 / scale, correctly rounded, also where the result is subnormal (scale > 2**126).
+    For a zero, infinite, NaN or subnormal scale the result is XLA's."""
     b = _bits(scale)
     sign, mag = b & _SIGN, b & _MAG
     e = mag >> 23
-    big = (e >= 253) & (e != 255)
-    # 1 / scale for a normal scale below 2**126 exactly; 0, inf, NaN and subnormals: XLA's
-    normal = (e >= 1) & (e <= 252)
-    plain = jnp.where(normal, _bits(divide_rn(F32(1.0), _f32(jnp.where(normal, mag, _ONE)))),
-                      _bits(F32(1.0) / _f32(jnp.where(big, _ONE, mag))))
-    # A subnormal 1 / scale is m * 2**-149 with m = round(2**149 / scale) (m = 2**23 is
-    # the smallest normal, whose bits are m too), taken as 2**100 / (scale * 2**-49):
-    # every factor a float32 normal, the scaling exact.
-    scaled = _f32(jnp.where(big, mag, U32(0x7E800000))) * F32(2.0 ** -49)
-    tiny = divide_rn_to_integer(F32(2.0 ** 100), scaled)
-    return _f32(jnp.where(big, tiny, plain) | sign)
+    finite = (e >= 1) & (e <= 254)
+    exact = quotient_bits(F32(1.0), _f32(jnp.where(finite, mag, _ONE)))
+    plain = _bits(F32(1.0) / _f32(jnp.where(finite, _ONE, mag)))
+    return _f32(jnp.where(finite, exact, plain) | sign)
 
 
 def pow2_inverse(scale):

@@ -1,16 +1,20 @@
 """Correctly rounded float32 quotients from one float64 division, emitted in the lowering.
 
-XLA:GPU's float32 division is not correctly rounded (up to 2 ulp off); its float64
-division is IEEE's, as XLA:CPU's is. float64 carries 53 > 2 * 24 + 2 significand bits, so
-the float64 quotient of two float32 values, rounded again to float32, is the correctly
-rounded float32 quotient: rounding twice gives the same bits as rounding once (the exact
-quotient of two 24-bit significands never lies within float64's rounding error of a
-float32 midpoint unless it is one). The same holds for rounding the quotient to an
-integer below 2**24. JAX without x64 has no float64 arrays, so the float64 values exist
-only inside the lowering: a primitive, ``quotient_p``, whose lowering converts to float64,
-divides and converts back.
+XLA:GPU's float32 division is not correctly rounded (up to 2 ulp off); float64 division is
+IEEE's on XLA's backends. float64 carries 53 > 2 * 24 + 2 significand bits, so the float64
+quotient of two float32 values, rounded again to float32, is the correctly rounded float32
+quotient (rounding twice gives the bits of rounding once: the exact quotient of two 24-bit
+significands is never within float64's rounding error of a float32 midpoint unless it is
+one), subnormal quotients included. Two things must not touch the float64 value:
 
-Shapes: a, b [...] float32 (broadcast against each other) -> [...].
+* XLA:GPU narrows ``convert_f32(divide(convert_f64(a), convert_f64(b)))`` back to a
+  float32 division (measured: the same 2-ulp errors), so the quotient leaves float64 as
+  its bits (a bitcast to uint64), never through a float convert;
+* XLA flushes float32 subnormals in its own conversions (CPU), so the rounding to float32
+  is integer arithmetic on those bits, and the result is the float32 bits (uint32).
+
+JAX without x64 has no float64 arrays: the float64 values exist only inside the lowering
+of the primitive ``quotient_bits_p``.
 """
 
 from __future__ import annotations
@@ -25,64 +29,88 @@ from jax.interpreters import ad, batching, mlir
 
 from jax_fp8._primitives import common
 
-ROUNDINGS = ("float32", "integer")
+
+def quotient_bits(a, b):
+    """The bits (uint32) of a / b in float32, rounded to nearest even: subnormal quotients
+    exact, overflow to inf, a NaN operand or 0/0 a quiet NaN. a and b are read as XLA reads
+    float32 values (a subnormal operand may be read as zero).
+    Shapes: a, b [...] float32 (broadcast against each other) -> [...] uint32."""
+    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+    a, b = common.vary_like([a, b])
+    return quotient_bits_p.bind(a, b)
 
 
 def divide_rn(a, b):
-    """a / b in float32, rounded to nearest even; a quotient above float32's range is inf.
-    Exact for normal and zero quotients; where the quotient is a float32 subnormal, XLA
-    may flush it to zero (use `divide_rn_to_integer` on the scaled operands there)."""
-    return _bind(a, b, "float32")
+    """a / b in float32, correctly rounded, where the quotient is normal, zero or inf
+    (a subnormal quotient's exact bits are `quotient_bits`'; arithmetic on it in XLA may
+    flush it)."""
+    return jax.lax.bitcast_convert_type(quotient_bits(a, b), jnp.float32)
 
 
-def divide_rn_to_integer(a, b):
-    """a / b rounded to the nearest integer (half to even), as uint32, for 0 <= a / b <
-    2**24 - 1/2 (elsewhere the result is unspecified)."""
-    return _bind(a, b, "integer")
+def _abstract_eval(a, b):
+    common.check_same_varying("quotient_bits", (a, b))
+    return a.update(dtype=np.dtype(np.uint32), weak_type=False)
 
 
-def _bind(a, b, rounding):
-    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-    a, b = common.vary_like([a, b])
-    return quotient_p.bind(a, b, rounding=rounding)
-
-
-def _abstract_eval(a, b, *, rounding):
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
-    common.check_same_varying("quotient", (a, b))
-    dtype = jnp.float32 if rounding == "float32" else jnp.uint32
-    return a.update(dtype=np.dtype(dtype), weak_type=False)
-
-
-def _lowering(ctx, a, b, *, rounding):
+def _lowering(ctx, a, b):
     (aval,) = ctx.avals_out
-    f64 = ir.RankedTensorType.get(aval.shape, ir.F64Type.get())
+    shape = aval.shape
+    u64 = ir.IntegerType.get_unsigned(64)
+
+    def c(v):
+        return hlo.constant(ir.DenseElementsAttr.get_splat(
+            ir.RankedTensorType.get(shape, u64), ir.IntegerAttr.get(u64, int(v))))
+
+    f64 = ir.RankedTensorType.get(shape, ir.F64Type.get())
     q = hlo.divide(hlo.convert(f64, a), hlo.convert(f64, b))
-    if rounding == "integer":
-        q = hlo.round_nearest_even(q)
-    element = (ir.F32Type.get() if rounding == "float32"
-               else ir.IntegerType.get_unsigned(32))
-    return [hlo.convert(ir.RankedTensorType.get(aval.shape, element), q)]
+    u = hlo.bitcast_convert(ir.RankedTensorType.get(shape, u64), q)
+    sign = hlo.shift_left(hlo.shift_right_logical(u, c(63)), c(31))
+    mag = hlo.and_(u, c(2 ** 63 - 1))
+    exp = hlo.shift_right_logical(mag, c(52))
+    # Normal float32 range (and overflow): drop 29 significand bits, rounding half to even
+    # (a carry moves into the exponent, as it should), rebias the exponent by 1023 - 127.
+    odd = hlo.and_(hlo.shift_right_logical(mag, c(29)), c(1))
+    normal = hlo.subtract(
+        hlo.shift_right_logical(hlo.add(mag, hlo.add(c(2 ** 28 - 1), odd)), c(29)),
+        c(896 << 23))
+    normal = hlo.minimum(normal, c(0x7F800000))            # past FLT_MAX: inf
+    # Below 2**-126: the float32 subnormal significand round(q * 2**149), from the 53-bit
+    # significand m = q * 2**(1075 - exp) shifted right by 926 - exp.
+    m = hlo.or_(hlo.and_(mag, c(2 ** 52 - 1)), c(2 ** 52))
+    shift = hlo.minimum(hlo.subtract(c(926), hlo.minimum(exp, c(896))), c(63))
+    kept = hlo.shift_right_logical(m, shift)
+    rest = hlo.and_(m, hlo.subtract(hlo.shift_left(c(1), shift), c(1)))
+    half = hlo.shift_left(c(1), hlo.subtract(shift, c(1)))
+    gt = hlo.compare(rest, half, hlo.ComparisonDirectionAttr.get("GT"))
+    tie = hlo.and_(hlo.compare(rest, half, hlo.ComparisonDirectionAttr.get("EQ")),
+                   hlo.compare(hlo.and_(kept, c(1)), c(1),
+                               hlo.ComparisonDirectionAttr.get("EQ")))
+    up = hlo.convert(ir.RankedTensorType.get(shape, u64), hlo.or_(gt, tie))
+    tiny = hlo.add(kept, up)
+    is_normal = hlo.compare(exp, c(897), hlo.ComparisonDirectionAttr.get("GE"))
+    is_nan = hlo.compare(mag, c(0x7FF0000000000000), hlo.ComparisonDirectionAttr.get("GT"))
+    bits = hlo.select(is_nan, c(0x7FC00000), hlo.select(is_normal, normal, tiny))
+    return [hlo.convert(ir.RankedTensorType.get(shape, ir.IntegerType.get_unsigned(32)),
+                        hlo.or_(bits, sign))]
 
 
-def _batch(args, dims, *, rounding):
+def _batch(args, dims):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     args = [batching.bdim_at_front(a, d, size) for a, d in zip(args, dims)]
-    return quotient_p.bind(*args, rounding=rounding), 0
+    return quotient_bits_p.bind(*args), 0
 
 
-def _jvp(primals, tangents, **params):
-    """Piecewise constant in float32, as the integer arithmetic it replaced was: zero
-    tangents."""
+def _jvp(primals, tangents):
+    """Integer bits: a float0 tangent (the float32 arithmetic around them is piecewise
+    constant, as the integer division it replaced was)."""
     del tangents
-    out = quotient_p.bind(*primals, **params)
+    out = quotient_bits_p.bind(*primals)
     return out, ad.Zero(jax.typeof(out).to_tangent_aval())
 
 
-quotient_p = Primitive("jax_fp8_quotient")
-quotient_p.def_impl(common.eager_impl(quotient_p))
-quotient_p.def_abstract_eval(_abstract_eval)
-mlir.register_lowering(quotient_p, _lowering)
-batching.primitive_batchers[quotient_p] = _batch
-ad.primitive_jvps[quotient_p] = _jvp
+quotient_bits_p = Primitive("jax_fp8_quotient_bits")
+quotient_bits_p.def_impl(common.eager_impl(quotient_bits_p))
+quotient_bits_p.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(quotient_bits_p, _lowering)
+batching.primitive_batchers[quotient_bits_p] = _batch
+ad.primitive_jvps[quotient_bits_p] = _jvp
