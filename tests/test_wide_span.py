@@ -29,8 +29,11 @@ def test_update_with_buffers_more_than_16gb_apart(gpu_device, tmp_path):
     if amaxes is None:
         pytest.skip("the allocator kept the buffers within 16 GB of each other")
 
-    fn = jax.jit(jax_fp8.update_states)
+    # Donated, the states are updated in their own buffers, 16 GB from the amaxes (not
+    # donated, XLA would copy them into fresh buffers wherever the allocator finds room).
+    fn = jax.jit(jax_fp8.update_states, donate_argnums=0)
     got = fn(states, amaxes)
+    assert helpers.buffer_span((got, amaxes)) > helpers.WIDE_SPAN_BYTES
     cpu = jax.devices("cpu")[0]
     want = jax.jit(jax_fp8.update_states)(jax.device_put(host, cpu),
                                           jax.device_put(amaxes_host, cpu))
@@ -40,7 +43,7 @@ def test_update_with_buffers_more_than_16gb_apart(gpu_device, tmp_path):
                                     [np.asarray(v) for v in (w.amax_history, w.scale,
                                                              w.scale_inv)],
                                     "buffers > 16 GB apart")
-    _, events = trace.capture(lambda _: fn(states, amaxes), None, logdir=str(tmp_path / "trace"))
+    _, events = trace.capture(lambda s: fn(s, amaxes), got, logdir=str(tmp_path / "trace"))
     kernels = trace.by_name(trace.device_events(events, "gpu"))
     launches = sum(count for name, (count, _) in kernels.items() if "UpdateKernel" in name)
     assert launches == 1, kernels

@@ -7,9 +7,11 @@ quotient (rounding twice gives the bits of rounding once: the exact quotient of 
 significands is never within float64's rounding error of a float32 midpoint unless it is
 one), subnormal quotients included. Two things must not touch the float64 value:
 
-* XLA:GPU narrows ``convert_f32(divide(convert_f64(a), convert_f64(b)))`` back to a
-  float32 division (measured: the same 2-ulp errors), so the quotient leaves float64 as
-  its bits (a bitcast to uint64), never through a float convert;
+* XLA:GPU's compiled HLO keeps ``convert_f32(divide(convert_f64(a), convert_f64(b)))``,
+  yet on an H200 its results had the float32 division's 2-ulp errors: below HLO the
+  pattern is narrowed to a float32 division (a rewrite that is exact in IEEE
+  arithmetic, and LLVM makes it), which XLA:GPU emits inexactly. So the quotient leaves
+  float64 as its bits (a bitcast to uint64), never through a float convert;
 * XLA flushes float32 subnormals in its own conversions (CPU), so the rounding to float32
   is integer arithmetic on those bits, and the result is the float32 bits (uint32).
 
@@ -30,32 +32,34 @@ from jax.interpreters import ad, batching, mlir
 from jax_fp8._primitives import common
 
 
-def quotient_bits(a, b):
+def quotient_bits(a, b, *, subnormal=True):
     """The bits (uint32) of a / b in float32, rounded to nearest even: subnormal quotients
     exact, overflow to inf, a NaN operand or 0/0 a quiet NaN. a and b are read as XLA reads
-    float32 values (a subnormal operand may be read as zero).
+    float32 values (a subnormal operand may be read as zero). ``subnormal=False``: fewer
+    operations, for quotients known to be normal or to overflow (others unspecified).
     Shapes: a, b [...] float32 (broadcast against each other) -> [...] uint32."""
     a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
     a, b = common.vary_like([a, b])
-    return quotient_bits_p.bind(a, b)
+    return quotient_bits_p.bind(a, b, subnormal=bool(subnormal))
 
 
 def divide_rn(a, b):
-    """a / b in float32, correctly rounded, where the quotient is normal, zero or inf
-    (a subnormal quotient's exact bits are `quotient_bits`'; arithmetic on it in XLA may
-    flush it)."""
-    return jax.lax.bitcast_convert_type(quotient_bits(a, b), jnp.float32)
+    """a / b in float32, correctly rounded, for a quotient that is normal or overflows
+    (to inf); zero, subnormal and NaN quotients unspecified (`quotient_bits` has them)."""
+    return jax.lax.bitcast_convert_type(quotient_bits(a, b, subnormal=False), jnp.float32)
 
 
-def _abstract_eval(a, b):
+def _abstract_eval(a, b, *, subnormal):
+    del subnormal
     common.check_same_varying("quotient_bits", (a, b))
     return a.update(dtype=np.dtype(np.uint32), weak_type=False)
 
 
-def _lowering(ctx, a, b):
+def _lowering(ctx, a, b, *, subnormal):
     (aval,) = ctx.avals_out
     shape = aval.shape
     u64 = ir.IntegerType.get_unsigned(64)
+    u32 = ir.RankedTensorType.get(shape, ir.IntegerType.get_unsigned(32))
 
     def c(v):
         return hlo.constant(ir.DenseElementsAttr.get_splat(
@@ -66,7 +70,6 @@ def _lowering(ctx, a, b):
     u = hlo.bitcast_convert(ir.RankedTensorType.get(shape, u64), q)
     sign = hlo.shift_left(hlo.shift_right_logical(u, c(63)), c(31))
     mag = hlo.and_(u, c(2 ** 63 - 1))
-    exp = hlo.shift_right_logical(mag, c(52))
     # Normal float32 range (and overflow): drop 29 significand bits, rounding half to even
     # (a carry moves into the exponent, as it should), rebias the exponent by 1023 - 127.
     odd = hlo.and_(hlo.shift_right_logical(mag, c(29)), c(1))
@@ -74,8 +77,11 @@ def _lowering(ctx, a, b):
         hlo.shift_right_logical(hlo.add(mag, hlo.add(c(2 ** 28 - 1), odd)), c(29)),
         c(896 << 23))
     normal = hlo.minimum(normal, c(0x7F800000))            # past FLT_MAX: inf
+    if not subnormal:
+        return [hlo.convert(u32, hlo.or_(normal, sign))]
     # Below 2**-126: the float32 subnormal significand round(q * 2**149), from the 53-bit
     # significand m = q * 2**(1075 - exp) shifted right by 926 - exp.
+    exp = hlo.shift_right_logical(mag, c(52))
     m = hlo.or_(hlo.and_(mag, c(2 ** 52 - 1)), c(2 ** 52))
     shift = hlo.minimum(hlo.subtract(c(926), hlo.minimum(exp, c(896))), c(63))
     kept = hlo.shift_right_logical(m, shift)
@@ -90,21 +96,20 @@ def _lowering(ctx, a, b):
     is_normal = hlo.compare(exp, c(897), hlo.ComparisonDirectionAttr.get("GE"))
     is_nan = hlo.compare(mag, c(0x7FF0000000000000), hlo.ComparisonDirectionAttr.get("GT"))
     bits = hlo.select(is_nan, c(0x7FC00000), hlo.select(is_normal, normal, tiny))
-    return [hlo.convert(ir.RankedTensorType.get(shape, ir.IntegerType.get_unsigned(32)),
-                        hlo.or_(bits, sign))]
+    return [hlo.convert(u32, hlo.or_(bits, sign))]
 
 
-def _batch(args, dims):
+def _batch(args, dims, **params):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     args = [batching.bdim_at_front(a, d, size) for a, d in zip(args, dims)]
-    return quotient_bits_p.bind(*args), 0
+    return quotient_bits_p.bind(*args, **params), 0
 
 
-def _jvp(primals, tangents):
+def _jvp(primals, tangents, **params):
     """Integer bits: a float0 tangent (the float32 arithmetic around them is piecewise
     constant, as the integer division it replaced was)."""
     del tangents
-    out = quotient_bits_p.bind(*primals)
+    out = quotient_bits_p.bind(*primals, **params)
     return out, ad.Zero(jax.typeof(out).to_tangent_aval())
 
 
