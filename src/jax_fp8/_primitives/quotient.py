@@ -9,9 +9,10 @@ one), subnormal quotients included. Two things must not touch the float64 value:
 
 * XLA:GPU's compiled HLO keeps ``convert_f32(divide(convert_f64(a), convert_f64(b)))``,
   yet on an H200 its results had the float32 division's 2-ulp errors: below HLO the
-  pattern is narrowed to a float32 division (a rewrite that is exact in IEEE
-  arithmetic, and LLVM makes it), which XLA:GPU emits inexactly. So the quotient leaves
-  float64 as its bits (a bitcast to uint64), never through a float convert;
+  pattern becomes a float32 division (a rewrite that is exact in IEEE arithmetic, so a
+  compiler may make it), which XLA:GPU's float32 division then rounds inexactly. So the
+  quotient leaves float64 as its bits (a bitcast to uint64), never through a float
+  convert;
 * XLA flushes float32 subnormals in its own conversions (CPU), so the rounding to float32
   is integer arithmetic on those bits, and the result is the float32 bits (uint32).
 
