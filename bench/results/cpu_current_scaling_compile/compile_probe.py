@@ -28,8 +28,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax._src.lib.mlir import ir  # noqa: E402
-from jax._src.lib.mlir.dialects import hlo  # noqa: E402
+from jax.extend.mlir import ir  # noqa: E402
+from jax.extend.mlir.dialects import stablehlo as hlo  # noqa: E402
 from jax.extend.core import Primitive  # noqa: E402
 from jax.interpreters import batching, mlir  # noqa: E402
 

@@ -5,9 +5,9 @@ them. So the math here never feeds a subnormal to a float operation: amaxes are 
 maxima of the bits of |x|, float16/bfloat16 are widened through their bits, a subnormal x
 is scaled up by 2**64 exactly (from its integer significand) before the multiply, and
 divisions are float64 divisions rounded to float32 in integers (`quotient.py`; XLA:GPU's
-float32 division is not correctly rounded), subnormal 1/scale included. The results are the IEEE float32 results, the
-same bits as the CUDA kernel (ffi/block_quantize_cuda.cu) and the NumPy oracle
-(tests/block_reference.py).
+float32 division is not correctly rounded), subnormal 1/scale included. The results are
+the IEEE float32 results, the same bits as the CUDA kernel (ffi/block_quantize_cuda.cu)
+and the NumPy oracle (tests/block_reference.py).
 
 The primitive: x [..., M, K] -> the row-wise copy (q [..., M, K], scale_inv
 [..., M or ceil(M/128), ceil(K/128)]), the column-wise copy (the same for x with its last two
