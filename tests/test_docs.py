@@ -1,21 +1,23 @@
-"""The documentation stays true to the code: the API reference is current and complete,
-relative links resolve, README.md's snippets run, and no tracked file carries notes about
-how it was produced."""
+"""The documentation stays true to the code: the site and its API reference build with
+every warning an error and list every public name, relative links resolve, the docs and
+docstrings name only files and modules that exist, the pages' snippets run, and no
+tracked file carries notes about how it was produced."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-API_MD = ROOT / "docs" / "api.md"
-GEN_API = ROOT / "docs" / "gen_api.py"
+MKDOCS_YML = ROOT / "mkdocs.yml"
 
 # The files of the documentation's owner; the rest of the repository belongs to others.
 DOCS_OWNED = ("README.md", "CHANGELOG.md", "docs/")
@@ -26,8 +28,9 @@ PROVENANCE = re.compile(
     r"session \d|sessions? [0-9]|issue #?\d|the device tool|device tool|\bCEO\b",
     re.IGNORECASE)
 
-PUBLIC_MODULES = ("jax_fp8", "jax_fp8.flax", "jax_fp8.flax.nnx", "jax_fp8.flax.convert",
-                  "jax_fp8.devtools")
+# The public modules and their reference pages (docs/reference/<page>.md).
+PUBLIC_MODULES = {"jax_fp8": "jax_fp8", "jax_fp8.flax": "flax", "jax_fp8.flax.nnx": "nnx",
+                  "jax_fp8.flax.convert": "convert"}
 
 
 def _import_or_none(name):
@@ -39,28 +42,66 @@ def _import_or_none(name):
         raise
 
 
-def test_api_reference_is_current():
-    """`python docs/gen_api.py --check` passes (rerun `python docs/gen_api.py` if not)."""
-    pytest.importorskip("flax")
-    proc = subprocess.run([sys.executable, str(GEN_API), "--check"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (
-        "docs/api.md is stale; run `python docs/gen_api.py` and commit it.\n"
-        + proc.stdout[-20000:] + proc.stderr[-5000:])
+# ------------------------------------------------------------------- the site (mkdocs)
+
+@functools.lru_cache(maxsize=None)
+def _built_site():
+    """(returncode, output, site folder) of `mkdocs build --strict`, built once."""
+    site = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / f"jax_fp8_site_{os.getpid()}"
+    shutil.rmtree(site, ignore_errors=True)
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
+                           str(site)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return proc.returncode, proc.stdout + proc.stderr, site
 
 
-@pytest.mark.parametrize("module_name", PUBLIC_MODULES)
+def _site():
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("mkdocstrings_handlers.python")
+    code, output, site = _built_site()
+    assert code == 0, "mkdocs build --strict failed:\n" + output[-20000:]
+    return site
+
+
+def test_site_builds_with_warnings_as_errors():
+    """`mkdocs build --strict` (what CI runs) succeeds: no broken page, anchor or
+    docstring that griffe cannot read."""
+    _site()
+    assert "strict: true" in MKDOCS_YML.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("module_name", sorted(PUBLIC_MODULES))
 def test_every_public_name_is_in_the_api_reference(module_name):
+    """Each name of the module's __all__ has its entry (an anchor `module.name`) on the
+    module's reference page, or a page of its own for a submodule."""
     pytest.importorskip("flax")
     module = _import_or_none(module_name)
     if module is None:
         pytest.skip(f"{module_name} does not exist")
-    text = API_MD.read_text(encoding="utf-8")
+    html = (_site() / "reference" / PUBLIC_MODULES[module_name] / "index.html").read_text(
+        encoding="utf-8")
+    ids = set(re.findall(r'id="([^"]+)"', html))
     names = getattr(module, "__all__", None)
     assert names is not None, f"{module_name} has no __all__"
-    missing = [n for n in names if f'id="{module_name}.{n}"' not in text
-               and f'id="{getattr(getattr(module, n), "__name__", "")}"' not in text]
-    assert not missing, f"not in docs/api.md: {[f'{module_name}.{n}' for n in missing]}"
+    missing = [n for n in names if f"{module_name}.{n}" not in ids
+               and f"{module_name}.{n}" not in PUBLIC_MODULES]
+    assert not missing, f"not in the API reference: {[f'{module_name}.{n}' for n in missing]}"
+
+
+def test_api_reference_shows_only_public_names():
+    """No private module, internal alias or tool module on the reference pages."""
+    for page in PUBLIC_MODULES.values():
+        html = (_site() / "reference" / page / "index.html").read_text(encoding="utf-8")
+        ids = re.findall(r'id="(jax_fp8[^"]*)"', html)
+        private = [i for i in ids if re.search(r"\._[a-z]|\.devtools\b", i)]
+        assert not private, f"{page}: {private}"
+        assert "recipe_lib." not in html, f"{page}: an internal alias in a signature"
+
+
+def test_every_reference_page_is_in_the_nav():
+    text = MKDOCS_YML.read_text(encoding="utf-8")
+    for page in PUBLIC_MODULES.values():
+        assert f"reference/{page}.md" in text, page
+        assert (ROOT / "docs" / "reference" / f"{page}.md").exists(), page
 
 
 # ------------------------------------------------------------------------------ links
@@ -75,7 +116,8 @@ _HTML_LINK = re.compile(r"""(?:href|src)\s*=\s*["']([^"']+)["']""")
 def _pages():
     """(path, text) of every documentation page that exists."""
     paths = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "examples" / "README.md",
-             *sorted((ROOT / "docs").glob("*.md"))]
+             ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+             *sorted((ROOT / "docs" / "reference").glob("*.md"))]
     return [(md, md.read_text(encoding="utf-8")) for md in paths if md.exists()]
 
 
@@ -159,20 +201,154 @@ def _snippets(md):
     return [b for b in blocks if "/path/to/" not in b]
 
 
-def test_readme_snippets_run(tmp_path):
-    """README.md's snippets run on CPU, in order, each seeing the names the earlier ones
-    defined (as a reader pastes them into one interpreter)."""
-    pytest.importorskip("flax")
-    pytest.importorskip("optax")
-    snippets = _snippets(ROOT / "README.md")
-    assert snippets
-    script = tmp_path / "snippets.py"
-    script.write_text("\n\n".join(snippets), encoding="utf-8")
+# Pages whose ```python blocks run as written, each block on its own (as a reader pastes
+# one block into a fresh interpreter).
+SNIPPET_PAGES = ("README.md", "docs/reference/nnx.md")
+
+
+def _snippet_cases():
+    return [pytest.param(page, n, id=f"{page}[{n}]") for page in SNIPPET_PAGES
+            if (ROOT / page).exists() for n in range(len(_snippets(ROOT / page)))]
+
+
+def _run_snippet(code, tmp_path):
+    script = tmp_path / "snippet.py"
+    script.write_text(code, encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
     env.update(JAX_PLATFORMS="cpu", PYTHONDONTWRITEBYTECODE="1")
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+    return subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+
+
+@pytest.mark.parametrize("page, index", _snippet_cases())
+def test_snippet_runs_on_its_own(page, index, tmp_path):
+    """Each ```python block of the page runs on CPU in a fresh interpreter: it imports
+    and defines everything it uses."""
+    pytest.importorskip("flax")
+    pytest.importorskip("optax")
+    proc = _run_snippet(_snippets(ROOT / page)[index], tmp_path)
+    assert proc.returncode == 0, f"{page}, python block {index}:\n" + proc.stderr[-5000:]
+
+
+def test_readme_has_snippets_to_run():
+    assert len(_snippets(ROOT / "README.md")) >= 2
+
+
+def test_snippet_runner_fails_on_a_missing_name(tmp_path):
+    """The runner itself: a block that uses a name it does not define fails."""
+    proc = _run_snippet("import jax.numpy as jnp\nstates = jax_fp8.ScalingState.create()\n",
+                        tmp_path)
+    assert proc.returncode != 0 and "NameError" in proc.stderr
+
+
+# ----------------------------------------------------- files and modules the text names
+
+# Where names are looked for: the documentation pages and the library's sources
+# (docstrings and comments).
+NAMING_PAGES = ("README.md", "examples/README.md", "bench/README.md")
+TOP_DIRS = ("src", "docs", "bench", "ffi", "tests", "examples", "scripts")
+_PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./-]*[\w/])" % "|".join(TOP_DIRS))
+_SRC_PATH = re.compile(r"(?<![\w./-])((?:_primitives|flax|devtools)/\w+\.py)\b")
+_BARE_FILE = re.compile(r"(?<![\w./-])([A-Za-z_][\w-]*\.(?:py|md|cc|cu|h|sh|toml|yml))\b")
+_DOTTED = re.compile(r"(?<![\w.])(jax_fp8(?:\.[A-Za-z_]\w*)+)")
+
+
+def _naming_sources():
+    """(label, text) of every page and library source whose names are checked."""
+    paths = [ROOT / p for p in NAMING_PAGES]
+    paths += sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "docs").glob("*/*.md"))
+    paths += sorted((ROOT / "src" / "jax_fp8").rglob("*.py"))
+    return [(p.relative_to(ROOT).as_posix(), p.read_text(encoding="utf-8")) for p in paths
+            if p.exists() and not p.relative_to(ROOT).as_posix().startswith(DOCS_NOT_OWNED)]
+
+
+@functools.lru_cache(maxsize=None)
+def _file_names():
+    names = set()
+    for base in ("src", "ffi", "tests", "bench", "docs", "examples", "scripts"):
+        names.update(p.name for p in (ROOT / base).rglob("*") if p.is_file())
+    names.update(p.name for p in ROOT.iterdir() if p.is_file())
+    return names
+
+
+def _path_exists(path, label):
+    path = path.rstrip(".")
+    if any(c in path for c in "*<{"):
+        return True  # a pattern or a placeholder, not a file
+    candidates = [ROOT / path, (ROOT / label).parent / path, ROOT / "src" / "jax_fp8" / path]
+    return any(c.exists() for c in candidates)
+
+
+@functools.lru_cache(maxsize=None)
+def _extension_modules():
+    """The compiled modules CMakeLists.txt builds (present only where they were built)."""
+    text = (ROOT / "CMakeLists.txt").read_text(encoding="utf-8")
+    return frozenset(re.findall(r"nanobind_add_module\((\w+)", text))
+
+
+def _dotted_exists(name):
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[1] in _extension_modules():
+        return True
+    for n in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:n]))
+        except ImportError:
+            continue
+        for attr in parts[n:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def _names_that_do_not_exist(sources):
+    missing = []
+    for label, text in sources:
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if "://" in line:
+                line = re.sub(r"\S+://\S+", "", line)  # URLs name other sites' files
+            for m in _PATH.finditer(line):
+                if not _path_exists(m.group(1), label):
+                    missing.append(f"{label}:{lineno}: {m.group(1)}")
+            for m in _SRC_PATH.finditer(line):
+                if not _path_exists(m.group(1), label):
+                    missing.append(f"{label}:{lineno}: {m.group(1)}")
+            for m in _BARE_FILE.finditer(line):
+                if m.group(1) not in _file_names():
+                    missing.append(f"{label}:{lineno}: {m.group(1)}")
+            for m in _DOTTED.finditer(line):
+                name = m.group(1).rstrip(".")
+                if re.search(r"\.(py|md|so|json)$", name):
+                    continue  # a file name such as jax_fp8.md
+                if not _dotted_exists(name):
+                    missing.append(f"{label}:{lineno}: {name}")
+    return missing
+
+
+def test_docs_and_docstrings_name_only_files_and_modules_that_exist():
+    """A path (`src/...`, `docs/...`, `bench/...`, `ffi/...`, `_primitives/x.py`), a file
+    name (`x.md`, `x.cc`) or a dotted `jax_fp8.x.y` name in a page, a docstring or a
+    comment names something that exists."""
+    pytest.importorskip("flax")
+    missing = _names_that_do_not_exist(_naming_sources())
+    assert not missing, "names of files or modules that do not exist:\n" + "\n".join(missing)
+
+
+def test_name_checker_finds_names_that_do_not_exist():
+    """The checker itself, on made-up text."""
+    pytest.importorskip("flax")
+    text = ("see docs/semantics.md and src/jax_fp8/update.py, `jax_fp8.update_states`,\n"
+            "`jax_fp8.flax.nnx.Fp8Linear`, _primitives/update.py, README.md,\n"
+            "jax_fp8._jax_fp8_cpu (built or not), reference/jax_fp8.md\n"
+            "but not docs/nothing.md, bench/results/none/, `jax_fp8.no_such_name`,\n"
+            "jax_fp8.flax.nowhere, _primitives/nothing.py, SPEC_NONE.md\n"
+            "nor https://example.com/src/x.py, docs/<page>.md, bench/results/*.json")
+    missing = _names_that_do_not_exist([("docs/made_up.md", text)])
+    assert sorted(m.split(": ", 1)[1] for m in missing) == sorted([
+        "docs/nothing.md", "bench/results/none/", "jax_fp8.no_such_name",
+        "jax_fp8.flax.nowhere", "_primitives/nothing.py", "SPEC_NONE.md"]), missing
 
 
 # -------------------------------------------------------------------------- provenance
@@ -234,104 +410,3 @@ def test_provenance_pattern():
         assert PROVENANCE.search(text), text
     for text in ("the issue's targets", "sessions", "CEOs", "issued", "a device"):
         assert not PROVENANCE.search(text), text
-
-
-# --------------------------------------------------------------------- the generator
-
-def _gen_api():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("gen_api", GEN_API)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_generator_handles_every_kind_of_name():
-    """Dataclasses, enums, named tuples, classmethods, properties, constants, private
-    names and re-exports, on a module made up here (the real API keeps changing)."""
-    import dataclasses
-    import enum
-    import types
-    from typing import NamedTuple
-
-    gen = _gen_api()
-    mod = types.ModuleType("jax_fp8_fake", "A made-up module.\n\nSecond paragraph.")
-
-    class Kind(enum.Enum):
-        """Two kinds."""
-        A = "a"
-        B = "b"
-
-    @dataclasses.dataclass(frozen=True)
-    class Thing:
-        """A thing.
-
-        Attributes:
-          size: how big, e.g. ``x * 2``.
-          kind: which kind.
-
-        Example::
-
-            Thing.create(3).double
-        """
-        size: int = 1
-        kind: Kind = Kind.A
-
-        @classmethod
-        def create(cls, size: int) -> "Thing":
-            """A thing of ``size``."""
-            return cls(size)
-
-        @property
-        def double(self) -> int:
-            """Twice the size."""
-            return 2 * self.size
-
-        def _private(self):
-            pass
-
-    class Pair(NamedTuple):
-        """Two values."""
-        left: int
-        right: int
-
-    def make(x, *, thing=Thing(), kind=Kind.B, **rest) -> "Thing":
-        """Makes a thing.
-
-        Args:
-          x: the input.
-          thing: a template.
-
-        Returns:
-          A thing.
-        """
-
-    for obj in (Kind, Thing, Pair, make):
-        obj.__module__ = "jax_fp8_fake"
-    for raw in vars(Thing).values():  # the generator documents only jax_fp8's own methods
-        func = getattr(raw, "__func__", getattr(raw, "fget", raw))
-        if callable(func) and hasattr(func, "__module__"):
-            func.__module__ = "jax_fp8_fake"
-    mod.Kind, mod.Thing, mod.Pair, mod.make, mod.LIMIT = Kind, Thing, Pair, make, "x"
-    mod._hidden = make
-    mod.__all__ = ["Kind", "LIMIT", "Pair", "Thing", "make"]
-
-    documented = {}
-    text = "\n".join(gen.render_module(mod, documented))
-    for needle in ('id="jax_fp8_fake.Thing"', "class Thing(size: int = 1, kind: Kind = Kind.A)",
-                   "`Thing.create(size: int) -> Thing` *(classmethod)*",
-                   "`Thing.double` *(property)*", "- `size`: how big, e.g. ``x * 2``.",
-                   "```python\nThing.create(3).double\n```", "- `Kind.B` = `'b'`",
-                   "class Pair(left: int, right: int)", "*named tuple*",
-                   "make(x, *, thing=Thing(), kind=Kind.B, **rest) -> Thing",
-                   "`LIMIT = 'x'`", "**Returns:**"):
-        assert needle in text, needle
-    assert "_private" not in text and "_hidden" not in text
-    assert " at 0x" not in text
-    # A second module re-exporting a documented object points to it.
-    other = types.ModuleType("jax_fp8_other")
-    other.Thing, other.__all__ = Thing, ["Thing"]
-    again = "\n".join(gen.render_module(other, documented))
-    assert "The same object as [`jax_fp8_fake.Thing`](#jax_fp8_fake.Thing)" in again
-    # Deterministic: the same input renders the same text.
-    assert "\n".join(gen.render_module(mod, {})) == "\n".join(gen.render_module(mod, {}))

@@ -1,6 +1,7 @@
 """jax_fp8: FP8 training for JAX, with a whole model's delayed-scaling update fused into one op.
 
-Public API (``docs/api.md``; the arithmetic in ``docs/semantics.md``):
+Public API (reference: ``docs/reference/``, built by ``mkdocs build``; the arithmetic in
+``docs/semantics.md``):
 
   recipes           DelayedScaling, Float8CurrentScaling, Float8BlockScaling, Format
   state             ScalingState, update_states, amax_and_scale_update, reduce_amaxes

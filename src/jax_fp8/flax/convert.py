@@ -91,8 +91,18 @@ def from_flax(tree, *, fwd_dtype=jnp.float8_e4m3fn, bwd_dtype=jnp.float8_e5m2,
       tree: Flax's ``"_overwrite_with_gradient"`` collection, or a whole variables dict
         holding it (then the result is that dict with the collection replaced by our
         ``"fp8_meta"``).
-      fwd_dtype, bwd_dtype: FP8 dtypes of the input/kernel and gradient tensors.
+      fwd_dtype: FP8 dtype of the input and kernel states.
+      bwd_dtype: FP8 dtype of the gradient states.
       rename: rename ``Fp8DirectDotGeneralOp_<n>`` modules to ``Fp8DotGeneral_<n>``.
+      implementation: "auto" (the fused kernel where built) or "jnp", as in
+        `jax_fp8.update_states`.
+
+    Returns:
+      ``tree`` with each Flax module's variables replaced by ``input``/``kernel``/``grad``
+      ScalingStates that quantize the next step with the scales Flax would use.
+
+    Raises:
+      ValueError: a ``*_scale`` whose shape is not the history's leading axes plus ``(1,)``.
     """
     if hasattr(tree, "keys") and FLAX_COLLECTION in tree:
         out = {k: v for k, v in tree.items() if k != FLAX_COLLECTION}
@@ -148,6 +158,10 @@ def to_flax(tree, *, rename: bool = True):
         ScalingStates), or a whole variables dict holding it (then the result holds
         Flax's ``"_overwrite_with_gradient"`` collection instead).
       rename: rename ``Fp8DotGeneral_<n>`` modules to ``Fp8DirectDotGeneralOp_<n>``.
+
+    Returns:
+      ``tree`` with each module's ScalingStates replaced by Flax's
+      ``{input,kernel,output_grad}_{amax_history,scale}`` variables.
     """
     if hasattr(tree, "keys") and FP8_COLLECTION in tree:
         out = {k: v for k, v in tree.items() if k != FP8_COLLECTION}
