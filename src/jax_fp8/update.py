@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_fp8 import recipe as recipe_lib
+from jax_fp8.recipe import DelayedScaling
 from jax_fp8._primitives import common
 from jax_fp8._primitives.update import ALGOS, IMPLEMENTATIONS, fp8_update_p
 from jax_fp8.state import ScalingState, is_state
@@ -136,7 +137,7 @@ def _where(paths, i, tree):
     return paths[0][i]
 
 
-def update_states(tree, amaxes=None, *, recipe=recipe_lib.DelayedScaling(),
+def update_states(tree, amaxes=None, *, recipe=DelayedScaling(),
                   axis_name=None, implementation="auto", in_place=None):
     """Updates every ScalingState leaf of `tree` with one fused op.
 
