@@ -110,6 +110,21 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def run_info(script: str, argv) -> dict:
+    """What ran, with no jax backend started: Python, host, commit, date and the command
+    line (a process that leaves the device to its workers can call it)."""
+    return {
+        "python": platform.python_version(),
+        "machine": f"{platform.system()} {platform.machine()}, {_cpu_model()}, "
+                   f"{os.cpu_count()} CPU cores",
+        "xla_flags": os.environ.get("XLA_FLAGS"),
+        "git_commit": _git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "command": shlex.join(["python", os.path.relpath(os.path.abspath(script))]
+                              + list(argv)),
+    }
+
+
 def environment(script: str, argv) -> dict:
     """What ran where: device, versions, host, commit, date and the command line."""
     import jax
@@ -126,14 +141,7 @@ def environment(script: str, argv) -> dict:
         "jax_fp8_version": getattr(jax_fp8, "__version__", None),
         "has_cpu_kernel": bool(jax_fp8.HAS_CPU_KERNEL),
         "has_cuda_kernel": bool(jax_fp8.HAS_CUDA_KERNEL),
-        "python": platform.python_version(),
-        "machine": f"{platform.system()} {platform.machine()}, {_cpu_model()}, "
-                   f"{os.cpu_count()} CPU cores",
-        "xla_flags": os.environ.get("XLA_FLAGS"),
-        "git_commit": _git_commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "command": shlex.join(["python", os.path.relpath(os.path.abspath(script))]
-                              + list(argv)),
+        **run_info(script, argv),
     }
 
 

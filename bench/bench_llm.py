@@ -1,0 +1,1090 @@
+#!/usr/bin/env python3
+"""Benchmark: a Llama-style decoder's training step, bf16 vs Flax FP8 vs jax_fp8's recipes.
+
+The model (plain Flax linen, written here): token embedding; per block RMSNorm, fused QKV
+projection, rotary position embedding, causal attention (``jax.nn.dot_product_attention``,
+cuDNN on a GPU), output projection, residual; RMSNorm, fused gate/up projection, SwiGLU,
+down projection, residual; final RMSNorm, LM head, cross-entropy; ``optax.adamw``; float32
+parameters, bf16 compute, the train state donated, the blocks unrolled (``--scan``:
+``nn.scan``). The four projections of each block are the FP8 GEMMs; the LM head stays
+bf16 (``--fp8-lm-head`` makes it FP8 too). Sizes (SIZES below):
+
+  tiny      d 128, 2 heads, ffn 256, 2 blocks, 2 x 64 tokens, vocab 512 (CPU, seconds)
+  350m      d 1024, 16 heads, ffn 2816, 24 blocks, 8 x 2048 tokens, vocab 32000
+  1b        d 2048, 16 heads, ffn 5632, 16 blocks, 4 x 2048 tokens, vocab 32000
+  8b_slice  d 4096, 32 heads, ffn 14336, 4 blocks, 2 x 4096 tokens, vocab 32000
+
+Variants (VARIANTS below; a new one, e.g. with fused kernels, is one entry):
+
+  bf16              nn.Dense
+  flax_fp8          nn.Dense(dot_general_cls=flax.linen.fp8_ops.Fp8DirectDotGeneralOp),
+                    the FP8 variables in Flax's "_overwrite_with_gradient" collection,
+                    written by flax.training's TrainState.apply_gradients
+  jax_fp8_delayed   nn.Dense(dot_general_cls=jax_fp8.flax.Fp8DotGeneral) + Fp8TrainState,
+                    DelayedScaling
+  jax_fp8_current   the same with Float8CurrentScaling
+  jax_fp8_block     the same with Float8BlockScaling
+
+Each variant runs in its own process (this script with --worker), so its compile is a
+cold one and no variant sees another's autotuning. Per size and variant: device time per
+step (the sum of the GPU kernel durations in a profiler trace of --steps steps / steps),
+split by kernel family (FP8 GEMM, bf16 GEMM, attention, norm+quantize,
+quantize/transpose, amax, jax_fp8 kernels, other); pipelined wall time (--steps steps
+dispatched back to back, one block at the end) and blocked wall time (the median of
+--steps steps each followed by block_until_ready), after --warmup steps; tokens/s; lower
++ compile time; ``compiled.memory_analysis().temp_size_in_bytes``; the speed-ups vs bf16
+and vs Flax FP8; and each FP8 variant's floor: its own GEMM time + bf16's attention time +
+bf16's other (non-GEMM, non-attention) time, i.e. the step if FP8 added nothing but its
+GEMMs. On a CPU there are no GPU kernels: device time is reported unavailable, the XLA:CPU
+op time by family stands in for the family split, and the wall times are measured.
+
+Progress goes to stderr, the markdown report to stdout; OUTDIR/results.json,
+OUTDIR/results.md and OUTDIR/plot.png are rewritten after every variant (an interrupted
+run keeps what it measured).
+
+Examples:
+  python bench/bench_llm.py --outdir out/bench_llm                  # 1b and 8b_slice, 5 variants
+  python bench/bench_llm.py --sizes 8b_slice --variants bf16,jax_fp8_delayed --steps 20
+  python bench/bench_llm.py --sizes tiny --variants bf16,jax_fp8_delayed --steps 2   # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import functools
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from typing import Any, Callable
+
+import numpy as np
+
+import common
+
+# --------------------------------------------------------------------------------------
+# Sizes.
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """A decoder's shape and its batch: width ``d``, ``heads`` (head dim d / heads), SwiGLU
+    width ``ffn``, ``layers`` blocks, ``batch`` x ``seq`` tokens, ``vocab``."""
+
+    name: str
+    d: int
+    heads: int
+    ffn: int
+    layers: int
+    batch: int
+    seq: int
+    vocab: int = 32000
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    @property
+    def head_dim(self) -> int:
+        return self.d // self.heads
+
+    def matmul_params(self) -> int:
+        """Parameters of the GEMMs: four projections per block and the LM head."""
+        return self.layers * (4 * self.d * self.d + 3 * self.d * self.ffn) + self.d * self.vocab
+
+    def params(self) -> int:
+        """All parameters: the GEMMs', the embedding and the norms' scales."""
+        return self.matmul_params() + self.vocab * self.d + (2 * self.layers + 1) * self.d
+
+    def flops_per_step(self) -> float:
+        """Model FLOPs of one training step: 6 per GEMM parameter and token, plus the
+        attention products (QK^T and PV, forward and backward) at half for the causal mask."""
+        return self.tokens * (6.0 * self.matmul_params() + 6.0 * self.layers * self.d * self.seq)
+
+
+SIZES = {s.name: s for s in (
+    Size("tiny", 128, 2, 256, 2, 2, 64, vocab=512),
+    Size("350m", 1024, 16, 2816, 24, 8, 2048),
+    Size("1b", 2048, 16, 5632, 16, 4, 2048),
+    Size("8b_slice", 4096, 32, 14336, 4, 2, 4096),
+)}
+DEFAULT_SIZES = ("1b", "8b_slice")
+
+
+# --------------------------------------------------------------------------------------
+# The model. Imported lazily: the parent process never starts a jax backend (on a GPU it
+# would take the memory its workers need).
+# --------------------------------------------------------------------------------------
+
+def _jax():
+    import jax
+    import jax.numpy as jnp
+    return jax, jnp
+
+
+@functools.lru_cache(maxsize=None)
+def model_classes():
+    """The Flax modules (defined on first use, after jax and flax are imported)."""
+    jax, jnp = _jax()
+    import flax.linen as nn
+
+    dense = functools.partial(nn.Dense, use_bias=False, dtype=jnp.bfloat16,
+                              param_dtype=jnp.float32)
+
+    class RMSNorm(nn.Module):
+        """x * rsqrt(mean(x^2) + eps) * scale, in float32, returned in bf16."""
+
+        eps: float = 1e-5
+
+        @nn.compact
+        def __call__(self, x):
+            scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+            x32 = x.astype(jnp.float32)
+            y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+            return (y * scale).astype(jnp.bfloat16)
+
+    class NormDense(nn.Module):
+        """RMSNorm, then a bias-free projection: the pair a fused norm+quantize kernel
+        replaces."""
+
+        features: int
+        dot_general_cls: Any = None
+
+        @nn.compact
+        def __call__(self, x):
+            h = RMSNorm(name="norm")(x)
+            return dense(self.features, dot_general_cls=self.dot_general_cls, name="proj")(h)
+
+    class SwiGLUDown(nn.Module):
+        """silu(gate) * up from the fused gate/up output ``[..., 2 * ffn]``, then the down
+        projection: the pair a fused activation+quantize kernel replaces."""
+
+        features: int
+        dot_general_cls: Any = None
+
+        @nn.compact
+        def __call__(self, gate_up):
+            gate, up = jnp.split(gate_up, 2, axis=-1)
+            h = nn.silu(gate) * up
+            return dense(self.features, dot_general_cls=self.dot_general_cls, name="proj")(h)
+
+    def rope(x, positions):
+        """Rotary position embedding of ``x`` [batch, seq, heads, head_dim] (halves rotated)."""
+        half = x.shape[-1] // 2
+        freq = 10000.0 ** (-jnp.arange(half, dtype=jnp.float32) / half)
+        angle = positions[:, None].astype(jnp.float32) * freq[None, :]      # [seq, half]
+        cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
+        x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+        return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin],
+                               axis=-1).astype(x.dtype)
+
+    class Block(nn.Module):
+        """One decoder block on the residual stream ``x`` [batch * seq, d] (2-D, so every
+        projection is a plain [tokens, K] x [K, N] GEMM)."""
+
+        size: Size
+        layers: Any          # Layers
+        rope: bool = True
+
+        @nn.compact
+        def __call__(self, x, _=None):
+            s, lay = self.size, self.layers
+            qkv = lay.norm_dense(3 * s.d, lay.dot_general_cls, name="attn_in")(x)
+            qkv = qkv.reshape(s.batch, s.seq, 3, s.heads, s.head_dim)
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+            if self.rope:
+                pos = jnp.arange(s.seq)
+                q, k = rope(q, pos), rope(k, pos)
+            att = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                               implementation=lay.attention)
+            att = att.reshape(s.tokens, s.d)
+            x = x + dense(s.d, dot_general_cls=lay.dot_general_cls, name="attn_out")(att)
+            gate_up = lay.norm_dense(2 * s.ffn, lay.dot_general_cls, name="mlp_in")(x)
+            x = x + lay.act_dense(s.d, lay.dot_general_cls, name="mlp_out")(gate_up)
+            return x, None
+
+    class Decoder(nn.Module):
+        """Tokens [batch, seq] -> logits [batch * seq, vocab] (bf16)."""
+
+        size: Size
+        layers: Any          # Layers
+        scan: bool = False
+        rope: bool = True
+
+        @nn.compact
+        def __call__(self, tokens):
+            s, lay = self.size, self.layers
+            x = nn.Embed(s.vocab, s.d, dtype=jnp.bfloat16, param_dtype=jnp.float32,
+                         embedding_init=nn.initializers.normal(0.02),
+                         name="embed")(tokens.reshape(-1))
+            if self.scan:
+                axes = {c: 0 for c in ("params", *lay.stacked_collections)}
+                blocks = nn.scan(Block, variable_axes=axes, split_rngs={"params": True},
+                                 length=s.layers)
+                x, _ = blocks(s, lay, self.rope, name="blocks")(x, None)
+            else:
+                for i in range(s.layers):
+                    x, _ = Block(s, lay, self.rope, name=f"block{i}")(x)
+            x = RMSNorm(name="final_norm")(x)
+            return dense(s.vocab, dot_general_cls=lay.head_dot_general_cls, name="lm_head")(x)
+
+    return {"RMSNorm": RMSNorm, "NormDense": NormDense, "SwiGLUDown": SwiGLUDown,
+            "Block": Block, "Decoder": Decoder}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layers:
+    """What a variant puts into the model. ``dot_general_cls``: the four projections'
+    (None: ``lax.dot_general``); ``head_dot_general_cls``: the LM head's; ``norm_dense`` /
+    ``act_dense``: (features, dot_general_cls, name=) -> the module for RMSNorm +
+    projection / SwiGLU + down projection (None: the unfused NormDense / SwiGLUDown);
+    ``attention``: ``jax.nn.dot_product_attention``'s implementation; ``stacked_collections``:
+    the variable collections other than "params" that ``--scan`` stacks per block."""
+
+    dot_general_cls: Any = None
+    head_dot_general_cls: Any = None
+    norm_dense: Any = None
+    act_dense: Any = None
+    attention: str | None = None
+    stacked_collections: tuple = ()
+
+    def resolved(self) -> "Layers":
+        classes = model_classes()
+        return dataclasses.replace(self, norm_dense=self.norm_dense or classes["NormDense"],
+                                   act_dense=self.act_dense or classes["SwiGLUDown"])
+
+
+# --------------------------------------------------------------------------------------
+# Variants.
+# --------------------------------------------------------------------------------------
+
+def _flax_fp8():
+    from flax.linen import fp8_ops
+    op = getattr(fp8_ops, "Fp8DirectDotGeneralOp", None) or fp8_ops.Fp8DotGeneralOp
+    owg = getattr(fp8_ops, "OVERWRITE_WITH_GRADIENT", "_overwrite_with_gradient")
+    return op, owg
+
+
+def _flax_layers(args):
+    op, owg = _flax_fp8()
+    return Layers(dot_general_cls=functools.partial(op, amax_history_length=args.history_len),
+                  stacked_collections=(owg,))
+
+
+def _jax_fp8_layers(args, recipe):
+    from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral
+    return Layers(dot_general_cls=functools.partial(Fp8DotGeneral, recipe=recipe),
+                  stacked_collections=(FP8_COLLECTION,))
+
+
+def _delayed(args):
+    import jax_fp8
+    return jax_fp8.DelayedScaling(history_len=args.history_len)
+
+
+def _current(args):
+    import jax_fp8
+    return jax_fp8.Float8CurrentScaling()
+
+
+def _block(args):
+    import jax_fp8
+    return jax_fp8.Float8BlockScaling()
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One way to run the step. ``kind`` ("bf16", "flax" or "jax_fp8") picks the train
+    state and step; ``recipe``: args -> the jax_fp8 recipe (kind "jax_fp8"); ``layers``:
+    args -> `Layers` (default: by kind, from the recipe); ``update_calls``: the
+    ``jax_fp8_update`` custom calls the compiled step must hold (None: not checked)."""
+
+    name: str
+    label: str
+    kind: str
+    recipe: Callable | None = None
+    layers: Callable | None = None
+    update_calls: int | None = None
+
+    def make_layers(self, args) -> Layers:
+        if self.layers is not None:
+            lay = self.layers(args)
+        elif self.kind == "flax":
+            lay = _flax_layers(args)
+        elif self.kind == "jax_fp8":
+            lay = _jax_fp8_layers(args, self.recipe(args))
+        else:
+            lay = Layers()
+        head = lay.dot_general_cls if args.fp8_lm_head else lay.head_dot_general_cls
+        return dataclasses.replace(lay, head_dot_general_cls=head,
+                                   attention=attention_impl(args)).resolved()
+
+
+VARIANTS = {v.name: v for v in (
+    Variant("bf16", "bf16", "bf16"),
+    Variant("flax_fp8", "Flax FP8", "flax"),
+    Variant("jax_fp8_delayed", "jax_fp8 delayed", "jax_fp8", _delayed, update_calls=1),
+    Variant("jax_fp8_current", "jax_fp8 current", "jax_fp8", _current),
+    Variant("jax_fp8_block", "jax_fp8 block", "jax_fp8", _block),
+)}
+DEFAULT_VARIANTS = tuple(VARIANTS)
+
+
+def attention_impl(args):
+    """``jax.nn.dot_product_attention``'s implementation: --attention, else cuDNN on a GPU
+    and XLA elsewhere."""
+    if args.attention != "auto":
+        return args.attention
+    return "cudnn" if common.platform_name() == "gpu" else "xla"
+
+
+# --------------------------------------------------------------------------------------
+# Train states and steps.
+# --------------------------------------------------------------------------------------
+
+def xent(logits, labels):
+    import optax
+    _, jnp = _jax()
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), labels.reshape(-1)).mean()
+
+
+def make_model(variant, size, args):
+    return model_classes()["Decoder"](size, variant.make_layers(args), scan=args.scan,
+                                      rope=not args.no_rope)
+
+
+def make_state(variant, size, args, tokens):
+    """A fresh train state (parameters from ``args.seed``, the same for every variant)."""
+    jax, _ = _jax()
+    import optax
+    from flax.training import train_state
+    model = make_model(variant, size, args)
+    variables = jax.jit(model.init)(jax.random.key(args.seed), tokens)
+    tx = optax.adamw(args.lr, weight_decay=0.1)
+    if variant.kind == "bf16":
+        return train_state.TrainState.create(apply_fn=model.apply, params=variables["params"],
+                                             tx=tx)
+    if variant.kind == "flax":
+        _, owg = _flax_fp8()
+        return train_state.TrainState.create(
+            apply_fn=model.apply, tx=tx,
+            params={"params": variables["params"], owg: variables[owg]})
+    return jax_fp8_state(model, variables, tx, variant.recipe(args))
+
+
+def jax_fp8_state(model, variables, tx, recipe):
+    """jax_fp8's train state for ``variables`` (params and the FP8 collection)."""
+    from jax_fp8.flax import Fp8TrainState
+    return Fp8TrainState.create(apply_fn=model.apply, variables=variables, tx=tx, recipe=recipe)
+
+
+def plain_step(state, tokens, labels):
+    """bf16, and Flax FP8: the gradients of Flax's "_overwrite_with_gradient" collection ARE
+    its new FP8 variables, which TrainState.apply_gradients writes (adamw sees "params")."""
+    jax, _ = _jax()
+    _, owg = _flax_fp8()
+
+    def loss_fn(variables):
+        v = variables if owg in variables else {"params": variables}
+        return xent(state.apply_fn(v, tokens), labels)
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def jax_fp8_step(state, tokens, labels):
+    """jax_fp8's step: gradients for params and the FP8 state; one update of the latter."""
+    jax, _ = _jax()
+
+    def loss_fn(params, fp8):
+        return xent(state.apply_model(params, fp8, tokens), labels)
+    loss, (grads, fp8_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(state.params,
+                                                                           state.fp8)
+    return state.apply_gradients(grads=grads, fp8_grads=fp8_grads), loss
+
+
+def step_function(variant):
+    return jax_fp8_step if variant.kind == "jax_fp8" else plain_step
+
+
+# --------------------------------------------------------------------------------------
+# Kernel families: from the compiled HLO (fusion bodies, custom-call targets, GEMM operand
+# types) and, for library kernels the trace names otherwise, from the kernel's name.
+# --------------------------------------------------------------------------------------
+
+FAMILIES = ("fp8_gemm", "bf16_gemm", "attention", "norm_quantize", "act_quantize",
+            "quantize_transpose", "amax", "jax_fp8_kernels", "other")
+FAMILY_LABELS = {"fp8_gemm": "FP8 GEMM", "bf16_gemm": "bf16 GEMM", "attention": "attention",
+                 "norm_quantize": "norm+quantize", "act_quantize": "act+quantize",
+                 "quantize_transpose": "quantize/transpose",
+                 "amax": "amax", "jax_fp8_kernels": "jax_fp8 kernels", "other": "other"}
+GEMM_FAMILIES = ("fp8_gemm", "bf16_gemm")
+FAMILY_NOTE = (
+    "Kernel families: FP8 GEMM / bf16 GEMM (a GEMM with FP8 operands or not: the compiled "
+    "HLO's dots and GEMM custom calls, cuBLASLt's `nvjet_*` kernels by the operand types in "
+    "their name); attention (cuDNN's fused attention); norm+quantize and act+quantize (a "
+    "fusion that writes FP8 or takes a max-of-abs amax, with an RMSNorm's or the SwiGLU's "
+    "ops in it, by the HLO's op_name scopes); quantize/transpose (other fusions, copies and "
+    "transposes that write FP8, or transpose FP8 data); amax (other fusions with a max-of-abs "
+    "reduction); jax_fp8 kernels (jax_fp8's own CUDA kernels other than its GEMM); other "
+    "(everything else: bf16 norms and activations, residual adds, RoPE, softmax and "
+    "cross-entropy, the embedding, adamw, copies).")
+FLOOR_NOTE = (
+    "Floor of an FP8 variant: its own GEMM time (FP8 GEMMs and any bf16 GEMM left, e.g. the "
+    "LM head) + bf16's attention time + bf16's other time (everything but GEMMs and "
+    "attention): the step if FP8 cost nothing beyond its GEMMs. FP8 overhead: the "
+    "variant's time outside GEMMs and attention minus bf16's.")
+
+_CALLS = re.compile(r"\b(?:calls|to_apply)=(\{[^}]*\}|%?[\w.\-]+)")
+_F8 = re.compile(r"\bf8e\w*\[")
+_NVJET_TYPES = re.compile(r"nvjet_(?:sm\d+_)?([a-z]+)_")
+_GEMM_NAME = re.compile(r"nvjet|cublas|cutlass|xmma|gemm|matmul", re.I)
+_FP8_NAME = re.compile(r"e4m3|e5m2|f8e|fp8|float8", re.I)
+_ATTENTION_NAME = re.compile(r"cudnn|fmha|sdpa|flash", re.I)
+_OWN_NAME = re.compile(r"jax_fp8::")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+# The model's module scopes in the HLO's op_name metadata: its RMSNorms ("norm",
+# "final_norm") and SwiGLU (in "mlp_out", outside its projection "proj").
+_NORM_SCOPE = re.compile(r"/\w*norm/")
+_ACT_SCOPE = re.compile(r"/mlp_out/(?!proj/)")
+
+
+def _callees(line: str) -> list[str]:
+    out = []
+    for group in _CALLS.findall(line):
+        out += re.findall(r"%?([\w.\-]+)", group)
+    return out
+
+
+def _body(mod, ins, depth=0) -> list:
+    """The instructions of the computations ``ins`` calls, recursively (a fusion's body)."""
+    out = []
+    for c in _callees(ins.line):
+        for i in mod.computations.get(c, ()):
+            out.append(i)
+            if depth < 8:
+                out += _body(mod, i, depth + 1)
+    return out
+
+
+def _fusion_family(mod, ins) -> str:
+    body = _body(mod, ins)
+    ops = {i.opcode for i in body}
+    scopes = " ".join(m for i in body for m in _OP_NAME.findall(i.line))
+    writes_fp8 = bool(_F8.search(ins.shape)) or any(
+        i.opcode == "convert" and _F8.search(i.shape) for i in body)
+    reads_fp8 = any(i.opcode == "parameter" and _F8.search(i.shape) for i in body)
+    amax = "abs" in ops and any(
+        i.opcode == "reduce" and any(j.opcode == "maximum"
+                                     for c in _callees(i.line) for j in mod.computations.get(c, ()))
+        for i in body)
+    if writes_fp8 or amax:
+        if "rsqrt" in ops or _NORM_SCOPE.search(scopes):
+            return "norm_quantize"
+        if _ACT_SCOPE.search(scopes):
+            return "act_quantize"
+    if writes_fp8 or (reads_fp8 and ("transpose" in ops or "transpose" in ins.name)):
+        return "quantize_transpose"
+    return "amax" if amax else "other"
+
+
+def hlo_families(program) -> dict[str, str]:
+    """{kernel name (`hlo.kernel_name`): family} of every kernel-level instruction."""
+    from jax_fp8.devtools import hlo
+    mod = hlo.parse(program)
+    out = {hlo.kernel_name(g.name): "fp8_gemm" if g.fp8 else "bf16_gemm" for g in hlo.gemms(mod)}
+    for ins in hlo.kernel_instructions(mod):
+        key = hlo.kernel_name(ins.name)
+        if key in out:
+            continue
+        if ins.opcode == "custom-call":
+            target = (re.search(r'custom_call_target="([^"]+)"', ins.line) or [None, ""])[1]
+            if _ATTENTION_NAME.search(target):
+                out[key] = "attention"
+            elif target.startswith("jax_fp8_block_gemm"):
+                out[key] = "fp8_gemm"
+            elif target.startswith("jax_fp8"):
+                out[key] = "jax_fp8_kernels"
+            else:
+                out[key] = "other"
+        elif ins.opcode == "fusion":
+            out[key] = _fusion_family(mod, ins)
+        elif ins.opcode in ("copy", "transpose") and _F8.search(ins.shape):
+            out[key] = "quantize_transpose"
+        else:
+            out[key] = "other"
+    return out
+
+
+def _gemm_name_fp8(name: str):
+    """True/False where a GEMM kernel's name says whether its operands are FP8 (cuBLASLt's
+    ``nvjet_sm90_qqtst_...``: q = E4M3, r = E5M2; ``..._tst_...``: bf16), else None."""
+    if _FP8_NAME.search(name):
+        return True
+    m = _NVJET_TYPES.search(name)
+    return None if m is None else bool(set(m.group(1)) & set("qr"))
+
+
+def event_family(event, families) -> tuple[str, str]:
+    """(family, how it was decided) of one trace event, ``families`` from `hlo_families`."""
+    from jax_fp8.devtools import hlo
+    name = str(event.get("name", ""))
+    hlo_op = (event.get("args") or {}).get("hlo_op")
+    key = hlo.kernel_name(name)
+    if key in families:
+        return families[key], "hlo name"
+    if _OWN_NAME.search(name):
+        return ("fp8_gemm" if "BlockGemm" in name else "jax_fp8_kernels"), "kernel name"
+    by_op = families.get(hlo.kernel_name(str(hlo_op))) if hlo_op else None
+    if _GEMM_NAME.search(name):
+        fp8 = _gemm_name_fp8(name)
+        if fp8 is None:
+            fp8 = by_op == "fp8_gemm"
+        return ("fp8_gemm" if fp8 else "bf16_gemm"), "kernel name"
+    if by_op:
+        return by_op, "hlo_op"
+    if _ATTENTION_NAME.search(name):
+        return "attention", "kernel name"
+    return "other", "unmatched"
+
+
+def split_by_family(events, families, steps, top):
+    """({family: ms per step}, {how decided: events}, top kernels) of the traced events."""
+    ms = dict.fromkeys(FAMILIES, 0.0)
+    how = collections.Counter()
+    per_kernel: dict = {}
+    for e in events:
+        fam, decided = event_family(e, families)
+        dur = float(e.get("dur", 0.0))
+        ms[fam] += dur / steps / 1e3
+        how[decided] += 1
+        slot = per_kernel.setdefault(str(e.get("name", "?")), [fam, 0, 0.0])
+        slot[1] += 1
+        slot[2] += dur
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][2])[:top]
+    top_kernels = [{"name": k[:160], "family": f, "per_step": n / steps,
+                    "ms_per_step": round(us / steps / 1e3, 5)} for k, (f, n, us) in ranked]
+    return {k: round(v, 5) for k, v in ms.items()}, dict(how), top_kernels
+
+
+# --------------------------------------------------------------------------------------
+# One variant at one size, in this process (--worker).
+# --------------------------------------------------------------------------------------
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def time_steps(step, state, args):
+    """Warm-up, blocked and pipelined steps: (state, {blocked_ms, blocked_ms_all,
+    pipelined_ms, dispatch_ms}, losses)."""
+    jax, _ = _jax()
+    losses, out = [], {}
+    for _ in range(args.warmup):
+        state, loss = step(state)
+        losses.append(float(loss))
+    times, dispatch = [], []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        state, loss = step(state)
+        dispatch.append(time.perf_counter() - t0)
+        jax.block_until_ready((state, loss))
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    out["blocked_ms"] = statistics.median(times) * 1e3
+    out["blocked_ms_all"] = [round(t * 1e3, 4) for t in times]
+    out["dispatch_ms"] = statistics.median(dispatch) * 1e3
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        state, loss = step(state)
+    jax.block_until_ready((state, loss))
+    out["pipelined_ms"] = (time.perf_counter() - t0) / args.steps * 1e3
+    losses.append(float(loss))
+    return state, out, losses
+
+
+def hlo_summary(mod):
+    from jax_fp8.devtools import hlo
+    gemms = hlo.gemms(mod)
+    calls = hlo.custom_calls(mod)
+    return {"kernels": len(hlo.kernel_instructions(mod)), "gemms_fp8": sum(g.fp8 for g in gemms),
+            "gemms_other": sum(not g.fp8 for g in gemms), "fp8_gemms": hlo.fp8_gemms(mod),
+            "custom_calls": calls,
+            "attention_calls": sum(n for t, n in calls.items() if _ATTENTION_NAME.search(t)),
+            "jax_fp8_update": calls.get("jax_fp8_update", 0)}
+
+
+def measure(variant, size, args, progress=log):
+    """Measures ``variant`` at ``size`` in this process; returns its result row."""
+    jax, jnp = _jax()
+    import jax_fp8
+    from jax_fp8.devtools import compilation, hlo, trace
+    tag = f"{size.name} {variant.name}"
+    platform = common.platform_name()
+    row = {"size": size.name, "variant": variant.name, "label": variant.label,
+           "kind": variant.kind, "platform": platform,
+           "environment": common.environment(__file__, sys.argv[1:]),
+           "config": dataclasses.asdict(size), "tokens": size.tokens,
+           "params": size.params(), "model_tflop_per_step": size.flops_per_step() / 1e12,
+           "attention_impl": attention_impl(args), "scan": args.scan,
+           "fp8_lm_head": args.fp8_lm_head, "rope": not args.no_rope}
+    rng = np.random.default_rng(args.seed)
+    seqs = rng.integers(0, size.vocab, (size.batch, size.seq + 1), dtype=np.int32)
+    tokens, labels = jnp.asarray(seqs[:, :-1]), jnp.asarray(seqs[:, 1:])
+
+    t0 = time.perf_counter()
+    try:
+        state = jax.block_until_ready(make_state(variant, size, args, tokens))
+    except (TypeError, ValueError, NotImplementedError) as err:
+        if variant.kind != "jax_fp8" or variant.recipe is _delayed:
+            raise
+        raise common.RecipeNotAccepted(
+            f"this jax_fp8 does not take {type(variant.recipe(args)).__name__} here "
+            f"({type(err).__name__}: {err})") from err
+    row["init_s"] = time.perf_counter() - t0
+    row["state_arrays"] = len(jax.tree.leaves(state))
+    progress(f"{tag}: state ready in {row['init_s']:.1f} s; lowering and compiling")
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
+        t0 = time.perf_counter()
+        lowered = jax.jit(step_function(variant), donate_argnums=(0,)).lower(state, tokens,
+                                                                             labels)
+        row["lower_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        compiled = lowered.compile()
+        row["compile_s"] = time.perf_counter() - t0
+    row["lower_compile_s"] = row["lower_s"] + row["compile_s"]
+    row["memory"] = compilation.memory(compiled)
+    row["temp_bytes"] = row["memory"].get("temp_size_in_bytes")
+    mod = hlo.parse(compiled.as_text())
+    row["hlo"] = hlo_summary(mod)
+    families = hlo_families(mod)
+    del mod, lowered
+    progress(f"{tag}: lowered in {row['lower_s']:.1f} s, compiled in {row['compile_s']:.1f} s, "
+             f"temp {row['temp_bytes'] or 0:,} bytes; {row['hlo']['gemms_fp8']} FP8 GEMMs, "
+             f"{row['hlo']['gemms_other']} other GEMMs")
+    if variant.update_calls is not None and row["hlo"]["jax_fp8_update"] != variant.update_calls:
+        row["check_error"] = (f"expected {variant.update_calls} jax_fp8_update custom call(s), "
+                              f"found {row['hlo']['jax_fp8_update']} (kernels loaded: CPU "
+                              f"{jax_fp8.HAS_CPU_KERNEL}, CUDA {jax_fp8.HAS_CUDA_KERNEL})")
+
+    def step(s):
+        return compiled(s, tokens, labels)
+
+    state, times, losses = time_steps(step, state, args)
+    row.update(times)
+    row["tokens_per_s"] = size.tokens / (row["pipelined_ms"] / 1e3)
+    progress(f"{tag}: pipelined {row['pipelined_ms']:.2f} ms, blocked "
+             f"{row['blocked_ms']:.2f} ms per step; tracing {args.steps} steps")
+
+    state, events = trace.capture(lambda s: step(s)[0], state, steps=args.steps)
+    if platform == "gpu":
+        dev = trace.device_events(events, platform="gpu")
+        if dev:
+            row["device_ms"] = trace.total_us(dev) / args.steps / 1e3
+            row["events_per_step"] = len(dev) / args.steps
+            row["families_ms"], row["classified_by"], row["top_kernels"] = split_by_family(
+                dev, families, args.steps, args.top_kernels)
+            row["tokens_per_s_device"] = size.tokens / (row["device_ms"] / 1e3)
+            row["model_tflops_device"] = size.flops_per_step() / (row["device_ms"] / 1e3) / 1e12
+        else:
+            row["device_time_note"] = "no GPU kernel events in the profiler trace"
+    else:
+        row["device_time_note"] = (f"device time unavailable on {platform}: the trace has no "
+                                   "GPU kernels")
+        ops = trace.device_events(events, platform="cpu")
+        if ops:
+            row["cpu_op_families_ms"], _, row["top_ops"] = split_by_family(
+                ops, families, args.steps, args.top_kernels)
+    del events
+    row["device_ms"] = row.get("device_ms")
+    row["loss_first"], row["loss_last"] = losses[0], losses[-1]
+    row["loss_finite"] = all(math.isfinite(v) for v in losses)
+    if not row["loss_finite"]:
+        row["check_error"] = f"a non-finite loss: {losses}"
+    return row
+
+
+def worker(args):
+    """--worker: one size and variant, the row written to --result as JSON."""
+    (size_name,), (name,) = args.sizes, args.variants
+    try:
+        out = measure(VARIANTS[name], SIZES[size_name], args)
+    except common.RecipeNotAccepted as err:
+        out = {"skip": str(err)}
+    common.write_json(args.result, out)
+    return 0
+
+
+# --------------------------------------------------------------------------------------
+# The plan: one worker process per size and variant.
+# --------------------------------------------------------------------------------------
+
+WORKER_OPTIONS = ("steps", "warmup", "history_len", "lr", "seed", "top_kernels", "attention")
+WORKER_FLAGS = ("scan", "fp8_lm_head", "no_rope")
+
+
+def worker_env():
+    """This process's environment without JAX's persistent compilation cache or XLA's
+    autotune caches: every worker compiles cold."""
+    env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false", PYTHONUNBUFFERED="1")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    cached = re.compile(r"--xla_gpu_(per_fusion_autotune_cache_dir|load_autotune_results_from)")
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if not cached.match(f))
+    return env
+
+
+def run_worker(size, variant, args, timeout):
+    """Runs one worker process; returns (row, check errors). Its output is passed on to
+    stderr, indented, as it comes."""
+    with tempfile.TemporaryDirectory(prefix="bench_llm_") as tmp:
+        result = os.path.join(tmp, "row.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--result", result,
+               "--sizes", size.name, "--variants", variant.name]
+        for opt in WORKER_OPTIONS:
+            cmd += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
+        cmd += [f"--{f.replace('_', '-')}" for f in WORKER_FLAGS if getattr(args, f)]
+        proc = subprocess.Popen(cmd, env=worker_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+        tail = collections.deque(maxlen=40)
+
+        def forward():
+            for line in proc.stdout:
+                tail.append(line.rstrip())
+                print("    " + line.rstrip(), file=sys.stderr, flush=True)
+        reader = threading.Thread(target=forward, daemon=True)
+        reader.start()
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            reader.join(5)
+            raise RuntimeError(f"timed out after {timeout:.0f} s (--timeout-per-variant)")
+        reader.join(5)
+        if rc != 0 or not os.path.exists(result):
+            raise RuntimeError(f"worker exited {rc}: {_last_error(tail)}")
+        with open(result) as fp:
+            row = json.load(fp)
+    if "skip" in row:
+        raise common.RecipeNotAccepted(row["skip"])
+    return row, [row["check_error"]] if row.get("check_error") else []
+
+
+def _last_error(lines) -> str:
+    """The last exception line of a worker's output (else its last line)."""
+    lines = [ln.strip() for ln in lines if ln.strip()]
+    errors = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b", ln)]
+    return (errors or lines or ["no output"])[-1][:2000]
+
+
+# --------------------------------------------------------------------------------------
+# Derived figures, the report and the plot.
+# --------------------------------------------------------------------------------------
+
+TIMES = (("device_ms", "device"), ("pipelined_ms", "pipelined"), ("blocked_ms", "blocked"))
+
+
+def _split(r):
+    """(GEMM ms, attention ms, everything else ms) of a row with a family split, else None."""
+    fam = r.get("families_ms")
+    if not fam or r.get("device_ms") is None:
+        return None
+    gemm = sum(fam.get(k, 0.0) for k in GEMM_FAMILIES)
+    att = fam.get("attention", 0.0)
+    return gemm, att, r["device_ms"] - gemm - att
+
+
+def derive(results):
+    """Per size and variant: the speed-ups vs bf16 and vs Flax FP8 of every time,
+    pipelined / device, and for FP8 variants the floor (FLOOR_NOTE) and the FP8 overhead."""
+    out = {}
+    for key, rows in common.by_group(results, "size").items():
+        per = common.speedups(rows, [m for m, _ in TIMES])
+        base = _split(rows.get("bf16", {}))
+        for v, r in rows.items():
+            e = per[v]
+            split = _split(r)
+            if split:
+                e["gemm_ms"], e["attention_ms"], e["rest_ms"] = split
+            if r.get("device_ms") and r.get("pipelined_ms"):
+                e["pipelined_over_device"] = r["pipelined_ms"] / r["device_ms"]
+            if v != "bf16" and split and base:
+                floor = split[0] + base[1] + base[2]
+                e["floor_ms"] = floor
+                e["floor_vs_bf16"] = rows["bf16"]["device_ms"] / floor
+                e["floor_over_device"] = floor / r["device_ms"]
+                e["overhead_ms"] = split[2] - base[2]
+        out[key] = per
+    return out
+
+
+def _f(x, spec="{:.2f}"):
+    return common.fmt(x, spec)
+
+
+def markdown(data):
+    meta, s = data["meta"], data["meta"]["settings"]
+    env = meta.get("environment") or {}
+    lines = [f"# Llama-style decoder train step — {env.get('device', '?')}", "",
+             f"jax {env.get('jax_version', '?')}, flax {env.get('flax_version', '?')}, "
+             f"jax_fp8 {env.get('jax_fp8_version', '?')}; git {meta.get('git_commit')}; "
+             f"{meta.get('date')}. Each variant in its own process; {s['warmup']} warm-up "
+             f"steps, then {s['steps']} blocked, {s['steps']} pipelined and {s['steps']} "
+             f"traced steps; amax history {s['history_len']}; LM head "
+             f"{'FP8' if s['fp8_lm_head'] else 'bf16'}; blocks "
+             f"{'scanned' if s['scan'] else 'unrolled'}.", "",
+             "device: the sum of the GPU kernel durations per step (profiler trace); "
+             "pipelined: wall time per step of steps dispatched back to back; blocked: median "
+             "wall time of steps each followed by block_until_ready; × > 1 is faster; compile: "
+             "lower + compile in a fresh process; temp: the compiled step's temporary "
+             "buffers.", "", FLOOR_NOTE, "", FAMILY_NOTE]
+    gib = 2.0 ** 30
+    for key, per in data["derived"].items():
+        rows = [r for r in data["results"] if r["size"] == key]
+        c = rows[0]["config"]
+        lines += ["", f"## {key}: d {c['d']}, {c['heads']} heads, ffn {c['ffn']}, "
+                      f"{c['layers']} blocks, {c['batch']} × {c['seq']} tokens, vocab {c['vocab']}",
+                  "", "| variant | device ms | × bf16 | × Flax FP8 | pipelined ms | × bf16 | "
+                      "× Flax FP8 | pipelined / device | blocked ms | tokens/s | compile s | "
+                      "temp GiB |", "|---|" + "---:|" * 11]
+        for r in rows:
+            e = per.get(r["variant"], {})
+            temp = r.get("temp_bytes")
+            lines.append("| " + " | ".join([
+                r["label"], _f(r.get("device_ms")), _f(e.get("device_ms:vs_bf16"), "{:.3f}"),
+                _f(e.get("device_ms:vs_flax"), "{:.3f}"), _f(r.get("pipelined_ms")),
+                _f(e.get("pipelined_ms:vs_bf16"), "{:.3f}"),
+                _f(e.get("pipelined_ms:vs_flax"), "{:.3f}"),
+                _f(e.get("pipelined_over_device"), "{:.3f}"), _f(r.get("blocked_ms")),
+                _f(r.get("tokens_per_s"), "{:,.0f}"), _f(r.get("lower_compile_s"), "{:.1f}"),
+                _f(None if temp is None else temp / gib)]) + " |")
+        fam_rows = [r for r in rows if r.get("families_ms")]
+        if fam_rows:
+            lines += ["", "Device ms per step by kernel family:", "",
+                      "| variant | " + " | ".join(FAMILY_LABELS[f] for f in FAMILIES) + " | total |",
+                      "|---|" + "---:|" * (len(FAMILIES) + 1)]
+            for r in fam_rows:
+                lines.append(f"| {r['label']} | " + " | ".join(
+                    _f(r["families_ms"].get(f), "{:.3f}") for f in FAMILIES)
+                    + f" | {_f(r['device_ms'], '{:.3f}')} |")
+            lines += ["", "| variant | GEMM ms | attention ms | rest ms | floor ms | "
+                          "floor × bf16 | floor / device | FP8 overhead ms | model TFLOP/s |",
+                      "|---|" + "---:|" * 8]
+            for r in fam_rows:
+                e = per.get(r["variant"], {})
+                lines.append("| " + " | ".join([
+                    r["label"], _f(e.get("gemm_ms"), "{:.3f}"), _f(e.get("attention_ms"), "{:.3f}"),
+                    _f(e.get("rest_ms"), "{:.3f}"), _f(e.get("floor_ms"), "{:.3f}"),
+                    _f(e.get("floor_vs_bf16"), "{:.3f}"), _f(e.get("floor_over_device"), "{:.3f}"),
+                    _f(e.get("overhead_ms"), "{:+.3f}"),
+                    _f(r.get("model_tflops_device"), "{:.0f}")]) + " |")
+        else:
+            notes = {r.get("device_time_note") for r in rows} - {None}
+            lines += ["", "Device time: unavailable (" + "; ".join(sorted(notes)) + ")."]
+        for r in rows:
+            if r.get("check_error"):
+                lines.append(f"\nCHECK FAILED {key} {r['variant']}: {r['check_error']}")
+    lines += common.skipped_and_failed(data, "size")
+    lines += ["", common.command_line(meta)]
+    return "\n".join(lines)
+
+
+FAMILY_COLORS = {"fp8_gemm": "#1f77b4", "bf16_gemm": "#aec7e8", "attention": "#2ca02c",
+                 "norm_quantize": "#d62728", "act_quantize": "#e377c2",
+                 "quantize_transpose": "#ff7f0e", "amax": "#ffbb78",
+                 "jax_fp8_kernels": "#9467bd", "other": "#7f7f7f"}
+
+
+def plot(data, png):
+    """Device time by family per variant, one panel per size (on CPU: pipelined wall time)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    groups = common.by_group(data["results"], "size")
+    if not groups:
+        return False
+    fig, axes = plt.subplots(1, len(groups), figsize=(1.0 + 1.3 * max(map(len, groups.values()))
+                                                      * len(groups), 4.2), squeeze=False)
+    for ax, (key, rows) in zip(axes[0], groups.items()):
+        names = list(rows)
+        x = np.arange(len(names))
+        if all(r.get("families_ms") for r in rows.values()):
+            bottom = np.zeros(len(names))
+            for f in FAMILIES:
+                vals = np.array([rows[n]["families_ms"].get(f, 0.0) for n in names])
+                ax.bar(x, vals, 0.7, bottom=bottom, color=FAMILY_COLORS[f], label=FAMILY_LABELS[f])
+                bottom += vals
+            for n, xi, top in zip(names, x, bottom):
+                e = data["derived"][key].get(n, {})
+                if e.get("floor_ms"):
+                    ax.plot([xi - 0.35, xi + 0.35], [e["floor_ms"]] * 2, "k--", linewidth=1)
+                if e.get("device_ms:vs_bf16"):
+                    ax.text(xi, top, f"{e['device_ms:vs_bf16']:.2f}×", ha="center", va="bottom",
+                            fontsize=8)
+            ax.set_ylabel("device ms per step (dashed: floor)")
+        else:
+            ax.bar(x, [rows[n].get("pipelined_ms") or 0.0 for n in names], 0.7, color="#7f7f7f")
+            ax.set_ylabel("pipelined wall ms per step (no device time)")
+        ax.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
+        ax.set_title(key)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="upper center", ncol=4, fontsize=8)
+        fig.tight_layout(rect=(0, 0, 1, 0.86))
+    else:
+        fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def save_plot(data, outdir):
+    png = os.path.join(outdir, "plot.png")
+    try:
+        plot(data, png)
+    except ImportError as err:
+        log(f"no plot ({err}): matplotlib is missing")
+
+
+# --------------------------------------------------------------------------------------
+# Command line.
+# --------------------------------------------------------------------------------------
+
+def _choices(table, what):
+    def parse(text):
+        if text.strip() == "all":
+            return list(table)
+        out = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in out if t not in table]
+        if bad or not out:
+            raise argparse.ArgumentTypeError(f"{what}: 'all' or a comma-separated subset of "
+                                             f"{','.join(table)}; got {text!r}")
+        return out
+    return parse
+
+
+def build_parser():
+    p = common.arg_parser("A Llama-style decoder's training step: bf16, Flax FP8 and jax_fp8's "
+                          "recipes side by side, one process each (bench/README.md).", __doc__)
+    p.add_argument("--sizes", type=_choices(SIZES, "sizes"), default=list(DEFAULT_SIZES),
+                   help=f"comma-separated subset of {','.join(SIZES)} (default: "
+                        f"{','.join(DEFAULT_SIZES)})")
+    p.add_argument("--variants", type=_choices(VARIANTS, "variants"),
+                   default=list(DEFAULT_VARIANTS),
+                   help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)")
+    p.add_argument("--steps", type=int, default=10,
+                   help="steps blocked, pipelined and traced, each (10)")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up steps (3)")
+    p.add_argument("--timeout-per-variant", type=float, default=300,
+                   help="seconds one worker process may take before it is stopped (300)")
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help="stop starting workers once this much time is spent, and cut each "
+                        "worker's timeout to what is left (default: no limit)")
+    p.add_argument("--history-len", type=int, default=1024,
+                   help="amax history length, Flax and jax_fp8 delayed alike (1024)")
+    p.add_argument("--lr", type=float, default=1e-4, help="adamw learning rate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention", choices=("auto", "cudnn", "xla"), default="auto",
+                   help="jax.nn.dot_product_attention's implementation (auto: cudnn on a GPU, "
+                        "xla elsewhere)")
+    p.add_argument("--scan", action="store_true", help="nn.scan over the blocks (not unrolled)")
+    p.add_argument("--fp8-lm-head", action="store_true",
+                   help="the LM head with the variant's FP8 dot_general too (default bf16)")
+    p.add_argument("--no-rope", action="store_true", help="no rotary position embedding")
+    p.add_argument("--top-kernels", type=int, default=25,
+                   help="kernels with the most device time kept per variant in results.json")
+    p.add_argument("--outdir", default=os.path.join("out", "bench_llm"),
+                   help="results.json, results.md, plot.png (default out/bench_llm)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    return p
+
+
+def _summary(r):
+    parts = [f"compile {r['lower_compile_s']:.1f} s"]
+    parts += common.times_text(r, TIMES)
+    if r.get("device_ms") is None:
+        parts.append("device time unavailable")
+    return parts
+
+
+def run(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        raise SystemExit("--steps must be >= 1 and --warmup >= 0")
+    if args.worker:
+        return worker(args)
+    os.makedirs(args.outdir, exist_ok=True)
+    plan = [(SIZES[s], VARIANTS[v]) for s in args.sizes for v in args.variants]
+    t_all = time.perf_counter()
+    meta = {**common.run_info(__file__, argv),
+            "settings": {"sizes": args.sizes, "variants": args.variants, "steps": args.steps,
+                         "warmup": args.warmup, "history_len": args.history_len, "lr": args.lr,
+                         "seed": args.seed, "attention": args.attention, "scan": args.scan,
+                         "fp8_lm_head": args.fp8_lm_head, "rope": not args.no_rope,
+                         "timeout_per_variant": args.timeout_per_variant,
+                         "budget": args.budget},
+            "floor_definition": FLOOR_NOTE, "family_definition": FAMILY_NOTE,
+            "families": list(FAMILIES)}
+    runs = common.Runs(meta, args.outdir, derive, markdown, t_all)
+    with common.Progress(len(plan), "bench_llm") as progress:
+        progress.log(f"bench_llm: sizes {args.sizes}, variants {args.variants}, "
+                     f"{args.steps} steps; one process each")
+        for size, v in plan:
+            timeout = args.timeout_per_variant
+            if args.budget is not None:
+                timeout = min(timeout, args.budget - (time.perf_counter() - t_all))
+            where = {"size": size.name, "variant": v.name}
+            if timeout < 15:
+                runs.skipped.append({**where, "reason": "--budget spent"})
+                progress.advance(f"{size.name} {v.name}: skipped, --budget spent")
+                continue
+            progress.status(f"{size.name} {v.name}")
+            progress.log(f"{size.name} {v.name}: starting a worker (timeout {timeout:.0f} s)")
+
+            def measure_one(size=size, v=v, timeout=timeout):
+                row, errors = run_worker(size, v, args, timeout)
+                if not meta.get("environment"):
+                    env = row["environment"]
+                    meta["environment"] = {k: env.get(k) for k in (
+                        "device", "platform", "device_count", "jax_version", "jaxlib_version",
+                        "jax_fp8_version", "has_cpu_kernel", "has_cuda_kernel", "xla_flags")}
+                    meta["environment"]["flax_version"] = _version("flax")
+                    meta["environment"]["optax_version"] = _version("optax")
+                return row, errors
+            runs.measure(where, measure_one, _summary, progress)
+            save_plot(runs.data(partial=True), args.outdir)
+    data = runs.finish()
+    save_plot(data, args.outdir)
+    common.print_report(data, args.outdir)
+    return data
+
+
+def _version(package):
+    try:
+        from importlib.metadata import version
+        return version(package)
+    except Exception:  # noqa: BLE001 - not installed as a distribution
+        return None
+
+
+def main(argv=None):
+    data = run(argv)
+    return data if isinstance(data, int) else (1 if data["failures"] else 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
