@@ -1,22 +1,22 @@
-"""Convergence of FP8 training against bf16: a byte-level GPT trained with several recipes.
+"""Convergence of FP8 training against bf16: a byte-level GPT trained per recipe and seed.
 
-The same decoder-only transformer is trained from the same initial weights on the same
-batches, once per *run*; each run differs only in how the attention projections and MLP
-Dense layers compute their GEMMs:
+The same decoder-only transformer is trained once per *run* and *seed*; the runs of one
+seed start from the same initial weights and see the same batches, and differ only in
+how the attention projections and MLP Dense layers compute their GEMMs:
 
-  bf16               plain nn.Dense, bf16 compute (the reference)
-  jax_fp8_delayed    jax_fp8.flax.Fp8DotGeneral, DelayedScaling(HYBRID, history 1024):
-                     E4M3 inputs and kernels, E5M2 gradients, one fused FP8-state update
-                     per step (jax_fp8.flax.Fp8TrainState)
-  flax_fp8           flax.linen.Fp8DirectDotGeneralOp (history 1024), its
-                     "_overwrite_with_gradient" collection handled the usual Flax way
-  jax_fp8_delayed_e4m3  the same with DelayedScaling(E4M3): E4M3 gradients too (3 mantissa
-                     bits instead of E5M2's 2, range 448 times the scale)
-  jax_fp8_current    Fp8DotGeneral with Float8CurrentScaling() (per-tensor, no state)
-  jax_fp8_blockwise  Fp8DotGeneral with Float8BlockScaling() (E4M3, 1x128 / 128x128 blocks)
+  bf16                  plain nn.Dense, bf16 compute (the reference)
+  jax_fp8_delayed       jax_fp8.flax.Fp8DotGeneral, DelayedScaling(HYBRID, history 1024):
+                        E4M3 inputs and kernels, E5M2 gradients, one fused FP8-state
+                        update per step (jax_fp8.flax.Fp8TrainState)
+  jax_fp8_delayed_h16   the same with a 16-step amax history
+  jax_fp8_blockwise     Fp8DotGeneral with Float8BlockScaling() (E4M3, 1x128 / 128x128)
+  jax_fp8_current       Fp8DotGeneral with Float8CurrentScaling() (per-tensor, no state)
+  jax_fp8_delayed_e4m3  DelayedScaling(E4M3, history 1024): E4M3 gradients too
+  flax_fp8              flax.linen.Fp8DirectDotGeneralOp (history 1024), its
+                        "_overwrite_with_gradient" collection handled the usual Flax way
 
-Each run is one entry of the RUNS table below (a recipe run is skipped, with a message,
-when the installed jax_fp8 does not provide or accept its recipe).
+The first five are the default ``--runs``; ``--runs all`` adds the last two. A recipe run
+is skipped, with a message, when the installed jax_fp8 does not provide or accept it.
 
 Model: GPT-style, pre-LayerNorm, causal multi-head attention, GELU MLP (4x), learned
 positions, untied LM head, vocabulary 256 (bytes). Parameters are float32; compute is
@@ -26,55 +26,48 @@ LM head stay in bf16 in every run, as in Transformer Engine.
 
 Data: the Python standard library's own source files of the running interpreter
 (``sysconfig.get_paths()["stdlib"]``, every ``*.py`` below it, sorted, ``site-packages``
-excluded), read as bytes, split into train and validation *by file* with a fixed seed,
-each file followed by a 0 byte. Batch ``s`` is ``batch`` windows of ``seq + 1`` bytes at
-offsets drawn by ``numpy.random.default_rng([seed, 0, s])``: the same sequence for every
-run and across resumes. Validation is a fixed set of windows of the validation files.
-The initial weights are created once (float32, fixed key) and reused by every run.
+excluded), read as bytes, split into train and validation *by file* (``--data-seed``),
+each file followed by a 0 byte. With seed S, the initial weights come from
+``jax.random.key(S)`` and batch ``s`` is ``batch`` windows of ``seq + 1`` bytes at offsets
+drawn by ``numpy.random.default_rng([S, 0, s])``. The validation windows depend on the
+data seed only: the same for every run, seed and evaluation.
 
-Optimizer: AdamW (b1 0.9, b2 0.95, weight decay 0.1 on matrices), linear warmup then
-cosine decay to 10 % of the peak, gradient clipping at global norm 1.0.
+Optimizer: AdamW (b1 0.9, b2 0.95, weight decay on matrices), linear warmup to ``--lr``,
+cosine decay to ``--lr * --min-lr-ratio`` at step ``--decay-fraction * --steps``, then
+that floor to the end; gradient clipping at global norm ``--clip``.
 
-Recorded per run (``--out/results.json``, merged with what earlier processes wrote):
-train loss every step, validation loss every ``--eval-every`` steps and at the end,
-tokens/s (after ``--timing-warmup`` steps of each process, evaluation and checkpoint
-time excluded), the newest amax and the scale of a few FP8 tensors every step, and every
-``--probe-every`` steps, on a few layers, the fraction of the incoming gradient's nonzero
-bf16 values that underflow to 0 when multiplied by the scale and cast to float8_e5m2 --
-with the scale the run quantizes that gradient with in that step, where it has one
-(delayed scaling), and with the per-tensor current scale ``57344 / amax(grad)`` (for
-every run, bf16 included). The gradient is taken inside the train step itself (a zero
-added to each probed Dense output; its cotangent is what the GEMM's backward receives),
-the fractions computed under a ``lax.cond`` on probe steps only. Plots:
-``--out/loss.png`` (train and validation loss) and ``--out/fp8.png`` (amax, scale,
-underflow). Checkpoints (orbax) every ``--ckpt-every`` steps under ``--out/<run>/ckpt``.
+Files under ``--out DIR``:
 
-Run it (one run per process, so each fits a time limit; ``--resume`` continues a run
-from its latest checkpoint and does nothing for a finished one):
+  DIR/runs/<run>_s<seed>.json  one finished (run, seed): its configuration, final and
+                               last-part losses, curves (validation loss at every
+                               evaluation; train loss and gradient norm as means and
+                               maxima over blocks of ``--record-every`` steps), tracked
+                               FP8 amaxes and scales, gradient-underflow probes, tokens/s;
+                               written atomically when the run ends
+  DIR/results.json, DIR/loss.png, DIR/fp8.png   written by ``--summarize`` from DIR/runs/
 
-    python examples/convergence.py --preset smoke --out runs/conv_smoke   # CPU, seconds
-    python examples/convergence.py --preset h200 --runs bf16 --out runs/conv --max-minutes 8.5
-    python examples/convergence.py --preset h200 --runs bf16 --out runs/conv --resume --max-minutes 8.5
-    python examples/convergence.py --preset h200 --runs jax_fp8_delayed --out runs/conv --max-minutes 8.5
-    python examples/convergence.py --preset h200 --runs flax_fp8 --out runs/conv --max-minutes 8.5
-    python examples/convergence.py --out runs/conv --plot-only   # the PNGs from results.json
+A (run, seed) whose file exists is skipped. An unfinished one continues from its latest
+orbax checkpoint under ``--ckpt-dir`` (default DIR/ckpt/<run>_s<seed>/, written every
+``--ckpt-every`` steps and when ``--max-minutes`` or ``--stop-after`` stops the process,
+removed when the run's file is written), so the same command, run again, carries on
+where the last one stopped. Work is done seed by seed, each seed's runs in ``--runs``
+order; each run's train step is compiled once per process and reused for every seed.
+
+    python examples/convergence.py --preset smoke --seeds 0,1 --out runs/conv_smoke  # CPU
+    python examples/convergence.py --preset h200 --seeds 0,1,2 --out runs/conv --max-minutes 9
+    python examples/convergence.py --summarize --out runs/conv --doc docs/convergence.md
+
+``--summarize`` (no training) collects DIR/runs/*.json into DIR/results.json: for every
+run, each seed's final validation loss and the mean validation loss over the last
+``--tail-fraction`` of the steps, their mean and sample standard deviation over seeds,
+and the paired difference to bf16 of the same seed (in %, with its mean and standard
+deviation); it draws the plots (mean curve and a +-1 std band over seeds per run), prints
+the Markdown tables and, with ``--doc``, writes them into that page between its
+``<!-- BEGIN convergence results -->`` and ``<!-- END convergence results -->`` lines.
 
 ``--max-minutes M`` stops before M minutes have passed since the script started: it
-checkpoints, writes results.json and exits with status 0 (status 3 tells a caller that a
-run is not finished yet: pass ``--exit-code-unfinished 3``).
-
-Sizing of the h200 preset (d_model 1024, 8 layers, 16 heads, seq 1024, batch 48):
-params N = 8 * 12 * 1024^2 (Dense kernels) + 1024 * 1024 (positions) + 2 * 256 * 1024
-(embedding, head) + biases and norms = 102.3M. Training FLOPs per token =
-6 N + 12 * layers * seq * d_model (attention scores and weighted sum, forward and
-backward, causal half not skipped) = 614.1M + 100.7M = 714.7M. Tokens per step =
-48 * 1024 = 49,152, so 35.1 TFLOP per step. bf16 at 35 % MFU of an H200's ~790 TFLOP/s
-dense bf16 peak = 276.5 TFLOP/s: 0.127 s per step, 381 s (6.3 min) for 3,000 steps; with
-compilation (~1 min), 31 evaluations of 8 batches (forward only, ~10 s) and 7
-checkpoints of ~1.2 GB (~15 s): about 7.5-8 minutes for the bf16 run, less for the FP8
-runs. (64 windows, 65,536 tokens/step, would already need 8.5 min of
-steps alone.) 3,000 steps see 147M tokens, about 5 passes over the ~30 MB of training
-bytes.
+checkpoints the run in progress and exits with status 0 (``--exit-code-unfinished 3``
+makes it status 3, for a calling script).
 """
 
 from __future__ import annotations
@@ -88,6 +81,7 @@ import os
 import pathlib
 import platform
 import shutil
+import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -117,11 +111,14 @@ FP8_COLLECTION = "fp8_meta"
 FLAX_OWG = getattr(flax_fp8_ops, "OVERWRITE_WITH_GRADIENT", "_overwrite_with_gradient")
 FLAX_OP = getattr(flax_fp8_ops, "Fp8DirectDotGeneralOp", None)
 FP8_LAYERS = ("qkv", "attn_out", "mlp_in", "mlp_out")
+REFERENCE = "bf16"
+DOC_BEGIN = "<!-- BEGIN convergence results -->"
+DOC_END = "<!-- END convergence results -->"
 
 
 # ----------------------------------------------------------------------------- config
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Config:
     # model
     d_model: int
@@ -133,42 +130,53 @@ class Config:
     steps: int
     lr: float
     warmup: int
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = 0.01
+    decay_fraction: float = 0.9
     weight_decay: float = 0.1
     clip: float = 1.0
-    history_len: int = 1024
-    seed: int = 0
     # data
     val_fraction: float = 0.05
     data_seed: int = 1234
     # measurement
     eval_every: int = 100
-    eval_batches: int = 8
-    probe_every: int = 100
-    timing_warmup: int = 10
+    eval_batches: int = 16
+    probe_every: int = 250
+    tail_fraction: float = 0.2
+    record_every: int = 20
     # bookkeeping (not part of what makes runs comparable)
-    ckpt_every: int = 500
-    log_every: int = 10
+    timing_warmup: int = 10
+    ckpt_every: int = 1000
+    log_every: int = 50
 
-    # Fields that runs merged into one results.json must share.
+    # Fields that the runs summarized together must share.
     COMPARABLE = ("d_model", "layers", "heads", "seq", "batch", "steps", "lr", "warmup",
-                  "min_lr_ratio", "weight_decay", "clip", "history_len", "seed",
-                  "val_fraction", "data_seed", "eval_every", "eval_batches", "probe_every")
+                  "min_lr_ratio", "decay_fraction", "weight_decay", "clip", "val_fraction",
+                  "data_seed", "eval_every", "eval_batches", "probe_every", "tail_fraction",
+                  "record_every")
 
     def comparable(self) -> dict:
         return {k: getattr(self, k) for k in self.COMPARABLE}
+
+    @property
+    def decay_end(self) -> int:
+        """The step at which the cosine decay reaches the floor."""
+        return max(self.warmup + 1, round(self.decay_fraction * self.steps))
+
+    @property
+    def tail_start(self) -> int:
+        """Evaluations and steps after this step form the averaged last part of a run."""
+        return math.floor((1.0 - self.tail_fraction) * self.steps)
 
 
 PRESETS = {
     # A tiny model: the same code path as h200, on CPU in seconds.
     "smoke": Config(d_model=64, layers=2, heads=2, seq=64, batch=4, steps=8, lr=3e-3,
-                    warmup=2, eval_every=4, eval_batches=2, probe_every=4, timing_warmup=1,
-                    ckpt_every=4, log_every=2),
-    # >= 100M parameters; one run of 3,000 steps in about 8 minutes on one H200 (see the
-    # module docstring for the arithmetic).
-    "h200": Config(d_model=1024, layers=8, heads=16, seq=1024, batch=48, steps=3000,
-                   lr=6e-4, warmup=150, eval_every=100, eval_batches=8, probe_every=100,
-                   timing_warmup=10, ckpt_every=500, log_every=10),
+                    warmup=2, eval_every=4, eval_batches=2, probe_every=4, record_every=2,
+                    timing_warmup=1, ckpt_every=4, log_every=2),
+    # 102M parameters, 4,096 tokens per step, 5,000 steps (see docs/convergence.md for
+    # the protocol and the time a run takes on one H200).
+    "h200": Config(d_model=1024, layers=8, heads=16, seq=1024, batch=4, steps=5000,
+                   lr=6e-4, warmup=250),
 }
 
 
@@ -179,9 +187,9 @@ class RunSpec:
     """One entry of the runs table: how the FP8 Dense layers compute their GEMMs.
 
     kind: "bf16" (plain Dense), "jax_fp8" (Fp8DotGeneral + Fp8TrainState with `recipe`)
-      or "flax_fp8" (Flax's Fp8DirectDotGeneralOp).
-    recipe: for kind "jax_fp8", a function of the Config returning the recipe; a run
-      whose recipe the library does not provide or accept yet is skipped with a message.
+      or "flax_fp8" (Flax's Fp8DirectDotGeneralOp with `history_len`).
+    recipe: for kind "jax_fp8", a function of no arguments returning the recipe; a run
+      whose recipe the library does not provide or accept is skipped with a message.
     grad_scale: which scale the run's GEMM backward quantizes the incoming gradient
       with, for the underflow plot: "state" (a delayed-scaling state's), "current"
       (the FP8 type's max / amax of the tensor itself) or None (bf16: no FP8; blockwise:
@@ -192,38 +200,47 @@ class RunSpec:
 
     kind: str
     description: str
-    recipe: Callable[[Config], Any] | None = None
+    recipe: Callable[[], Any] | None = None
     grad_scale: str | None = None
     grad_dtype: str = "float8_e5m2"
+    history_len: int = 1024
 
 
 def _recipe(name: str, **kwargs):
-    def make(cfg: Config):
+    def make():
         cls = getattr(jax_fp8, name, None)
         if cls is None:
             raise NotImplementedError(f"jax_fp8.{name} does not exist in this version")
-        if name == "DelayedScaling":
-            kwargs.setdefault("history_len", cfg.history_len)
         return cls(**kwargs)
     return make
 
 
+_HYBRID, _E4M3 = jax_fp8.Format.HYBRID, jax_fp8.Format.E4M3
+
 RUNS = {
     "bf16": RunSpec("bf16", "nn.Dense, bf16 compute"),
-    "jax_fp8_delayed": RunSpec("jax_fp8", "jax_fp8 Fp8DotGeneral, DelayedScaling HYBRID",
-                               _recipe("DelayedScaling", fp8_format=jax_fp8.Format.HYBRID),
-                               grad_scale="state"),
-    "jax_fp8_delayed_e4m3": RunSpec("jax_fp8", "jax_fp8 Fp8DotGeneral, DelayedScaling E4M3",
-                                    _recipe("DelayedScaling", fp8_format=jax_fp8.Format.E4M3),
-                                    grad_scale="state", grad_dtype="float8_e4m3fn"),
-    "flax_fp8": RunSpec("flax_fp8", "flax.linen.Fp8DirectDotGeneralOp", grad_scale="state"),
-    "jax_fp8_current": RunSpec("jax_fp8", "jax_fp8 Fp8DotGeneral, Float8CurrentScaling",
-                               _recipe("Float8CurrentScaling"), grad_scale="current"),
-    "jax_fp8_blockwise": RunSpec("jax_fp8", "jax_fp8 Fp8DotGeneral, Float8BlockScaling "
-                                 "(E4M3, 1x128 / 128x128 blocks)",
-                                 _recipe("Float8BlockScaling")),
+    "jax_fp8_delayed": RunSpec(
+        "jax_fp8", "Fp8DotGeneral, DelayedScaling HYBRID, history 1024",
+        _recipe("DelayedScaling", fp8_format=_HYBRID, history_len=1024), grad_scale="state"),
+    "jax_fp8_delayed_h16": RunSpec(
+        "jax_fp8", "Fp8DotGeneral, DelayedScaling HYBRID, history 16",
+        _recipe("DelayedScaling", fp8_format=_HYBRID, history_len=16), grad_scale="state"),
+    "jax_fp8_blockwise": RunSpec(
+        "jax_fp8", "Fp8DotGeneral, Float8BlockScaling (E4M3, 1x128 / 128x128 blocks)",
+        _recipe("Float8BlockScaling")),
+    "jax_fp8_current": RunSpec(
+        "jax_fp8", "Fp8DotGeneral, Float8CurrentScaling (HYBRID)",
+        _recipe("Float8CurrentScaling"), grad_scale="current"),
+    "jax_fp8_delayed_e4m3": RunSpec(
+        "jax_fp8", "Fp8DotGeneral, DelayedScaling E4M3, history 1024",
+        _recipe("DelayedScaling", fp8_format=_E4M3, history_len=1024), grad_scale="state",
+        grad_dtype="float8_e4m3fn"),
+    "flax_fp8": RunSpec("flax_fp8", "flax.linen.Fp8DirectDotGeneralOp, history 1024",
+                        grad_scale="state"),
 }
-
+# The runs of the protocol in docs/convergence.md (the default --runs).
+PROTOCOL_RUNS = ("bf16", "jax_fp8_delayed", "jax_fp8_delayed_h16", "jax_fp8_blockwise",
+                 "jax_fp8_current")
 
 # What the library raises for a recipe it does not support (yet) in a layer or train state.
 REFUSED = (NotImplementedError, TypeError, ValueError, AttributeError)
@@ -333,7 +350,7 @@ class ByteData:
         self.files = {k: len(v) for k, v in parts.items()}
         self.train = np.frombuffer(b"".join(parts["train"]), np.uint8)
         self.val = np.frombuffer(b"".join(parts["val"]), np.uint8)
-        self.seed, self.batch, self.seq = cfg.seed, cfg.batch, cfg.seq
+        self.data_seed, self.batch, self.seq = cfg.data_seed, cfg.batch, cfg.seq
         for name, arr in (("train", self.train), ("val", self.val)):
             if len(arr) <= self.seq + 1:
                 raise RuntimeError(f"{name} split has {len(arr)} bytes, less than a window")
@@ -343,13 +360,13 @@ class ByteData:
         starts = rng.integers(0, len(data) - self.seq - 1, size=n)
         return data[starts[:, None] + self._offsets].astype(np.int32)
 
-    def train_batch(self, step: int) -> np.ndarray:
-        """Batch `step` of the training sequence: [batch, seq + 1] int32, same for every run."""
-        return self._windows(self.train, np.random.default_rng([self.seed, 0, step]),
-                             self.batch)
+    def train_batch(self, seed: int, step: int) -> np.ndarray:
+        """Batch `step` of seed `seed`: [batch, seq + 1] int32, the same for every run."""
+        return self._windows(self.train, np.random.default_rng([seed, 0, step]), self.batch)
 
     def val_batches(self, n: int) -> list[np.ndarray]:
-        rng = np.random.default_rng([self.seed, 1])
+        """The validation set: n batches, a function of the data seed only."""
+        rng = np.random.default_rng([self.data_seed, 1])
         return [self._windows(self.val, rng, self.batch) for _ in range(n)]
 
     def describe(self) -> dict:
@@ -366,14 +383,18 @@ def cross_entropy(logits, batch):
     return -jnp.mean(jnp.take_along_axis(logp, batch[:, 1:, None], axis=-1))
 
 
+def learning_rate(cfg: Config) -> optax.Schedule:
+    """Linear warmup from 0 to cfg.lr over cfg.warmup steps, cosine decay to
+    cfg.lr * cfg.min_lr_ratio at step cfg.decay_end, then constant at that floor."""
+    return optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, cfg.warmup, cfg.decay_end, end_value=cfg.lr * cfg.min_lr_ratio)
+
+
 def make_optimizer(cfg: Config):
-    sched = optax.warmup_cosine_decay_schedule(
-        0.0, cfg.lr, max(1, min(cfg.warmup, cfg.steps - 1)), max(cfg.steps, 2),
-        end_value=cfg.lr * cfg.min_lr_ratio)
     decay = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
     return optax.chain(optax.clip_by_global_norm(cfg.clip),
-                       optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay,
-                                   mask=decay))
+                       optax.adamw(learning_rate(cfg), b1=0.9, b2=0.95,
+                                   weight_decay=cfg.weight_decay, mask=decay))
 
 
 def tracked_tensors(cfg: Config):
@@ -421,7 +442,8 @@ def fp8_scale_of(kind, state, layer, name, role):
 
 
 class Run:
-    """One run: its model, train state, compiled step, evaluation and probes."""
+    """One run: its model, train state, compiled step (shared by every seed), evaluation
+    and probes."""
 
     def __init__(self, name: str, cfg: Config, params0, attention):
         self.name, self.cfg = name, cfg
@@ -430,14 +452,14 @@ class Run:
         self.recipe = None
         if kind == "jax_fp8":
             try:
-                self.recipe = self.spec.recipe(cfg)
+                self.recipe = self.spec.recipe()
             except REFUSED as e:
                 raise Skip(f"{type(e).__name__}: {e}") from e
             dg = functools.partial(Fp8DotGeneral, recipe=self.recipe)
         elif kind == "flax_fp8":
             if FLAX_OP is None:
                 raise Skip(f"flax {flax.__version__} has no Fp8DirectDotGeneralOp")
-            dg = functools.partial(FLAX_OP, amax_history_length=cfg.history_len)
+            dg = functools.partial(FLAX_OP, amax_history_length=self.spec.history_len)
         else:
             dg = None
         probe = tuple((i, n) for _, i, n in probed_layers(cfg))
@@ -454,6 +476,8 @@ class Run:
             raise Skip(f"{type(e).__name__}: {e}") from e
         self.perturbations = jax.eval_shape(self.model.init, jax.random.key(0),
                                             self.sample)["perturbations"]
+        self._step_fn = None
+        self.eval_fn = jax.jit(self.eval_loss)
 
     def _init_extra(self):
         """The non-parameter collection of an FP8 run (fresh FP8 state), or None."""
@@ -464,8 +488,12 @@ class Run:
         extra = jax.jit(lambda k: model.init(k, sample).get(coll))(jax.random.key(0))
         return jax.device_get(extra)
 
+    @property
+    def has_fp8_state(self) -> bool:
+        return self.kind == "flax_fp8" or (self.kind == "jax_fp8" and bool(self.extra))
+
     def fresh_state(self, params0):
-        """A train state at step 0 from the shared initial weights (fresh device buffers)."""
+        """A train state at step 0 from the given initial weights (fresh device buffers)."""
         params = jax.device_put(params0)
         extra = None if self.extra is None else jax.device_put(self.extra)
         if self.kind == "jax_fp8":
@@ -479,6 +507,20 @@ class Run:
                                                  params={"params": params, FLAX_OWG: extra})
         return train_state.TrainState.create(apply_fn=self.model.apply, params=params,
                                              tx=self.tx)
+
+    def step_fn(self, state, batch) -> tuple[Callable, float]:
+        """(the compiled train step, seconds spent compiling it now: 0 when reused)."""
+        if self._step_fn is not None:
+            return self._step_fn, 0.0
+        t = time.perf_counter()
+        try:
+            self._step_fn = jax.jit(self.train_step, donate_argnums=(0,)).lower(
+                state, batch).compile()
+        except REFUSED as e:
+            if self.kind != "jax_fp8":
+                raise
+            raise Skip(f"{type(e).__name__}: {e}") from e
+        return self._step_fn, time.perf_counter() - t
 
     # -- the jitted functions
 
@@ -594,12 +636,6 @@ class Progress:
             self.last_line, self.last_time = n, time.monotonic()
         self.n = n
 
-    def write(self, msg: str):
-        if self.bar is not None:
-            self.bar.write(msg, file=sys.stderr)
-        else:
-            print(msg, file=sys.stderr, flush=True)
-
     def close(self):
         if self.bar is not None:
             self.bar.close()
@@ -613,7 +649,7 @@ def log(msg):
 
 def checkpoint_manager(path: pathlib.Path):
     import orbax.checkpoint as ocp
-    options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True,
+    options = ocp.CheckpointManagerOptions(max_to_keep=1, create=True,
                                            enable_async_checkpointing=False)
     return ocp.CheckpointManager(path.resolve(), options=options,
                                  item_names=("state", "record"))
@@ -651,54 +687,58 @@ class Deadline:
         return self.end is None or time.monotonic() + seconds < self.end
 
 
-def new_record(run: Run) -> dict:
-    has_state = run.kind == "flax_fp8" or (run.kind == "jax_fp8" and bool(run.extra))
-    return {"description": run.spec.description, "kind": run.kind,
+def new_record(run: Run, seed: int) -> dict:
+    """The per-step record of one (run, seed) while it trains (kept in its checkpoints)."""
+    cfg = run.cfg
+    return {"run": run.name, "seed": seed, "config": cfg.comparable(),
+            "description": run.spec.description, "kind": run.kind,
             "recipe": None if run.recipe is None else repr(run.recipe),
             "grad_scale": run.spec.grad_scale, "grad_dtype": run.spec.grad_dtype,
             "train_loss": [], "grad_norm": [], "val_steps": [], "val_loss": [],
             "fp8_tracked": {label: {"amax": [], "scale": []}
-                            for label, *_ in tracked_tensors(run.cfg)} if has_state else {},
+                            for label, *_ in tracked_tensors(cfg)} if run.has_fp8_state
+            else {},
             "e5m2_underflow": {"steps": [], "layers": {
                 label: {"run_scale": [], "current_scale": []}
-                for label, *_ in probed_layers(run.cfg)}},
-            "timed_steps": 0, "timed_s": 0.0, "processes": [], "complete": False}
+                for label, *_ in probed_layers(cfg)}},
+            "timed_steps": 0, "timed_s": 0.0, "processes": [], "steps_done": 0}
 
 
-def train_run(run: Run, cfg: Config, data: ByteData, params0, out: pathlib.Path, args,
-              deadline: Deadline) -> tuple[dict, bool]:
-    """Trains (or resumes) one run; returns (its record, finished)."""
-    ckpt_dir = out / run.name / "ckpt"
+def train_run(run: Run, seed: int, cfg: Config, data: ByteData, params0,
+              ckpt_dir: pathlib.Path, args, deadline: Deadline) -> tuple[dict, bool]:
+    """Trains one (run, seed) from step 0 or from its latest checkpoint in ckpt_dir;
+    returns (its record, finished). A checkpoint of another configuration or seed is an
+    error (SystemExit), never continued."""
+    tag = f"{run.name} s{seed}"
     mngr, latest = None, None
     if ckpt_dir.exists():
         mngr = checkpoint_manager(ckpt_dir)
         latest = mngr.latest_step()
-        if latest is not None and not args.resume:
-            mngr.close()
-            raise SystemExit(f"{ckpt_dir} has checkpoints (latest step {latest}): pass "
-                             f"--resume to continue the run, or use another --out")
-        if latest is not None and latest >= cfg.steps:
-            record = restore_record(mngr, latest)
-            mngr.close()
-            log(f"[{run.name}] already complete ({latest} steps)")
-            return record, True
+        if latest is not None:
+            saved = restore_record(mngr, latest)
+            if (saved.get("config"), saved.get("run"), saved.get("seed")) != (
+                    cfg.comparable(), run.name, seed):
+                mngr.close()
+                raise SystemExit(f"{ckpt_dir} holds a checkpoint of another configuration "
+                                 f"({saved.get('run')}, seed {saved.get('seed')}, "
+                                 f"{saved.get('config')}): remove it or use another "
+                                 f"--ckpt-dir")
+            if latest >= cfg.steps:
+                mngr.close()
+                return saved, True
 
     state = run.fresh_state(params0)
-    record = new_record(run)
+    record = new_record(run, seed)
     proc = {"start_step": 0, "device": jax.devices()[0].device_kind}
-    batch0 = jnp.asarray(data.train_batch(0))
-    t = time.perf_counter()
     try:
-        step_fn = jax.jit(run.train_step, donate_argnums=(0,)).lower(state, batch0).compile()
-    except REFUSED as e:
-        if run.kind != "jax_fp8":
-            raise
+        step_fn, proc["compile_s"] = run.step_fn(state, jnp.asarray(data.train_batch(seed, 0)))
+    except Skip:
         if mngr is not None:
             mngr.close()
-        raise Skip(f"{type(e).__name__}: {e}") from e
-    proc["compile_s"] = round(time.perf_counter() - t, 3)
-    log(f"[{run.name}] compiled the step in {proc['compile_s']:.1f} s")
-    eval_fn = jax.jit(run.eval_loss)
+        raise
+    proc["compile_s"] = round(proc["compile_s"], 3)
+    if proc["compile_s"]:
+        log(f"[{run.name}] compiled the step in {proc['compile_s']:.1f} s")
     val = [jnp.asarray(b) for b in data.val_batches(cfg.eval_batches)]
 
     start = 0
@@ -710,7 +750,7 @@ def train_run(run: Run, cfg: Config, data: ByteData, params0, out: pathlib.Path,
         for key in ("train_loss", "grad_norm"):
             del record[key][start:]
         proc["start_step"] = start
-        log(f"[{run.name}] resumed from {ckpt_dir} at step {start}")
+        log(f"[{tag}] resumed from {ckpt_dir} at step {start}")
     if mngr is None:
         mngr = checkpoint_manager(ckpt_dir)
     eval_s = 0.0
@@ -718,8 +758,7 @@ def train_run(run: Run, cfg: Config, data: ByteData, params0, out: pathlib.Path,
     def evaluate(step):
         nonlocal eval_s
         t = time.perf_counter()
-        losses = [eval_fn(state, b) for b in val]
-        v = float(np.mean(jax.device_get(losses)))
+        v = float(np.mean(jax.device_get([run.eval_fn(state, b) for b in val])))
         eval_s = time.perf_counter() - t
         if record["val_steps"] and record["val_steps"][-1] == step:
             record["val_loss"][-1] = v
@@ -731,8 +770,7 @@ def train_run(run: Run, cfg: Config, data: ByteData, params0, out: pathlib.Path,
     pending = []
 
     def flush():
-        got = jax.device_get(pending)
-        for m in got:
+        for m in jax.device_get(pending):
             step_taken = len(record["train_loss"])
             if step_taken % cfg.probe_every == 0:
                 und = record["e5m2_underflow"]
@@ -753,7 +791,7 @@ def train_run(run: Run, cfg: Config, data: ByteData, params0, out: pathlib.Path,
     ckpt_s = None
     step_s = None
     tokens_per_step = cfg.batch * cfg.seq
-    bar = Progress(run.name, cfg.steps, start)
+    bar = Progress(tag, cfg.steps, start)
     stopped = None
     if start == 0:
         evaluate(0)
@@ -761,7 +799,7 @@ def train_run(run: Run, cfg: Config, data: ByteData, params0, out: pathlib.Path,
     step = start
     try:
         while step < cfg.steps:
-            batch = jnp.asarray(data.train_batch(step))
+            batch = jnp.asarray(data.train_batch(seed, step))
             if seg_t is None and step - start >= cfg.timing_warmup:
                 seg_t = time.perf_counter()   # time from here to the next sync point
             state, metrics = step_fn(state, batch)
@@ -786,18 +824,17 @@ def train_run(run: Run, cfg: Config, data: ByteData, params0, out: pathlib.Path,
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 evaluate(step)
             stop = args.stop_after is not None and done_here >= args.stop_after
-            # Time to reach the next sync point, evaluate, checkpoint, plot and exit (before
-            # the first timed segment the step time is unknown: the steps so far include
+            # Time to reach the next sync point, evaluate, checkpoint and exit (before the
+            # first timed segment the step time is unknown: the steps so far include
             # compilation, so they would overstate it many times).
             reserve = (2 * (ckpt_s or 10.0) + 2 * cfg.log_every * (step_s or 0.0)
                        + 2 * eval_s + 15.0)
             if not stop and step < cfg.steps and not deadline.allows(reserve):
                 stop = True
-            if step % cfg.ckpt_every == 0 or step == cfg.steps or stop:
+            if (step % cfg.ckpt_every == 0 and step < cfg.steps) or (stop and step < cfg.steps):
                 t = time.perf_counter()
                 proc["loop_s"] = round(t - t_loop, 3)
-                _finish_record(record, proc, step, timed_s, timed_steps, tokens_per_step,
-                               start, cfg)
+                _finish_record(record, proc, step, timed_s, timed_steps)
                 save_checkpoint(mngr, step, state, record)
                 ckpt_s = time.perf_counter() - t
             tok_s = tokens_per_step * timed_steps / timed_s if timed_s > 0 else float("nan")
@@ -810,178 +847,435 @@ def train_run(run: Run, cfg: Config, data: ByteData, params0, out: pathlib.Path,
     finally:
         bar.close()
         mngr.close()
-    wall = time.perf_counter() - t_loop
-    proc["loop_s"] = round(wall, 3)
-    _finish_record(record, proc, step, timed_s, timed_steps, tokens_per_step, start, cfg)
+    proc["loop_s"] = round(time.perf_counter() - t_loop, 3)
+    _finish_record(record, proc, step, timed_s, timed_steps)
     if stopped is not None and stopped < cfg.steps:
-        log(f"[{run.name}] stopped at step {stopped}/{cfg.steps} (checkpointed); continue "
-            f"with --resume")
+        log(f"[{tag}] stopped at step {stopped}/{cfg.steps} (checkpointed); the same "
+            f"command continues it")
         return record, False
     return record, True
 
 
-def _finish_record(record, proc, step, timed_s, timed_steps, tokens_per_step, start, cfg):
+def _finish_record(record, proc, step, timed_s, timed_steps):
     """Folds this process's counters into the record (idempotent within a process)."""
     proc.update(end_step=step, timed_steps=timed_steps, timed_s=round(timed_s, 4))
-    procs = [p for p in record["processes"] if p is not proc and
-             p.get("start_step") != proc["start_step"]]
+    procs = [p for p in record["processes"] if p.get("start_step") != proc["start_step"]]
     record["processes"] = procs + [dict(proc)]
     record["timed_steps"] = sum(p["timed_steps"] for p in record["processes"])
     record["timed_s"] = sum(p["timed_s"] for p in record["processes"])
-    record["tokens_per_s"] = (tokens_per_step * record["timed_steps"] / record["timed_s"]
-                              if record["timed_s"] > 0 else None)
     record["steps_done"] = step
-    record["complete"] = step >= cfg.steps
-    vl = record["val_loss"]
-    record["final_val_loss"] = vl[-1] if record["complete"] and vl else None
-    tl = record["train_loss"]
-    k = max(1, min(len(tl), cfg.steps // 20))
-    record["final_train_loss"] = float(np.mean(tl[-k:])) if record["complete"] and tl else None
-    record["final_train_loss_window"] = k
 
 
 # ----------------------------------------------------------------------------- results
 
-def load_results(path: pathlib.Path):
-    if path.exists():
-        return json.loads(path.read_text())
-    return None
+def result_path(out: pathlib.Path, name: str, seed: int) -> pathlib.Path:
+    return out / "runs" / f"{name}_s{seed}.json"
 
 
-def merge_results(path: pathlib.Path, header: dict, name: str | None = None,
-                  record: dict | None = None, skipped: dict | None = None) -> dict:
-    """Adds one run (or a skip note) to results.json, keeping the other runs' entries."""
-    results = load_results(path)
-    if results is None:
-        results = {**header, "runs": {}, "skipped": {}}
-    elif results.get("config") != header["config"]:
-        raise SystemExit(f"{path} holds runs of another configuration "
-                         f"({results.get('config')}); use another --out")
-    else:
-        # The device and versions of the newest process; each run keeps its own in
-        # its "processes" list.
-        results.update({k: v for k, v in header.items() if k not in ("runs", "skipped")})
-    if record is not None:
-        results["runs"][name] = record
-        results.setdefault("skipped", {}).pop(name, None)
-    if skipped:
-        results.setdefault("skipped", {}).update(skipped)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(results, indent=1))
+def write_json(path: pathlib.Path, obj, indent=None):
+    """Writes obj as JSON to path atomically (a reader sees the old file or the new one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    text = json.dumps(obj, indent=indent, separators=None if indent else (",", ":"))
+    tmp.write_text(text + "\n")
     os.replace(tmp, path)
-    return results
+
+
+def _g(v, digits=6):
+    """v rounded to `digits` significant digits (None and non-finite values as None)."""
+    if v is None or not math.isfinite(v):
+        return None
+    return float(f"{v:.{digits}g}")
+
+
+def _blocks(n: int, k: int) -> list[tuple[int, int]]:
+    """[start, end) step ranges of the blocks of k steps covering n steps."""
+    return [(s, min(s + k, n)) for s in range(0, n, k)]
+
+
+def tail_mean(steps, values, cfg: Config) -> float:
+    """Mean of the values recorded after step cfg.tail_start (the last part of a run)."""
+    picked = [v for s, v in zip(steps, values) if s > cfg.tail_start]
+    if not picked:
+        raise ValueError(f"no values after step {cfg.tail_start}")
+    return float(np.mean(picked))
+
+
+def result_of(record: dict, cfg: Config, header: dict) -> dict:
+    """The file of one finished (run, seed): its configuration, losses and downsampled
+    curves (the record keeps every step; the file keeps blocks of cfg.record_every)."""
+    n = record["steps_done"]
+    if n != cfg.steps or len(record["train_loss"]) != n:
+        raise ValueError(f"record of {record['run']} has {n} steps, not {cfg.steps}")
+    tl, gn = np.asarray(record["train_loss"]), np.asarray(record["grad_norm"])
+    blocks = _blocks(n, cfg.record_every)
+    curves = {"val_steps": record["val_steps"],
+              "val_loss": [_g(v) for v in record["val_loss"]],
+              "block_end": [e for _, e in blocks],
+              "train_loss": [_g(tl[s:e].mean()) for s, e in blocks],
+              "train_loss_max": [_g(tl[s:e].max()) for s, e in blocks],
+              "grad_norm": [_g(gn[s:e].mean()) for s, e in blocks],
+              "grad_norm_max": [_g(gn[s:e].max()) for s, e in blocks]}
+    tracked = {label: {"amax_max": [_g(max(s["amax"][a:b]), 4) for a, b in blocks],
+                       "scale_end": [_g(s["scale"][b - 1], 4) for _, b in blocks]}
+               for label, s in record["fp8_tracked"].items() if len(s["amax"]) == n}
+    und = record["e5m2_underflow"]
+    underflow = {"steps": und["steps"], "layers": {
+        label: {k: [_g(v, 4) for v in vals] for k, vals in s.items()}
+        for label, s in und["layers"].items()}}
+    timed_s = record["timed_s"]
+    return {
+        **header,
+        "run": record["run"], "seed": record["seed"], "config": record["config"],
+        "description": record["description"], "kind": record["kind"],
+        "recipe": record["recipe"], "grad_scale": record["grad_scale"],
+        "grad_dtype": record["grad_dtype"], "steps": n,
+        "final_val_loss": record["val_loss"][-1],
+        "tail_val_loss": tail_mean(record["val_steps"], record["val_loss"], cfg),
+        "tail_train_loss": tail_mean(range(1, n + 1), record["train_loss"], cfg),
+        "tokens_per_s": (cfg.batch * cfg.seq * record["timed_steps"] / timed_s
+                         if timed_s > 0 else None),
+        "processes": record["processes"],
+        "curves": curves, "fp8_tracked": tracked, "e5m2_underflow": underflow}
+
+
+def source_commit() -> str | None:
+    """The git commit of this script's checkout ('+' when it has local changes), or None."""
+    here = pathlib.Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                              text=True, timeout=30)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=here, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
+
+
+def load_results(out: pathlib.Path) -> list[dict]:
+    """Every finished (run, seed) file under out/runs, sorted by (seed, run)."""
+    files = sorted((out / "runs").glob("*_s*.json"))
+    got = [json.loads(p.read_text()) for p in files]
+    return sorted(got, key=lambda r: (r["seed"], r["run"]))
+
+
+# ----------------------------------------------------------------------------- summary
+
+def stats(per_seed: dict) -> dict:
+    """{"per_seed": {seed: value}, "n", "mean", "std"}: std is the sample standard
+    deviation (ddof 1), None for fewer than two seeds; mean is None for none."""
+    seeds = sorted(per_seed)
+    vals = [per_seed[s] for s in seeds]
+    return {"per_seed": {str(s): per_seed[s] for s in seeds}, "n": len(vals),
+            "mean": float(np.mean(vals)) if vals else None,
+            "std": float(np.std(vals, ddof=1)) if len(vals) > 1 else None}
+
+
+_DATA_KEYS = ("python", "files_train", "files_val", "bytes_train", "bytes_val")
+SUMMARIZED = ("final_val_loss", "tail_val_loss", "tail_train_loss")
+
+
+def summarize(results: list[dict]) -> dict:
+    """results.json from the files of finished (run, seed)s: per run, every seed's final
+    and last-part losses, their mean and std over seeds, the paired difference to bf16
+    of the same seed (in %, with mean and std over the seeds both have), and the curves.
+
+    Raises SystemExit when there are no results or they do not share one configuration
+    and one data set (such runs are not comparable)."""
+    if not results:
+        raise SystemExit("no finished runs to summarize")
+    first = results[0]
+    for r in results[1:]:
+        for key, a, b in (("config", first["config"], r["config"]),
+                          ("data", {k: first["data"].get(k) for k in _DATA_KEYS},
+                           {k: r["data"].get(k) for k in _DATA_KEYS})):
+            if a != b:
+                diff = {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
+                raise SystemExit(f"{r['run']} seed {r['seed']} has another {key} than "
+                                 f"{first['run']} seed {first['seed']}: {diff}")
+    by_run: dict[str, dict[int, dict]] = {}
+    for r in results:
+        by_run.setdefault(r["run"], {})[r["seed"]] = r
+    order = [n for n in RUNS if n in by_run] + sorted(n for n in by_run if n not in RUNS)
+    ref = by_run.get(REFERENCE, {})
+    runs = {}
+    for name in order:
+        seeds = by_run[name]
+        some = next(iter(seeds.values()))
+        entry = {"description": some["description"], "recipe": some["recipe"],
+                 "seeds": sorted(seeds)}
+        for key in SUMMARIZED + ("tokens_per_s",):
+            entry[key] = stats({s: r[key] for s, r in seeds.items() if r[key] is not None})
+        if name != REFERENCE:
+            entry["vs_bf16_pct"] = {
+                key: stats({s: 100.0 * (r[key] - ref[s][key]) / ref[s][key]
+                            for s, r in seeds.items() if s in ref})
+                for key in SUMMARIZED}
+        entry["source_commits"] = {str(s): r.get("source_commit") for s, r in sorted(seeds.items())}
+        entry["devices"] = sorted({r["device"] for r in seeds.values()})
+        entry["curves"] = {
+            "val_steps": some["curves"]["val_steps"],
+            "val_loss": {str(s): r["curves"]["val_loss"] for s, r in sorted(seeds.items())},
+            "block_end": some["curves"]["block_end"],
+            "train_loss": {str(s): r["curves"]["train_loss"] for s, r in sorted(seeds.items())}}
+        runs[name] = entry
+    cfg = Config(**first["config"])
+    return {"protocol": {"preset": first.get("preset"), "config": first["config"],
+                         "decay_end": cfg.decay_end, "tail_start": cfg.tail_start,
+                         "params": first["params"], "tokens_per_step": first["tokens_per_step"],
+                         "flops_per_token": first["flops_per_token"], "data": first["data"],
+                         "attention": sorted({r["attention"] for r in results})},
+            "devices": sorted({r["device"] for r in results}),
+            "jax_versions": sorted({r["jax_version"] for r in results}),
+            "source_commits": sorted({r.get("source_commit") or "unknown" for r in results}),
+            "reference": REFERENCE, "runs": runs}
+
+
+def _pm(st: dict, spec=".4f", unit="") -> str:
+    if not st["n"]:
+        return "—"
+    sign = "+" if spec.startswith("+") else ""
+    text = format(st["mean"], spec)
+    if st["std"] is not None:
+        text += f" ± {format(st['std'], spec.lstrip(sign))}"
+    return text + unit
+
+
+def markdown_tables(summary: dict) -> str:
+    """The results as Markdown: one table of means over seeds, one per-seed table."""
+    p = summary["protocol"]
+    steps, tail = p["config"]["steps"], p["tail_start"]
+    pct = f"{100 * p['config']['tail_fraction']:g} %"
+    tail_name = f"last {pct}"
+    runs = summary["runs"]
+    lines = [f"| run | seeds | final val loss | val loss, {tail_name} | final vs bf16 "
+             f"(paired) | {tail_name} vs bf16 (paired) | train loss, {tail_name} | tokens/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, e in runs.items():
+        vs = e.get("vs_bf16_pct")
+        def paired(key):
+            if vs is None:
+                return "—"
+            st = vs[key]
+            return f"{_pm(st, '+.2f', ' %')} (n={st['n']})" if st["n"] else "no bf16 seed"
+        tok = e["tokens_per_s"]
+        tok_text = f"{tok['mean'] / 1e3:.1f}k" if tok["n"] else "—"
+        lines.append(f"| `{name}` | {len(e['seeds'])} | {_pm(e['final_val_loss'])} | "
+                     f"{_pm(e['tail_val_loss'])} | {paired('final_val_loss')} | "
+                     f"{paired('tail_val_loss')} | {_pm(e['tail_train_loss'])} | {tok_text} |")
+    seeds = sorted({s for e in runs.values() for s in e["seeds"]})
+    val_steps = next(iter(runs.values()))["curves"]["val_steps"]
+    tail_evals = [s for s in val_steps if s > tail]
+    lines += ["", f"Mean ± sample standard deviation over seeds. Last {pct}: the mean of "
+              f"the {len(tail_evals)} evaluations after step {tail:,} (steps "
+              f"{tail_evals[0]:,} to {tail_evals[-1]:,}), and of the train losses of steps "
+              f"{tail + 1:,} to {steps:,}. Paired: the difference to bf16 of the same seed, "
+              f"in % of bf16's, averaged over the seeds both runs have (n).", "",
+              f"Per seed: final validation loss / {tail_name}; in brackets, each one's "
+              "difference to bf16 of the same seed.", "",
+              "| run | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+              "| --- |" + " --- |" * len(seeds)]
+    for name, e in runs.items():
+        cells = []
+        for s in map(str, seeds):
+            if s not in e["final_val_loss"]["per_seed"]:
+                cells.append("")
+                continue
+            cell = (f"{e['final_val_loss']['per_seed'][s]:.4f} / "
+                    f"{e['tail_val_loss']['per_seed'][s]:.4f}")
+            vs = e.get("vs_bf16_pct")
+            if vs is not None and s in vs["final_val_loss"]["per_seed"]:
+                cell += (f" ({vs['final_val_loss']['per_seed'][s]:+.2f} % / "
+                         f"{vs['tail_val_loss']['per_seed'][s]:+.2f} %)")
+            cells.append(cell)
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def doc_block(summary: dict, tables: str, out: pathlib.Path, plots: list[pathlib.Path],
+              doc: pathlib.Path) -> str:
+    """The text between the doc's result markers: where the runs ran, tables, plots."""
+    n = sum(len(e["seeds"]) for e in summary["runs"].values())
+    commits = ", ".join(c[:12] if c != "unknown" else c for c in summary["source_commits"])
+    head = (f"{n} finished (run, seed) pairs on {', '.join(summary['devices'])} (jax "
+            f"{', '.join(summary['jax_versions'])}; source {commits}); all figures in "
+            f"[`results.json`]({_rel(doc, out / 'results.json')}).")
+    parts = [DOC_BEGIN, "<!-- written by examples/convergence.py --summarize --doc -->", "",
+             head, "", tables, ""]
+    for p in plots:
+        parts += [f"![{p.stem}]({_rel(doc, p)})", ""]
+    return "\n".join(parts + [DOC_END])
+
+
+def _rel(doc: pathlib.Path, target: pathlib.Path) -> str:
+    return pathlib.Path(os.path.relpath(target.resolve(), doc.resolve().parent)).as_posix()
+
+
+def update_doc(doc: pathlib.Path, block: str) -> None:
+    """Replaces the doc's text from its DOC_BEGIN line to its DOC_END line with block."""
+    text = doc.read_text(encoding="utf-8")
+    i, j = text.find(DOC_BEGIN), text.find(DOC_END)
+    if i < 0 or j < i:
+        raise SystemExit(f"{doc} has no {DOC_BEGIN} ... {DOC_END} lines to write between")
+    doc.write_text(text[:i] + block + text[j + len(DOC_END):], encoding="utf-8")
 
 
 # ----------------------------------------------------------------------------- plots
 
-def _smooth(y, k):
-    y = np.asarray(y, np.float64)
-    if k <= 1 or len(y) < 2 * k:
-        return np.arange(len(y)), y
-    return np.arange(k - 1, len(y)), np.convolve(y, np.ones(k) / k, mode="valid")
-
-
-def plot_results(results: dict, out: pathlib.Path) -> list[pathlib.Path]:
-    """loss.png (train, validation, difference to bf16) and fp8.png (amax, scale, underflow)."""
-    mpl_dir = None
-    if "MPLCONFIGDIR" not in os.environ:   # keep matplotlib's font cache inside --out
-        mpl_dir = tempfile.mkdtemp(prefix=".matplotlib-", dir=out)
-        os.environ["MPLCONFIGDIR"] = mpl_dir
+def _pyplot():
+    """matplotlib.pyplot with the Agg backend, or None when matplotlib is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         log("matplotlib is not installed: no plots (pip install matplotlib)")
-        return []
+        return None
+    return plt
+
+
+def _moving_mean(y, k):
+    """Moving mean over k points along the last axis ('valid': len - k + 1 points)."""
+    y = np.asarray(y, np.float64)
+    if k <= 1 or y.shape[-1] < 2 * k:
+        return y, 0
+    c = np.cumsum(np.concatenate([np.zeros(y.shape[:-1] + (1,)), y], axis=-1), axis=-1)
+    return (c[..., k:] - c[..., :-k]) / k, k - 1
+
+
+def _band(ax, x, per_seed, color, label, **kw):
+    """Mean over seeds (rows of per_seed) as a line, +-1 sample std as a band."""
+    y = np.asarray(per_seed, np.float64)
+    mean = y.mean(axis=0)
+    ax.plot(x, mean, color=color, label=label, lw=1.2, **kw)
+    if len(y) > 1:
+        sd = y.std(axis=0, ddof=1)
+        ax.fill_between(x, mean - sd, mean + sd, color=color, alpha=0.2, lw=0)
+    return mean
+
+
+def plot_summary(summary: dict, results: list[dict], out: pathlib.Path,
+                 plot_seed: int | None = None) -> list[pathlib.Path]:
+    """loss.png (train loss, validation loss, validation loss vs bf16's in %: mean over
+    seeds with a +-1 std band) and fp8.png (amax, scale and underflow of one seed)."""
+    made = None
+    if "MPLCONFIGDIR" not in os.environ:   # matplotlib's font cache: inside out, removed
+        made = os.environ["MPLCONFIGDIR"] = tempfile.mkdtemp(prefix=".matplotlib-", dir=out)
     try:
-        return _plot(results, out, plt)
+        plt = _pyplot()
+        if plt is None:
+            return []
+        return [_plot_losses(summary, out, plt),
+                *_plot_fp8(summary, results, out, plt, plot_seed)]
     finally:
-        if mpl_dir is not None:
+        if made is not None:
             os.environ.pop("MPLCONFIGDIR", None)
-            shutil.rmtree(mpl_dir, ignore_errors=True)
+            shutil.rmtree(made, ignore_errors=True)
 
 
-def _plot(results, out, plt):
-    runs = results.get("runs", {})
-    steps = results.get("steps", 1)
-    k = max(1, steps // 60)
-    written = []
-    cfg = results.get("config", {})
-    title = (f"byte GPT {results.get('params', 0) / 1e6:.1f}M params, "
-             f"d={cfg.get('d_model')} L={cfg.get('layers')} T={cfg.get('seq')} "
-             f"B={cfg.get('batch')}, {results.get('device', '')}")
-    ref = runs.get("bf16")
-    ncols = 3 if ref and len(runs) > 1 else 2
-    fig, axes = plt.subplots(1, ncols, figsize=(5.5 * ncols, 4.2))
-    late = []  # train-loss values after the first 10 % of steps (for the y range)
-    for ri, (name, r) in enumerate(runs.items()):
-        color = f"C{ri}"
-        x, y = _smooth(r["train_loss"], k)
-        axes[0].plot(x, y, color=color, label=name, lw=1.2)
-        late.extend(y[x >= steps // 10].tolist())
-        axes[1].plot(r["val_steps"], r["val_loss"], color=color, marker=".", label=name,
-                     lw=1.2)
-        if ncols == 3 and name != "bf16":
-            n = min(len(r["train_loss"]), len(ref["train_loss"]))
-            diff = np.asarray(r["train_loss"][:n]) - np.asarray(ref["train_loss"][:n])
-            axes[2].plot(*_smooth(diff, k), color=color, label=f"{name} - bf16", lw=1.2)
-    axes[0].set_title(f"train loss (nats/byte, {k}-step mean)")
-    axes[1].set_title("validation loss (nats/byte)")
-    vals = [v for r in runs.values() for v in r["val_loss"][1:]]
-    for a, v in ((axes[0], late), (axes[1], vals)):
+def _title(summary):
+    p = summary["protocol"]
+    c = p["config"]
+    return (f"byte GPT {p['params'] / 1e6:.1f}M params, d={c['d_model']} L={c['layers']} "
+            f"T={c['seq']} B={c['batch']}, {c['steps']} steps; "
+            f"{', '.join(summary['devices'])}; band: ±1 std over seeds")
+
+
+def _plot_losses(summary, out, plt):
+    p = summary["protocol"]
+    steps, tail = p["config"]["steps"], p["tail_start"]
+    runs = summary["runs"]
+    ref = runs.get(REFERENCE)
+    fig, axes = plt.subplots(1, 3, figsize=(16.5, 4.6))
+    late_train, late_val, late_diff = [], [], []
+    for ri, (name, e) in enumerate(runs.items()):
+        color, label = f"C{ri}", f"{name} (n={len(e['seeds'])})"
+        cur = e["curves"]
+        blocks = np.asarray(cur["block_end"])
+        k = max(1, len(blocks) // 50)
+        y, lag = _moving_mean([cur["train_loss"][s] for s in map(str, e["seeds"])], k)
+        x = blocks[lag:]
+        m = _band(axes[0], x, y, color, label)
+        late_train += m[x >= steps // 10].tolist()
+        vx = np.asarray(cur["val_steps"])
+        vals = [cur["val_loss"][s] for s in map(str, e["seeds"])]
+        m = _band(axes[1], vx, vals, color, label, marker=".", ms=3)
+        late_val += m[vx >= steps // 10].tolist()
+        if ref is not None and name != REFERENCE:
+            common = [s for s in map(str, e["seeds"]) if s in ref["curves"]["val_loss"]]
+            if common:
+                d = [100.0 * (np.asarray(cur["val_loss"][s]) -
+                              np.asarray(ref["curves"]["val_loss"][s]))
+                     / np.asarray(ref["curves"]["val_loss"][s]) for s in common]
+                m = _band(axes[2], vx, d, color, f"{name} (n={len(common)})", marker=".",
+                          ms=3)
+                late_diff += m[vx >= steps // 10].tolist()
+    for ax, v in ((axes[0], late_train), (axes[1], late_val), (axes[2], late_diff)):
         if v:
             lo, hi = min(v), max(v)
-            a.set_ylim(lo - 0.05 * (hi - lo) - 0.02, hi + 0.1 * (hi - lo) + 0.02)
-    if ncols == 3:
-        axes[2].axhline(0, color="k", lw=0.6)
-        axes[2].set_title("train loss minus bf16's")
-    for a in axes:
-        a.set_xlabel("step")
-        a.grid(alpha=0.3)
-        a.legend(fontsize=8, loc="upper right")
-    fig.suptitle(title, fontsize=9)
-    # (fixed margins: tight_layout costs seconds with these legends)
-    fig.subplots_adjust(left=0.06, right=0.98, bottom=0.12, top=0.86, wspace=0.25)
-    fig.savefig(out / "loss.png", dpi=120)
+            pad = 0.1 * (hi - lo) + 0.02
+            ax.set_ylim(lo - pad, hi + 2 * pad)
+        ax.axvspan(tail, steps, color="0.9", zorder=0)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper right")
+    axes[0].set_title("train loss (nats/byte, block means)")
+    axes[1].set_title("validation loss (nats/byte); grey: the averaged last part")
+    axes[2].axhline(0, color="k", lw=0.6)
+    axes[2].set_title("validation loss vs bf16 of the same seed (%)")
+    fig.suptitle(_title(summary), fontsize=9)
+    fig.subplots_adjust(left=0.05, right=0.98, bottom=0.12, top=0.86, wspace=0.22)
+    path = out / "loss.png"
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    written.append(out / "loss.png")
+    return path
 
+
+def _plot_fp8(summary, results, out, plt, plot_seed):
+    """fp8.png for one seed (plot_seed, else the lowest seed with tracked FP8 state)."""
     from matplotlib.lines import Line2D
+    tracked_seeds = sorted({r["seed"] for r in results if r["fp8_tracked"]})
+    seed = plot_seed if plot_seed is not None else (tracked_seeds or [None])[0]
+    chosen = {r["run"]: r for r in results if r["seed"] == seed}
+    if not chosen:
+        return []
+    runs = {n: chosen[n] for n in summary["runs"] if n in chosen}
     styles = ["-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1))]
     fig, axes = plt.subplots(1, 3, figsize=(16.5, 4.6))
-    tensors, layers = {}, {}             # legend entries: colours per tensor / layer,
+    tensors, layers = {}, {}             # colours per tensor / layer,
     shown_track, shown_und = {}, {}      # line styles per run
     for ri, (name, r) in enumerate(runs.items()):
-        ls = styles[ri % len(styles)]   # line style per run, colour per tensor / layer
-        for label, series in r.get("fp8_tracked", {}).items():
-            if not series["amax"]:
-                continue
+        ls = styles[ri % len(styles)]
+        x = r["curves"]["block_end"]
+        for label, series in r["fp8_tracked"].items():
             c = tensors.setdefault(label, f"C{len(tensors)}")
-            axes[0].semilogy(series["amax"], ls=ls, color=c, lw=1)
-            axes[1].semilogy(series["scale"], ls=ls, color=c, lw=1)
+            axes[0].semilogy(x, series["amax_max"], ls=ls, color=c, lw=1)
+            axes[1].semilogy(x, series["scale_end"], ls=ls, color=c, lw=1)
             shown_track[name] = ls
-        und = r.get("e5m2_underflow", {})
-        which = r.get("grad_scale")
-        for label, s in und.get("layers", {}).items():
+        und = r["e5m2_underflow"]
+        for label, s in und["layers"].items():
             c = layers.setdefault(label, f"C{len(layers)}")
             own = [np.nan if v is None else v for v in s["run_scale"]]
-            if which == "state" and not np.all(np.isnan(own)):
+            if r["grad_scale"] == "state" and not np.all(np.isnan(own)):
                 axes[2].plot(und["steps"], own, ls=ls, color=c, marker=".", lw=1)
-            elif which == "current" or name == "bf16":   # bf16: what current scaling would do
-                axes[2].plot(und["steps"], s["current_scale"], ls=ls, color=c, marker="x",
-                             lw=0.8)
+            elif r["grad_scale"] == "current" or name == REFERENCE:
+                axes[2].plot(und["steps"], [np.nan if v is None else v
+                                            for v in s["current_scale"]],
+                             ls=ls, color=c, marker="x", lw=0.8)
             else:
                 continue
             shown_und[name] = ls
-    axes[0].set_title("newest amax per step")
-    axes[1].set_title("scale (x * scale -> FP8)")
-    axes[2].set_title("gradient underflow: nonzero bf16 grads -> 0 in E5M2 (E4M3 runs: "
-                      "E4M3)\n(FP8 runs: their scale; bf16: the current scale)", fontsize=9)
+    axes[0].set_title(f"seed {seed}: largest newest amax per block of steps")
+    axes[1].set_title("scale (x * scale -> FP8) at the end of each block")
+    axes[2].set_title("gradient underflow: nonzero bf16 grads -> 0 in the run's FP8 type\n"
+                      "(delayed: its scale; current and bf16: max / amax)", fontsize=9)
     axes[2].set_yscale("symlog", linthresh=1e-6)
     for a in axes:
         a.set_xlabel("step")
         a.grid(alpha=0.3)
+
     def run_handles(shown):
         return [Line2D([], [], color="k", ls=ls, lw=1, label=n) for n, ls in shown.items()]
     if tensors:
@@ -992,64 +1286,63 @@ def _plot(results, out, plt):
         axes[2].legend(handles=[Line2D([], [], color=c, lw=2, label=t)
                                 for t, c in layers.items()] + run_handles(shown_und),
                        fontsize=6, loc="upper right")
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(_title(summary).split(";")[0] + f"; seed {seed}", fontsize=9)
     fig.subplots_adjust(left=0.05, right=0.98, bottom=0.12, top=0.86, wspace=0.22)
-    fig.savefig(out / "fp8.png", dpi=120)
+    path = out / "fp8.png"
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    written.append(out / "fp8.png")
-    return written
-
-
-def summary_table(results: dict) -> str:
-    """Final train/validation loss of each run, its gap to bf16, tokens/s."""
-    runs = results.get("runs", {})
-    ref = runs.get("bf16", {}).get("final_val_loss")
-
-    def num(v, spec=".4f"):
-        return "-" if v is None else format(v, spec)
-
-    lines = [f"{'run':20s} {'steps':>11s} {'train':>8s} {'val':>8s} {'val vs bf16':>11s} "
-             f"{'tokens/s':>12s}"]
-    for name, r in runs.items():
-        fv = r.get("final_val_loss")
-        gap = f"{100 * (fv - ref) / ref:+.2f}%" if fv is not None and ref else "-"
-        done = f"{r.get('steps_done', 0)}/{results.get('steps')}"
-        lines.append(f"{name:20s} {done:>11s} {num(r.get('final_train_loss')):>8s} "
-                     f"{num(fv):>8s} {gap:>11s} {num(r.get('tokens_per_s'), ',.0f'):>12s}")
-    for name, why in results.get("skipped", {}).items():
-        lines.append(f"{name:20s} skipped: {why}")
-    return "\n".join(lines)
+    return [path]
 
 
 # ----------------------------------------------------------------------------- main
+
+def _int_list(text: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not vals or any(v < 0 for v in vals) or len(set(vals)) != len(vals):
+        raise argparse.ArgumentTypeError(f"expected distinct integers >= 0, got {text!r}")
+    return vals
+
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
-    ap.add_argument("--runs", default="all",
-                    help=f"comma-separated, or 'all' (the default): {', '.join(RUNS)}")
-    ap.add_argument("--out", default="runs/convergence")
-    ap.add_argument("--resume", action="store_true",
-                    help="continue each run from its latest checkpoint under --out/<run>/ckpt")
+    ap.add_argument("--runs", default="protocol",
+                    help=f"comma-separated; 'protocol' (the default): {','.join(PROTOCOL_RUNS)}"
+                         f"; 'all': {','.join(RUNS)}")
+    ap.add_argument("--seeds", type=_int_list, default=[0],
+                    help="comma-separated seeds (default 0): initial weights and batch order")
+    ap.add_argument("--out", default="runs/convergence",
+                    help="results: OUT/runs/<run>_s<seed>.json; --summarize writes "
+                         "OUT/results.json and the plots")
+    ap.add_argument("--ckpt-dir", default=None,
+                    help="checkpoints of unfinished runs (default OUT/ckpt)")
     ap.add_argument("--max-minutes", type=float, default=None,
                     help="checkpoint and exit before this many minutes since the start")
     ap.add_argument("--stop-after", type=int, default=None, metavar="STEPS",
-                    help="checkpoint and exit after this many steps of this process "
-                         "(as --max-minutes does; for testing --resume)")
+                    help="checkpoint each (run, seed) after this many steps of this process "
+                         "and go on to the next (as --max-minutes does; for testing)")
     ap.add_argument("--exit-code-unfinished", type=int, default=0,
-                    help="exit status when a run stopped before its last step (default 0)")
-    ap.add_argument("--plot-only", action="store_true",
-                    help="only (re)draw the plots from --out/results.json")
-    ap.add_argument("--no-plot", action="store_true",
-                    help="write results.json but no plots (e.g. for a process that a later "
-                         "one continues)")
+                    help="exit status when a requested run is not finished (default 0)")
+    ap.add_argument("--summarize", action="store_true",
+                    help="no training: OUT/results.json, the plots and the tables from "
+                         "OUT/runs/*.json")
+    ap.add_argument("--doc", default=None,
+                    help="with --summarize: write the tables and plot links into this "
+                         f"Markdown file, between its {DOC_BEGIN} and {DOC_END} lines")
+    ap.add_argument("--plot-seed", type=int, default=None,
+                    help="with --summarize: the seed fp8.png shows (default: the lowest "
+                         "with FP8 state)")
+    ap.add_argument("--no-plot", action="store_true", help="with --summarize: no plots")
     ap.add_argument("--attention", choices=["auto", "xla", "cudnn"], default="auto",
                     help="jax.nn.dot_product_attention implementation (auto: cudnn on a "
                          "GPU when it compiles, else xla); the same for every run")
     for field in dataclasses.fields(Config):
-        flag = "--" + {"seq": "seq"}.get(field.name, field.name).replace("_", "-")
-        ap.add_argument(flag, type=type(PRESETS["smoke"].__dict__[field.name]), default=None,
+        flag = "--" + field.name.replace("_", "-")
+        ap.add_argument(flag, type=type(getattr(PRESETS["smoke"], field.name)), default=None,
                         dest=field.name, help=f"override the preset's {field.name}")
     args = ap.parse_args(argv)
     cfg = dataclasses.replace(PRESETS[args.preset], **{
@@ -1057,10 +1350,21 @@ def parse_args(argv=None):
         if getattr(args, f.name) is not None})
     if cfg.d_model % cfg.heads:
         ap.error("--d-model must be divisible by --heads")
-    for name in ("eval_every", "probe_every", "ckpt_every", "log_every", "steps", "batch"):
+    for name in ("eval_every", "probe_every", "ckpt_every", "log_every", "steps", "batch",
+                 "record_every", "eval_batches"):
         if getattr(cfg, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    names = list(RUNS) if args.runs == "all" else [r for r in args.runs.split(",") if r]
+    if not 0 <= cfg.warmup < cfg.decay_end <= cfg.steps:
+        ap.error(f"need 0 <= --warmup < --decay-fraction * --steps <= --steps, got warmup "
+                 f"{cfg.warmup}, decay end {cfg.decay_end}, steps {cfg.steps}")
+    if not 0 < cfg.tail_fraction <= 1 or not 0 <= cfg.min_lr_ratio <= 1:
+        ap.error("--tail-fraction must be in (0, 1] and --min-lr-ratio in [0, 1]")
+    if args.runs == "protocol":
+        names = list(PROTOCOL_RUNS)
+    elif args.runs == "all":
+        names = list(RUNS)
+    else:
+        names = [r for r in args.runs.split(",") if r]
     unknown = [r for r in names if r not in RUNS]
     if unknown:
         ap.error(f"unknown runs {unknown}; choose from {list(RUNS)}")
@@ -1085,84 +1389,126 @@ def pick_attention(choice: str, cfg: Config) -> str:
         return "xla"
 
 
-def main(argv=None, started: float | None = None) -> dict:
-    """Trains the requested runs; returns the merged results.json contents.
+def run_summarize(args) -> dict:
+    out = pathlib.Path(args.out)
+    results = load_results(out)
+    summary = summarize(results)
+    write_json(out / "results.json", summary, indent=1)
+    log(f"wrote {out / 'results.json'} ({len(results)} finished runs)")
+    plots = [] if args.no_plot else plot_summary(summary, results, out, args.plot_seed)
+    for p in plots:
+        log(f"wrote {p}")
+    tables = markdown_tables(summary)
+    print(tables)
+    if args.doc:
+        doc = pathlib.Path(args.doc)
+        update_doc(doc, doc_block(summary, tables, out, plots, doc))
+        log(f"wrote the results into {doc}")
+    return summary
 
+
+def status_table(cfg: Config, names, seeds, status: dict) -> str:
+    """One line per requested (run, seed): finished (losses), stopped at a step, skipped."""
+    lines = [f"{'run':22s} {'seed':>4s}  status"]
+    for seed in seeds:
+        for name in names:
+            st = status.get((name, seed), "not started")
+            if isinstance(st, dict):
+                st = (f"finished: final val {st['final_val_loss']:.4f}, last-part mean "
+                      f"{st['tail_val_loss']:.4f}")
+            lines.append(f"{name:22s} {seed:>4d}  {st}")
+    return "\n".join(lines)
+
+
+def main(argv=None, started: float | None = None) -> dict:
+    """Trains the requested (run, seed)s that are not finished yet, or summarizes.
+
+    Returns {"finished": {run: {seed: result}}, "skipped": {run: why},
+    "unfinished": [[run, seed], ...]} (with --summarize: the results.json contents).
     started: time.monotonic() at which --max-minutes counts from (default: now).
     """
     started = time.monotonic() if started is None else started
     args, cfg = parse_args(argv)
+    if args.summarize:
+        return run_summarize(args)
     out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results_path = out / "results.json"
-    if args.plot_only:
-        results = load_results(results_path)
-        if results is None:
-            raise SystemExit(f"no {results_path}")
-        for p in plot_results(results, out):
-            log(f"wrote {p}")
-        print(summary_table(results))
-        return results
-
-    if not args.resume:
+    ckpt_root = pathlib.Path(args.ckpt_dir) if args.ckpt_dir else out / "ckpt"
+    status, finished, todo = {}, {}, []
+    for seed in args.seeds:
         for name in args.run_names:
-            ckpt = out / name / "ckpt"
-            if ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir()):
-                raise SystemExit(f"{ckpt} has checkpoints: pass --resume to continue the "
-                                 f"run, or use another --out")
-    deadline = Deadline(started, args.max_minutes)
-    data = ByteData(cfg)
-    attention = pick_attention(args.attention, cfg)
-    ref_model = GPT(cfg.d_model, cfg.layers, cfg.heads, cfg.seq, attention=attention)
-    sample = jnp.zeros((cfg.batch, cfg.seq), jnp.int32)
-    # The initial weights of every run: float32, one fixed key, created once.
-    params0 = jax.device_get(jax.jit(lambda k: ref_model.init(k, sample)["params"])(
-        jax.random.key(cfg.seed)))
-    n_params = count_params(params0)
-    flops = flops_per_token(cfg, n_params)
-    header = {
-        "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
-        "jax_version": jax.__version__, "flax_version": flax.__version__,
-        "preset": args.preset, "steps": cfg.steps, "params": n_params,
-        "tokens_per_step": cfg.batch * cfg.seq, "flops_per_token": flops,
-        "attention": attention, "config": cfg.comparable(), "data": data.describe(),
-        "tracked_tensors": [t[0] for t in tracked_tensors(cfg)],
-        "probed_layers": [p[0] for p in probed_layers(cfg)],
-    }
-    log(f"{header['device']} ({header['backend']}), {n_params / 1e6:.2f}M params, "
-        f"{header['tokens_per_step']:,} tokens/step, {flops['total'] / 1e6:.0f} MFLOP/token, "
-        f"data {data.files['train']}+{data.files['val']} files "
-        f"({data.train.size / 1e6:.1f}+{data.val.size / 1e6:.1f} MB), attention {attention}")
-
-    unfinished = False
-    results = None
-    for name in args.run_names:
-        if not deadline.allows(30.0):
-            log(f"[{name}] not started: --max-minutes leaves no time")
-            unfinished = True
-            continue
-        try:
-            run = Run(name, cfg, params0, attention)
-            record, finished = train_run(run, cfg, data, params0, out, args, deadline)
-        except Skip as e:
-            msg = (f"the library does not accept this recipe yet "
-                   f"({str(e).splitlines()[0][:300]})")
-            log(f"[{name}] skipped: {msg}")
-            results = merge_results(results_path, header, skipped={name: msg})
-            continue
-        unfinished |= not finished
-        results = merge_results(results_path, header, name, record)
-        del run
-    if results is None:
-        results = load_results(results_path) or {**header, "runs": {}}
-    if not args.no_plot:
-        for p in plot_results(results, out):
-            log(f"wrote {p}")
-    log(f"wrote {results_path}")
-    print(summary_table(results))
+            path = result_path(out, name, seed)
+            if path.exists():
+                got = json.loads(path.read_text())
+                if got["config"] != cfg.comparable():
+                    raise SystemExit(f"{path} was made with another configuration "
+                                     f"({got['config']}); use another --out")
+                finished.setdefault(name, {})[seed] = status[(name, seed)] = got
+                log(f"[{name} s{seed}] already finished: {path}")
+            else:
+                todo.append((seed, name))
+    skipped, unfinished = {}, []
+    if todo:
+        deadline = Deadline(started, args.max_minutes)
+        data = ByteData(cfg)
+        attention = pick_attention(args.attention, cfg)
+        ref_model = GPT(cfg.d_model, cfg.layers, cfg.heads, cfg.seq, attention=attention)
+        sample = jnp.zeros((cfg.batch, cfg.seq), jnp.int32)
+        init = jax.jit(lambda k: ref_model.init(k, sample)["params"])
+        params_of = functools.lru_cache(maxsize=1)(
+            lambda seed: jax.device_get(init(jax.random.key(seed))))
+        n_params = count_params(params_of(todo[0][0]))
+        header = {
+            "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+            "jax_version": jax.__version__, "flax_version": flax.__version__,
+            "jax_fp8_version": getattr(jax_fp8, "__version__", None),
+            "source_commit": source_commit(), "preset": args.preset, "params": n_params,
+            "tokens_per_step": cfg.batch * cfg.seq,
+            "flops_per_token": flops_per_token(cfg, n_params), "attention": attention,
+            "data": data.describe(), "tracked_tensors": [t[0] for t in tracked_tensors(cfg)],
+            "probed_layers": [p[0] for p in probed_layers(cfg)]}
+        log(f"{header['device']} ({header['backend']}), {n_params / 1e6:.2f}M params, "
+            f"{header['tokens_per_step']:,} tokens/step, "
+            f"{header['flops_per_token']['total'] / 1e6:.0f} MFLOP/token, data "
+            f"{data.files['train']}+{data.files['val']} files ({data.train.size / 1e6:.1f}+"
+            f"{data.val.size / 1e6:.1f} MB), attention {attention}; {len(todo)} runs to do")
+        runs: dict[str, Run] = {}
+        for seed, name in todo:
+            if name in skipped:
+                status[(name, seed)] = "skipped"
+                continue
+            if not deadline.allows(30.0):
+                log(f"[{name} s{seed}] not started: --max-minutes leaves no time")
+                unfinished.append([name, seed])
+                continue
+            params0 = params_of(seed)
+            try:
+                if name not in runs:
+                    runs[name] = Run(name, cfg, params0, attention)
+                ckpt_dir = ckpt_root / f"{name}_s{seed}"
+                record, done = train_run(runs[name], seed, cfg, data, params0, ckpt_dir,
+                                         args, deadline)
+            except Skip as e:
+                skipped[name] = (f"the library does not accept this recipe "
+                                 f"({str(e).splitlines()[0][:300]})")
+                log(f"[{name}] skipped: {skipped[name]}")
+                status[(name, seed)] = "skipped"
+                continue
+            if not done:
+                unfinished.append([name, seed])
+                status[(name, seed)] = f"stopped at step {record['steps_done']}/{cfg.steps}"
+                continue
+            result = result_of(record, cfg, header)
+            path = result_path(out, name, seed)
+            write_json(path, result)
+            shutil.rmtree(ckpt_dir, ignore_errors=True)
+            if ckpt_root.is_dir() and not any(ckpt_root.iterdir()):
+                ckpt_root.rmdir()
+            finished.setdefault(name, {})[seed] = status[(name, seed)] = result
+            log(f"[{name} s{seed}] wrote {path}")
+    print(status_table(cfg, args.run_names, args.seeds, status))
     if unfinished and args.exit_code_unfinished:
         sys.exit(args.exit_code_unfinished)
-    return results
+    return {"finished": finished, "skipped": skipped, "unfinished": unfinished}
 
 
 if __name__ == "__main__":

@@ -3,10 +3,12 @@
 * examples/train_fp8_lm.py (the FP8 char-LM demo) with --compare: metrics.json with
   train and validation losses of both runs and their gap, the plots, and nothing written
   outside --out (cwd, HOME and TMPDIR stay empty);
-* examples/convergence.py --preset smoke: two runs (bf16, jax_fp8_delayed) stopped after
-  2 of 4 steps, resumed from their orbax checkpoints, and results.json's schema; a recipe
-  the library refuses is skipped with a message (in-process); with --runslow, the resumed
-  run equals an uninterrupted one.
+* examples/convergence.py --preset smoke: two runs (bf16, jax_fp8_delayed) of seed 0
+  stopped after 2 of 4 steps, then seeds 0 and 1 (seed 0 resumed from its orbax
+  checkpoints), the per-(run, seed) result files, finished runs skipped, --summarize's
+  results.json, tables and doc block; the summary's statistics and the learning-rate
+  schedule (in-process); a recipe the library refuses is skipped with a message; with
+  --runslow, the resumed run equals an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -103,89 +105,147 @@ def _cached_env(tmp_path):
                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
-def _stop_and_resume(tmp_path, runs, out):
-    """Process 1 stops after 2 of 4 steps (as --max-minutes does); process 2 resumes."""
-    env, cwd = _cached_env(tmp_path), tmp_path / "cwd"
+CONV_RUNS = ["--runs", "bf16,jax_fp8_delayed"]
+
+
+def _conv(tmp_path, args, env=None):
+    cwd = tmp_path / "cwd"
     cwd.mkdir(exist_ok=True)
-    p = _run("convergence.py", COMMON + runs + ["--out", str(out), "--stop-after", "2",
-                                                "--exit-code-unfinished", "3", "--no-plot"],
-             cwd, env)
-    assert p.returncode == 3, p.stderr[-5000:]
-    first = json.loads((out / "results.json").read_text())
-    p2 = _run("convergence.py", COMMON + runs + ["--out", str(out), "--resume"], cwd, env)
-    assert p2.returncode == 0, p2.stderr[-5000:]
-    return first, p2
+    return _run("convergence.py", COMMON + args, cwd, env or _cached_env(tmp_path))
 
 
-def test_convergence_smoke_checkpoint_resume(tmp_path):
-    env, cwd = _cached_env(tmp_path), tmp_path / "cwd"
-    cwd.mkdir()
+def test_convergence_seeds_resume_summarize(tmp_path):
     out = tmp_path / "conv"
-    common, runs = COMMON, ["--runs", "bf16,jax_fp8_delayed"]
-
-    # 1. Stop after 2 steps (as --max-minutes does): checkpointed, unfinished (status 3).
-    p = _run("convergence.py", common + runs + ["--out", str(out), "--stop-after", "2",
-                                                "--exit-code-unfinished", "3", "--no-plot"],
-             cwd, env)
+    conv = _load("convergence.py")
+    # 1. Seed 0 stops after 2 of 4 steps (as --max-minutes does): checkpointed, no result
+    #    files, status 3.
+    p = _conv(tmp_path, CONV_RUNS + ["--seeds", "0", "--out", str(out), "--stop-after", "2",
+                                     "--exit-code-unfinished", "3"])
     assert p.returncode == 3, p.stderr[-5000:]
-    first = json.loads((out / "results.json").read_text())
+    assert not (out / "runs").exists()
     for name in ("bf16", "jax_fp8_delayed"):
-        r = first["runs"][name]
-        assert not r["complete"] and r["steps_done"] == 2 and len(r["train_loss"]) == 2
-        assert r["final_val_loss"] is None
-        assert (out / name / "ckpt" / "2").is_dir()
-    # Without --resume an existing checkpoint is an error, not overwritten.
-    p = _run("convergence.py", common + runs + ["--out", str(out)], cwd, env)
-    assert p.returncode != 0 and "--resume" in p.stderr
-
-    # 2. Resume: both runs continue from step 2 to the end.
-    p = _run("convergence.py", common + runs + ["--out", str(out), "--resume"], cwd, env)
+        assert (out / "ckpt" / f"{name}_s0" / "2").is_dir()
+        assert f"{name:22s}    0  stopped at step 2/4" in p.stdout, p.stdout
+    # 2. Seeds 0 and 1: seed 0 resumes from step 2, seed 1 starts; each run compiles once.
+    p = _conv(tmp_path, CONV_RUNS + ["--seeds", "0,1", "--out", str(out)])
     assert p.returncode == 0, p.stderr[-5000:]
-    assert "resumed from" in p.stderr
-    res = json.loads((out / "results.json").read_text())
-    assert res["steps"] == 4 and res["params"] > 0 and res["device"]
-    assert res["tokens_per_step"] == 4 * 64
-    assert res["data"]["files_train"] > 0 and res["data"]["files_val"] > 0
-    assert set(res["runs"]) == {"bf16", "jax_fp8_delayed"} and not res["skipped"]
-    for name in ("bf16", "jax_fp8_delayed"):
-        r = res["runs"][name]
-        assert r["complete"] and r["steps_done"] == 4
-        assert len(r["train_loss"]) == 4 and all(math.isfinite(v) for v in r["train_loss"])
-        assert r["val_steps"] == [0, 2, 4] and len(r["val_loss"]) == 3
-        assert r["final_val_loss"] == r["val_loss"][-1] and math.isfinite(r["final_val_loss"])
+    assert p.stderr.count("resumed from") == 2 and p.stderr.count("compiled the step") == 2
+    assert not (out / "ckpt").exists()          # removed once every run is finished
+    files = sorted(f.name for f in (out / "runs").iterdir())
+    assert files == ["bf16_s0.json", "bf16_s1.json", "jax_fp8_delayed_s0.json",
+                     "jax_fp8_delayed_s1.json"]
+    got = {(r["run"], r["seed"]): r for r in conv.load_results(out)}
+    for (name, seed), r in got.items():
+        assert r["steps"] == 4 and r["config"]["steps"] == 4 and r["device"]
+        assert [q["start_step"] for q in r["processes"]] == ([0, 2] if seed == 0 else [0])
+        cur = r["curves"]
+        assert cur["val_steps"] == [0, 2, 4] and cur["block_end"] == [2, 4]
+        assert math.isclose(r["final_val_loss"], cur["val_loss"][-1], rel_tol=1e-5)
+        # Last 20 % of 4 steps: after step 3, the evaluation at step 4 and train step 4.
+        assert r["tail_val_loss"] == r["final_val_loss"]
+        assert all(math.isfinite(v) for v in cur["train_loss"] + cur["grad_norm"])
+        assert r["e5m2_underflow"]["steps"] == [0, 2]
+        assert len(r["fp8_tracked"]) == (6 if name == "jax_fp8_delayed" else 0)
         assert r["tokens_per_s"] > 0
-        assert [q["start_step"] for q in r["processes"]] == [0, 2]
-        und = r["e5m2_underflow"]
-        assert und["steps"] == [0, 2] and len(und["layers"]) == 4
-        for series in und["layers"].values():
-            assert all(0 <= v <= 1 for v in series["current_scale"])
-            own = series["run_scale"]
-            if name == "bf16":
-                assert own == [None, None]
-            else:
-                assert all(0 <= v <= 1 for v in own)
-    fp8 = res["runs"]["jax_fp8_delayed"]
-    assert len(fp8["fp8_tracked"]) == 6
-    for series in fp8["fp8_tracked"].values():
-        assert len(series["amax"]) == len(series["scale"]) == 4
-        assert all(v > 0 for v in series["scale"])
+    # The seeds differ (weights and batches); the runs of one seed start alike.
+    assert got[("bf16", 0)]["curves"]["val_loss"][0] != got[("bf16", 1)]["curves"]["val_loss"][0]
+    # 3. Finished runs are skipped without training; another configuration is refused.
+    res = conv.main(COMMON + CONV_RUNS + ["--seeds", "1,0", "--out", str(out)])
+    assert res["unfinished"] == [] and set(res["finished"]["bf16"]) == {0, 1}
+    with pytest.raises(SystemExit, match="another configuration"):
+        conv.main(COMMON + CONV_RUNS + ["--out", str(out), "--lr", "1e-3"])
+    # 4. --summarize: results.json, the tables, the doc block, the plots.
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"intro\n{conv.DOC_BEGIN}\nold\n{conv.DOC_END}\nafter\n")
+    summary = conv.main(["--summarize", "--out", str(out), "--doc", str(doc)])
+    assert json.loads((out / "results.json").read_text()) == summary
+    fp8 = summary["runs"]["jax_fp8_delayed"]
+    for key in ("final_val_loss", "tail_val_loss"):
+        per_seed = {s: 100 * (got[("jax_fp8_delayed", s)][key] - got[("bf16", s)][key])
+                    / got[("bf16", s)][key] for s in (0, 1)}
+        st = fp8["vs_bf16_pct"][key]
+        assert st["n"] == 2 and st["per_seed"] == {str(s): v for s, v in per_seed.items()}
+        assert st["mean"] == pytest.approx((per_seed[0] + per_seed[1]) / 2, rel=1e-12)
+    text = doc.read_text()
+    assert text.startswith("intro\n" + conv.DOC_BEGIN) and text.endswith(conv.DOC_END + "\nafter\n")
+    assert "old" not in text and "| `jax_fp8_delayed` | 2 |" in text
     if HAS_MPL:
         assert (out / "loss.png").is_file() and (out / "fp8.png").is_file()
-    assert not list(cwd.iterdir()) and not list((tmp_path / "home").iterdir())
+        assert "![loss](conv/loss.png)" in text
+    assert not list((tmp_path / "cwd").iterdir()) and not list((tmp_path / "home").iterdir())
 
+
+def _result(conv, run, seed, final, tail, config=None):
+    cfg = config or conv.PRESETS["smoke"].comparable()
+    return {"run": run, "seed": seed, "config": cfg, "description": run, "recipe": None,
+            "final_val_loss": final, "tail_val_loss": tail, "tail_train_loss": tail + 0.5,
+            "tokens_per_s": 1000.0, "device": "cpu", "jax_version": "x", "attention": "xla",
+            "source_commit": "abc", "preset": "smoke", "params": 1, "tokens_per_step": 1,
+            "flops_per_token": {}, "data": {"python": "3", "files_train": 1},
+            "curves": {"val_steps": [0, 8], "val_loss": [5.0, final], "block_end": [8],
+                       "train_loss": [tail]}}
+
+
+def test_convergence_summary_statistics():
+    conv = _load("convergence.py")
+    res = [_result(conv, "bf16", 0, 2.0, 2.5), _result(conv, "bf16", 1, 4.0, 5.0),
+           _result(conv, "bf16", 2, 3.0, 3.0),
+           _result(conv, "jax_fp8_current", 0, 2.2, 2.5),
+           _result(conv, "jax_fp8_current", 1, 4.0, 4.0),
+           _result(conv, "jax_fp8_current", 5, 1.0, 1.0)]   # no bf16 of seed 5
+    s = conv.summarize(res)
+    assert list(s["runs"]) == ["bf16", "jax_fp8_current"]
+    bf = s["runs"]["bf16"]
+    assert bf["seeds"] == [0, 1, 2] and "vs_bf16_pct" not in bf
+    assert bf["final_val_loss"]["mean"] == 3.0 and bf["final_val_loss"]["std"] == 1.0
+    cur = s["runs"]["jax_fp8_current"]
+    assert cur["final_val_loss"]["n"] == 3
+    paired = cur["vs_bf16_pct"]["final_val_loss"]
+    assert paired["n"] == 2 and paired["per_seed"]["0"] == pytest.approx(10.0)
+    assert paired["per_seed"]["1"] == 0.0
+    assert paired["mean"] == pytest.approx(5.0) and paired["std"] == pytest.approx(50 ** 0.5)
+    tail = cur["vs_bf16_pct"]["tail_val_loss"]["per_seed"]
+    assert tail == {"0": 0.0, "1": pytest.approx(-20.0)}
+    table = conv.markdown_tables(s)
+    assert "| `jax_fp8_current` | 3 | 2.4000 ± 1.5100 |" in table
+    assert "+5.00 ± 7.07 % (n=2)" in table
+    one = conv.summarize([_result(conv, "bf16", 0, 2.0, 2.5)])["runs"]["bf16"]
+    assert one["final_val_loss"]["std"] is None and "| `bf16` | 1 | 2.0000 |" in \
+        conv.markdown_tables(conv.summarize([_result(conv, "bf16", 0, 2.0, 2.5)]))
+    other = dict(conv.PRESETS["smoke"].comparable(), steps=9)
+    with pytest.raises(SystemExit, match="another config"):
+        conv.summarize(res + [_result(conv, "bf16", 3, 1.0, 1.0, other)])
+    with pytest.raises(SystemExit, match="no finished runs"):
+        conv.summarize([])
+
+
+def test_convergence_learning_rate_schedule():
+    conv = _load("convergence.py")
+    cfg = conv.Config(d_model=8, layers=1, heads=1, seq=8, batch=1, steps=100, lr=1e-3,
+                      warmup=10, min_lr_ratio=0.01, decay_fraction=0.8)
+    lr = conv.learning_rate(cfg)
+    vals = [float(lr(t)) for t in range(101)]
+    assert cfg.decay_end == 80 and cfg.tail_start == 80
+    assert vals[0] == 0.0 and vals[10] == pytest.approx(1e-3)
+    assert all(a <= b for a, b in zip(vals[:10], vals[1:11]))            # warmup
+    assert all(a >= b for a, b in zip(vals[10:80], vals[11:81]))         # decay
+    assert vals[80:] == [pytest.approx(1e-5)] * 21                       # the floor
+    assert vals[45] == pytest.approx(1e-5 + (1e-3 - 1e-5) / 2)          # cosine midpoint
 
 
 @pytest.mark.slow
 def test_convergence_resumed_run_equals_uninterrupted(tmp_path):
-    _, p = _stop_and_resume(tmp_path, ["--runs", "jax_fp8_delayed"], tmp_path / "resumed")
-    cwd, env = tmp_path / "cwd", _cached_env(tmp_path)
-    p = _run("convergence.py", COMMON + ["--runs", "jax_fp8_delayed", "--no-plot", "--out",
-                                         str(tmp_path / "straight")], cwd, env)
+    args = ["--runs", "jax_fp8_delayed", "--record-every", "1"]
+    p = _conv(tmp_path, args + ["--out", str(tmp_path / "resumed"), "--stop-after", "2"])
     assert p.returncode == 0, p.stderr[-5000:]
-    a, b = (json.loads((tmp_path / d / "results.json").read_text())["runs"]["jax_fp8_delayed"]
+    for d in ("resumed", "straight"):
+        p = _conv(tmp_path, args + ["--out", str(tmp_path / d)])
+        assert p.returncode == 0, p.stderr[-5000:]
+    a, b = (json.loads((tmp_path / d / "runs" / "jax_fp8_delayed_s0.json").read_text())
             for d in ("straight", "resumed"))
     # Same batches, same initial weights, restored optimizer and FP8 state: bit for bit.
-    for key in ("train_loss", "val_loss", "grad_norm", "fp8_tracked", "e5m2_underflow"):
+    for key in ("curves", "fp8_tracked", "e5m2_underflow", "final_val_loss",
+                "tail_val_loss", "tail_train_loss"):
         assert a[key] == b[key], key
 
 
@@ -195,10 +255,12 @@ def test_convergence_skips_a_recipe_the_library_refuses(tmp_path, monkeypatch):
     monkeypatch.setitem(conv.RUNS, "missing", conv.RunSpec(
         "jax_fp8", "not in jax_fp8", conv._recipe("Float8NoSuchScaling")))
     monkeypatch.setitem(conv.RUNS, "refused", conv.RunSpec(
-        "jax_fp8", "not a recipe", lambda cfg: object()))
+        "jax_fp8", "not a recipe", lambda: object()))
     out = tmp_path / "out"
-    res = conv.main(COMMON + ["--runs", "missing,refused", "--out", str(out), "--no-plot"])
-    assert res["runs"] == {} and set(res["skipped"]) == {"missing", "refused"}
+    res = conv.main(COMMON + ["--runs", "missing,refused", "--seeds", "0,1", "--out",
+                              str(out)])
+    assert res["finished"] == {} and res["unfinished"] == []
+    assert set(res["skipped"]) == {"missing", "refused"}
     assert "Float8NoSuchScaling" in res["skipped"]["missing"]
     assert all("does not accept" in why for why in res["skipped"].values())
-    assert json.loads((out / "results.json").read_text())["skipped"] == res["skipped"]
+    assert not (out / "runs").exists()
