@@ -101,7 +101,7 @@ def test_nnx_fp8_state_checkpoint(tmp_path):
 
     @nnx.jit
     def step(net):
-        _, _, fg = fnnx.fp8_value_and_grad(lambda m: jnp.sum(m(x) ** 2))(net)
+        _, fg = fnnx.fp8_value_and_grad(lambda m: jnp.sum(m(x) ** 2))(net)
         fnnx.update_fp8(net, fg, RECIPE)
 
     step(net)

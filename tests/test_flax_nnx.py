@@ -51,14 +51,18 @@ def test_layers_hold_fp8_state_variables():
     np.testing.assert_allclose(out, want + net.l1.bias[...], rtol=1e-6, atol=1e-6)
 
 
+def _split(grads):
+    fp8_grads, param_grads = nnx.split_state(grads, fnnx.Fp8State, ...)
+    return param_grads, fp8_grads
+
+
 def _step_fn(recipe):
     def step(model, optimizer, x, y):
         def loss_fn(m):
             return jnp.mean((m(x) - y) ** 2)
-        loss, grads, fp8_grads = fnnx.fp8_value_and_grad(loss_fn)(model)
-        optimizer.update(model, grads)                 # params only
-        fnnx.update_fp8(model, fp8_grads, recipe)      # one fused update_states
-        return loss, grads, fp8_grads
+        loss, grads = fnnx.fp8_value_and_grad(loss_fn)(model)
+        fnnx.apply_gradients(model, optimizer, grads, recipe)  # one fused update_states
+        return (loss, *_split(grads))
     return step
 
 
@@ -109,7 +113,7 @@ def test_reused_layer_combines_by_max():
 
     @nnx.jit
     def fp8_grads(model):
-        return fnnx.fp8_value_and_grad(lambda m: jnp.sum(m(x)))(model)[2]
+        return _split(fnnx.fp8_value_and_grad(lambda m: jnp.sum(m(x)))(model)[1])[1]
 
     got = jax_fp8.amax_cotangents(fp8_grads(Net(nnx.Rngs(0), reuse=3)))
     per_use = jax_fp8.amax_cotangents(fp8_grads(Unrolled(Net(nnx.Rngs(0), reuse=3))))

@@ -18,7 +18,8 @@ from jax_fp8.state import ScalingState
 from jax_fp8.update import amax_and_scale_update, reduce_amaxes, update_states
 from jax_fp8.quantization import compute_amax, dequantize, quantize
 from jax_fp8.blockwise import quantize_blocks, scale_from_amax
-from jax_fp8.meta import Fp8Meta, amax_cotangents, combine_fp8_grads, new_fp8_state
+from jax_fp8.meta import (Fp8Meta, amax_cotangents, check_fp8_updated, combine_fp8_grads,
+                          frozen_scales, new_fp8_state)
 from jax_fp8.dot_general import fp8_dot_general
 from jax_fp8.einsum import fp8_einsum
 from jax_fp8.packing import PackedStates, pack_states, unpack_states
@@ -37,6 +38,7 @@ __all__ = [
     "ScalingState",
     "amax_and_scale_update",
     "amax_cotangents",
+    "check_fp8_updated",
     "combine_fp8_grads",
     "compute_amax",
     "dequantize",
@@ -44,6 +46,7 @@ __all__ = [
     "fp8_dot_general",
     "fp8_einsum",
     "fp8_max",
+    "frozen_scales",
     "new_fp8_state",
     "pack_states",
     "quantize",

@@ -243,5 +243,5 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, meta: Fp8Meta, precision=None,
         return out.astype(out_dtype), meta
     if meta.stateless:  # current / blockwise: scales from the operands themselves
         return scaled_dot_general(lhs, rhs, dn, meta.recipe, out_dtype), meta
-    meta_lib.claim(meta, "fp8_dot_general")
+    meta_lib.claim(meta, "fp8_dot_general", (lhs, rhs))
     return _fp8_dot(lhs, rhs, meta, dn, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))

@@ -15,18 +15,25 @@ Amaxes combine by max, never by sum (``docs/semantics.md``, "Several uses of one
   thread for you. Passing one meta value to two uses is an error at trace time;
 * under ``jax.vmap`` with one shared (unbatched) meta, the amax is the max over the batch;
 * microbatches: combine their FP8 gradients with `combine_fp8_grads` (max), not ``+``.
+
+A delayed-scaling GEMM differentiated w.r.t. its operands but not its meta would drop the
+amaxes, and its scales would never change: that is an error at trace time (`claim`),
+unless the scales are frozen on purpose (`frozen_scales`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
+import threading
 import weakref
 
 import jax
 import jax.export  # noqa: F401  (register_pytree_node_serialization)
 import jax.numpy as jnp
+import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from jax_fp8 import recipe as recipe_lib
@@ -35,7 +42,8 @@ from jax_fp8._primitives import amax as amax_lib
 from jax_fp8.state import ScalingState, is_state
 from jax_fp8.update import update_states
 
-__all__ = ["Fp8Meta", "amax_cotangents", "combine_fp8_grads", "new_fp8_state"]
+__all__ = ["Fp8Meta", "amax_cotangents", "check_fp8_updated", "combine_fp8_grads",
+           "frozen_scales", "new_fp8_state", "scales_frozen"]
 
 try:  # the trace a value belongs to (jax >= 0.4.36 stackless tracing); no public API
     from jax._src import core as _jax_core
@@ -172,19 +180,76 @@ _LOOP = ("{op}: this Fp8Meta is differentiated but closed over by a `{loop}` bod
          "{{'fp8_meta': 0}}, or variable_carry='fp8_meta').")
 
 
-def claim(meta, op: str) -> None:
-    """Trace-time check that a differentiated `meta` is used once.
+_DROPPED = ("{op}: its operands are being differentiated but its delayed-scaling Fp8Meta "
+            "is not, so the amaxes it observes would be dropped and its scales would never "
+            "change. Differentiate the FP8 state too: jax.value_and_grad(loss_fn, "
+            "argnums=(0, 1))(params, fp8) and jax_fp8.new_fp8_state(fp8, fp8_grads, recipe); "
+            "with Flax, state.value_and_grad(loss_fn)(...) (linen Fp8TrainState) or "
+            "jax_fp8.flax.nnx.fp8_value_and_grad(loss_fn)(model, ...) (NNX). To keep the "
+            "scales frozen on purpose (e.g. gradients w.r.t. the inputs only), trace under "
+            "`with jax_fp8.frozen_scales():`.")
 
-    A second use of the same meta value, or a meta closed over by a loop body, would make
-    JAX sum the amax cotangents; both raise ValueError when the meta is being
-    differentiated (its leaves are tracers of ``grad``/``vjp``/``jvp``). Metas that are not
-    differentiated (inference) may be reused freely: their cotangents are never formed.
-    (Inside a function that is jitted and only then differentiated, as
-    ``jax.grad(jax.jit(f))``, the check cannot see the differentiation.)
+_frozen = threading.local()
+
+
+@contextlib.contextmanager
+def frozen_scales():
+    """Context in which delayed-scaling GEMMs may be differentiated with their scales frozen.
+
+    Outside it, differentiating a delayed-scaling `fp8_dot_general` / `fp8_einsum` w.r.t.
+    its operands while its `Fp8Meta` is not differentiated raises ValueError at trace time
+    (the amaxes would be dropped). Inside it, such a GEMM uses its current scales, reports
+    nothing, and `Fp8TrainState.apply_gradients` / NNX `apply_gradients` accept gradients
+    without FP8 gradients and leave the FP8 state as it is. The context acts when the
+    function is traced (a jitted function already traced outside it is not re-traced).
+
+    Example (a saliency map of a trained model)::
+
+        with jax_fp8.frozen_scales():
+            dx = jax.grad(lambda x: jnp.sum(model.apply(variables, x)))(x)
     """
+    _frozen.depth = getattr(_frozen, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _frozen.depth -= 1
+
+
+def scales_frozen() -> bool:
+    """True inside `frozen_scales` (in this thread)."""
+    return getattr(_frozen, "depth", 0) > 0
+
+
+def _ad_trace(x):
+    """The differentiation (JVP / linearize) trace `x` is a tracer of, else None."""
+    trace = getattr(x, "_trace", None) if isinstance(x, jax.core.Tracer) else None
+    return trace if type(trace).__name__ in _AD_TRACES else None
+
+
+def claim(meta, op: str, operands=()) -> None:
+    """Trace-time checks of a delayed-scaling `meta` given to an FP8 op with ``operands``.
+
+    * A differentiated meta (its leaves are tracers of ``grad``/``vjp``/``jvp``) must be
+      used once: a second use of the same meta value, or a meta closed over by a loop
+      body, would make JAX sum the amax cotangents; both raise ValueError. Metas that are
+      not differentiated (inference) may be reused freely.
+    * An operand differentiated at a level where the meta is not raises ValueError (the
+      amaxes would be dropped: the scales would never change), except inside
+      `frozen_scales`.
+
+    What the checks cannot see: differentiation applied to a function that was traced
+    before it (``jax.grad(jax.jit(f))``, ``jax.grad`` of a ``jax.checkpoint`` /
+    ``nn.remat`` function), and FP8 ops inside a ``lax.scan`` / ``nn.scan`` / ``nnx.scan``
+    or ``vmap`` body, whose values are the body's own tracers. There,
+    ``Fp8TrainState.apply_gradients`` (which refuses to drop FP8 gradients) and
+    `jax_fp8.flax.nnx.check_fp8_updated` remain.
+    """
+    if not scales_frozen():
+        meta_traces = {id(t) for t in map(_ad_trace, jax.tree.leaves(meta)) if t is not None}
+        if any(t is not None and id(t) not in meta_traces for t in map(_ad_trace, operands)):
+            raise ValueError(_DROPPED.format(op=op))
     for leaf in jax.tree.leaves(meta):
-        if not isinstance(leaf, jax.core.Tracer) or \
-                type(getattr(leaf, "_trace", None)).__name__ not in _AD_TRACES:
+        if _ad_trace(leaf) is None:
             continue
         chain = _chain(leaf) or []
         loop = next((_traced_for(t) for t in chain if _traced_for(t) in _LOOPS), None)
@@ -208,8 +273,8 @@ def amax_cotangents(fp8_grads):
     return jax.tree.map(lambda g: g.amax_history[..., 0], fp8_grads, is_leaf=is_state)
 
 
-def new_fp8_state(fp8_states, fp8_grads, recipe: recipe_lib.DelayedScaling | None = None,
-                  *, axis_name=None, implementation: str = "auto"):
+def new_fp8_state(fp8_states, fp8_grads, recipe=None, *, axis_name=None,
+                  implementation: str = "auto"):
     """The step's new FP8 state: ONE `update_states` call for every state of the model.
 
     Args:
@@ -217,20 +282,44 @@ def new_fp8_state(fp8_states, fp8_grads, recipe: recipe_lib.DelayedScaling | Non
         `PackedStates`).
       fp8_grads: the gradient of the loss w.r.t. ``fp8_states`` (same structure); the
         staging slot ``amax_history[..., 0]`` of each holds the amax observed this step.
-      recipe: the DelayedScaling recipe (margin, algorithm, ...). When given, every
-        state's FP8 dtype must be the one the recipe gives it (checked at trace time).
+      recipe: the recipe the states were made by (default ``DelayedScaling()``); every
+        state's history length and FP8 dtype must be the ones it gives them, else
+        ValueError (checked at trace time). A current or blockwise recipe keeps no state:
+        ``fp8_states`` must then hold none, and is returned as is.
       axis_name: inside ``shard_map`` / ``pmap``, the axis (or axes) whose devices'
         amaxes are combined, with one ``pmax`` for all of them (see ``update_states``).
 
     Returns:
       ``fp8_states`` updated (same structure).
     """
-    if recipe is None:
-        recipe = recipe_lib.DelayedScaling()
-    else:
-        state_lib.check_states_follow(recipe, fp8_states, "fp8_states")
+    recipe = recipe_lib.DelayedScaling() if recipe is None else recipe
+    state_lib.check_states_follow(recipe, fp8_states, "fp8_states")
+    if not isinstance(recipe, recipe_lib.DelayedScaling):
+        return fp8_states
     return update_states(fp8_states, amax_cotangents(fp8_grads), recipe=recipe,
                          axis_name=axis_name, implementation=implementation)
+
+
+def check_fp8_updated(fp8_states, name: str = "fp8_states") -> None:
+    """Raises ValueError when ``fp8_states`` holds delayed-scaling states and every one of
+    them is still as created (an all-zero amax history and scale 1).
+
+    Call it on concrete values (outside ``jit``) after a few training steps: a loop that
+    never passes the FP8 gradients to the update leaves the states so, and trains with
+    unit scales. ``fp8_states``: any pytree of ScalingStates (an Fp8TrainState's ``fp8``,
+    a `PackedStates`, a Flax collection; NNX: `jax_fp8.flax.nnx.check_fp8_updated`).
+    """
+    states = [s for s in jax.tree.leaves(fp8_states, is_leaf=is_state) if is_state(s)]
+    if states and all(not np.any(np.asarray(s.amax_history)) and
+                      np.all(np.asarray(s.scale) == 1) for s in states):
+        raise ValueError(
+            f"{name}: none of its {len(state_lib.states_info(fp8_states))} delayed-scaling "
+            "states was ever updated (zero amax histories, scale 1): the training loop does "
+            "not pass the FP8 gradients to the update, and trains with unit scales. Linen: "
+            "`loss, grads = state.value_and_grad(loss_fn)(...)` and "
+            "`state.apply_gradients(grads=grads)`; NNX: `loss, grads = "
+            "jax_fp8.flax.nnx.fp8_value_and_grad(loss_fn)(model, ...)` and "
+            "`jax_fp8.flax.nnx.apply_gradients(model, optimizer, grads)`.")
 
 
 def combine_fp8_grads(*fp8_grads):

@@ -11,9 +11,10 @@ Usage::
         def loss_fn(params, fp8):
             logits = state.apply_model(params, fp8, x)
             return xent(logits, y)
-        loss, (grads, fp8_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
-            state.params, state.fp8)
-        return state.apply_gradients(grads=grads, fp8_grads=fp8_grads), loss
+        loss, grads = state.value_and_grad(loss_fn)()   # {"params": ..., "fp8_meta": ...}
+        return state.apply_gradients(grads=grads), loss
+
+    logits = state.apply_model(state.params, state.fp8, x)      # evaluation
 
 The FP8 state lives in its own variable collection ("fp8_meta"), one ``ScalingState``
 per tensor (``input``, ``kernel``, ``grad``) under each FP8 module. The optimizer only
@@ -24,7 +25,16 @@ Several uses of one module per step: each call consumes the meta the previous ca
 returned (written back to the variables when the collection is mutable, else kept for
 the rest of the ``apply``), so the amaxes of all calls combine by max (``jax_fp8.meta``).
 Under ``nn.scan`` give the collection ``variable_axes={"fp8_meta": 0}`` (a state per
-layer), or ``variable_carry="fp8_meta"`` for one module reused by every iteration.
+layer), or ``variable_carry="fp8_meta"`` for one module reused by every iteration; a
+layer that the collection does not reach (a lifted transform not given it, or
+``model.apply`` without it) raises ValueError naming the line to add.
+
+A loop cannot skip the FP8 update silently: `Fp8TrainState.apply_gradients` refuses
+parameter gradients alone while the state holds delayed-scaling states, and
+differentiating the layers w.r.t. the parameters but not the FP8 collection raises at
+trace time (`jax_fp8.meta.claim`); `jax_fp8.frozen_scales` opts out of both. Under
+``optax.MultiSteps`` the amaxes of the microbatches are combined by max and the FP8
+state is updated once per optimizer step.
 
 One recipe: the layers create their states from their ``recipe`` (default
 ``DelayedScaling()``) and `Fp8TrainState` updates them with its own; the two must agree
@@ -33,31 +43,64 @@ One recipe: the layers create their states from their ``recipe`` (default
 
 from __future__ import annotations
 
+import functools
 import weakref
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 from flax import struct
 from flax.training import train_state
 
 from jax_fp8 import recipe as recipe_lib
+from jax_fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 from jax_fp8 import state as state_lib
 from jax_fp8.dot_general import fp8_dot_general
 from jax_fp8.einsum import fp8_einsum
-from jax_fp8.meta import Fp8Meta, new_fp8_state
+from jax_fp8.meta import Fp8Meta, amax_cotangents, new_fp8_state, scales_frozen
 from jax_fp8.packing import PackedStates, pack_states, unpack_states
 from jax_fp8.state import ScalingState
+from jax_fp8.update import update_states
 
 FP8_COLLECTION = "fp8_meta"
 _NAMES = ("input", "kernel", "grad")
+
+
+_MISSING = ("{op} at {where}: {why} Flax would raise ScopeCollectionNotFound. {fix}")
+_NOT_PASSED = ("the variables given to apply hold no state of this layer in the collection "
+               "{c!r} (the FP8 scaling states, made by init).")
+_APPLY_FIX = ("Pass it: model.apply({{'params': params, {c!r}: variables[{c!r}]}}, x), or "
+              "with an Fp8TrainState, state.apply_model(state.params, state.fp8, x) (for "
+              "evaluation too).")
+_NOT_LIFTED = ("the collection {c!r} does not reach this layer inside `{t}`: a lifted "
+               "transform passes only the collections it is given.")
+_LIFT_FIX = ("Add it, e.g. nn.scan(..., variable_axes={{'params': 0, {c!r}: 0}}) (a state "
+             "per layer), nn.scan(..., variable_carry={c!r}) (one module reused by every "
+             "iteration) or nn.vmap(..., variable_axes={{'params': None, {c!r}: None}}).")
+
+
+def _check_collection_reaches(module: nn.Module, collection: str, op: str) -> None:
+    if module.has_variable(collection, _NAMES[0]) or \
+            module.is_mutable_collection(collection):
+        return
+    where = module.scope.path_text if module.scope is not None else "?"
+    lifted = [p.split("(")[0] for p in getattr(module.scope, "debug_path", ()) if "(" in p]
+    if lifted:
+        why, fix = _NOT_LIFTED.format(c=collection, t=lifted[-1]), _LIFT_FIX
+    else:
+        why, fix = _NOT_PASSED.format(c=collection), _APPLY_FIX
+    raise ValueError(_MISSING.format(op=op, where=where, why=why,
+                                     fix=fix.format(c=collection)))
 
 
 def _meta_variables(module: nn.Module, recipe, collection):
     recipe_lib.check_recipe(recipe, "recipe")
     if not isinstance(recipe, recipe_lib.DelayedScaling):
         return None  # current / blockwise scaling: no state
+    _check_collection_reaches(module, collection, type(module).__name__)
     fwd, bwd = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
     dtypes = {"input": fwd, "kernel": fwd, "grad": bwd}
     return [module.variable(collection, name, ScalingState.create, (), recipe.history_len,
@@ -114,15 +157,20 @@ class Fp8DotGeneral(nn.Module):
         nn.Dense(1024, dot_general_cls=dg)
     """
 
-    recipe: recipe_lib.DelayedScaling | recipe_lib.Float8CurrentScaling | \
-        recipe_lib.Float8BlockScaling = recipe_lib.DelayedScaling()
+    recipe: DelayedScaling | Float8CurrentScaling | Float8BlockScaling = DelayedScaling()
     collection: str = FP8_COLLECTION
     min_fp8_flops: float = 0
 
     @nn.compact
-    def __call__(self, lhs, rhs, dimension_numbers, precision=None,
+    def __call__(self, lhs=None, rhs=None, dimension_numbers=None, precision=None,
                  preferred_element_type=None, **kwargs):
         del kwargs  # e.g. out_sharding
+        if lhs is None:  # nn.Dense calls dot_general_cls() to make the dot_general
+            raise TypeError(
+                "Fp8DotGeneral was given as an instance where a class is taken: use "
+                "nn.Dense(..., dot_general_cls=Fp8DotGeneral) or dot_general_cls="
+                "functools.partial(Fp8DotGeneral, recipe=...); an instance goes in "
+                "nn.Dense(..., dot_general=Fp8DotGeneral(...))")
         vs = _meta_variables(self, self.recipe, self.collection)
         used = _read(vs, self.recipe)
         out, meta = fp8_dot_general(lhs, rhs, dimension_numbers, used, precision,
@@ -135,8 +183,7 @@ class Fp8Einsum(nn.Module):
     """Two-operand FP8 einsum: ``Fp8Einsum()("bsd,dh->bsh", x, kernel)``; rhs is the kernel.
     Attributes as `Fp8DotGeneral`'s."""
 
-    recipe: recipe_lib.DelayedScaling | recipe_lib.Float8CurrentScaling | \
-        recipe_lib.Float8BlockScaling = recipe_lib.DelayedScaling()
+    recipe: DelayedScaling | Float8CurrentScaling | Float8BlockScaling = DelayedScaling()
     collection: str = FP8_COLLECTION
     min_fp8_flops: float = 0
 
@@ -159,38 +206,65 @@ def split_fp8(variables, collection: str = FP8_COLLECTION):
     return variables, fp8
 
 
+def _multi_steps(opt_state):
+    """The ``optax.MultiStepsState`` inside ``opt_state``, or None."""
+    found = [x for x in jax.tree.leaves(
+        opt_state, is_leaf=lambda x: isinstance(x, optax.MultiStepsState))
+        if isinstance(x, optax.MultiStepsState)]
+    if len(found) > 1:
+        raise ValueError("Fp8TrainState: the optimizer holds several optax.MultiSteps; the "
+                         "FP8 state can follow one accumulation only")
+    return found[0] if found else None
+
+
+def _zero_amaxes(fp8):
+    return jax.tree.map(jnp.zeros_like, amax_cotangents(fp8))
+
+
+def _is_combined(grads, params, collection) -> bool:
+    """True for the gradient of `fp8_value_and_grad`: {"params": ..., collection: ...}."""
+    return (isinstance(grads, Mapping) and set(grads) == {"params", collection}
+            and jax.tree.structure(grads["params"]) == jax.tree.structure(params))
+
+
 class Fp8TrainState(train_state.TrainState):
     """``flax.training.train_state.TrainState`` plus the FP8 state, outside the optimizer.
 
     ``params`` and ``opt_state`` are exactly those of a plain TrainState (the FP8
     collection never reaches optax: no Adam moments, clipping or weight decay for it).
     ``fp8`` holds the FP8 collection; `apply_gradients` replaces it with one fused
-    ``update_states`` call driven by ``fp8_grads``.
+    ``update_states`` call driven by the FP8 gradients. Under ``optax.MultiSteps``,
+    ``fp8_pending`` holds the max of the amaxes seen since the last optimizer step.
     """
 
     fp8: Any = None
     # {FP8 dtype name: number of states}: in the tree (and so in every checkpoint), so a
     # restore into a state of another FP8 format fails on the keys instead of relabelling.
     fp8_formats: Any = None
-    recipe: recipe_lib.DelayedScaling = struct.field(pytree_node=False,
-                                                     default=recipe_lib.DelayedScaling())
+    fp8_pending: Any = None
+    recipe: DelayedScaling | Float8CurrentScaling | Float8BlockScaling = struct.field(
+        pytree_node=False, default=DelayedScaling())
     fp8_collection: str = struct.field(pytree_node=False, default=FP8_COLLECTION)
 
     @classmethod
     def create(cls, *, apply_fn, tx, variables=None, params=None, fp8=None,
-               recipe: recipe_lib.DelayedScaling | None = None,
-               fp8_collection: str = FP8_COLLECTION, pack_fp8: bool = True, **kwargs):
+               recipe=None, fp8_collection: str = FP8_COLLECTION, pack_fp8: bool = True,
+               **kwargs):
         """From ``variables`` (as returned by ``model.init``), or ``params`` and ``fp8``.
 
-        recipe: the DelayedScaling recipe of the update (default ``DelayedScaling()``).
-          Every FP8 state must have been created by the same recipe (history length and
-          FP8 dtypes; the layers' ``recipe`` attribute): a mismatch raises ValueError.
+        recipe: the recipe the FP8 states were made by (default ``DelayedScaling()``):
+          every FP8 state must follow it (history length and FP8 dtypes; the layers'
+          ``recipe`` attribute), else ValueError. A current or blockwise recipe keeps no
+          state: the FP8 collection must then be empty.
         pack_fp8: keep the FP8 collection packed into one stacked state per (FP8 dtype,
           history length) (`jax_fp8.pack_states`, the default): the step then takes 3
           arrays per group instead of 3 per FP8 tensor, which cuts JAX's per-argument
           host cost, the fused update runs on stacked states, and a checkpoint records
           each group's FP8 dtype. The layers still see their own states. False keeps the
           collection as the model made it.
+
+        With ``tx`` an ``optax.MultiSteps`` (alone or inside a chain), the FP8 state is
+        updated once per optimizer step from the max of its microbatches' amaxes.
         """
         if variables is not None:
             if params is not None or fp8 is not None:
@@ -211,9 +285,12 @@ class Fp8TrainState(train_state.TrainState):
         formats = {name: jnp.int32(n) for name, n in sorted(counts.items())}
         if pack_fp8 and not isinstance(fp8, PackedStates):
             fp8 = pack_states(fp8)
-        return super().create(apply_fn=apply_fn, params=params, tx=tx, fp8=fp8,
-                              fp8_formats=formats, recipe=recipe,
-                              fp8_collection=fp8_collection, **kwargs)
+        new = super().create(apply_fn=apply_fn, params=params, tx=tx, fp8=fp8,
+                             fp8_formats=formats, recipe=recipe,
+                             fp8_collection=fp8_collection, **kwargs)
+        if counts and _multi_steps(new.opt_state) is not None:
+            new = new.replace(fp8_pending=_zero_amaxes(fp8))
+        return new
 
     def variables(self, params=None, fp8=None) -> dict:
         """The model's variables; a packed FP8 state is handed to the layers unpacked."""
@@ -224,7 +301,9 @@ class Fp8TrainState(train_state.TrainState):
     def apply_model(self, params, fp8, *args, mutable=(), **kwargs):
         """``apply_fn`` with the FP8 collection mutable (so reused modules thread their state).
 
-        Returns the output; with extra ``mutable`` collections, (output, their updates).
+        For training (inside the loss) and evaluation alike:
+        ``state.apply_model(state.params, state.fp8, x)``. Returns the output; with extra
+        ``mutable`` collections, (output, their updates).
         """
         extra = [mutable] if isinstance(mutable, str) else list(mutable)
         out, updates = self.apply_fn(self.variables(params, fp8), *args,
@@ -235,14 +314,76 @@ class Fp8TrainState(train_state.TrainState):
             return out, updates
         return out
 
+    def value_and_grad(self, loss_fn: Callable, has_aux: bool = False):
+        """``loss_fn(params, fp8, *args)`` -> f(*args) = ``(loss[, aux]), grads``.
+
+        The gradient is w.r.t. ``self.params`` and ``self.fp8``: ``grads`` is
+        ``{"params": ..., fp8_collection: ...}``, what `apply_gradients` takes as
+        ``grads=``. Inside ``loss_fn`` apply the model with
+        ``self.apply_model(params, fp8, ...)``.
+        """
+        vg = fp8_value_and_grad(loss_fn, has_aux, collection=self.fp8_collection)
+        return functools.partial(vg, self.params, self.fp8)
+
     def apply_gradients(self, *, grads, fp8_grads=None, **kwargs):
-        """The optimizer step on ``params``, and the FP8 state from ONE ``update_states``."""
+        """The optimizer step on ``params``, and the FP8 state from ONE ``update_states``.
+
+        Args:
+          grads: ``{"params": ..., fp8_collection: ...}`` as `value_and_grad` returns
+            them, or the gradient w.r.t. ``params`` alone with ``fp8_grads``.
+          fp8_grads: the gradient w.r.t. ``fp8`` (same structure as ``self.fp8``).
+
+        Raises:
+          ValueError: the state holds delayed-scaling states and no FP8 gradient was
+            given (their scales would never change), unless inside
+            `jax_fp8.frozen_scales`, where the FP8 state is kept as it is.
+
+        Under ``optax.MultiSteps`` the FP8 gradients' amaxes are combined by max into
+        ``fp8_pending`` and the FP8 state is updated only when the optimizer applies.
+        """
+        if fp8_grads is None and _is_combined(grads, self.params, self.fp8_collection):
+            grads, fp8_grads = grads["params"], grads[self.fp8_collection]
         new = super().apply_gradients(grads=grads, **kwargs)
-        if fp8_grads is None or not isinstance(self.recipe, recipe_lib.DelayedScaling):
-            return new
-        return new.replace(fp8=new_fp8_state(self.fp8, fp8_grads, self.recipe))
+        if not state_lib.states_info(self.fp8):
+            return new  # no delayed-scaling state: nothing to update
+        if fp8_grads is None:
+            if scales_frozen():
+                return new
+            raise ValueError(
+                f"Fp8TrainState.apply_gradients: no FP8 gradients, but the state holds "
+                f"{len(state_lib.states_info(self.fp8))} delayed-scaling states, whose "
+                f"scales would never change. Pass grads={{'params': ..., "
+                f"{self.fp8_collection!r}: ...}} as `loss, grads = state.value_and_grad("
+                f"loss_fn)(...)` returns them, or fp8_grads= (the gradient w.r.t. "
+                f"state.fp8: jax.value_and_grad(loss_fn, argnums=(0, 1))(state.params, "
+                f"state.fp8)). To keep the scales frozen on purpose, call it inside "
+                f"`with jax_fp8.frozen_scales():`.")
+        if self.fp8_pending is None:
+            return new.replace(fp8=new_fp8_state(self.fp8, fp8_grads, self.recipe))
+        state_lib.check_states_follow(self.recipe, self.fp8, "fp8")
+        pending = jax.tree.map(jnp.fmax, self.fp8_pending, amax_cotangents(fp8_grads))
+        applied = _multi_steps(new.opt_state).gradient_step != \
+            _multi_steps(self.opt_state).gradient_step
+        fp8 = jax.lax.cond(
+            applied, lambda: update_states(self.fp8, pending, recipe=self.recipe),
+            lambda: self.fp8)
+        pending = jax.tree.map(lambda p: jnp.where(applied, jnp.zeros_like(p), p), pending)
+        return new.replace(fp8=fp8, fp8_pending=pending)
 
 
-def fp8_value_and_grad(loss_fn: Callable, has_aux: bool = False):
-    """``loss_fn(params, fp8, *args)`` -> f returning ``(loss[, aux]), (grads, fp8_grads)``."""
-    return jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=has_aux)
+def fp8_value_and_grad(loss_fn: Callable, has_aux: bool = False,
+                       collection: str = FP8_COLLECTION):
+    """``loss_fn(params, fp8, *args)`` -> f(params, fp8, *args) = ``(loss[, aux]), grads``.
+
+    ``grads`` is ``{"params": <gradient w.r.t. params>, collection: <w.r.t. fp8>}``, what
+    `Fp8TrainState.apply_gradients` takes as ``grads=`` (`Fp8TrainState.value_and_grad`
+    binds ``params`` and ``fp8`` to the state's). NNX's
+    `jax_fp8.flax.nnx.fp8_value_and_grad` returns the same ``(loss[, aux]), grads``.
+    """
+    vg = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=has_aux)
+
+    def f(params, fp8, *args, **kwargs):
+        value, (grads, fp8_grads) = vg(params, fp8, *args, **kwargs)
+        return value, {"params": grads, collection: fp8_grads}
+
+    return f

@@ -8,24 +8,36 @@ Usage::
 
     @nnx.jit
     def train_step(model, optimizer, x, y):
-        loss, grads, fp8_grads = fp8_value_and_grad(loss_fn)(model, x, y)
-        optimizer.update(model, grads)            # params only
-        update_fp8(model, fp8_grads, recipe)      # ONE update_states for the whole model
+        loss, grads = fp8_value_and_grad(loss_fn)(model, x, y)   # params and Fp8States
+        apply_gradients(model, optimizer, grads, recipe)  # optimizer + ONE update_states
         return loss
 
 Every FP8 tensor's state is an `Fp8State` variable (an ``nnx.Variable`` subtype) holding a
 `ScalingState`; ``nnx.Optimizer(..., wrt=nnx.Param)`` never touches it. A module called
 several times per step threads its state (it writes the meta it got back to its
 variables), so the amaxes of all calls combine by max (see `jax_fp8.meta`).
+
+A loop cannot skip the FP8 update silently: ``nnx.value_and_grad(loss_fn)(model)`` (params
+only) over delayed-scaling layers raises at trace time, `apply_gradients` refuses
+gradients without the FP8 ones, and `check_fp8_updated` tells a model whose states were
+never updated (``jax_fp8.frozen_scales`` opts out on purpose).
+
+Stacked layers: build them with ``nnx.vmap`` (``in_axes=0, out_axes=0`` over split
+``Rngs``) and run them with ``nnx.scan`` (the model as a carry-free ``in_axes=0``
+argument, or through ``nnx.split``); every `Fp8State` then has a leading layer axis, each
+layer uses its own slice, and `update_fp8` updates the ``[n, L]`` stacks in one call.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
+import optax
 from flax import nnx
 
+from jax_fp8 import meta as meta_lib
 from jax_fp8 import recipe as recipe_lib
+from jax_fp8 import state as state_lib
 from jax_fp8.dot_general import check_min_fp8_flops, fp8_dot_general
 from jax_fp8.einsum import fp8_einsum
 from jax_fp8.meta import Fp8Meta, new_fp8_state
@@ -50,7 +62,13 @@ def _set(var, value):
 
 
 class _Fp8Base(nnx.Module):
-    def __init__(self, recipe=None, *, min_fp8_flops: float = 0):
+    def __init__(self, recipe=None, *unexpected, min_fp8_flops: float = 0, **unexpected_kw):
+        if unexpected or unexpected_kw or hasattr(recipe, "shape"):
+            name = type(self).__name__
+            raise TypeError(
+                f"{name} was called as a function with arrays: it holds the FP8 state of one "
+                f"layer, so pass an instance, e.g. nnx.Linear(..., dot_general={name}("
+                f"recipe)), not the class (or use Fp8Linear(..., recipe=recipe))")
         recipe = recipe_lib.DelayedScaling() if recipe is None else recipe
         recipe_lib.check_recipe(recipe, "recipe")
         self.min_fp8_flops = check_min_fp8_flops(min_fp8_flops)  # a static float
@@ -115,38 +133,100 @@ class Fp8Linear(nnx.Linear):
 
 
 def fp8_state(model) -> nnx.State:
-    """The model's FP8 state (every `Fp8State`), as an ``nnx.State``."""
+    """The model's FP8 state (every `Fp8State`), as an ``nnx.State``; of a gradient
+    ``nnx.State``, its FP8 part."""
     return nnx.state(model, Fp8State)
 
 
 def update_fp8(model, fp8_grads, recipe=None):
-    """Replaces every `Fp8State` of ``model`` with ONE fused ``update_states`` call (a model
-    of a stateless recipe, current or blockwise, has none: nothing to do)."""
-    if recipe is not None and not isinstance(recipe_lib.check_recipe(recipe),
-                                             recipe_lib.DelayedScaling):
-        return fp8_state(model)
+    """Replaces every `Fp8State` of ``model`` with ONE fused ``update_states`` call.
+
+    fp8_grads: the gradient w.r.t. the model's `Fp8State`s, or the whole gradient of
+      `fp8_value_and_grad` (its FP8 part is used).
+
+    recipe: the recipe the layers were made with (default ``DelayedScaling()``, as in
+      linen): every state must follow it (history length, FP8 dtypes), else ValueError.
+      A current or blockwise recipe keeps no state: the model must then hold none (there
+      is nothing to update); on delayed-scaling states it is a ValueError.
+
+    Returns the new FP8 state.
+    """
+    if isinstance(fp8_grads, nnx.State):
+        fp8_grads = fp8_state(fp8_grads)
     new = new_fp8_state(fp8_state(model), fp8_grads, recipe)
     nnx.update(model, new)
     return new
 
 
-def fp8_value_and_grad(loss_fn: Callable, has_aux: bool = False, wrt=nnx.Param):
-    """``loss_fn(model, *args)`` -> f(model, *args) = ``(loss[, aux]), grads, fp8_grads``.
+def _split(grads):
+    if hasattr(nnx, "split_state"):
+        return nnx.split_state(grads, Fp8State, ...)
+    return grads.split(Fp8State, ...)
 
-    ``grads`` is the ``nnx.State`` of the ``wrt`` variables (for ``nnx.Optimizer``),
-    ``fp8_grads`` that of the `Fp8State`s (for `update_fp8`).
+
+def fp8_value_and_grad(loss_fn: Callable, has_aux: bool = False, wrt=nnx.Param):
+    """``loss_fn(model, *args)`` -> f(model, *args) = ``(loss[, aux]), grads``.
+
+    ``grads`` is the ``nnx.State`` of the gradients w.r.t. the ``wrt`` variables and the
+    `Fp8State`s, what `apply_gradients` takes (linen's
+    `jax_fp8.flax.fp8_value_and_grad` returns the same ``(loss[, aux]), grads``).
     """
     diff = nnx.DiffState(0, nnx.Any(wrt, Fp8State))
-    vg = nnx.value_and_grad(loss_fn, argnums=diff, has_aux=has_aux)
-
-    def f(model, *args, **kwargs):
-        value, grads = vg(model, *args, **kwargs)
-        fp8_grads, param_grads = nnx.split_state(grads, Fp8State, ...) \
-            if hasattr(nnx, "split_state") else grads.split(Fp8State, ...)
-        return value, param_grads, fp8_grads
-
-    return f
+    return nnx.value_and_grad(loss_fn, argnums=diff, has_aux=has_aux)
 
 
-__all__ = ["Fp8DotGeneral", "Fp8Einsum", "Fp8Linear", "Fp8State", "ScalingState", "fp8_state",
-           "fp8_value_and_grad", "update_fp8"]
+def _is_multi_steps(tx) -> bool:
+    return isinstance(tx, optax.MultiSteps) or \
+        isinstance(getattr(getattr(tx, "update", None), "__self__", None), optax.MultiSteps)
+
+
+def apply_gradients(model, optimizer, grads, recipe=None, **kwargs):
+    """``optimizer.update(model, <param gradients>)`` and `update_fp8` with the FP8 ones.
+
+    Args:
+      model: the model ``optimizer`` was made for.
+      optimizer: an ``nnx.Optimizer`` (``wrt=nnx.Param``); ``kwargs`` go to its update.
+      grads: as `fp8_value_and_grad` returns them (both parts in one ``nnx.State``).
+      recipe: as in `update_fp8`.
+
+    Raises:
+      ValueError: the model holds delayed-scaling states and ``grads`` has no gradient for
+        them (their scales would never change), unless inside `jax_fp8.frozen_scales`
+        (then only the optimizer steps); or ``optimizer`` wraps ``optax.MultiSteps``,
+        which would update the FP8 state every microbatch: accumulate the microbatches
+        inside the step instead (docs/semantics.md, "Gradient accumulation").
+    """
+    fp8_grads, param_grads = _split(grads)
+    held = state_lib.states_info(fp8_state(model))
+    if held and not state_lib.states_info(fp8_grads) and not meta_lib.scales_frozen():
+        raise ValueError(
+            f"apply_gradients: grads has no FP8 gradients, but the model holds {len(held)} "
+            "delayed-scaling states, whose scales would never change. Differentiate them "
+            "too: `loss, grads = jax_fp8.flax.nnx.fp8_value_and_grad(loss_fn)(model, ...)` "
+            "(or nnx.value_and_grad with argnums=nnx.DiffState(0, nnx.Any(nnx.Param, "
+            "Fp8State))). To keep the scales frozen on purpose, call it inside "
+            "`with jax_fp8.frozen_scales():`.")
+    if held and _is_multi_steps(getattr(optimizer, "tx", None)):
+        raise ValueError(
+            "apply_gradients: the optimizer wraps optax.MultiSteps, which applies once per "
+            "k calls, but the FP8 state would be updated at every call. Accumulate the "
+            "microbatches inside the step instead: a lax.scan over them, summing the "
+            "parameter gradients and combining the FP8 ones with jax_fp8.combine_fp8_grads "
+            "(docs/semantics.md, \"Gradient accumulation\").")
+    optimizer.update(model, param_grads, **kwargs)
+    if recipe is not None:
+        recipe_lib.check_recipe(recipe, "recipe")
+    if held and state_lib.states_info(fp8_grads):
+        update_fp8(model, fp8_grads, recipe)
+
+
+def check_fp8_updated(model) -> None:
+    """Raises ValueError when ``model`` holds delayed-scaling states and none was ever
+    updated (`jax_fp8.check_fp8_updated`): call it outside ``jit`` after a few steps."""
+    meta_lib.check_fp8_updated(fp8_state(model), type(model).__name__)
+
+
+__all__ = ["Fp8DotGeneral", "Fp8Einsum", "Fp8Linear", "Fp8State", "ScalingState",
+           "apply_gradients", "check_fp8_updated", "fp8_state",
+           "fp8_value_and_grad",
+           "update_fp8"]
