@@ -1,15 +1,12 @@
-"""A model's FP8 states packed into a few stacked arrays.
+"""A model's FP8 states packed into one stacked state per (FP8 dtype, history length).
 
 A model with N FP8 tensors holds 3N small arrays (history, scale, scale_inv per
-tensor). Every jitted train step takes them in and hands them back, and JAX's host
-cost per array argument (about 15-30 µs on the H200 machine) makes that 3N-array
-boundary cost milliseconds per step: 27 ms for 288 states there, as much as half the
-GPU time of a 50 ms step. `pack_states` gathers the states into one stacked
-`ScalingState` per (FP8 dtype, history length), i.e. 3 arrays per group, and
-`PackedStates.unpack()` hands the per-tensor states back *inside* the step (row
-pieces of the packed arrays; one `jax_fp8_split_rows` custom call per packed scale
-vector). The fused update then runs on the stacked groups, which is also its fastest
-layout.
+tensor), and a jitted train step pays JAX's host cost for each array it takes and
+returns. `pack_states` gathers the states into one stacked `ScalingState` per (FP8
+dtype, history length), 3 arrays per group, and `PackedStates.unpack()` hands the
+per-tensor states back *inside* the step (row pieces of the packed arrays; one
+`jax_fp8_split_rows` custom call per packed scale vector). The fused update runs on
+the stacked groups, its fastest layout.
 
     fp8 = jax_fp8.pack_states(variables["fp8_meta"])       # outside jit, once
     ...                                                    # inside the step:
@@ -18,15 +15,21 @@ layout.
 
 `jax_fp8.flax.Fp8TrainState` keeps its FP8 state packed this way by default.
 
-Each group's tree key names its FP8 dtype and history length (``float8_e5m2_L1024``), so a
-checkpoint (orbax, flax.serialization) records them, and restoring into a state of another
-FP8 format fails on the missing key instead of relabelling the states.
+Checkpoints: the rows of a group are positional, so what is saved must say whose they
+are. Each group's tree key names its FP8 dtype, history length, number of rows and a
+digest of its row layout (the tree path and lead shape of each state, in row order):
+``float8_e4m3fn_L1024_6rows_0123456789ab``. A restore that compares keys (orbax) into a
+state whose FP8 layers differ (added, removed, moved, renamed, restacked, another format
+or history length) finds other keys and refuses; flax.serialization
+(`jax_fp8.flax.serialization`) also stores the paths and names the first state that
+differs. A packed state restores only into the same layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import math
 from typing import Any
 
@@ -41,6 +44,42 @@ def _is_state(x) -> bool:
     return isinstance(x, ScalingState)
 
 
+def path_name(path) -> str:
+    """A tree path as text: ``['Dense_0']['Fp8DotGeneral_0']['input']`` (as
+    ``jax.tree_util.keystr``, spelled here so that the digests in saved keys do not
+    depend on the JAX version)."""
+    parts = []
+    for key in path:
+        if isinstance(key, jax.tree_util.DictKey):
+            parts.append(f"[{key.key!r}]")
+        elif isinstance(key, jax.tree_util.GetAttrKey):
+            parts.append(f".{key.name}")
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(f"[{key.idx}]")
+        elif isinstance(key, jax.tree_util.FlattenedIndexKey):
+            parts.append(f"[{key.key}]")
+        else:
+            parts.append(str(key))
+    return "".join(parts)
+
+
+def _digest(value) -> str:
+    return hashlib.sha256(repr(value).encode()).hexdigest()[:12]
+
+
+def group_key(fp8_dtype, history_len: int, rows) -> str:
+    """The tree key of a packed group: FP8 dtype, history length, row count and a digest
+    of ``rows``, its states' (path text, lead shape) in row order."""
+    n = sum(math.prod(lead) for _, lead in rows)
+    return (f"{jnp.dtype(fp8_dtype).name}_L{int(history_len)}_{n}rows_"
+            f"{_digest(tuple(rows))}")
+
+
+def other_key(path: str) -> str:
+    """The tree key of a leaf that is not a state, from its path text."""
+    return f"other_{_digest(path)}"
+
+
 @dataclasses.dataclass(frozen=True)
 class _Layout:
     """Static: where each state of the original tree lives in the packed groups."""
@@ -48,11 +87,33 @@ class _Layout:
     treedef: Any                      # of the original tree, ScalingStates as leaves
     slots: tuple                      # per leaf: (group index, first row, lead shape) or None
     groups: tuple                     # per group: (fp8_dtype, history_len)
+    paths: tuple                      # per leaf: its path text (`path_name`)
+
+    @functools.cached_property
+    def rows(self) -> tuple:
+        """Per group: its states' (path text, lead shape), in row order."""
+        out = [[] for _ in self.groups]
+        for slot, path in zip(self.slots, self.paths):
+            if slot is not None:
+                out[slot[0]].append((path, slot[2]))
+        return tuple(tuple(r) for r in out)
+
+    @functools.cached_property
+    def keys(self) -> tuple:
+        """The tree keys of the groups, then of the other leaves."""
+        return (tuple(group_key(d, n, r) for (d, n), r in zip(self.groups, self.rows))
+                + tuple(other_key(p) for slot, p in zip(self.slots, self.paths)
+                        if slot is None))
 
 
 @dataclasses.dataclass(frozen=True)
 class PackedStates:
     """FP8 states packed by (FP8 dtype, history length); a registered pytree.
+
+    Its children's tree keys (what a checkpoint records) say which states each group's
+    rows are: ``float8_e4m3fn_L1024_6rows_<digest of the row layout>`` per group, and
+    ``other_<digest of the path>`` per other leaf; so a restore into a state packed from
+    other FP8 layers finds other keys and refuses (see the module docstring).
 
     Attributes:
       groups: tuple of stacked ScalingStates, group g of shape [R_g, L_g] (history).
@@ -127,16 +188,9 @@ def _split_rows_bwd(sizes, _, cotangents):
 _split_rows.defvjp(_split_rows_fwd, _split_rows_bwd)
 
 
-def group_name(fp8_dtype, history_len) -> str:
-    """The tree key of a packed group: its FP8 dtype and history length."""
-    return f"{jnp.dtype(fp8_dtype).name}_L{int(history_len)}"
-
-
 def _flatten_with_keys(p: PackedStates):
-    keys = [jax.tree_util.GetAttrKey(group_name(*key)) for key in p.layout.groups]
-    children = list(zip(keys, p.groups))
-    children += [(jax.tree_util.GetAttrKey(f"other{i}"), o) for i, o in enumerate(p.others)]
-    return children, p.layout
+    keys = [jax.tree_util.GetAttrKey(k) for k in p.layout.keys]
+    return list(zip(keys, [*p.groups, *p.others])), p.layout
 
 
 def _unflatten(layout, children):
@@ -159,9 +213,9 @@ def pack_states(tree) -> PackedStates:
       PackedStates, whose ``unpack()`` returns a tree equal to ``tree``. Copies the
       states once (concatenation); call it outside the train step, once.
     """
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_state)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_state)
     keys, rows_of, parts, slots, others = [], {}, {}, [], []
-    for leaf in leaves:
+    for _, leaf in flat:
         if not _is_state(leaf):
             slots.append(None)
             others.append(leaf)
@@ -184,8 +238,9 @@ def pack_states(tree) -> PackedStates:
             jnp.concatenate([jnp.reshape(s.scale, (-1,)) for s in states]),
             jnp.concatenate([jnp.reshape(s.scale_inv, (-1,)) for s in states]),
             fp8_dtype=dtype))
+    paths = tuple(path_name(path) for path, _ in flat)
     return PackedStates(tuple(groups), tuple(others),
-                        _Layout(treedef, tuple(slots), tuple(keys)))
+                        _Layout(treedef, tuple(slots), tuple(keys), paths))
 
 
 def unpack_states(tree):

@@ -20,6 +20,9 @@ _CANONICAL: dict = {}  # fp8_dtype as given -> np.dtype (only valid FP8 dtypes a
 class ScalingState:
     """A registered pytree; leaves amax_history, scale, scale_inv; fp8_dtype is static.
 
+    The leaves' tree keys name the FP8 format too (`field_key`: ``.scale_float8_e4m3fn``),
+    so checkpoints record it.
+
     Attributes:
       amax_history: float32 [..., L]; index 0 is the staging slot for the next amax.
       scale: float32 [...]; quantize as x_fp8 = saturate_cast(x * scale).
@@ -67,9 +70,34 @@ class ScalingState:
         return dataclasses.replace(self, **changes)
 
 
-jax.tree_util.register_dataclass(ScalingState,
-                                 data_fields=["amax_history", "scale", "scale_inv"],
-                                 meta_fields=["fp8_dtype"])
+FIELDS = ("amax_history", "scale", "scale_inv")
+
+
+def field_key(field: str, fp8_dtype) -> str:
+    """The tree key of a state's array: its field and FP8 format, ``scale_float8_e5m2``.
+
+    The format is static, so a restore that only compares keys and shapes (orbax) would
+    put a checkpoint's arrays into a state of another format and relabel them; with the
+    format in the keys, such a restore finds different keys and refuses.
+    """
+    return f"{field}_{np.dtype(fp8_dtype).name}"
+
+
+_KEYS: dict = {}  # fp8_dtype -> the GetAttrKeys of its three fields
+
+
+def _flatten_with_keys(st: ScalingState):
+    keys = _KEYS.get(st.fp8_dtype)
+    if keys is None:
+        keys = _KEYS[st.fp8_dtype] = tuple(
+            jax.tree_util.GetAttrKey(field_key(f, st.fp8_dtype)) for f in FIELDS)
+    return tuple(zip(keys, (st.amax_history, st.scale, st.scale_inv))), st.fp8_dtype
+
+
+jax.tree_util.register_pytree_with_keys(
+    ScalingState, _flatten_with_keys,
+    lambda fp8_dtype, arrays: ScalingState(*arrays, fp8_dtype=fp8_dtype),
+    flatten_func=lambda st: ((st.amax_history, st.scale, st.scale_inv), st.fp8_dtype))
 
 # jax.export: a serialized function taking or returning states names them
 # "jax_fp8.ScalingState" (deserializing it needs `import jax_fp8`).
