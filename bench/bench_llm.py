@@ -546,6 +546,8 @@ def event_family(event, families) -> tuple[str, str]:
     if _OWN_NAME.search(name):
         return ("fp8_gemm" if "BlockGemm" in name else "jax_fp8_kernels"), "kernel name"
     by_op = families.get(hlo.kernel_name(str(hlo_op))) if hlo_op else None
+    if _ATTENTION_NAME.search(name):
+        return "attention", "kernel name"
     if _GEMM_NAME.search(name):
         fp8 = _gemm_name_fp8(name)
         if fp8 is None:
@@ -553,8 +555,6 @@ def event_family(event, families) -> tuple[str, str]:
         return ("fp8_gemm" if fp8 else "bf16_gemm"), "kernel name"
     if by_op:
         return by_op, "hlo_op"
-    if _ATTENTION_NAME.search(name):
-        return "attention", "kernel name"
     return "other", "unmatched"
 
 
@@ -642,15 +642,9 @@ def measure(variant, size, args, progress=log):
     seqs = rng.integers(0, size.vocab, (size.batch, size.seq + 1), dtype=np.int32)
     tokens, labels = jnp.asarray(seqs[:, :-1]), jnp.asarray(seqs[:, 1:])
 
+    errors = []
     t0 = time.perf_counter()
-    try:
-        state = jax.block_until_ready(make_state(variant, size, args, tokens))
-    except (TypeError, ValueError, NotImplementedError) as err:
-        if variant.kind != "jax_fp8" or variant.recipe is _delayed:
-            raise
-        raise common.RecipeNotAccepted(
-            f"this jax_fp8 does not take {type(variant.recipe(args)).__name__} here "
-            f"({type(err).__name__}: {err})") from err
+    state = jax.block_until_ready(make_state(variant, size, args, tokens))
     row["init_s"] = time.perf_counter() - t0
     row["state_arrays"] = len(jax.tree.leaves(state))
     progress(f"{tag}: state ready in {row['init_s']:.1f} s; lowering and compiling")
@@ -667,27 +661,32 @@ def measure(variant, size, args, progress=log):
     row["lower_compile_s"] = row["lower_s"] + row["compile_s"]
     row["memory"] = compilation.memory(compiled)
     row["temp_bytes"] = row["memory"].get("temp_size_in_bytes")
+    t0 = time.perf_counter()
     mod = hlo.parse(compiled.as_text())
     row["hlo"] = hlo_summary(mod)
     families = hlo_families(mod)
     del mod, lowered
+    row["analysis_s"] = time.perf_counter() - t0
     progress(f"{tag}: lowered in {row['lower_s']:.1f} s, compiled in {row['compile_s']:.1f} s, "
              f"temp {row['temp_bytes'] or 0:,} bytes; {row['hlo']['gemms_fp8']} FP8 GEMMs, "
              f"{row['hlo']['gemms_other']} other GEMMs")
     if variant.update_calls is not None and row["hlo"]["jax_fp8_update"] != variant.update_calls:
-        row["check_error"] = (f"expected {variant.update_calls} jax_fp8_update custom call(s), "
-                              f"found {row['hlo']['jax_fp8_update']} (kernels loaded: CPU "
-                              f"{jax_fp8.HAS_CPU_KERNEL}, CUDA {jax_fp8.HAS_CUDA_KERNEL})")
+        errors.append(f"expected {variant.update_calls} jax_fp8_update custom call(s), found "
+                      f"{row['hlo']['jax_fp8_update']} (kernels loaded: CPU "
+                      f"{jax_fp8.HAS_CPU_KERNEL}, CUDA {jax_fp8.HAS_CUDA_KERNEL})")
 
     def step(s):
         return compiled(s, tokens, labels)
 
+    t0 = time.perf_counter()
     state, times, losses = time_steps(step, state, args)
     row.update(times)
+    row["steps_s"] = time.perf_counter() - t0
     row["tokens_per_s"] = size.tokens / (row["pipelined_ms"] / 1e3)
     progress(f"{tag}: pipelined {row['pipelined_ms']:.2f} ms, blocked "
              f"{row['blocked_ms']:.2f} ms per step; tracing {args.steps} steps")
 
+    t0 = time.perf_counter()
     state, events = trace.capture(lambda s: step(s)[0], state, steps=args.steps)
     if platform == "gpu":
         dev = trace.device_events(events, platform="gpu")
@@ -708,22 +707,21 @@ def measure(variant, size, args, progress=log):
             row["cpu_op_families_ms"], _, row["top_ops"] = split_by_family(
                 ops, families, args.steps, args.top_kernels)
     del events
+    row["trace_s"] = time.perf_counter() - t0
     row["device_ms"] = row.get("device_ms")
     row["loss_first"], row["loss_last"] = losses[0], losses[-1]
     row["loss_finite"] = all(math.isfinite(v) for v in losses)
     if not row["loss_finite"]:
-        row["check_error"] = f"a non-finite loss: {losses}"
+        errors.append(f"a non-finite loss: {losses}")
+    if errors:
+        row["check_error"] = "; ".join(errors)
     return row
 
 
 def worker(args):
     """--worker: one size and variant, the row written to --result as JSON."""
     (size_name,), (name,) = args.sizes, args.variants
-    try:
-        out = measure(VARIANTS[name], SIZES[size_name], args)
-    except common.RecipeNotAccepted as err:
-        out = {"skip": str(err)}
-    common.write_json(args.result, out)
+    common.write_json(args.result, measure(VARIANTS[name], SIZES[size_name], args))
     return 0
 
 
@@ -755,6 +753,7 @@ def run_worker(size, variant, args, timeout):
         for opt in WORKER_OPTIONS:
             cmd += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
         cmd += [f"--{f.replace('_', '-')}" for f in WORKER_FLAGS if getattr(args, f)]
+        t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, env=worker_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
         tail = collections.deque(maxlen=40)
@@ -777,8 +776,7 @@ def run_worker(size, variant, args, timeout):
             raise RuntimeError(f"worker exited {rc}: {_last_error(tail)}")
         with open(result) as fp:
             row = json.load(fp)
-    if "skip" in row:
-        raise common.RecipeNotAccepted(row["skip"])
+    row["process_s"] = time.perf_counter() - t0
     return row, [row["check_error"]] if row.get("check_error") else []
 
 
@@ -1013,7 +1011,9 @@ def build_parser():
 
 
 def _summary(r):
-    parts = [f"compile {r['lower_compile_s']:.1f} s"]
+    parts = [f"process {r['process_s']:.0f} s (init {r['init_s']:.1f}, lower + compile "
+             f"{r['lower_compile_s']:.1f}, HLO analysis {r['analysis_s']:.1f}, steps "
+             f"{r['steps_s']:.1f}, trace {r['trace_s']:.1f})"]
     parts += common.times_text(r, TIMES)
     if r.get("device_ms") is None:
         parts.append("device time unavailable")

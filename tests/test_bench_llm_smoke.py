@@ -1,0 +1,207 @@
+"""bench/bench_llm.py on CPU: the whole run in a subprocess as a user runs it (size tiny, one
+worker process per variant, device time reported unavailable), and the pieces a CPU cannot
+exercise on real kernels: the kernel-family rules on GPU kernel names and HLO, and the
+floor arithmetic."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import jax_fp8
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import bench_llm  # noqa: E402
+
+VARIANTS = ("bf16", "jax_fp8_delayed", "jax_fp8_block")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    outdir = tmp_path_factory.mktemp("bench_llm")
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_backend_optimization_level=0")
+    proc = subprocess.run(
+        [sys.executable, "bench/bench_llm.py", "--sizes", "tiny", "--variants", ",".join(VARIANTS),
+         "--steps", "2", "--warmup", "1", "--outdir", str(outdir)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return proc, outdir
+
+
+def test_tiny_run_writes_every_figure(tiny_run):
+    proc, outdir = tiny_run
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    data = json.loads((outdir / "results.json").read_text())
+    assert not data["partial"] and not data["failures"] and not data["skipped"], data["failures"]
+    meta = data["meta"]
+    env = meta["environment"]
+    assert env["platform"] == "cpu" and env["device"] and env["jax_version"]
+    assert meta["date"] and "git_commit" in meta and "bench/bench_llm.py" in meta["command"]
+    assert meta["settings"]["steps"] == 2 and meta["settings"]["variants"] == list(VARIANTS)
+    assert "bf16's attention" in meta["floor_definition"]
+    rows = {r["variant"]: r for r in data["results"]}
+    assert list(rows) == list(VARIANTS)
+    for v, r in rows.items():
+        assert r["size"] == "tiny" and r["config"]["d"] == 128 and r["tokens"] == 128, v
+        assert r["device_ms"] is None and "unavailable" in r["device_time_note"], v
+        for key in ("pipelined_ms", "blocked_ms", "tokens_per_s", "lower_s", "compile_s",
+                    "lower_compile_s", "init_s"):
+            assert r[key] > 0, (v, key)
+        assert len(r["blocked_ms_all"]) == 2, v
+        assert isinstance(r["temp_bytes"], int), v
+        assert r["loss_finite"] and r["attention_impl"] == "xla", v
+        # The XLA:CPU op time stands in for the family split (every family named).
+        assert set(r["cpu_op_families_ms"]) == set(bench_llm.FAMILIES), v
+        assert sum(r["cpu_op_families_ms"].values()) > 0, v
+        h = r["hlo"]
+        assert h["gemms_fp8"] + h["gemms_other"] >= 2 * (4 * 2 + 1), v   # 4 per block + head
+    if jax_fp8.HAS_CPU_KERNEL:
+        assert rows["jax_fp8_delayed"]["hlo"]["jax_fp8_update"] == 1
+    assert rows["bf16"]["hlo"]["jax_fp8_update"] == 0
+    assert rows["jax_fp8_delayed"]["cpu_op_families_ms"]["quantize_transpose"] > 0
+    assert rows["bf16"]["cpu_op_families_ms"]["quantize_transpose"] == 0
+    per = data["derived"]["tiny"]
+    assert per["bf16"]["pipelined_ms:vs_bf16"] == pytest.approx(1.0)
+    assert per["jax_fp8_block"]["blocked_ms:vs_bf16"] == pytest.approx(
+        rows["bf16"]["blocked_ms"] / rows["jax_fp8_block"]["blocked_ms"])
+    assert "floor_ms" not in per["jax_fp8_delayed"]      # no device time, no floor
+
+
+def test_tiny_run_report_and_plot(tiny_run):
+    proc, outdir = tiny_run
+    md = (outdir / "results.md").read_text()
+    assert md.strip() in proc.stdout
+    for text in ("## tiny: d 128, 2 heads, ffn 256, 2 blocks, 2 × 64 tokens",
+                 "| variant | device ms | × bf16 | × Flax FP8 | pipelined ms |",
+                 "| jax_fp8 delayed |", "Device time: unavailable", "Floor of an FP8 variant"):
+        assert text in md, text
+    assert "[3/3] tiny jax_fp8_block" in proc.stderr
+    assert "\r" not in proc.stderr
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "no plot" in proc.stderr
+    else:
+        assert (outdir / "plot.png").stat().st_size > 1000
+    assert sorted(os.listdir(outdir)) == ["plot.png", "results.json", "results.md"]
+
+
+@pytest.mark.parametrize("name, family", [
+    ("nvjet_sm90_qqtst_256x128_128x4_1x2_h_bx_coopA_TNT", "fp8_gemm"),
+    ("nvjet_sm90_rqtst_144x128_128x6_1x2_h_bz_coopA_algo2_TNN", "fp8_gemm"),
+    ("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_coopA_algo2_Ablk128_Bvec128_TNN", "fp8_gemm"),
+    ("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN", "bf16_gemm"),
+    ("nvjet_sm90_tss_64x256_64x5_2x1_v_bz_TNN", "bf16_gemm"),
+    ("sm90_xmma_gemm_e4m3e4m3_bf16f32_f32_tn_n_tilesize128x128x128", "fp8_gemm"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_"
+     "kernel0_0", "attention"),
+    ("void jax_fp8::(anonymous namespace)::QuantizeTransposeKernel<__nv_bfloat16, "
+     "(jax_fp8::Fp8Type)1>(__nv_bfloat16 const*, float const*, unsigned int*)", "jax_fp8_kernels"),
+    ("jax_fp8::(anonymous namespace)::TransposeBytesKernel(unsigned int const*, unsigned int*, "
+     "long, long)", "jax_fp8_kernels"),
+    ("void jax_fp8::(anonymous namespace)::BlockGemmFallbackKernel<float>()", "fp8_gemm"),
+    ("memcpy32_post", "other"),
+])
+def test_gpu_kernel_names_by_family(name, family):
+    assert bench_llm.event_family({"name": name, "dur": 1.0}, {})[0] == family
+
+
+def test_event_family_prefers_the_compiled_hlo():
+    families = {"loop_convert_fusion_3": "quantize_transpose", "custom_call_7": "fp8_gemm"}
+    assert bench_llm.event_family({"name": "loop_convert_fusion_3"}, families) == (
+        "quantize_transpose", "hlo name")
+    # A GEMM kernel whose name says nothing of its operands: the HLO instruction decides.
+    assert bench_llm.event_family({"name": "sm90_gemm_kernel", "args": {"hlo_op": "custom-call.7"}},
+                                  families)[0] == "fp8_gemm"
+    assert bench_llm.event_family({"name": "sm90_gemm_kernel"}, families)[0] == "bf16_gemm"
+
+
+HLO = """HloModule m
+
+%max (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %m = f32[] maximum(%a, %b)
+}
+
+%fused_norm_q (p0: bf16[8,128]) -> f8e4m3fn[8,128] {
+  %p0 = bf16[8,128]{1,0} parameter(0)
+  %r = bf16[8,128]{1,0} rsqrt(%p0)
+  ROOT %c = f8e4m3fn[8,128]{1,0} convert(%r)
+}
+
+%fused_act_q (p0: bf16[8,128]) -> f8e4m3fn[8,128] {
+  %p0 = bf16[8,128]{1,0} parameter(0)
+  %s = bf16[8,128]{1,0} logistic(%p0), metadata={op_name="jit(step)/block0/mlp_out/logistic"}
+  ROOT %c = f8e4m3fn[8,128]{1,0} convert(%s), metadata={op_name="jit(step)/block0/mlp_out/proj/Fp8DotGeneral_0/convert_element_type"}
+}
+
+%fused_q (p0: bf16[8,128]) -> f8e5m2[128,8] {
+  %p0 = bf16[8,128]{1,0} parameter(0)
+  %t = bf16[128,8]{1,0} transpose(%p0), dimensions={1,0}
+  ROOT %c = f8e5m2[128,8]{1,0} convert(%t)
+}
+
+%fused_amax (p0: bf16[8,128]) -> f32[] {
+  %p0 = bf16[8,128]{1,0} parameter(0)
+  %x = f32[8,128]{1,0} convert(%p0)
+  %ab = f32[8,128]{1,0} abs(%x)
+  %z = f32[] constant(0)
+  ROOT %r = f32[] reduce(%ab, %z), dimensions={0,1}, to_apply=%max
+}
+
+%fused_add (p0: bf16[8,128], p1: bf16[8,128]) -> bf16[8,128] {
+  %p0 = bf16[8,128]{1,0} parameter(0)
+  %p1 = bf16[8,128]{1,0} parameter(1)
+  ROOT %s = bf16[8,128]{1,0} add(%p0, %p1)
+}
+
+ENTRY %main (a: bf16[8,128], w: f8e4m3fn[128,128]) -> bf16[8,128] {
+  %a = bf16[8,128]{1,0} parameter(0)
+  %w = f8e4m3fn[128,128]{1,0} parameter(1)
+  %norm_q.1 = f8e4m3fn[8,128]{1,0} fusion(%a), kind=kLoop, calls=%fused_norm_q
+  %act_q.2 = f8e4m3fn[8,128]{1,0} fusion(%a), kind=kLoop, calls=%fused_act_q
+  %q.3 = f8e5m2[128,8]{1,0} fusion(%a), kind=kInput, calls=%fused_q
+  %amax.4 = f32[] fusion(%a), kind=kInput, calls=%fused_amax
+  %att.5 = (bf16[8,128]{1,0}, u8[0]{0}) custom-call(%a, %a, %a), custom_call_target="__cudnn$fmhaSoftmax"
+  %g.6 = (bf16[8,128]{1,0}, s8[4]{0}) custom-call(%norm_q.1, %w), custom_call_target="__cublas$lt$matmul$f8"
+  %u.7 = f32[2]{0} custom-call(%a), custom_call_target="jax_fp8_update"
+  ROOT %add.8 = bf16[8,128]{1,0} fusion(%a, %a), kind=kLoop, calls=%fused_add
+}
+"""
+
+
+def test_hlo_families():
+    assert bench_llm.hlo_families(HLO) == {
+        "norm_q_1": "norm_quantize", "act_q_2": "act_quantize", "q_3": "quantize_transpose",
+        "amax_4": "amax", "att_5": "attention", "g_6": "fp8_gemm", "u_7": "jax_fp8_kernels",
+        "add_8": "other"}
+
+
+def _row(variant, device, **families):
+    fam = dict.fromkeys(bench_llm.FAMILIES, 0.0)
+    fam.update(families)
+    return {"size": "s", "variant": variant, "device_ms": device, "pipelined_ms": device * 1.01,
+            "families_ms": fam}
+
+
+def test_floor_is_own_gemms_plus_bf16_attention_and_rest():
+    rows = [_row("bf16", 100.0, bf16_gemm=70.0, attention=10.0, other=20.0),
+            _row("flax_fp8", 80.0, fp8_gemm=40.0, bf16_gemm=5.0, attention=10.0, other=25.0),
+            _row("jax_fp8_delayed", 75.0, fp8_gemm=38.0, bf16_gemm=5.0, attention=9.0,
+                 quantize_transpose=3.0, other=20.0)]
+    per = bench_llm.derive(rows)["s"]
+    d = per["jax_fp8_delayed"]
+    assert d["floor_ms"] == pytest.approx(43.0 + 10.0 + 20.0)
+    assert d["floor_vs_bf16"] == pytest.approx(100.0 / 73.0)
+    assert d["floor_over_device"] == pytest.approx(73.0 / 75.0)
+    assert d["overhead_ms"] == pytest.approx((75.0 - 43.0 - 9.0) - 20.0)
+    assert d["device_ms:vs_bf16"] == pytest.approx(100.0 / 75.0)
+    assert d["device_ms:vs_flax"] == pytest.approx(80.0 / 75.0)
+    assert d["pipelined_over_device"] == pytest.approx(1.01)
+    assert "floor_ms" not in per["bf16"]
