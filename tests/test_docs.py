@@ -206,7 +206,7 @@ def _snippets(md):
 
 # Pages whose ```python blocks run as written, each block on its own (as a reader pastes
 # one block into a fresh interpreter).
-SNIPPET_PAGES = ("README.md", "docs/reference/nnx.md")
+SNIPPET_PAGES = ("README.md", "docs/reference/nnx.md", "docs/convert.md")
 
 
 def _snippet_cases():
@@ -352,6 +352,30 @@ def test_name_checker_finds_names_that_do_not_exist():
     assert sorted(m.split(": ", 1)[1] for m in missing) == sorted([
         "docs/nothing.md", "bench/results/none/", "jax_fp8.no_such_name",
         "jax_fp8.flax.nowhere", "_primitives/nothing.py", "SPEC_NONE.md"]), missing
+
+
+# ------------------------------------------------------------- measurements in the code
+
+# A time or a GPU model in the library's text is a measurement or a note about one run:
+# those belong in docs/benchmarks.md, docstrings state contracts.
+MEASUREMENT = re.compile(r"\b[0-9]+(\.[0-9]+)? ?(ms|µs|us)\b|\bH[12]00\b")
+
+
+def test_library_sources_carry_no_measurements():
+    hits = []
+    for path in sorted((ROOT / "src" / "jax_fp8").rglob("*.py")):
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if MEASUREMENT.search(line):
+                hits.append(f"{path.relative_to(ROOT)}:{lineno}: {line.strip()}")
+    assert not hits, "measurements in the library (move them to docs/benchmarks.md):\n" \
+        + "\n".join(hits)
+
+
+def test_measurement_pattern():
+    for text in ("takes 27 ms", "5.5 µs", "12us", "on an H200", "H100"):
+        assert MEASUREMENT.search(text), text
+    for text in ("128 x 128 blocks", "msgpack", "status", "H2000", "2 ** 35 FLOPs"):
+        assert not MEASUREMENT.search(text), text
 
 
 # -------------------------------------------------------------------------- provenance
