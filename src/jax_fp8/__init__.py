@@ -3,12 +3,15 @@
 Public API (reference: ``docs/reference/``, built by ``mkdocs build``; the arithmetic in
 ``docs/semantics.md``):
 
-  recipes           DelayedScaling, Float8CurrentScaling, Float8BlockScaling, Format
+  recipes           DelayedScaling, Float8CurrentScaling, Float8BlockScaling, Format,
+                    fp8_max, scaled_max
   state             ScalingState, update_states, amax_and_scale_update, reduce_amaxes
-  training ops      Fp8Meta, fp8_dot_general, fp8_einsum, new_fp8_state, combine_fp8_grads
-  quantization      quantize, dequantize, compute_amax
+  training ops      Fp8Meta, fp8_dot_general, fp8_einsum, new_fp8_state, combine_fp8_grads,
+                    amax_cotangents, frozen_scales, check_fp8_updated
+  quantization      quantize, dequantize, compute_amax, quantize_blocks, scale_from_amax
   packing           PackedStates, pack_states, unpack_states
-  Flax              jax_fp8.flax (linen), jax_fp8.flax.nnx
+  kernels, export   HAS_CPU_KERNEL, HAS_CUDA_KERNEL, export_disabled_checks
+  Flax              jax_fp8.flax (linen), jax_fp8.flax.nnx, jax_fp8.flax.convert
 """
 
 from jax_fp8._registration import HAS_CPU_KERNEL, HAS_CUDA_KERNEL, export_disabled_checks
