@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_fp8._primitives import split as split_lib
-from jax_fp8.state import ScalingState
+from jax_fp8.state import HoldsStates, ScalingState
 
 
 def _is_state(x) -> bool:
@@ -107,7 +107,7 @@ class _Layout:
 
 
 @dataclasses.dataclass(frozen=True)
-class PackedStates:
+class PackedStates(HoldsStates):
     """FP8 states packed by (FP8 dtype, history length); a registered pytree.
 
     Its children's tree keys (what a checkpoint records) say which states each group's

@@ -112,6 +112,16 @@ def is_state(x) -> bool:
     return isinstance(x, ScalingState)
 
 
+class HoldsStates:
+    """Base of pytree nodes that hold ScalingStates in a layout of their own
+    (`jax_fp8.PackedStates`): `states_info` lists their states through `slot_info`, so
+    this module need not know the layouts built on it."""
+
+    def slot_info(self):
+        """(path in the unpacked tree, fp8_dtype, history_len) for each state held."""
+        raise NotImplementedError
+
+
 def _role(path) -> str | None:
     """"grad", "input", "kernel" from the last key of a state's tree path, else None."""
     if not path:
@@ -159,13 +169,12 @@ def check_states_follow(recipe, tree, name: str = "tree") -> None:
 
 
 def states_info(tree):
-    """(path, fp8_dtype, history_len) for every state of `tree`; a PackedStates's states
-    by their paths in the unpacked tree."""
-    from jax_fp8.packing import PackedStates  # (packing imports this module)
+    """(path, fp8_dtype, history_len) for every state of `tree`; the states a
+    `HoldsStates` node (a PackedStates) holds by their paths in the unpacked tree."""
     out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(
-            tree, is_leaf=lambda x: is_state(x) or isinstance(x, PackedStates))[0]:
-        if isinstance(leaf, PackedStates):
+            tree, is_leaf=lambda x: is_state(x) or isinstance(x, HoldsStates))[0]:
+        if isinstance(leaf, HoldsStates):
             out += [(path + sub, dtype, length) for sub, dtype, length in leaf.slot_info()]
         elif is_state(leaf):
             out.append((path, leaf.fp8_dtype, leaf.history_len))
