@@ -152,7 +152,7 @@ def gemm(q_a, q_b, dimension_numbers, scale_inv_a, scale_inv_b, out_dtype, preci
     and rounded once at the end.
     """
     out_dtype = np.dtype(out_dtype)
-    factor = scale_inv_a * scale_inv_b
+    factor = dequantization_factors(scale_inv_a, scale_inv_b)
     q_a, q_b = keep_fp8(q_a, q_b, dimension_numbers, out_dtype)
     if not (_is_fp8(q_a) and _is_fp8(q_b)):   # widened by keep_fp8
         return _scaled_product(q_a, q_b, factor, dimension_numbers, precision, out_dtype,
@@ -166,6 +166,31 @@ def gemm(q_a, q_b, dimension_numbers, scale_inv_a, scale_inv_b, out_dtype, preci
                         precision=precision, out_dtype=out_dtype, out_sharding=out_sharding)
 
 
+_TWO_63 = np.float32(2.0 ** 63)
+_TWO_M126 = np.float32(2.0 ** -126)   # FLT_MIN, the smallest normal float32
+
+
+def dequantization_factors(scale_inv_a, scale_inv_b):
+    """(c1, c2) with ``c1 * c2 == scale_inv_a * scale_inv_b``, applied to the GEMM's result
+    as ``(out * c1) * c2``.
+
+    Ordinarily c1 is the float32 product (the one folded into the GEMM) and c2 is 1, an
+    exact no-op. Where the product is below the normal range (two tiny scale_invs, e.g.
+    operands near 1e-20 and 1e-15), XLA would flush it to zero and with it a result
+    that is itself normal; there c1 is that product times 2**126 (the same significand,
+    computed from operands scaled by 2**63 each, so it stays normal) and c2 is 2**-126,
+    so the result is flushed only where it is below the normal range itself.
+    """
+    sa, sb = (jnp.asarray(s, jnp.float32) for s in (scale_inv_a, scale_inv_b))
+    # The barriers keep XLA from reassociating the powers of two into one constant
+    # factor (which would bring back the flushed product) or into the GEMM's scale.
+    sa_up, sb_up = lax.optimization_barrier((sa * _TWO_63, sb * _TWO_63))
+    lifted = sa_up * sb_up
+    tiny = jnp.abs(lifted) < 1   # the product is below FLT_MIN
+    return lax.optimization_barrier((jnp.where(tiny, lifted, sa * sb),
+                                     jnp.where(tiny, _TWO_M126, np.float32(1))))
+
+
 def _is_fp8(x):
     return np.dtype(x.dtype) in recipe_lib.FP8_DTYPES
 
@@ -177,9 +202,10 @@ def _scaled_product(q_a, q_b, factor, dimension_numbers, precision, out_dtype, o
     out = lax.dot_general(q_a, q_b, dimension_numbers, precision=precision,
                           preferred_element_type=out_dtype if direct else jnp.float32,
                           out_sharding=out_sharding)
+    c1, c2 = factor
     if direct:
-        return out * jnp.asarray(factor).astype(out_dtype)
-    return (out * factor).astype(out_dtype)
+        return (out * c1.astype(out_dtype)) * c2.astype(out_dtype)
+    return ((out * c1) * c2).astype(out_dtype)
 
 
 def fp8_algorithm(precision):

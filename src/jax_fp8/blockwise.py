@@ -33,11 +33,19 @@ __all__ = ["dequantize_blocks", "quantize_blocks", "quantize_blocks_both",
 BLOCK_SHAPES = ((1, 128), (128, 128))
 
 
+def _is_int(b) -> bool:
+    return isinstance(b, (int, np.integer)) and not isinstance(b, (bool, np.bool_))
+
+
 def _block_rows(block_shape) -> int:
-    shape = tuple(int(b) for b in block_shape) if isinstance(block_shape, (tuple, list)) else None
-    if shape not in BLOCK_SHAPES:
-        raise ValueError(f"block_shape must be (1, 128) or (128, 128), got {block_shape!r}")
-    return shape[0]
+    """bm of block_shape (bm, 128); anything but the tuple or list of two ints (1, 128) or
+    (128, 128) (floats, bools, other sizes) is a ValueError."""
+    ok = (isinstance(block_shape, (tuple, list)) and all(_is_int(b) for b in block_shape)
+          and tuple(int(b) for b in block_shape) in BLOCK_SHAPES)
+    if not ok:
+        raise ValueError(f"block_shape must be (1, 128) or (128, 128) (two ints), got "
+                         f"{block_shape!r}")
+    return int(block_shape[0])
 
 
 def _options(fp8_dtype, power_of_2_scale, amax_epsilon) -> dict:

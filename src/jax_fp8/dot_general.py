@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from jax_fp8 import _gemms
+from jax_fp8 import _ad, _gemms
 from jax_fp8 import meta as meta_lib
 from jax_fp8 import recipe as recipe_lib
 from jax_fp8._primitives import amax as amax_lib
@@ -55,10 +55,11 @@ def _pmax_ignoring_nan(x, axes):
 
 
 def _bwd(dimension_numbers, out_dtype, lhs_dtype, rhs_dtype, res, cts):
-    lhs_res, q_rhs, meta, amax_lhs, amax_rhs, lhs_like, rhs_like = res
     g, ct_meta = cts
     if isinstance(g, SymbolicZero):  # only the threaded meta is used downstream
         g = jnp.zeros(g.aval.shape, g.aval.dtype)
+    res, g = _ad.first_order_only((_ad.reveal(res), g), "fp8_dot_general")
+    lhs_res, q_rhs, meta, amax_lhs, amax_rhs, lhs_like, rhs_like = res
     perm = _gemms.kernel_grad_layout(dimension_numbers, lhs_res.ndim)
     n_fl = _gemms.lhs_free_axes(g, q_rhs, dimension_numbers[0][1])
     g_t = None
@@ -102,7 +103,10 @@ def _fwd_rule(lhs, rhs, meta, dimension_numbers, out_dtype, lhs_dtype, rhs_dtype
     lhs, rhs, meta = jax.tree.map(lambda p: p.value, (lhs, rhs, meta),
                                   is_leaf=lambda p: isinstance(p, jax.custom_derivatives.
                                                                CustomVJPPrimal))
-    return _fwd(lhs, rhs, meta, dimension_numbers, out_dtype)
+    lhs, rhs, meta = _ad.first_order_only((lhs, rhs, meta), "fp8_dot_general")
+    out, res = _fwd(lhs, rhs, meta, dimension_numbers, out_dtype)
+    # Stored as integers: remat policies that save residuals leave their bytes alone.
+    return out, _ad.hide(res)
 
 
 # symbolic_zeros: the backward rule sees which cotangents are known zeros (an unused

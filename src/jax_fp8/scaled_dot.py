@@ -25,7 +25,8 @@ Float8CurrentScaling (one scale per tensor, from ``jax_fp8.compute_amax``)
   Under a multi-device jit each amax is one max over all devices.
 
 The quantization itself is not differentiated (its scales are constants of the step).
-Gradients come back in lhs's and rhs's dtypes. Batch dimensions are not supported yet.
+Gradients come back in lhs's and rhs's dtypes. Batch dimensions: ``jax.vmap`` of the
+product without them, one GEMM per batch element.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_fp8 import _gemms, blockwise
+from jax_fp8 import _ad, _gemms, blockwise
 from jax_fp8 import recipe as recipe_lib
 from jax_fp8._primitives import block_gemm as gemm_lib
 from jax_fp8._primitives import block_quantize as bq
@@ -47,14 +48,21 @@ from jax_fp8._primitives import common, layout
 __all__ = ["scaled_dot_general"]
 
 _TN = (((1,), (1,)), ((), ()))  # [A, C] . [B, C] -> [A, B]
+_OP = "fp8_dot_general (current or block scaling)"
 
 
 def scaled_dot_general(lhs, rhs, dimension_numbers, recipe, preferred_element_type=None):
     """``lax.dot_general(lhs, rhs, dimension_numbers)`` with FP8 GEMMs per ``recipe``.
 
-    Shapes: lhs [L..., C...] and rhs [C..., R...], the contracting axes C anywhere (as
-    ``dimension_numbers = ((lhs_contracting, rhs_contracting), ((), ()))`` says) -> out
-    [L..., R...] in ``preferred_element_type`` (default: the operands' result type).
+    Shapes: those of ``lax.dot_general``: lhs [B..., L..., C...] and rhs [B..., C..., R...]
+    (the batch axes B and contracting axes C anywhere, as ``dimension_numbers = ((lhs_contracting,
+    rhs_contracting), (lhs_batch, rhs_batch))`` says) -> out [B..., L..., R...] in
+    ``preferred_element_type`` (default: the operands' result type).
+
+    Batch axes: the result is, bit for bit, ``jax.vmap`` of the call without them over the
+    batch axes (flattened into one), so each batch element is a GEMM of its own: under
+    current scaling each element's lhs and rhs slice has its own scale (its own amax), and
+    block scaling's blocks never span two elements.
 
     Args:
       recipe: ``jax_fp8.Float8CurrentScaling`` or ``jax_fp8.Float8BlockScaling``.
@@ -72,19 +80,39 @@ def scaled_dot_general(lhs, rhs, dimension_numbers, recipe, preferred_element_ty
         if np.dtype(a.dtype) not in bq.INPUT_DTYPES:
             raise TypeError(f"{name} must be float32, bfloat16 or float16, got {a.dtype}")
     (lc, rc), (lb, rb) = dimension_numbers
-    if tuple(lb) or tuple(rb):
-        raise NotImplementedError("scaled_dot_general: batch dimensions are not supported; "
-                                  "vmap over them, or fold them into the free axes")
-    lc = tuple(int(a) % lhs.ndim for a in lc)
-    rc = tuple(int(a) % rhs.ndim for a in rc)
+    lc, lb = (tuple(int(a) % lhs.ndim for a in axes) for axes in (lc, lb))
+    rc, rb = (tuple(int(a) % rhs.ndim for a in axes) for axes in (rc, rb))
     if (len(lc) != len(rc) or len(set(lc)) != len(lc) or len(set(rc)) != len(rc)
             or any(lhs.shape[a] != rhs.shape[b] for a, b in zip(lc, rc))):
         raise ValueError(f"scaled_dot_general: contracting dimensions {lc} of lhs "
                          f"{lhs.shape} and {rc} of rhs {rhs.shape} do not match")
+    if (len(lb) != len(rb) or len(set(lb)) != len(lb) or len(set(rb)) != len(rb)
+            or set(lb) & set(lc) or set(rb) & set(rc)
+            or any(lhs.shape[a] != rhs.shape[b] for a, b in zip(lb, rb))):
+        raise ValueError(f"scaled_dot_general: batch dimensions {lb} of lhs {lhs.shape} and "
+                         f"{rb} of rhs {rhs.shape} do not match (or overlap the contracting "
+                         f"ones)")
     out_dtype = np.dtype(preferred_element_type if preferred_element_type is not None
                          else jnp.result_type(lhs, rhs))
     if not jnp.issubdtype(out_dtype, jnp.floating):
         raise TypeError(f"preferred_element_type must be floating, got {out_dtype}")
+    if not lb:
+        return _unbatched(lhs, rhs, lc, rc, recipe, out_dtype)
+    # Batch axes first and flattened into one, the rest in their order; vmap over it.
+    lr = [a for a in range(lhs.ndim) if a not in lb]
+    rr = [a for a in range(rhs.ndim) if a not in rb]
+    batch_shape = tuple(lhs.shape[a] for a in lb)
+    lhs_b = _permute(lhs, list(lb) + lr).reshape((-1,) + tuple(lhs.shape[a] for a in lr))
+    rhs_b = _permute(rhs, list(rb) + rr).reshape((-1,) + tuple(rhs.shape[a] for a in rr))
+    inner_lc = tuple(lr.index(a) for a in lc)
+    inner_rc = tuple(rr.index(a) for a in rc)
+    out = jax.vmap(lambda l, r: _unbatched(l, r, inner_lc, inner_rc, recipe, out_dtype))(
+        lhs_b, rhs_b)
+    return out.reshape(batch_shape + out.shape[1:])
+
+
+def _unbatched(lhs, rhs, lc, rc, recipe, out_dtype):
+    """scaled_dot_general without batch axes: the operands as x [M, K] and w [K, N]."""
     lf = [a for a in range(lhs.ndim) if a not in lc]
     rf = [a for a in range(rhs.ndim) if a not in rc]
     m = math.prod(lhs.shape[a] for a in lf)
@@ -110,11 +138,15 @@ def _fp8_matmul(x, w, recipe, out_dtype, x_dtype, w_dtype):
 
 def _fwd(x, w, recipe, out_dtype, x_dtype, w_dtype):
     del x_dtype, w_dtype
-    return _forward(x, w, recipe, out_dtype, keep=True)
+    x, w = _ad.first_order_only((x, w), _OP)
+    out, residuals = _forward(x, w, recipe, out_dtype, keep=True)
+    # Stored as integers: remat policies that save residuals leave their bytes alone.
+    return out, _ad.hide(residuals)
 
 
 def _bwd(recipe, out_dtype, x_dtype, w_dtype, residuals, g):
     del out_dtype
+    residuals, g = _ad.first_order_only((_ad.reveal(residuals), g), _OP)
     if isinstance(recipe, recipe_lib.Float8BlockScaling):
         return _block_backward(recipe, residuals, g, x_dtype, w_dtype)
     return _current_backward(recipe, residuals, g, x_dtype, w_dtype)
