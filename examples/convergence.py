@@ -901,6 +901,17 @@ def tail_mean(steps, values, cfg: Config) -> float:
     return float(np.mean(picked))
 
 
+def tail_change(steps, values, cfg: Config) -> float | None:
+    """How much the least-squares line through the values recorded after cfg.tail_start
+    changes over the last part of a run (its slope times the part's length in steps);
+    None with fewer than two values there. Near 0: the run ends on a flat part."""
+    pts = [(s, v) for s, v in zip(steps, values) if s > cfg.tail_start]
+    if len(pts) < 2:
+        return None
+    x, y = np.asarray(pts, np.float64).T
+    return float(np.polyfit(x, y, 1)[0] * (cfg.steps - cfg.tail_start))
+
+
 def result_of(record: dict, cfg: Config, header: dict) -> dict:
     """The file of one finished (run, seed): its configuration, losses and downsampled
     curves (the record keeps every step; the file keeps blocks of cfg.record_every)."""
@@ -932,6 +943,7 @@ def result_of(record: dict, cfg: Config, header: dict) -> dict:
         "grad_dtype": record["grad_dtype"], "steps": n,
         "final_val_loss": record["val_loss"][-1],
         "tail_val_loss": tail_mean(record["val_steps"], record["val_loss"], cfg),
+        "tail_val_change": tail_change(record["val_steps"], record["val_loss"], cfg),
         "tail_train_loss": tail_mean(range(1, n + 1), record["train_loss"], cfg),
         "tokens_per_s": (cfg.batch * cfg.seq * record["timed_steps"] / timed_s
                          if timed_s > 0 else None),
@@ -1006,8 +1018,9 @@ def summarize(results: list[dict]) -> dict:
         some = next(iter(seeds.values()))
         entry = {"description": some["description"], "recipe": some["recipe"],
                  "seeds": sorted(seeds)}
-        for key in SUMMARIZED + ("tokens_per_s",):
-            entry[key] = stats({s: r[key] for s, r in seeds.items() if r[key] is not None})
+        for key in SUMMARIZED + ("tail_val_change", "tokens_per_s"):
+            entry[key] = stats({s: r[key] for s, r in seeds.items()
+                                if r.get(key) is not None})
         if name != REFERENCE:
             entry["vs_bf16_pct"] = {
                 key: stats({s: 100.0 * (r[key] - ref[s][key]) / ref[s][key]
@@ -1051,8 +1064,9 @@ def markdown_tables(summary: dict) -> str:
     tail_name = f"last {pct}"
     runs = summary["runs"]
     lines = [f"| run | seeds | final val loss | val loss, {tail_name} | final vs bf16 "
-             f"(paired) | {tail_name} vs bf16 (paired) | train loss, {tail_name} | tokens/s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"(paired) | {tail_name} vs bf16 (paired) | train loss, {tail_name} | "
+             f"val loss change over the {tail_name} | tokens/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, e in runs.items():
         vs = e.get("vs_bf16_pct")
         def paired(key):
@@ -1064,7 +1078,8 @@ def markdown_tables(summary: dict) -> str:
         tok_text = f"{tok['mean'] / 1e3:.1f}k" if tok["n"] else "—"
         lines.append(f"| `{name}` | {len(e['seeds'])} | {_pm(e['final_val_loss'])} | "
                      f"{_pm(e['tail_val_loss'])} | {paired('final_val_loss')} | "
-                     f"{paired('tail_val_loss')} | {_pm(e['tail_train_loss'])} | {tok_text} |")
+                     f"{paired('tail_val_loss')} | {_pm(e['tail_train_loss'])} | "
+                     f"{_pm(e['tail_val_change'], '+.4f')} | {tok_text} |")
     seeds = sorted({s for e in runs.values() for s in e["seeds"]})
     val_steps = next(iter(runs.values()))["curves"]["val_steps"]
     tail_evals = [s for s in val_steps if s > tail]
@@ -1072,7 +1087,9 @@ def markdown_tables(summary: dict) -> str:
               f"the {len(tail_evals)} evaluations after step {tail:,} (steps "
               f"{tail_evals[0]:,} to {tail_evals[-1]:,}), and of the train losses of steps "
               f"{tail + 1:,} to {steps:,}. Paired: the difference to bf16 of the same seed, "
-              f"in % of bf16's, averaged over the seeds both runs have (n).", "",
+              f"in % of bf16's, averaged over the seeds both runs have (n). Change over the "
+              f"last {pct}: the slope of the least-squares line through those evaluations "
+              f"times {steps - tail:,} steps (near 0: the run ends on a flat part).", "",
               f"Per seed: final validation loss / {tail_name}; in brackets, each one's "
               "difference to bf16 of the same seed.", "",
               "| run | " + " | ".join(f"seed {s}" for s in seeds) + " |",

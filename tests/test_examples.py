@@ -142,7 +142,7 @@ def test_convergence_seeds_resume_summarize(tmp_path):
         assert cur["val_steps"] == [0, 2, 4] and cur["block_end"] == [2, 4]
         assert math.isclose(r["final_val_loss"], cur["val_loss"][-1], rel_tol=1e-5)
         # Last 20 % of 4 steps: after step 3, the evaluation at step 4 and train step 4.
-        assert r["tail_val_loss"] == r["final_val_loss"]
+        assert r["tail_val_loss"] == r["final_val_loss"] and r["tail_val_change"] is None
         assert all(math.isfinite(v) for v in cur["train_loss"] + cur["grad_norm"])
         assert r["e5m2_underflow"]["steps"] == [0, 2]
         assert len(r["fp8_tracked"]) == (6 if name == "jax_fp8_delayed" else 0)
@@ -219,7 +219,7 @@ def test_convergence_summary_statistics():
         conv.summarize([])
 
 
-def test_convergence_learning_rate_schedule():
+def test_convergence_schedule_and_last_part():
     conv = _load("convergence.py")
     cfg = conv.Config(d_model=8, layers=1, heads=1, seq=8, batch=1, steps=100, lr=1e-3,
                       warmup=10, min_lr_ratio=0.01, decay_fraction=0.8)
@@ -231,6 +231,11 @@ def test_convergence_learning_rate_schedule():
     assert all(a >= b for a, b in zip(vals[10:80], vals[11:81]))         # decay
     assert vals[80:] == [pytest.approx(1e-5)] * 21                       # the floor
     assert vals[45] == pytest.approx(1e-5 + (1e-3 - 1e-5) / 2)          # cosine midpoint
+    # The last part: the values after step 80.
+    steps, vals = [0, 80, 90, 95, 100], [5.0, 3.0, 2.0, 1.5, 1.0]
+    assert conv.tail_mean(steps, vals, cfg) == 1.5
+    assert conv.tail_change(steps, vals, cfg) == pytest.approx(-2.0)   # -0.1 per step x 20
+    assert conv.tail_change(steps[:3], vals[:3], cfg) is None
 
 
 @pytest.mark.slow
