@@ -217,8 +217,10 @@ def _multi_steps(opt_state):
     return found[0] if found else None
 
 
-def _zero_amaxes(fp8):
-    return jax.tree.map(jnp.zeros_like, amax_cotangents(fp8))
+def _zero_amaxes(fp8) -> list:
+    # A flat list of the staged amaxes (tree order of `amax_cotangents`): it checkpoints
+    # as plain arrays whatever container (e.g. PackedStates) holds the states.
+    return [jnp.zeros_like(a) for a in jax.tree.leaves(amax_cotangents(fp8))]
 
 
 def _is_combined(grads, params, collection) -> bool:
@@ -234,7 +236,8 @@ class Fp8TrainState(train_state.TrainState):
     collection never reaches optax: no Adam moments, clipping or weight decay for it).
     ``fp8`` holds the FP8 collection; `apply_gradients` replaces it with one fused
     ``update_states`` call driven by the FP8 gradients. Under ``optax.MultiSteps``,
-    ``fp8_pending`` holds the max of the amaxes seen since the last optimizer step.
+    ``fp8_pending`` holds the max of the amaxes seen since the last optimizer step (a
+    list of float32 arrays, one per state of ``fp8`` in tree order); else None.
     """
 
     fp8: Any = None
@@ -361,13 +364,15 @@ class Fp8TrainState(train_state.TrainState):
         if self.fp8_pending is None:
             return new.replace(fp8=new_fp8_state(self.fp8, fp8_grads, self.recipe))
         state_lib.check_states_follow(self.recipe, self.fp8, "fp8")
-        pending = jax.tree.map(jnp.fmax, self.fp8_pending, amax_cotangents(fp8_grads))
+        staged = jax.tree.leaves(amax_cotangents(fp8_grads))
+        pending = [jnp.fmax(p, a) for p, a in zip(self.fp8_pending, staged, strict=True)]
+        amaxes = jax.tree.unflatten(jax.tree.structure(amax_cotangents(self.fp8)), pending)
         applied = _multi_steps(new.opt_state).gradient_step != \
             _multi_steps(self.opt_state).gradient_step
-        fp8 = jax.lax.cond(
-            applied, lambda: update_states(self.fp8, pending, recipe=self.recipe),
-            lambda: self.fp8)
-        pending = jax.tree.map(lambda p: jnp.where(applied, jnp.zeros_like(p), p), pending)
+        fp8 = jax.lax.cond(applied,
+                           lambda: update_states(self.fp8, amaxes, recipe=self.recipe),
+                           lambda: self.fp8)
+        pending = [jnp.where(applied, jnp.zeros_like(p), p) for p in pending]
         return new.replace(fp8=fp8, fp8_pending=pending)
 
 
