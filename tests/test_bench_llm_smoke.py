@@ -5,6 +5,7 @@ floor arithmetic."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -205,3 +206,29 @@ def test_floor_is_own_gemms_plus_bf16_attention_and_rest():
     assert d["device_ms:vs_flax"] == pytest.approx(80.0 / 75.0)
     assert d["pipelined_over_device"] == pytest.approx(1.01)
     assert "floor_ms" not in per["bf16"]
+
+
+def test_report_and_plot_of_gpu_rows(tmp_path):
+    """The GPU-only parts of the report (family and floor tables) and of the plot."""
+    rows = [_row("bf16", 100.0, bf16_gemm=70.0, attention=10.0, other=20.0),
+            _row("jax_fp8_delayed", 75.0, fp8_gemm=38.0, bf16_gemm=5.0, attention=9.0,
+                 quantize_transpose=3.0, other=20.0)]
+    for r in rows:
+        r.update(label=r["variant"], config=dataclasses.asdict(bench_llm.SIZES["8b_slice"]),
+                 blocked_ms=r["device_ms"] * 1.02, lower_compile_s=5.0, temp_bytes=2 ** 30,
+                 tokens_per_s=1e5, model_tflops_device=500.0)
+    meta = {"settings": {"steps": 10, "warmup": 3, "history_len": 1024, "fp8_lm_head": False,
+                         "scan": False}, "environment": {"device": "NVIDIA H200"},
+            "command": "python bench/bench_llm.py", "total_s": 1.0}
+    data = {"meta": meta, "results": rows, "derived": bench_llm.derive(rows), "failures": [],
+            "skipped": []}
+    md = bench_llm.markdown(data)
+    assert "# Llama-style decoder train step — NVIDIA H200" in md
+    assert ("| jax_fp8_delayed | 38.000 | 5.000 | 9.000 | 0.000 | 0.000 | 3.000 | 0.000 | 0.000 "
+            "| 20.000 | 75.000 |") in md
+    assert ("| jax_fp8_delayed | 43.000 | 9.000 | 23.000 | 73.000 | 1.370 | 0.973 | +3.000 | "
+            "500 |") in md
+    assert "| jax_fp8_delayed | 75.00 | 1.333 | — | 75.75 |" in md
+    pytest.importorskip("matplotlib")
+    assert bench_llm.plot(data, str(tmp_path / "plot.png"))
+    assert (tmp_path / "plot.png").stat().st_size > 1000
