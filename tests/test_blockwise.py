@@ -348,23 +348,47 @@ def test_errors_name_the_argument(bad, err):
         jax_fp8.quantize_blocks(**kwargs)
 
 
+@pytest.mark.parametrize("block_shape", [
+    (1.5, 128), (1.0, 128), (128, 128.0), (True, 128), (-1, 128), (1, -128), (128, 1),
+    (1, 128, 1), (64, 128), "1x128", 128, None, np.array([1, 128])])
+def test_block_shape_is_two_ints_one_of_the_two_shapes(block_shape):
+    """Floats (1.5 was truncated to 1), bools, negative and other sizes, and non-tuples
+    are refused by every function that takes a block_shape, naming it."""
+    x = np.ones((4, 256), F32)
+    for fn in (jax_fp8.quantize_blocks, blockwise.quantize_blocks_transposed,
+               blockwise.quantize_blocks_both):
+        with pytest.raises(ValueError, match="block_shape"):
+            fn(x, block_shape)
+    with pytest.raises(ValueError, match="block_shape"):
+        blockwise.dequantize_blocks(np.zeros((4, 256), jnp.float8_e4m3fn),
+                                    np.ones((4, 2), F32), block_shape)
+
+
+def test_block_shape_accepts_numpy_ints_and_lists():
+    x = np.ones((4, 256), F32)
+    want = jax_fp8.quantize_blocks(x, (1, 128))
+    for shape in ([1, 128], (np.int64(1), np.int32(128))):
+        for a, b in zip(jax_fp8.quantize_blocks(x, shape), want):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_hlo_custom_call_only_on_cuda(backend, device):
     """On CUDA the default is the kernel, one custom call for both copies;
-    implementation="xla" and every other platform lower to XLA's ops."""
+    implementation="jnp" and every other platform lower to XLA's ops."""
     x = jax.device_put(np.ones((256, 256), F32), device)
     opts = FAST_COMPILE if backend == "cpu" else None
     hlo = jax.jit(blockwise.quantize_blocks_both).lower(x).compile(opts).as_text()
     assert (TARGET in hlo) == (backend == "gpu")
     xla = jax.jit(lambda x: bq.block_quantize(
         x, block_rows=1, fp8_dtype=jnp.float8_e4m3fn, power_of_2_scale=True,
-        amax_epsilon=0.0, rowwise=True, colwise=True, implementation="xla")).lower(x).compile(
+        amax_epsilon=0.0, rowwise=True, colwise=True, implementation="jnp")).lower(x).compile(
             opts).as_text()
     assert TARGET not in xla
     if backend == "gpu":
         assert hlo.count(TARGET) == 1, "one kernel for both copies"
         gemm = jax.jit(lambda x: bq.block_quantize(
             x, block_rows=1, fp8_dtype=jnp.float8_e4m3fn, power_of_2_scale=True,
-            amax_epsilon=0.0, colwise=True, implementation="kernel",
+            amax_epsilon=0.0, colwise=True, implementation="auto",
             scale_layout="gemm")).lower(x).compile().as_text()
         assert gemm.count(TARGET) == 1, "the gemm scale layout is the kernel's too"
 
@@ -433,9 +457,9 @@ def test_gpu_kernel_bits_equal_reference_on_gpu(gpu_device, shape, dtype, fp8, b
     clean = np.where(np.isnan(x.astype(F32)), F32(1.5), x.astype(F32)).astype(dtype)
 
     def fn(x, clean):
-        return [(_impl(a, "kernel", block, fp8, *layouts),
-                 _impl(a, "kernel", block, fp8, *layouts, scale_layout="gemm"),
-                 _impl(a, "xla", block, fp8, *layouts)) for a in (x, clean)]
+        return [(_impl(a, "auto", block, fp8, *layouts),
+                 _impl(a, "auto", block, fp8, *layouts, scale_layout="gemm"),
+                 _impl(a, "jnp", block, fp8, *layouts)) for a in (x, clean)]
 
     names = (["row data", "row scale_inv"] if layouts[0] else []) + \
             (["col data", "col scale_inv"] if layouts[1] else [])
@@ -466,7 +490,7 @@ def test_gpu_kernel_bits_equal_reference_on_gpu(gpu_device, shape, dtype, fp8, b
 def test_gpu_kernel_options(gpu_device, pow2, eps):
     x = block_data(np.random.default_rng(12), (300, 700))
     for block in BLOCKS:
-        got = run(gpu_device, lambda x: _impl(x, "kernel", block, FP8[0], True, True,
+        got = run(gpu_device, lambda x: _impl(x, "auto", block, FP8[0], True, True,
                                                          pow2, eps), x)
         check_against_oracle(got[:2], x, block, FP8[0], pow2, eps, what="row-wise")
         check_against_oracle(got[2:], x.T, block, FP8[0], pow2, eps, what="column-wise")
@@ -478,8 +502,8 @@ def test_gpu_kernel_more_tiles_than_grid_y(gpu_device):
     tiles spread over the grid's y and z."""
     x = block_data(np.random.default_rng(13), (70000, 130, 4), ml_dtypes.bfloat16)
     for block in BLOCKS:
-        got = run(gpu_device, lambda x: _impl(x, "kernel", block, FP8[0], True, True), x)
-        want = run(gpu_device, lambda x: _impl(x, "xla", block, FP8[0], True, True), x)
+        got = run(gpu_device, lambda x: _impl(x, "auto", block, FP8[0], True, True), x)
+        want = run(gpu_device, lambda x: _impl(x, "jnp", block, FP8[0], True, True), x)
         for g, w in zip(got, want):
             np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
 
@@ -566,7 +590,7 @@ def test_gpu_kernel_nan_tiles_bits_equal_reference(gpu_device, dtype, fp8, block
     cases = nan_tile_cases(np.random.default_rng(14), dtype)
 
     def fn(xs):
-        return [(_impl(x, "kernel", block, fp8, *layouts), _impl(x, "xla", block, fp8, *layouts))
+        return [(_impl(x, "auto", block, fp8, *layouts), _impl(x, "jnp", block, fp8, *layouts))
                 for x in xs]
 
     failures = []
@@ -608,7 +632,7 @@ def test_gpu_kernel_is_near_memory_bound(gpu_device, shape, block, layouts):
     ran at ~1 TB/s); the achieved rate is printed (pytest -s)."""
     from jax_fp8.devtools import trace
     x = jax.device_put(jax.random.normal(jax.random.key(0), shape, jnp.bfloat16), gpu_device)
-    quant = jax.jit(lambda x: _impl(x, "kernel", block, FP8[0], *layouts, scale_layout="gemm"))
+    quant = jax.jit(lambda x: _impl(x, "auto", block, FP8[0], *layouts, scale_layout="gemm"))
     carry = (x, quant(x))
     jax.block_until_ready(carry)
     steps = 20

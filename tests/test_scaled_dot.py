@@ -177,10 +177,108 @@ def test_jit_vmap_and_disable_jit(backend, device):
         assert np.all(np.abs(np.asarray(eager) - each[0]) <= tol)
 
 
+def _flat_heads(a):
+    """[b, t, h, d] -> [b * h, t, d]: two batch axes as one."""
+    return jnp.transpose(a, (0, 2, 1, 3)).reshape(-1, a.shape[1], a.shape[3])
+
+
+# Batch dimensions: lhs shape, rhs shape, dimension_numbers, the vmapped 2-D reference
+# (scaled_dot_general without batch axes, vmapped over the batch axes flattened into
+# one), and the per-element
+# Dense operands x [M, K], w [K, N], c [M, N] of batch element `i` with how dx, dw map back.
+BATCHED = {
+    "leading": ((3, 32, 128), (3, 128, 48), (((2,), (1,)), ((0,), (0,))),
+                lambda f: jax.vmap(lambda l, r: f(l, r, DENSE))),
+    "attention": ((2, 32, 3, 128), (2, 48, 3, 128), (((3,), (3,)), ((0, 2), (0, 2))),
+                  lambda f: lambda l, r: jax.vmap(
+                      lambda l, r: f(l, r, (((1,), (1,)), ((), ()))))(
+                      _flat_heads(l), _flat_heads(r)).reshape(2, 3, 32, 48)),
+    "inner": ((32, 3, 128), (128, 48, 3), (((2,), (0,)), ((1,), (2,))),
+              lambda f: jax.vmap(lambda l, r: f(l, r, DENSE), in_axes=(1, 2))),
+}
+
+
+def _dense_slices(case, lhs, rhs, c, dl, dr):
+    """[(x, w, c, dx, dw)] per batch element, as the Dense form [M, K] . [K, N]."""
+    if case == "leading":
+        return [(lhs[b], rhs[b], c[b], dl[b], dr[b]) for b in range(lhs.shape[0])]
+    if case == "inner":
+        return [(lhs[:, b], rhs[:, :, b], c[b], dl[:, b], dr[:, :, b])
+                for b in range(lhs.shape[1])]
+    return [(lhs[b, :, h], rhs[b, :, h].T, c[b, h], dl[b, :, h], dr[b, :, h].T)
+            for b in range(lhs.shape[0]) for h in range(lhs.shape[2])]
+
+
+@pytest.mark.parametrize("case", sorted(BATCHED))
+@pytest.mark.parametrize("recipe", ["block", "current"])
+def test_batch_dimensions_are_the_vmapped_2d_product(recipe, case):
+    """Batch axes (leading, attention-style two of them, inner): forward and both
+    gradients equal, bit for bit, the vmap of the call without batch axes, and each batch
+    element is within its GEMM bounds of the exact product of the oracle's operands."""
+    r = RECIPES[recipe]
+    lhs_shape, rhs_shape, dims, vmapped = BATCHED[case]
+    rng = np.random.default_rng(7)
+    lhs = (rng.normal(size=lhs_shape) * np.exp2(rng.integers(-3, 4, lhs_shape[:2] + (1,) * (
+        len(lhs_shape) - 2)))).astype(F32)
+    rhs = (rng.normal(size=rhs_shape) * 0.05).astype(F32)
+    out_shape = jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dims), lhs, rhs).shape
+    c = rng.normal(size=out_shape).astype(F32)
+
+    def step(gemm):
+        def f(lhs, rhs):
+            out = gemm(lhs, rhs)
+            return jnp.sum(out * c), out
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+
+    sdg = lambda a, b, d: scaled_dot_general(a, b, d, r)  # noqa: E731
+    got = step(lambda a, b: sdg(a, b, dims))(lhs, rhs)
+    want = step(vmapped(sdg))(lhs, rhs)
+    (_, out), (dl, dr) = got
+    assert out.shape == out_shape and dl.shape == lhs.shape and dr.shape == rhs.shape
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # the public entry points take them too, with the same bits
+    meta = jax_fp8.Fp8Meta.create(r)
+    got_public = step(lambda a, b: jax_fp8.fp8_dot_general(a, b, dims, meta)[0])(lhs, rhs)
+    for a, b in zip(jax.tree.leaves(got_public), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    out_d = out if case != "attention" else np.asarray(out)
+    outs = ([out_d[b] for b in range(out.shape[0])] if case != "attention" else
+            [out_d[b, h] for b in range(out.shape[0]) for h in range(out.shape[1])])
+    m, k = lhs_shape[1 if case != "inner" else 0], 128
+    for o, (x, w, cc, dx, dw) in zip(outs, _dense_slices(case, lhs, rhs, c, np.asarray(dl),
+                                                         np.asarray(dr))):
+        (e_out, s_out), (e_dx, s_dx), (e_dw, s_dw) = expected(r, x, w, cc)
+        tg.assert_within(o, e_out, s_out, coefficient(r, k, "cpu"), F32, f"{case} forward")
+        tg.assert_within(dx, e_dx, s_dx, coefficient(r, w.shape[1], "cpu"), F32, "dgrad")
+        tg.assert_within(dw, e_dw, s_dw, coefficient(r, m, "cpu"), F32, "wgrad")
+
+
+def test_attention_einsum_switches_recipe_by_one_argument():
+    """The same attention-style fp8_einsum runs under all three recipes; the stateless ones
+    give the vmap of the per-(batch, head) product."""
+    rng = np.random.default_rng(8)
+    q = rng.normal(size=(2, 32, 3, 128)).astype(F32)
+    k = rng.normal(size=(2, 48, 3, 128)).astype(F32)
+    want = np.einsum("bqhd,bkhd->bhqk", q.astype(np.float64), k.astype(np.float64))
+    for recipe in (jax_fp8.DelayedScaling(), RECIPES["current"], RECIPES["block"]):
+        meta = jax_fp8.Fp8Meta.create(recipe)
+        with jax_fp8.frozen_scales():
+            out, _ = jax_fp8.fp8_einsum("bqhd,bkhd->bhqk", q, k, meta)
+        assert out.shape == want.shape
+        # E4M3's relative rounding of each operand (2**-4 each) bounds the error by
+        # (2 * 2**-4 + 2**-8) * sum |q||k| (scale 1 for the delayed state: no underflow)
+        s = np.einsum("bqhd,bkhd->bhqk", np.abs(q).astype(np.float64), np.abs(k))
+        assert np.all(np.abs(np.asarray(out, np.float64) - want) <= 0.13 * s + 1e-6), recipe
+
+
 def test_errors():
     x, w = np.ones((8, 16), F32), np.ones((16, 4), F32)
-    with pytest.raises(NotImplementedError, match="batch"):
-        scaled_dot_general(x[None], w[None], (((2,), (1,)), ((0,), (0,))), RECIPES["block"])
+    with pytest.raises(ValueError, match="batch"):
+        scaled_dot_general(x[None], np.stack([w, w]), (((2,), (1,)), ((0,), (0,))),
+                           RECIPES["block"])   # batch sizes 1 and 2
+    with pytest.raises(ValueError, match="batch"):
+        scaled_dot_general(x[None], w[None], (((2,), (1,)), ((0, 1), (0,))), RECIPES["block"])
     with pytest.raises(TypeError, match="recipe"):
         scaled_dot_general(x, w, DENSE, jax_fp8.DelayedScaling())
     with pytest.raises(ValueError, match="contracting"):
