@@ -103,9 +103,8 @@ jax.tree_util.register_pytree_with_keys(
 # "jax_fp8.ScalingState" (deserializing it needs `import jax_fp8`).
 jax_export.register_pytree_node_serialization(
     ScalingState, serialized_name="jax_fp8.ScalingState",
-    serialize_auxdata=lambda aux: ",".join(np.dtype(d).name for d in aux).encode(),
-    deserialize_auxdata=lambda data: tuple(np.dtype(getattr(jnp, name))
-                                           for name in data.decode().split(",")))
+    serialize_auxdata=lambda fp8_dtype: np.dtype(fp8_dtype).name.encode(),
+    deserialize_auxdata=lambda data: np.dtype(getattr(jnp, data.decode())))
 
 
 def is_state(x) -> bool:
