@@ -1,11 +1,37 @@
-"""FP8 backward on a mesh with Explicit axes: the gradient GEMMs contract over the
-sharded batch axis, so they must name their output sharding (as JAX's own dot rule
-does); the sharded gradients equal the single-device ones."""
+"""FP8 backward on a mesh with Explicit axes, every recipe: the gradient GEMMs contract
+over the sharded batch axis, so they must name their output sharding (as JAX's own dot
+rule does). Delayed and current scaling give one device's gradients (the kernel gradient,
+a sum over the sharded rows, within its summation bound; bit for bit where the sum is
+exact); block scaling refuses Explicit axes with an error that says what to use."""
+
+import pytest
 
 import helpers
 
 
-def test_fp8_dot_general_grad_on_explicit_mesh():
-    res = helpers.run_8_device_worker("explicit_mesh_worker.py")
-    assert res["equal"], res
+@pytest.fixture(scope="module")
+def results():
+    return helpers.run_8_device_worker("explicit_mesh_worker.py")
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize("size", ["small", "blocks"])
+def test_fp8_dot_general_grad_on_explicit_mesh(results, recipe, size):
+    res = results[f"{recipe}/{size}"]
+    assert "error" not in res, res
+    assert res["dx_equal"] and res["meta_equal"], res
+    assert res["dw_err_over_bound"] <= 1, res
+    if size == "small":   # 8 rows per device: the FP8 products' sums are exact
+        assert res["dw_equal"], res
     assert res["specs"][1] in ("P('data', None)", "PartitionSpec('data', None)"), res  # dx like x
+    assert res["specs"][0] in ("P(None, None)", "PartitionSpec(None, None)", "P()"), res
+
+
+@pytest.mark.parametrize("size", ["small", "blocks"])
+def test_block_scaling_on_explicit_mesh_is_a_clear_error(results, size):
+    res = results[f"block/{size}"]
+    if "error" not in res:   # supported: then it must give one device's numbers
+        assert res["dx_equal"] and res["meta_equal"] and res["dw_err_over_bound"] <= 1, res
+        return
+    assert res["error"].startswith("NotImplementedError"), res
+    assert "Explicit" in res["error"] and "Auto" in res["error"], res

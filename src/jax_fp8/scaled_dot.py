@@ -209,7 +209,8 @@ def _current_forward(x, w, recipe, out_dtype, keep):
     fwd = recipe.fp8_format.fwd_dtype
     qx, sx = _current(x, recipe, fwd)
     qw, sw = _current(w, recipe, fwd)
-    out = _gemms.gemm(qx, qw, (((1,), (0,)), ((), ())), sx, sw, out_dtype)
+    out = _gemms.gemm(qx, qw, (((1,), (0,)), ((), ())), sx, sw, out_dtype,
+                      out_sharding=_product_sharding(qx, qw))
     return out, ((qx, sx, qw, sw) if keep else None)
 
 
@@ -217,7 +218,25 @@ def _current_backward(recipe, residuals, g, x_dtype, w_dtype):
     qx, sx, qw, sw = residuals
     qg, sg = _current(g, recipe, recipe.fp8_format.bwd_dtype)
     hi = lax.Precision.HIGHEST
-    dx = _gemms.gemm(qg, qw, _TN, sg, sw, x_dtype, precision=hi)          # [M, N] . [K, N]^T
+    # Each gradient takes its primal's sharding (a mesh with Explicit axes needs it named
+    # where the GEMM contracts over a sharded axis, as wgrad does under data parallelism).
+    dx = _gemms.gemm(qg, qw, _TN, sg, sw, x_dtype, precision=hi,          # [M, N] . [K, N]^T
+                     out_sharding=_gemms.permuted_sharding(qx, (0, 1), like=(qg, qw)))
     dw = _gemms.gemm(layout.rotate_axes(qx, 1), layout.rotate_axes(qg, 1), _TN, sx, sg,
-                     w_dtype, precision=hi)                                # [K, M] . [N, M]^T
+                     w_dtype, precision=hi,                                # [K, M] . [N, M]^T
+                     out_sharding=_gemms.permuted_sharding(qw, (0, 1), like=(qx, qg)))
     return dx, dw
+
+
+def _product_sharding(x, w):
+    """On a mesh with Explicit axes: x [M, K] . w [K, N] sharded as x's rows and w's
+    columns (a sharded K is summed over); None elsewhere."""
+    rows = _gemms.permuted_sharding(x, (0, 1), like=(w,))
+    cols = _gemms.permuted_sharding(w, (0, 1), like=(x,))
+    if rows is None or cols is None:
+        return None
+    m, n = rows.spec[0] if rows.spec else None, cols.spec[1] if len(cols.spec) > 1 else None
+    names = lambda a: set(a if isinstance(a, tuple) else (a,)) - {None}  # noqa: E731
+    if names(m) & names(n):
+        n = None   # one mesh axis cannot shard both
+    return rows.update(spec=jax.sharding.PartitionSpec(m, n))
