@@ -67,9 +67,19 @@ import time
 import warnings
 from typing import Any, Callable
 
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+from flax.linen import fp8_ops
+from flax.training import train_state
 
 import common
+import jax_fp8
+from jax_fp8.devtools import compilation, hlo, trace
+from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8TrainState
 
 # --------------------------------------------------------------------------------------
 # Sizes.
@@ -122,124 +132,114 @@ DEFAULT_SIZES = ("1b", "8b_slice")
 
 
 # --------------------------------------------------------------------------------------
-# The model. Imported lazily: the parent process never starts a jax backend (on a GPU it
-# would take the memory its workers need).
+# The model.
 # --------------------------------------------------------------------------------------
 
-def _jax():
-    import jax
-    import jax.numpy as jnp
-    return jax, jnp
+dense = functools.partial(nn.Dense, use_bias=False, dtype=jnp.bfloat16,
+                          param_dtype=jnp.float32)
 
 
-@functools.lru_cache(maxsize=None)
-def model_classes():
-    """The Flax modules (defined on first use, after jax and flax are imported)."""
-    jax, jnp = _jax()
-    import flax.linen as nn
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * scale, in float32, returned in bf16."""
 
-    dense = functools.partial(nn.Dense, use_bias=False, dtype=jnp.bfloat16,
-                              param_dtype=jnp.float32)
+    eps: float = 1e-5
 
-    class RMSNorm(nn.Module):
-        """x * rsqrt(mean(x^2) + eps) * scale, in float32, returned in bf16."""
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * scale).astype(jnp.bfloat16)
 
-        eps: float = 1e-5
 
-        @nn.compact
-        def __call__(self, x):
-            scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
-            x32 = x.astype(jnp.float32)
-            y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-            return (y * scale).astype(jnp.bfloat16)
+class NormDense(nn.Module):
+    """RMSNorm, then a bias-free projection: the pair a fused norm+quantize kernel
+    replaces."""
 
-    class NormDense(nn.Module):
-        """RMSNorm, then a bias-free projection: the pair a fused norm+quantize kernel
-        replaces."""
+    features: int
+    dot_general_cls: Any = None
 
-        features: int
-        dot_general_cls: Any = None
+    @nn.compact
+    def __call__(self, x):
+        h = RMSNorm(name="norm")(x)
+        return dense(self.features, dot_general_cls=self.dot_general_cls, name="proj")(h)
 
-        @nn.compact
-        def __call__(self, x):
-            h = RMSNorm(name="norm")(x)
-            return dense(self.features, dot_general_cls=self.dot_general_cls, name="proj")(h)
 
-    class SwiGLUDown(nn.Module):
-        """silu(gate) * up from the fused gate/up output ``[..., 2 * ffn]``, then the down
-        projection: the pair a fused activation+quantize kernel replaces."""
+class SwiGLUDown(nn.Module):
+    """silu(gate) * up from the fused gate/up output ``[..., 2 * ffn]``, then the down
+    projection: the pair a fused activation+quantize kernel replaces."""
 
-        features: int
-        dot_general_cls: Any = None
+    features: int
+    dot_general_cls: Any = None
 
-        @nn.compact
-        def __call__(self, gate_up):
-            gate, up = jnp.split(gate_up, 2, axis=-1)
-            h = nn.silu(gate) * up
-            return dense(self.features, dot_general_cls=self.dot_general_cls, name="proj")(h)
+    @nn.compact
+    def __call__(self, gate_up):
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        h = nn.silu(gate) * up
+        return dense(self.features, dot_general_cls=self.dot_general_cls, name="proj")(h)
 
-    def rope(x, positions):
-        """Rotary position embedding of ``x`` [batch, seq, heads, head_dim] (halves rotated)."""
-        half = x.shape[-1] // 2
-        freq = 10000.0 ** (-jnp.arange(half, dtype=jnp.float32) / half)
-        angle = positions[:, None].astype(jnp.float32) * freq[None, :]      # [seq, half]
-        cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
-        x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-        return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin],
-                               axis=-1).astype(x.dtype)
 
-    class Block(nn.Module):
-        """One decoder block on the residual stream ``x`` [batch * seq, d] (2-D, so every
-        projection is a plain [tokens, K] x [K, N] GEMM)."""
+def apply_rope(x, positions):
+    """Rotary position embedding of ``x`` [batch, seq, heads, head_dim] (halves rotated)."""
+    half = x.shape[-1] // 2
+    freq = 10000.0 ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions[:, None].astype(jnp.float32) * freq[None, :]      # [seq, half]
+    cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin],
+                           axis=-1).astype(x.dtype)
 
-        size: Size
-        layers: Any          # Layers
-        rope: bool = True
 
-        @nn.compact
-        def __call__(self, x, _=None):
-            s, lay = self.size, self.layers
-            qkv = lay.norm_dense(3 * s.d, lay.dot_general_cls, name="attn_in")(x)
-            qkv = qkv.reshape(s.batch, s.seq, 3, s.heads, s.head_dim)
-            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-            if self.rope:
-                pos = jnp.arange(s.seq)
-                q, k = rope(q, pos), rope(k, pos)
-            att = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                               implementation=lay.attention)
-            att = att.reshape(s.tokens, s.d)
-            x = x + dense(s.d, dot_general_cls=lay.dot_general_cls, name="attn_out")(att)
-            gate_up = lay.norm_dense(2 * s.ffn, lay.dot_general_cls, name="mlp_in")(x)
-            x = x + lay.act_dense(s.d, lay.dot_general_cls, name="mlp_out")(gate_up)
-            return x, None
+class Block(nn.Module):
+    """One decoder block on the residual stream ``x`` [batch * seq, d] (2-D, so every
+    projection is a plain [tokens, K] x [K, N] GEMM)."""
 
-    class Decoder(nn.Module):
-        """Tokens [batch, seq] -> logits [batch * seq, vocab] (bf16)."""
+    size: Size
+    layers: Any          # Layers
+    rope: bool = True
 
-        size: Size
-        layers: Any          # Layers
-        scan: bool = False
-        rope: bool = True
+    @nn.compact
+    def __call__(self, x, _=None):
+        s, lay = self.size, self.layers
+        qkv = lay.norm_dense(3 * s.d, lay.dot_general_cls, name="attn_in")(x)
+        qkv = qkv.reshape(s.batch, s.seq, 3, s.heads, s.head_dim)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        if self.rope:
+            pos = jnp.arange(s.seq)
+            q, k = apply_rope(q, pos), apply_rope(k, pos)
+        att = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                           implementation=lay.attention)
+        att = att.reshape(s.tokens, s.d)
+        x = x + dense(s.d, dot_general_cls=lay.dot_general_cls, name="attn_out")(att)
+        gate_up = lay.norm_dense(2 * s.ffn, lay.dot_general_cls, name="mlp_in")(x)
+        x = x + lay.act_dense(s.d, lay.dot_general_cls, name="mlp_out")(gate_up)
+        return x, None
 
-        @nn.compact
-        def __call__(self, tokens):
-            s, lay = self.size, self.layers
-            x = nn.Embed(s.vocab, s.d, dtype=jnp.bfloat16, param_dtype=jnp.float32,
-                         embedding_init=nn.initializers.normal(0.02),
-                         name="embed")(tokens.reshape(-1))
-            if self.scan:
-                axes = {c: 0 for c in ("params", *lay.stacked_collections)}
-                blocks = nn.scan(Block, variable_axes=axes, split_rngs={"params": True},
-                                 length=s.layers)
-                x, _ = blocks(s, lay, self.rope, name="blocks")(x, None)
-            else:
-                for i in range(s.layers):
-                    x, _ = Block(s, lay, self.rope, name=f"block{i}")(x)
-            x = RMSNorm(name="final_norm")(x)
-            return dense(s.vocab, dot_general_cls=lay.head_dot_general_cls, name="lm_head")(x)
 
-    return {"RMSNorm": RMSNorm, "NormDense": NormDense, "SwiGLUDown": SwiGLUDown,
-            "Block": Block, "Decoder": Decoder}
+class Decoder(nn.Module):
+    """Tokens [batch, seq] -> logits [batch * seq, vocab] (bf16)."""
+
+    size: Size
+    layers: Any          # Layers
+    scan: bool = False
+    rope: bool = True
+
+    @nn.compact
+    def __call__(self, tokens):
+        s, lay = self.size, self.layers
+        x = nn.Embed(s.vocab, s.d, dtype=jnp.bfloat16, param_dtype=jnp.float32,
+                     embedding_init=nn.initializers.normal(0.02),
+                     name="embed")(tokens.reshape(-1))
+        if self.scan:
+            axes = {c: 0 for c in ("params", *lay.stacked_collections)}
+            blocks = nn.scan(Block, variable_axes=axes, split_rngs={"params": True},
+                             length=s.layers)
+            x, _ = blocks(s, lay, self.rope, name="blocks")(x, None)
+        else:
+            for i in range(s.layers):
+                x, _ = Block(s, lay, self.rope, name=f"block{i}")(x)
+        x = RMSNorm(name="final_norm")(x)
+        return dense(s.vocab, dot_general_cls=lay.head_dot_general_cls, name="lm_head")(x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,46 +259,37 @@ class Layers:
     stacked_collections: tuple = ()
 
     def resolved(self) -> "Layers":
-        classes = model_classes()
-        return dataclasses.replace(self, norm_dense=self.norm_dense or classes["NormDense"],
-                                   act_dense=self.act_dense or classes["SwiGLUDown"])
+        return dataclasses.replace(self, norm_dense=self.norm_dense or NormDense,
+                                   act_dense=self.act_dense or SwiGLUDown)
 
 
 # --------------------------------------------------------------------------------------
 # Variants.
 # --------------------------------------------------------------------------------------
 
-def _flax_fp8():
-    from flax.linen import fp8_ops
-    op = getattr(fp8_ops, "Fp8DirectDotGeneralOp", None) or fp8_ops.Fp8DotGeneralOp
-    owg = getattr(fp8_ops, "OVERWRITE_WITH_GRADIENT", "_overwrite_with_gradient")
-    return op, owg
+FLAX_OP = getattr(fp8_ops, "Fp8DirectDotGeneralOp", None) or fp8_ops.Fp8DotGeneralOp
+FLAX_OWG = getattr(fp8_ops, "OVERWRITE_WITH_GRADIENT", "_overwrite_with_gradient")
 
 
 def _flax_layers(args):
-    op, owg = _flax_fp8()
-    return Layers(dot_general_cls=functools.partial(op, amax_history_length=args.history_len),
-                  stacked_collections=(owg,))
+    return Layers(dot_general_cls=functools.partial(FLAX_OP, amax_history_length=args.history_len),
+                  stacked_collections=(FLAX_OWG,))
 
 
-def _jax_fp8_layers(args, recipe):
-    from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral
+def _jax_fp8_layers(recipe):
     return Layers(dot_general_cls=functools.partial(Fp8DotGeneral, recipe=recipe),
                   stacked_collections=(FP8_COLLECTION,))
 
 
 def _delayed(args):
-    import jax_fp8
     return jax_fp8.DelayedScaling(history_len=args.history_len)
 
 
 def _current(args):
-    import jax_fp8
     return jax_fp8.Float8CurrentScaling()
 
 
 def _block(args):
-    import jax_fp8
     return jax_fp8.Float8BlockScaling()
 
 
@@ -322,7 +313,7 @@ class Variant:
         elif self.kind == "flax":
             lay = _flax_layers(args)
         elif self.kind == "jax_fp8":
-            lay = _jax_fp8_layers(args, self.recipe(args))
+            lay = _jax_fp8_layers(self.recipe(args))
         else:
             lay = Layers()
         head = lay.dot_general_cls if args.fp8_lm_head else lay.head_dot_general_cls
@@ -353,22 +344,16 @@ def attention_impl(args):
 # --------------------------------------------------------------------------------------
 
 def xent(logits, labels):
-    import optax
-    _, jnp = _jax()
     return optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(jnp.float32), labels.reshape(-1)).mean()
 
 
 def make_model(variant, size, args):
-    return model_classes()["Decoder"](size, variant.make_layers(args), scan=args.scan,
-                                      rope=not args.no_rope)
+    return Decoder(size, variant.make_layers(args), scan=args.scan, rope=not args.no_rope)
 
 
 def make_state(variant, size, args, tokens):
     """A fresh train state (parameters from ``args.seed``, the same for every variant)."""
-    jax, _ = _jax()
-    import optax
-    from flax.training import train_state
     model = make_model(variant, size, args)
     variables = jax.jit(model.init)(jax.random.key(args.seed), tokens)
     tx = optax.adamw(args.lr, weight_decay=0.1)
@@ -376,27 +361,22 @@ def make_state(variant, size, args, tokens):
         return train_state.TrainState.create(apply_fn=model.apply, params=variables["params"],
                                              tx=tx)
     if variant.kind == "flax":
-        _, owg = _flax_fp8()
         return train_state.TrainState.create(
             apply_fn=model.apply, tx=tx,
-            params={"params": variables["params"], owg: variables[owg]})
+            params={"params": variables["params"], FLAX_OWG: variables[FLAX_OWG]})
     return jax_fp8_state(model, variables, tx, variant.recipe(args))
 
 
 def jax_fp8_state(model, variables, tx, recipe):
     """jax_fp8's train state for ``variables`` (params and the FP8 collection)."""
-    from jax_fp8.flax import Fp8TrainState
     return Fp8TrainState.create(apply_fn=model.apply, variables=variables, tx=tx, recipe=recipe)
 
 
 def plain_step(state, tokens, labels):
     """bf16, and Flax FP8: the gradients of Flax's "_overwrite_with_gradient" collection ARE
     its new FP8 variables, which TrainState.apply_gradients writes (adamw sees "params")."""
-    jax, _ = _jax()
-    _, owg = _flax_fp8()
-
     def loss_fn(variables):
-        v = variables if owg in variables else {"params": variables}
+        v = variables if FLAX_OWG in variables else {"params": variables}
         return xent(state.apply_fn(v, tokens), labels)
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
     return state.apply_gradients(grads=grads), loss
@@ -498,7 +478,6 @@ def _fusion_family(mod, ins) -> str:
 
 def hlo_families(program) -> dict[str, str]:
     """{kernel name (`hlo.kernel_name`): family} of every kernel-level instruction."""
-    from jax_fp8.devtools import hlo
     mod = hlo.parse(program)
     out = {hlo.kernel_name(g.name): "fp8_gemm" if g.fp8 else "bf16_gemm" for g in hlo.gemms(mod)}
     for ins in hlo.kernel_instructions(mod):
@@ -535,7 +514,6 @@ def _gemm_name_fp8(name: str):
 
 def event_family(event, families) -> tuple[str, str]:
     """(family, how it was decided) of one trace event, ``families`` from `hlo_families`."""
-    from jax_fp8.devtools import hlo
     name = str(event.get("name", ""))
     hlo_op = (event.get("args") or {}).get("hlo_op")
     key = hlo.kernel_name(name)
@@ -586,7 +564,6 @@ def log(msg):
 def time_steps(step, state, args):
     """Warm-up, blocked and pipelined steps: (state, {blocked_ms, blocked_ms_all,
     pipelined_ms, dispatch_ms}, losses)."""
-    jax, _ = _jax()
     losses, out = [], {}
     for _ in range(args.warmup):
         state, loss = step(state)
@@ -612,7 +589,6 @@ def time_steps(step, state, args):
 
 
 def hlo_summary(mod):
-    from jax_fp8.devtools import hlo
     gemms = hlo.gemms(mod)
     calls = hlo.custom_calls(mod)
     return {"kernels": len(hlo.kernel_instructions(mod)), "gemms_fp8": sum(g.fp8 for g in gemms),
@@ -624,9 +600,6 @@ def hlo_summary(mod):
 
 def measure(variant, size, args, progress=log):
     """Measures ``variant`` at ``size`` in this process; returns its result row."""
-    jax, jnp = _jax()
-    import jax_fp8
-    from jax_fp8.devtools import compilation, hlo, trace
     tag = f"{size.name} {variant.name}"
     platform = common.platform_name()
     row = {"size": size.name, "variant": variant.name, "label": variant.label,
@@ -851,7 +824,8 @@ def markdown(data):
         rows = [r for r in data["results"] if r["size"] == key]
         c = rows[0]["config"]
         lines += ["", f"## {key}: d {c['d']}, {c['heads']} heads, ffn {c['ffn']}, "
-                      f"{c['layers']} blocks, {c['batch']} × {c['seq']} tokens, vocab {c['vocab']}",
+                      f"{c['layers']} blocks, {c['batch']} × {c['seq']} tokens, "
+                      f"vocab {c['vocab']}",
                   "", "| variant | device ms | × bf16 | × Flax FP8 | pipelined ms | × bf16 | "
                       "× Flax FP8 | pipelined / device | blocked ms | tokens/s | compile s | "
                       "temp GiB |", "|---|" + "---:|" * 11]
@@ -869,7 +843,8 @@ def markdown(data):
         fam_rows = [r for r in rows if r.get("families_ms")]
         if fam_rows:
             lines += ["", "Device ms per step by kernel family:", "",
-                      "| variant | " + " | ".join(FAMILY_LABELS[f] for f in FAMILIES) + " | total |",
+                      "| variant | " + " | ".join(FAMILY_LABELS[f] for f in FAMILIES)
+                      + " | total |",
                       "|---|" + "---:|" * (len(FAMILIES) + 1)]
             for r in fam_rows:
                 lines.append(f"| {r['label']} | " + " | ".join(
@@ -1025,6 +1000,7 @@ def run(argv=None):
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
     if args.worker:
         return worker(args)
+    # This process starts no jax backend (on a GPU it would hold memory the workers need).
     os.makedirs(args.outdir, exist_ok=True)
     plan = [(SIZES[s], VARIANTS[v]) for s in args.sizes for v in args.variants]
     t_all = time.perf_counter()
@@ -1060,8 +1036,8 @@ def run(argv=None):
                     meta["environment"] = {k: env.get(k) for k in (
                         "device", "platform", "device_count", "jax_version", "jaxlib_version",
                         "jax_fp8_version", "has_cpu_kernel", "has_cuda_kernel", "xla_flags")}
-                    meta["environment"]["flax_version"] = _version("flax")
-                    meta["environment"]["optax_version"] = _version("optax")
+                    meta["environment"].update(flax_version=flax.__version__,
+                                               optax_version=optax.__version__)
                 return row, errors
             runs.measure(where, measure_one, _summary, progress)
             save_plot(runs.data(partial=True), args.outdir)
@@ -1069,14 +1045,6 @@ def run(argv=None):
     save_plot(data, args.outdir)
     common.print_report(data, args.outdir)
     return data
-
-
-def _version(package):
-    try:
-        from importlib.metadata import version
-        return version(package)
-    except Exception:  # noqa: BLE001 - not installed as a distribution
-        return None
 
 
 def main(argv=None):

@@ -139,7 +139,7 @@ HLO = """HloModule m
 %fused_act_q (p0: bf16[8,128]) -> f8e4m3fn[8,128] {
   %p0 = bf16[8,128]{1,0} parameter(0)
   %s = bf16[8,128]{1,0} logistic(%p0), metadata={op_name="jit(step)/block0/mlp_out/logistic"}
-  ROOT %c = f8e4m3fn[8,128]{1,0} convert(%s), metadata={op_name="jit(step)/block0/mlp_out/proj/Fp8DotGeneral_0/convert_element_type"}
+  ROOT %c = f8e4m3fn[8,128]{1,0} convert(%s), metadata={op_name="jit(step)/mlp_out/proj/convert"}
 }
 
 %fused_q (p0: bf16[8,128]) -> f8e5m2[128,8] {
@@ -169,8 +169,8 @@ ENTRY %main (a: bf16[8,128], w: f8e4m3fn[128,128]) -> bf16[8,128] {
   %act_q.2 = f8e4m3fn[8,128]{1,0} fusion(%a), kind=kLoop, calls=%fused_act_q
   %q.3 = f8e5m2[128,8]{1,0} fusion(%a), kind=kInput, calls=%fused_q
   %amax.4 = f32[] fusion(%a), kind=kInput, calls=%fused_amax
-  %att.5 = (bf16[8,128]{1,0}, u8[0]{0}) custom-call(%a, %a, %a), custom_call_target="__cudnn$fmhaSoftmax"
-  %g.6 = (bf16[8,128]{1,0}, s8[4]{0}) custom-call(%norm_q.1, %w), custom_call_target="__cublas$lt$matmul$f8"
+  %att.5 = (bf16[8,128], u8[0]) custom-call(%a), custom_call_target="__cudnn$fmhaSoftmax"
+  %g.6 = (bf16[8,128], s8[4]) custom-call(%norm_q.1, %w), custom_call_target="__cublas$lt$matmul$f8"
   %u.7 = f32[2]{0} custom-call(%a), custom_call_target="jax_fp8_update"
   ROOT %add.8 = bf16[8,128]{1,0} fusion(%a, %a), kind=kLoop, calls=%fused_add
 }
