@@ -6,12 +6,9 @@
 // nvidia-cublas wheel JAX's CUDA plugin uses), on first use.
 //
 // Operands (row-major): a [..., M, K], b [..., N, K] (FP8), out [..., M, N] = a . b^T.
-// Scales, in the layout cuBLASLt reads (the Python lowering transposes and pads them):
-//   1 x 128 blocks of an operand [R, K]:   float32 [..., ceil(K/128), round_up(R, 4)]
-//   128 x 128 tiles of an operand [R, K]:  float32 [..., ceil(R/128), round_up(ceil(K/128), 4)]
+// Scales in the layout cuBLASLt reads (block_scale_layout.h), one array per GEMM of the batch.
 #include <cstddef>
 #include <cstdint>
-#include <string>
 
 #include <cuda_runtime.h>
 
@@ -23,11 +20,6 @@ namespace jax_fp8 {
 // cuBLASLt handle and the plan), registered together as the target's handler bundle.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp8BlockGemmCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp8BlockGemmInitializeCuda);
-
-// dlopen()s libcublasLt at `path` and resolves the entry points used here; returns
-// cublasLtGetVersion() (e.g. 120900), or 0 with *error set. Once a library is loaded,
-// later calls return its version whatever the path. Host only: needs no GPU.
-size_t LoadCublasLt(const std::string& path, std::string* error);
 
 // One GEMM of the batch, for the plain CUDA kernel used where cuBLASLt has no algorithm
 // (a shape, alignment or type combination it rejects). Scales in the layout above;

@@ -12,7 +12,7 @@
 //   over the thread's 16 rows, then over the 8 warps through shared memory, a 128 x 128
 //   tile the max over the CTA. A NaN has bits above inf's, so the maxima say for free
 //   whether the tile holds a NaN; only such a tile (one CTA-uniform branch) recomputes
-//   its maxima with NaN read as 0 and patches the NaN bytes (SPEC.md: fmaxf from 0, NaN
+//   its maxima with NaN read as 0 and patches the NaN bytes (docs/semantics.md: fmaxf from 0, NaN
 //   ignored; a NaN quantizes to the type's quiet NaN with x's sign).
 // - The 256 scales of a tile (128 row blocks, 128 column blocks) are computed by one
 //   thread each (one IEEE division per thread) and shared through shared memory;
@@ -34,9 +34,9 @@
 //   Whole tiles take a branch-free path (16 vector loads, 16 word stores).
 // - Grid: one CTA per tile, (column tiles, row tiles x batch over y and z); 18 KB of
 //   shared memory, 64 registers (16-bit inputs: 4 CTAs, 128 KB of loads in flight per
-//   SM; ptxas spills two invariant words) or 128 (float32: 2 CTAs, no spills). x [8192, 4096]: 2048 CTAs, 3.9 waves on 132 SMs.
-//   A 1 x 128, both-layouts pass over it moves 64 MiB in, 2 x 32 MiB out and 2 MiB of
-//   scales (~45 us at 3 TB/s) with ~14 instructions per element (~14 us of issue time).
+//   SM; ptxas spills two invariant words) or 128 (float32: 2 CTAs, no spills). A 1 x 128,
+//   both-layouts pass moves the input once, both FP8 copies once and the scales, with
+//   ~14 instructions per element: memory-bound.
 // The scale arithmetic is IEEE float32 (no flush-to-zero, correctly rounded division), so
 // the bits are those of the jax.numpy reference (jax_fp8/_primitives/block_quantize.py).
 // tests/test_block_quantize_host.py compiles this file for the host (tests/cuda/host_cuda.h:
@@ -48,6 +48,7 @@
 #include <cuda_fp8.h>
 
 #include "block_quantize_cuda.h"
+#include "block_scale_layout.h"
 #include "scaling_math.h"
 
 namespace jax_fp8 {
@@ -149,7 +150,7 @@ __device__ __forceinline__ void Load4(const In* __restrict__ p, int n_valid, boo
   }
 }
 
-// SPEC.md "Scale from an amax" (Transformer Engine's compute_scale_from_amax).
+// docs/semantics.md, "Scale from an amax" (Transformer Engine's compute_scale_from_amax).
 __device__ __forceinline__ float ScaleFromAmax(float amax, float fp8_max, float epsilon,
                                                bool power_of_2) {
   if (amax < epsilon) amax = epsilon;
@@ -322,20 +323,19 @@ struct Smem {
 };
 
 // Where scale_inv of block (i, j) of one operand goes: the spec layout [.., I, J] or the
-// block GEMM's (cuBLASLt's) layout: 1-D blocks of an operand [R, K] as [.., Kb, round_up(R,
-// 4)], 128 x 128 tiles as [.., Rb, round_up(Kb, 4)] (the padding holds 1.0).
+// block GEMM's (cuBLASLt's) layout of block_scale_layout.h (the padding holds 1.0).
 struct ScaleOut {
   float* p;
   int64_t stride_i, stride_j, batch_stride;
 };
 
-__host__ __device__ inline int64_t RoundUp4(int64_t n) { return (n + 3) / 4 * 4; }
-
 // i counts rows (1-D) or row tiles (2-D) of an operand with `n_i` of them; j its K tiles.
 inline ScaleOut MakeScaleOut(float* p, int64_t n_i, int64_t n_j, bool tile_2d, bool gemm) {
   if (!gemm) return {p, n_j, 1, n_i * n_j};
-  if (tile_2d) return {p, RoundUp4(n_j), 1, n_i * RoundUp4(n_j)};
-  return {p, 1, RoundUp4(n_i), n_j * RoundUp4(n_i)};
+  const GemmScaleDims g = GemmScaleLayout(tile_2d ? n_i * kScaleBlock : n_i, n_j * kScaleBlock,
+                                          tile_2d);
+  if (tile_2d) return {p, g.ld, 1, g.outer * g.ld};
+  return {p, 1, g.ld, g.outer * g.ld};
 }
 
 __device__ __forceinline__ void PutScale(const ScaleOut& o, int64_t b, int64_t i, int64_t j,

@@ -1,5 +1,5 @@
 #pragma once
-// Blockwise FP8 quantization on the GPU (SPEC.md, "Current and blockwise scaling"): each
+// Blockwise FP8 quantization on the GPU (docs/semantics.md, "Current and blockwise scaling"): each
 // 1 x 128 block or 128 x 128 tile of x [B, M, K] gets its scale from its own amax, and the
 // kernel writes the row-wise copy, the column-wise copy (x transposed, blocks along M) or
 // both from one read of x.
@@ -26,10 +26,8 @@ struct BlockQuantizeArgs {
   float* scale_inv_t;
   float amax_epsilon;
   bool power_of_2_scale;
-  // Both scale_inv in the block GEMM's layout instead (block_gemm_cuda.h: 1-D blocks of
-  // an operand [R, K] as [batch, ceil(K/128), round_up(R, 4)], 128 x 128 tiles as [batch,
-  // ceil(R/128), round_up(ceil(K/128), 4)]; the padding is 1.0), where the operand is q
-  // [rows, cols] or q_t [cols, rows].
+  // Both scale_inv in the block GEMM's layout instead (block_scale_layout.h; the padding
+  // is 1.0), where the operand is q [rows, cols] or q_t [cols, rows].
   bool gemm_layout;
 };
 

@@ -6,55 +6,43 @@
 #include <vector>
 
 #include "block_quantize_cuda.h"
+#include "block_scale_layout.h"
+#include "cuda_handler_util.h"
 
 namespace jax_fp8 {
 namespace ffi = xla::ffi;
 namespace {
 
-constexpr const char* kName = "jax_fp8_block_quantize: ";
+constexpr const char* kName = "jax_fp8_block_quantize";
 
-ffi::Error Invalid(const std::string& msg) {
-  return ffi::Error::InvalidArgument(std::string(kName) + msg);
-}
-
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-std::string Shape(ffi::Span<const int64_t> dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-int64_t RoundUp4(int64_t a) { return (a + 3) / 4 * 4; }
+ffi::Error Invalid(const std::string& msg) { return InvalidArgument(kName, msg); }
 
 // Checks one (data, scale_inv) result pair: data `lead + {r, c}` of the FP8 type, scales
 // float32 `lead + {r or ceil(r/128), ceil(c/128)}`, or in the GEMM layout
-// `lead + {ceil(c/128), round_up(r, 4)}` (1-D) / `lead + {ceil(r/128), round_up(ceil(c/128), 4)}`.
+// (block_scale_layout.h).
 ffi::Error CheckPair(ffi::AnyBuffer data, ffi::AnyBuffer scale, const std::vector<int64_t>& lead,
                      int64_t r, int64_t c, bool tile_2d, bool gemm_layout, ffi::DataType fp8,
                      const char* what) {
   std::vector<int64_t> want_data = lead, want_scale = lead;
   want_data.push_back(r);
   want_data.push_back(c);
-  if (!gemm_layout) {
-    want_scale.push_back(tile_2d ? CeilDiv(r, 128) : r);
-    want_scale.push_back(CeilDiv(c, 128));
-  } else if (tile_2d) {
-    want_scale.push_back(CeilDiv(r, 128));
-    want_scale.push_back(RoundUp4(CeilDiv(c, 128)));
+  if (gemm_layout) {
+    const GemmScaleDims g = GemmScaleLayout(r, c, tile_2d);
+    want_scale.push_back(g.outer);
+    want_scale.push_back(g.ld);
   } else {
-    want_scale.push_back(CeilDiv(c, 128));
-    want_scale.push_back(RoundUp4(r));
+    want_scale.push_back(tile_2d ? CeilDiv(r, kScaleBlock) : r);
+    want_scale.push_back(CeilDiv(c, kScaleBlock));
   }
   const auto dd = data.dimensions(), sd = scale.dimensions();
   if (data.element_type() != fp8 || std::vector<int64_t>(dd.begin(), dd.end()) != want_data) {
-    return Invalid(std::string(what) + " data must be " + Shape(want_data) + " of one FP8 type, got " +
-                   Shape(dd));
+    return Invalid(std::string(what) + " data must be " + ShapeString(want_data) + " of one FP8 type, got " +
+                   ShapeString(dd));
   }
   if (scale.element_type() != ffi::DataType::F32 ||
       std::vector<int64_t>(sd.begin(), sd.end()) != want_scale) {
-    return Invalid(std::string(what) + " scale_inv must be float32 " + Shape(want_scale) + ", got " +
-                   Shape(sd));
+    return Invalid(std::string(what) + " scale_inv must be float32 " + ShapeString(want_scale) + ", got " +
+                   ShapeString(sd));
   }
   return ffi::Error::Success();
 }
@@ -63,14 +51,9 @@ ffi::Error BlockQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Remaini
                              bool tile_2d, bool rowwise, bool colwise, float amax_epsilon,
                              bool power_of_2_scale, bool gemm_layout) {
   BlockQuantizeArgs a{};
-  switch (x.element_type()) {
-    case ffi::DataType::F32: a.in_type = InType::kF32; break;
-    case ffi::DataType::BF16: a.in_type = InType::kBF16; break;
-    case ffi::DataType::F16: a.in_type = InType::kF16; break;
-    default: return Invalid("x must be f32, bf16 or f16");
-  }
+  if (!DecodeInType(x.element_type(), &a.in_type)) return Invalid("x must be f32, bf16 or f16");
   const auto dims = x.dimensions();
-  if (dims.size() < 2) return Invalid("x must have rank >= 2, got " + Shape(dims));
+  if (dims.size() < 2) return Invalid("x must have rank >= 2, got " + ShapeString(dims));
   if (!rowwise && !colwise) return Invalid("nothing to compute");
   if (rets.size() != 2u * (rowwise + colwise)) {
     return Invalid("expected " + std::to_string(2 * (rowwise + colwise)) + " results, got " +
@@ -96,9 +79,7 @@ ffi::Error BlockQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Remaini
     auto scale = rets.get<ffi::AnyBuffer>(next++);
     if (!data.has_value() || !scale.has_value()) return Invalid("cannot decode the results");
     if (fp8 == ffi::DataType::INVALID) fp8 = (*data)->element_type();
-    if (fp8 != ffi::DataType::F8E4M3FN && fp8 != ffi::DataType::F8E5M2) {
-      return Invalid("results must be f8e4m3fn or f8e5m2");
-    }
+    if (!DecodeFp8Type(fp8, &a.fp8_type)) return Invalid("results must be f8e4m3fn or f8e5m2");
     ffi::Error err = pass == 0 ? CheckPair(**data, **scale, lead, a.rows, a.cols, tile_2d,
                                            gemm_layout, fp8, "row-wise")
                                : CheckPair(**data, **scale, lead, a.cols, a.rows, tile_2d,
@@ -112,17 +93,11 @@ ffi::Error BlockQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Remaini
       a.scale_inv_t = static_cast<float*>((*scale)->untyped_data());
     }
   }
-  a.fp8_type = fp8 == ffi::DataType::F8E5M2 ? Fp8Type::kE5M2 : Fp8Type::kE4M3FN;
   if (a.batch == 0 || a.rows == 0 || a.cols == 0) return ffi::Error::Success();
   if (!BlockQuantizeSupports(a.batch, a.rows, a.cols)) {
-    return Invalid("sizes not supported: " + Shape(dims));
+    return Invalid("sizes not supported: " + ShapeString(dims));
   }
-  const cudaError_t err = LaunchBlockQuantize(stream, a);
-  if (err != cudaSuccess) {
-    return ffi::Error::Internal(std::string(kName) + "CUDA launch failed: " +
-                                cudaGetErrorString(err));
-  }
-  return ffi::Error::Success();
+  return LaunchStatus(kName, LaunchBlockQuantize(stream, a));
 }
 
 }  // namespace

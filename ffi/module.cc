@@ -1,50 +1,105 @@
-// nanobind glue: exposes the FFI handlers as capsules, keyed by target name, for
+// nanobind glue: the table of jax_fp8's FFI targets, and their handlers as capsules for
 // jax.ffi.register_ffi_target (see jax_fp8/_registration.py). Built twice: as
-// _jax_fp8_cpu (no CUDA) and, when CUDA is enabled, as _jax_fp8_cuda, so the CPU
-// path never needs the CUDA runtime.
+// _jax_fp8_cpu (no CUDA) and, when CUDA is enabled, as _jax_fp8_cuda, so the CPU path
+// never needs the CUDA runtime. Both modules carry the whole table; each registers the
+// handlers of its own platform.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 
 #if defined(JAX_FP8_CUDA_MODULE)
+#include "block_gemm_cublaslt.h"
 #include "block_gemm_cuda.h"
 #include "block_quantize_cuda_handler.h"
 #include "split_cuda_handler.h"
 #include "transpose_cuda.h"
 #include "transpose_cuda_handler.h"
 #include "update_cuda_handler.h"
-#define JAX_FP8_HANDLER JaxFp8UpdateCuda
 #else
 #include "split_cpu.h"
 #include "update_cpu.h"
-#define JAX_FP8_HANDLER JaxFp8UpdateCpu
 #endif
 
 namespace nb = nanobind;
 
+namespace {
+
+// A handler of a full build: `exists` whether the target has one on that platform,
+// `fn` its address in this module (null in the other platform's module).
+struct Handler {
+  bool exists;
+  void* fn;
+};
+
+#define JAX_FP8_ADDRESS(symbol) reinterpret_cast<void*>(&jax_fp8::symbol)
+#if defined(JAX_FP8_CUDA_MODULE)
+#define JAX_FP8_CPU(symbol) Handler{true, nullptr}
+#define JAX_FP8_CUDA(symbol) Handler{true, JAX_FP8_ADDRESS(symbol)}
+#else
+#define JAX_FP8_CPU(symbol) Handler{true, JAX_FP8_ADDRESS(symbol)}
+#define JAX_FP8_CUDA(symbol) Handler{true, nullptr}
+#endif
+#define JAX_FP8_NONE Handler{false, nullptr}
+
+struct Target {
+  const char* name;
+  Handler cpu, cuda;
+  Handler cuda_initialize;   // an initialize stage, registered as a handler bundle with `cuda`
+  const char* cuda_kernel;   // the __global__ function it launches, as profiles name it
+};
+
+// Every custom-call target jax_fp8 emits. Elsewhere (a platform without a handler) the
+// primitive lowers to XLA's own ops (jax_fp8/_primitives/).
+const Target kTargets[] = {
+    {"jax_fp8_update", JAX_FP8_CPU(JaxFp8UpdateCpu), JAX_FP8_CUDA(JaxFp8UpdateCuda), JAX_FP8_NONE,
+     "UpdateKernel"},
+    {"jax_fp8_transpose_bytes", JAX_FP8_NONE, JAX_FP8_CUDA(JaxFp8TransposeBytesCuda),
+     JAX_FP8_NONE, "TransposeBytesKernel"},
+    {"jax_fp8_quantize_transpose", JAX_FP8_NONE, JAX_FP8_CUDA(JaxFp8QuantizeTransposeCuda),
+     JAX_FP8_NONE, "QuantizeTransposeKernel"},
+    {"jax_fp8_block_quantize", JAX_FP8_NONE, JAX_FP8_CUDA(JaxFp8BlockQuantizeCuda), JAX_FP8_NONE,
+     "BlockQuantizeKernel"},
+    {"jax_fp8_block_gemm", JAX_FP8_NONE, JAX_FP8_CUDA(JaxFp8BlockGemmCuda),
+     JAX_FP8_CUDA(JaxFp8BlockGemmInitializeCuda), "BlockGemmFallbackKernel"},
+    {"jax_fp8_split_rows", JAX_FP8_CPU(JaxFp8SplitRowsCpu), JAX_FP8_CUDA(JaxFp8SplitRowsCuda),
+     JAX_FP8_NONE, "SplitRowsKernel"},
+};
+
+nb::capsule Capsule(void* fn) { return nb::capsule(fn); }
+
+}  // namespace
+
 NB_MODULE(JAX_FP8_MODULE_NAME, m) {
+  // [(name, platforms with a handler, CUDA kernel name)], the same in both modules.
+  m.def("targets", []() {
+    nb::list out;
+    for (const Target& t : kTargets) {
+      nb::list platforms;
+      if (t.cpu.exists) platforms.append("cpu");
+      if (t.cuda.exists) platforms.append("cuda");
+      out.append(nb::make_tuple(t.name, nb::tuple(platforms), t.cuda_kernel));
+    }
+    return out;
+  });
+  // {name: capsule, or {stage: capsule} for a bundle} of this module's handlers.
   m.def("registrations", []() {
     nb::dict d;
-    d["jax_fp8_update"] = nb::capsule(reinterpret_cast<void*>(&jax_fp8::JAX_FP8_HANDLER));
+    for (const Target& t : kTargets) {
 #if defined(JAX_FP8_CUDA_MODULE)
-    // GPU only: on the CPU these lower to XLA's own ops (see _primitives/layout.py).
-    d["jax_fp8_transpose_bytes"] =
-        nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8TransposeBytesCuda));
-    d["jax_fp8_quantize_transpose"] =
-        nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8QuantizeTransposeCuda));
-    // A packed state's scale vectors, one buffer per state (both platforms).
-    d["jax_fp8_split_rows"] = nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8SplitRowsCuda));
-    // GPU only: elsewhere the blockwise primitives lower to jax.numpy (_primitives/block_*.py).
-    d["jax_fp8_block_quantize"] =
-        nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8BlockQuantizeCuda));
-    nb::dict gemm;  // a handler bundle: jax.ffi.register_ffi_target takes stage -> capsule
-    gemm["initialize"] =
-        nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8BlockGemmInitializeCuda));
-    gemm["execute"] = nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8BlockGemmCuda));
-    d["jax_fp8_block_gemm"] = gemm;
+      const Handler& h = t.cuda;
 #else
-    d["jax_fp8_split_rows"] = nb::capsule(reinterpret_cast<void*>(&jax_fp8::JaxFp8SplitRowsCpu));
+      const Handler& h = t.cpu;
 #endif
+      if (!h.fn) continue;
+      if (t.cuda_initialize.fn) {
+        nb::dict bundle;
+        bundle["initialize"] = Capsule(t.cuda_initialize.fn);
+        bundle["execute"] = Capsule(h.fn);
+        d[t.name] = bundle;
+      } else {
+        d[t.name] = Capsule(h.fn);
+      }
+    }
     return d;
   });
 #if defined(JAX_FP8_CUDA_MODULE)

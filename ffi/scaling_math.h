@@ -76,7 +76,7 @@ JAX_FP8_HD float fmax_num(float a, float b) {
 // fmax_num only in the sign of a zero result, and the reduced amax is only ever
 // tested with `> 0` and divided by when positive, so the scale bits are the same.
 // It is a plain compare-select, which the CPU compiler turns into SIMD max (maxps);
-// the CUDA kernel keeps fmax_num (the version validated on the H200).
+// the CUDA kernel keeps fmax_num.
 JAX_FP8_HD float running_max(float acc, float x) { return x > acc ? x : acc; }
 
 // The staging slot after merging the newly observed amax (h0 in docs/semantics.md).

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_handler_util.h"
 #include "split_cuda.h"
 
 namespace jax_fp8 {
@@ -38,11 +39,7 @@ ffi::Error SplitRowsImpl(cudaStream_t stream, ffi::AnyBuffer src, ffi::Remaining
   const char* why = nullptr;
   const cudaError_t err = LaunchSplitRows(stream, static_cast<const float*>(src.untyped_data()),
                                           dsts.data(), counts.data(), dsts.size(), &why);
-  if (err != cudaSuccess) {
-    return ffi::Error::Internal(std::string(kName) + "CUDA launch failed: " +
-                                (why ? why : cudaGetErrorString(err)));
-  }
-  return ffi::Error::Success();
+  return LaunchStatus("jax_fp8_split_rows", err, why);
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "cuda_handler_util.h"
 #include "transpose_cuda.h"
 
 namespace jax_fp8 {
@@ -42,61 +43,45 @@ ffi::Error TransposeBytesImpl(cudaStream_t stream, ffi::AnyBuffer in,
         "of 4): " + std::to_string(batch) + " x " + std::to_string(rows) + " x " +
         std::to_string(cols));
   }
-  const cudaError_t err =
-      LaunchTransposeBytes(stream, in.untyped_data(), out->untyped_data(), batch, rows, cols);
-  if (err != cudaSuccess) {
-    return ffi::Error::Internal(std::string("jax_fp8_transpose_bytes: CUDA launch failed: ") +
-                                cudaGetErrorString(err));
-  }
-  return ffi::Error::Success();
+  return LaunchStatus("jax_fp8_transpose_bytes",
+                      LaunchTransposeBytes(stream, in.untyped_data(), out->untyped_data(), batch,
+                                           rows, cols));
 }
 
 ffi::Error QuantizeTransposeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer scale,
                                  ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> q_t,
                                  ffi::Result<ffi::AnyBuffer> amax, float fp8_max) {
-  constexpr const char* kName = "jax_fp8_quantize_transpose: ";
+  constexpr const char* kName = "jax_fp8_quantize_transpose";
   InType in_type;
-  switch (x.element_type()) {
-    case ffi::DataType::F32: in_type = InType::kF32; break;
-    case ffi::DataType::BF16: in_type = InType::kBF16; break;
-    case ffi::DataType::F16: in_type = InType::kF16; break;
-    default:
-      return ffi::Error::InvalidArgument(std::string(kName) + "x must be f32, bf16 or f16");
+  if (!DecodeInType(x.element_type(), &in_type)) {
+    return InvalidArgument(kName, "x must be f32, bf16 or f16");
   }
   Fp8Type fp8_type;
-  switch (q->element_type()) {
-    case ffi::DataType::F8E4M3FN: fp8_type = Fp8Type::kE4M3FN; break;
-    case ffi::DataType::F8E5M2: fp8_type = Fp8Type::kE5M2; break;
-    default:
-      return ffi::Error::InvalidArgument(std::string(kName) + "q must be f8e4m3fn or f8e5m2");
+  if (!DecodeFp8Type(q->element_type(), &fp8_type)) {
+    return InvalidArgument(kName, "q must be f8e4m3fn or f8e5m2");
   }
   const auto dims = x.dimensions();
   if (dims.size() != 2 || q->dimensions().size() != 2 || q_t->dimensions().size() != 2 ||
       q->dimensions()[0] != dims[0] || q->dimensions()[1] != dims[1] ||
       q_t->dimensions()[0] != dims[1] || q_t->dimensions()[1] != dims[0] ||
       q_t->element_type() != q->element_type()) {
-    return ffi::Error::InvalidArgument(std::string(kName) +
-                                       "x, q must be [R, C] and q_t [C, R] of q's type");
+    return InvalidArgument(kName, "x, q must be [R, C] and q_t [C, R] of q's type");
   }
   if (scale.element_type() != ffi::DataType::F32 || scale.element_count() != 1 ||
       amax->element_type() != ffi::DataType::F32 || amax->element_count() != 1) {
-    return ffi::Error::InvalidArgument(std::string(kName) +
-                                       "scale and amax must be float32 scalars");
+    return InvalidArgument(kName, "scale and amax must be float32 scalars");
   }
   const int64_t rows = dims[0], cols = dims[1];
   if (!TransposeBytesSupports(1, rows, cols)) {
-    return ffi::Error::InvalidArgument(std::string(kName) + "sizes not supported: " +
-                                       std::to_string(rows) + " x " + std::to_string(cols));
+    return InvalidArgument(kName, "sizes not supported: " + std::to_string(rows) + " x " +
+                                      std::to_string(cols));
   }
-  const cudaError_t err = LaunchQuantizeTranspose(
-      stream, in_type, fp8_type, x.untyped_data(), static_cast<const float*>(scale.untyped_data()),
-      q->untyped_data(), q_t->untyped_data(), static_cast<float*>(amax->untyped_data()), rows,
-      cols, fp8_max);
-  if (err != cudaSuccess) {
-    return ffi::Error::Internal(std::string(kName) + "CUDA launch failed: " +
-                                cudaGetErrorString(err));
-  }
-  return ffi::Error::Success();
+  return LaunchStatus(
+      kName, LaunchQuantizeTranspose(stream, in_type, fp8_type, x.untyped_data(),
+                                     static_cast<const float*>(scale.untyped_data()),
+                                     q->untyped_data(), q_t->untyped_data(),
+                                     static_cast<float*>(amax->untyped_data()), rows, cols,
+                                     fp8_max));
 }
 
 }  // namespace

@@ -20,7 +20,7 @@ namespace jax_fp8 {
 namespace {
 
 // 128 threads x 8 values cover a 1024-long history in one pass, and 16 such blocks
-// fit on an SM, so 1,152 tensors run in one wave on an H100/H200 (132 SMs).
+// fit on an SM.
 constexpr int kMaxThreads = 128;
 constexpr int kValuesPerThread = 8;    // history values each thread holds per pass
 constexpr int kMaxScaledMax = 16;

@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "cuda_handler_util.h"
 #include "ffi_decode.h"
 #include "update_cuda.h"
 
@@ -20,11 +21,7 @@ ffi::Error UpdateCudaImpl(cudaStream_t stream, ffi::RemainingArgs args, ffi::Rem
   if (!groups.has_value()) return groups.error();
   const char* why = nullptr;
   const cudaError_t err = LaunchUpdate(stream, groups->data(), groups->size(), *opt, &why);
-  if (err != cudaSuccess) {
-    return ffi::Error::Internal(std::string("jax_fp8_update: CUDA launch failed: ") +
-                                (why ? why : cudaGetErrorString(err)));
-  }
-  return ffi::Error::Success();
+  return LaunchStatus("jax_fp8_update", err, why);
 }
 
 }  // namespace

@@ -1,0 +1,53 @@
+#pragma once
+// Pieces every CUDA FFI handler shares: its error messages, the decode of the input and
+// FP8 element types, and the status of a launch.
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime.h>
+
+#include "transpose_cuda.h"  // InType, Fp8Type
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_fp8 {
+
+// "[d0, d1, ...]" for error messages.
+inline std::string ShapeString(xla::ffi::Span<const int64_t> dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+inline xla::ffi::Error InvalidArgument(const char* target, const std::string& msg) {
+  return xla::ffi::Error::InvalidArgument(std::string(target) + ": " + msg);
+}
+
+// The input types the quantizing kernels read: f32, bf16, f16; false for any other.
+inline bool DecodeInType(xla::ffi::DataType t, InType* out) {
+  switch (t) {
+    case xla::ffi::DataType::F32: *out = InType::kF32; return true;
+    case xla::ffi::DataType::BF16: *out = InType::kBF16; return true;
+    case xla::ffi::DataType::F16: *out = InType::kF16; return true;
+    default: return false;
+  }
+}
+
+// The FP8 types the kernels write: f8e4m3fn, f8e5m2; false for any other.
+inline bool DecodeFp8Type(xla::ffi::DataType t, Fp8Type* out) {
+  switch (t) {
+    case xla::ffi::DataType::F8E4M3FN: *out = Fp8Type::kE4M3FN; return true;
+    case xla::ffi::DataType::F8E5M2: *out = Fp8Type::kE5M2; return true;
+    default: return false;
+  }
+}
+
+// Success, or the failed launch as an internal error naming the target (and the
+// launcher's own reason, where it gave one).
+inline xla::ffi::Error LaunchStatus(const char* target, cudaError_t err,
+                                    const char* why = nullptr) {
+  if (err == cudaSuccess) return xla::ffi::Error::Success();
+  return xla::ffi::Error::Internal(std::string(target) + ": CUDA launch failed: " +
+                                   (why ? why : cudaGetErrorString(err)));
+}
+
+}  // namespace jax_fp8
