@@ -29,6 +29,7 @@ for target in ${SANITIZE_TARGETS:-update transpose block block_all split}; do
   for tool in $tools; do
     echo "== $target: $tool"
     log="$out/sanitize_$tool$log_suffix.log"
+    PYTHONPATH="$here/../tests${PYTHONPATH:+:$PYTHONPATH}" \
     XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool "$tool" \
       "${filter[@]}" --error-exitcode 3 \
       python3 "$here/sanitize_driver.py" "$driver" > "$log" 2>&1

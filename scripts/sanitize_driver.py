@@ -15,6 +15,7 @@ handler's own fallback kernel, 1x128 and 128x128 operands, ragged M/N/K). With "
 the kernel that cuts a packed state's scale vectors into one buffer per state.
 """
 
+import functools
 import sys
 
 import jax
@@ -23,7 +24,7 @@ import numpy as np
 
 import jax_fp8
 from jax_fp8._primitives import layout
-from jax_fp8.devtools.buffers import buffer_span, put_far_from
+from buffers import buffer_span, put_far_from  # tests/buffers.py: sanitize.sh puts tests/ on the path
 
 
 rng = np.random.default_rng(0)
@@ -61,7 +62,7 @@ if sys.argv[1:] == ["split"]:
 
     for sizes in [(1, 0, 3), tuple(range(1, 65)), (2,) * 2100 + (5000, 0, 1)]:
         values = rng.standard_normal(sum(sizes)).astype(np.float32)
-        pieces = split.split_rows_p.bind(jax.device_put(values), sizes=sizes)
+        pieces = split.split_rows(jax.device_put(values), sizes)
         assert np.array_equal(np.concatenate([np.asarray(p) for p in pieces]), values), sizes
     print("sanitize driver done")
     sys.exit(0)
@@ -92,7 +93,7 @@ if sys.argv[1:] in (["block"], ["block_kernels"]):
                     jax.device_get(bq.block_quantize(
                         x, block_rows=rows, fp8_dtype=fp8, power_of_2_scale=True,
                         amax_epsilon=0.0, rowwise=rowwise, colwise=colwise,
-                        implementation="kernel", scale_layout=layout))
+                        scale_layout=layout))
                     n += 1
     print(f"block quantize: {n} calls")
 
@@ -115,10 +116,12 @@ if sys.argv[1:] in (["block"], ["block_kernels"]):
                 b, sb = operand(nn, k, b_rows, e4m3)
                 ga = jax.device_get(bg.cublas_scales(jax.device_put(sa, cpu), a_rows))
                 gb = jax.device_get(bg.cublas_scales(jax.device_put(sb, cpu), b_rows))
-                got = bg.block_gemm(jax.device_put(a), jax.device_put(ga), jax.device_put(b),
-                                    jax.device_put(gb), a_block_rows=a_rows, b_block_rows=b_rows,
-                                    out_dtype=jnp.float32, implementation=impl,
-                                    scale_layout="gemm")
+                # "fallback": the handler's plain kernel, called directly.
+                gemm = bg.block_gemm if impl == "auto" else functools.partial(
+                    bg._ffi_gemm, force_fallback=True)
+                got = gemm(jax.device_put(a), jax.device_put(ga), jax.device_put(b),
+                           jax.device_put(gb), a_block_rows=a_rows, b_block_rows=b_rows,
+                           out_dtype=jnp.float32, scale_layout="gemm")
                 want = bg.block_gemm(*(jax.device_put(v, cpu) for v in (a, sa, b, sb)),
                                      a_block_rows=a_rows, b_block_rows=b_rows,
                                      out_dtype=jnp.float32)

@@ -9,7 +9,7 @@ import pytest
 
 import jax_fp8
 # Buffer placement for the 64-bit-offset launch (re-exported for the tests).
-from jax_fp8.devtools.buffers import WIDE_SPAN_BYTES, buffer_span, put_far_from  # noqa: F401
+from buffers import WIDE_SPAN_BYTES, buffer_span, put_far_from  # noqa: F401
 
 F32 = np.float32
 FLT_MAX = F32(np.finfo(np.float32).max)

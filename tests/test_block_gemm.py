@@ -133,9 +133,20 @@ def run(device, fn, *args, **kw):
 
 
 def gemm(ra, rb, out_dtype, impl="auto", scale_layout="spec"):
+    """The GEMM through implementation "auto" or "jnp", or impl="fallback": the CUDA
+    handler's plain kernel, called directly (what runs where cuBLASLt has no algorithm)."""
+    if impl == "fallback":
+        return lambda qa, sa, qb, sb: gemm_lib._ffi_gemm(
+            qa, sa, qb, sb, a_block_rows=ra, b_block_rows=rb, out_dtype=out_dtype,
+            scale_layout=scale_layout, force_fallback=True)
     return lambda qa, sa, qb, sb: gemm_lib.block_gemm(
         qa, sa, qb, sb, a_block_rows=ra, b_block_rows=rb, out_dtype=out_dtype,
         implementation=impl, scale_layout=scale_layout)
+
+
+def skip_fallback_on_cpu(backend, impl):
+    if impl == "fallback" and backend != "gpu":
+        pytest.skip("the plain block GEMM kernel is CUDA's")
 
 
 # (lead, M, N, K, a block, b block, a type, b type, out dtype, power-of-two scales)
@@ -158,7 +169,7 @@ def test_reference_within_bound(backend, device):
         exacts.append((e, s))
 
     def fn(ops):
-        return [gemm(rows_of(c[4]), rows_of(c[5]), c[8], "xla")(*o) for c, o in zip(CPU_CASES, ops)]
+        return [gemm(rows_of(c[4]), rows_of(c[5]), c[8], "jnp")(*o) for c, o in zip(CPU_CASES, ops)]
 
     for case, (e, s), out in zip(CPU_CASES, exacts, run(device, fn, ops)):
         assert out.shape == e.shape and out.dtype == np.dtype(case[8])
@@ -182,12 +193,13 @@ LAYOUT_CASES = [((), 64, 136, 256, "1d", "2d"), ((2,), 72, 40, 384, "2d", "1d"),
                 ((), 8, 8, 16, "1d", "1d"), ((), 102, 64, 640, "1d", "1d")]
 
 
-@pytest.mark.parametrize("impl", ["xla", "auto", "fallback"])
+@pytest.mark.parametrize("impl", ["jnp", "auto", "fallback"])
 def test_gemm_scale_layout_gives_the_same_product(backend, device, impl):
     """scale_layout="gemm": the scales as the quantization kernel writes them for the FP8
     dot (bq.to_gemm_layout of the spec layout, padding included) give the spec layout's
     product: the same bits through the reference and the plain kernel, both within the
-    bound through cuBLASLt (on the CPU every implementation is the reference)."""
+    bound through cuBLASLt (on the CPU "auto" is the reference)."""
+    skip_fallback_on_cpu(backend, impl)
     rng = np.random.default_rng(5)
     ops = [(*operand(rng, lead, m, k, E4M3, ba), *operand(rng, lead, n, k, E4M3, bb))
            for lead, m, n, k, ba, bb in LAYOUT_CASES]
@@ -301,11 +313,12 @@ def overflow_operands():
     return qa, sa, np.asarray(qb), np.ones((8, 1), F32)
 
 
-@pytest.mark.parametrize("impl", ["xla", "auto", "fallback"])
+@pytest.mark.parametrize("impl", ["jnp", "auto", "fallback"])
 def test_float16_overflow_is_inf(backend, device, impl):
     """A float16 output is the float32 product cast to float16: an exact result of
     magnitude >= 65520 comes out as +-inf, 65519 as 65504, the rest exactly (every path;
-    on the CPU "auto" and "fallback" are the reference too)."""
+    on the CPU "auto" is the reference too)."""
+    skip_fallback_on_cpu(backend, impl)
     ops = overflow_operands()
     e, _ = exact(*ops, 1, 1)
     want = e.astype(F32)
@@ -315,7 +328,7 @@ def test_float16_overflow_is_inf(backend, device, impl):
     # rows 3, 4, 6 overflow in their first four columns, row 5 everywhere
     assert np.isinf(want).sum() == 3 * 4 + 8 and np.isfinite(want[[0, 1, 2, 7]]).all()
     fn = gemm(1, 1, np.float16, impl)
-    if backend == "gpu" and impl != "xla":
+    if backend == "gpu" and impl != "jnp":
         hlo = jax.jit(fn).lower(*jax.device_put(ops, device)).compile().as_text()
         assert TARGET in hlo, f"no custom call ({gemm_lib.cublas_status()})"
     out = run(device, fn, *ops)

@@ -104,7 +104,7 @@ def run_host(so, x, block_rows, fp8, rowwise=True, colwise=True, pow2=True, eps=
 def reference(xs, block_rows, fp8, rowwise=True, colwise=True, pow2=True, eps=0.0):
     fn = lambda xs: [bq.block_quantize(x, block_rows=block_rows, fp8_dtype=fp8,  # noqa: E731
                                        power_of_2_scale=pow2, amax_epsilon=eps, rowwise=rowwise,
-                                       colwise=colwise, implementation="xla") for x in xs]
+                                       colwise=colwise, implementation="jnp") for x in xs]
     return tb.run(jax.devices("cpu")[0], fn, xs)
 
 

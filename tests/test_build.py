@@ -8,11 +8,33 @@ import os
 import shutil
 
 import jax_fp8
+from jax_fp8 import _registration
+from jax_fp8._primitives import base
+
+
+def _on(platform):
+    return {t.name for t in _registration.TARGETS.values() if platform in t.platforms}
 
 
 def test_cpu_kernel_is_built_and_registered():
-    assert jax_fp8.HAS_CPU_KERNEL, jax_fp8._registration.CPU_IMPORT_ERROR
-    assert jax_fp8._registration.CPU_TARGETS == {"jax_fp8_update", "jax_fp8_split_rows"}
+    assert jax_fp8.HAS_CPU_KERNEL, _registration.CPU_IMPORT_ERROR
+    assert _registration.CPU_TARGETS == _on("cpu")
+    assert "jax_fp8_update" in _registration.CPU_TARGETS
+
+
+def test_target_table_matches_the_primitives():
+    """ffi/module.cc's table and the primitives' declared kernels name the same targets on
+    the same platforms, and every target is exported."""
+    assert _registration.FFI_TARGETS, "the table is read from the built module"
+    for target in _registration.TARGETS.values():
+        spec = base.SPECS[target.name]
+        assert set(spec.kernels) == set(target.platforms), target
+        assert target.cuda_kernel.endswith("Kernel"), target
+    declared = {name for name, spec in base.SPECS.items() if spec.kernels}
+    assert declared == set(_registration.FFI_TARGETS)
+    assert set(base.kernels_on("cpu")) == _registration.CPU_TARGETS
+    assert {str(c) for c in jax_fp8.export_disabled_checks()} == {
+        f"custom_call:{name}" for name in _registration.FFI_TARGETS}
 
 
 def test_cuda_kernel_is_built_where_nvcc_is():
@@ -20,5 +42,5 @@ def test_cuda_kernel_is_built_where_nvcc_is():
     # install; here the module must import (static CUDA runtime: no GPU needed).
     if os.environ.get("JAX_FP8_CUDA", "AUTO").upper() == "OFF" or shutil.which("nvcc") is None:
         return
-    assert jax_fp8.HAS_CUDA_KERNEL, jax_fp8._registration.CUDA_IMPORT_ERROR
-    assert jax_fp8._registration.CUDA_TARGETS == set(jax_fp8._registration.FFI_TARGETS)
+    assert jax_fp8.HAS_CUDA_KERNEL, _registration.CUDA_IMPORT_ERROR
+    assert _registration.CUDA_TARGETS == _on("cuda") == set(_registration.FFI_TARGETS)

@@ -1,21 +1,28 @@
 """Loads the compiled FFI handlers and registers them with XLA, once, at import.
 
-The CPU module never links CUDA. The CUDA module links the CUDA runtime statically
-and is imported only when present, so a CPU-only machine (no driver, no libcudart)
-imports jax_fp8 and runs the CPU kernel even from a CUDA-enabled build.
+The table of targets is ffi/module.cc's, read back from the built modules: each target's
+name, the platforms with a handler and the CUDA kernel it launches. The CPU module never
+links CUDA. The CUDA module links the CUDA runtime statically and is imported only when
+present, so a CPU-only machine (no driver, no libcudart) imports jax_fp8 and runs the
+CPU kernel even from a CUDA-enabled build.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import jax
 import jax.export  # noqa: F401  (jax.export.DisabledSafetyCheck)
 
-FFI_TARGET = "jax_fp8_update"
-# Every custom-call target the library emits (the CUDA-only ones on GPUs).
-FFI_TARGETS = ("jax_fp8_update", "jax_fp8_transpose_bytes", "jax_fp8_quantize_transpose",
-               "jax_fp8_block_quantize", "jax_fp8_block_gemm", "jax_fp8_split_rows")
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One row of ffi/module.cc's table: a custom-call target, the platforms ("cpu",
+    "cuda") a full build has a handler for, and the CUDA kernel it launches."""
+    name: str
+    platforms: tuple
+    cuda_kernel: str
 
 
 def _register(module_name: str, platform: str):
@@ -33,6 +40,18 @@ CPU_MODULE, CPU_IMPORT_ERROR, CPU_TARGETS = _register("_jax_fp8_cpu", "cpu")
 CUDA_MODULE, CUDA_IMPORT_ERROR, CUDA_TARGETS = _register("_jax_fp8_cuda", "CUDA")
 HAS_CPU_KERNEL = CPU_MODULE is not None
 HAS_CUDA_KERNEL = CUDA_MODULE is not None
+
+_BUILT = CPU_MODULE if HAS_CPU_KERNEL else CUDA_MODULE
+# Every custom-call target the library emits (none without a built module).
+TARGETS = {name: Target(name, tuple(platforms), kernel)
+           for name, platforms, kernel in (_BUILT.targets() if _BUILT is not None else ())}
+FFI_TARGETS = tuple(TARGETS)
+
+
+def has_kernel(name: str, platform: str) -> bool:
+    """Whether this process registered a handler of target `name` for `platform` ("cpu"
+    or "cuda"): a module built from older sources may lack one."""
+    return name in {"cpu": CPU_TARGETS, "cuda": CUDA_TARGETS}.get(platform, frozenset())
 
 
 def export_disabled_checks() -> list:

@@ -1,11 +1,12 @@
 """The JAX primitives of jax_fp8 and their lowerings to the FFI kernels in ``ffi/``.
 
-``update``: the fused scaling update (``jax_fp8_update``); ``amax``: a tensor's amax
-with one all-reduce per step under sharding; ``layout``: FP8 byte transposes and the
-gradient's quantize + transpose; ``partition``: sharded updates; ``split``: a packed
-state's scale vectors cut into one buffer per state (``jax_fp8_split_rows``);
-``block_quantize`` / ``block_gemm``: block scaling; ``quotient``: correctly rounded
-float32 division through float64 (the exact scales of current and block scaling);
-``jnp_update``: the same update in
-jax.numpy; ``common``: shared helpers (eager execution, manual axes).
+``base``: the frame each primitive is declared in (registration, eager impl, batching,
+JVP, partitioning) and the one choice of lowering per platform. The primitives:
+``update`` (the fused scaling update, partitioned per device by ``partition``),
+``amax`` (a tensor's amax with one all-reduce per step under sharding), ``layout`` (FP8
+byte transposes and the gradient's quantize + transpose), ``split`` (a packed state's
+scale vectors cut into one buffer per state), ``block_quantize`` / ``block_gemm`` (block
+scaling), ``quotient`` (correctly rounded float32 division through float64). Below them:
+``jnp_update`` (the update in jax.numpy) and ``common`` (eager execution, manual axes,
+Explicit meshes).
 """

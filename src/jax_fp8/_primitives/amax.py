@@ -12,96 +12,46 @@ replica groups, and XLA combines them into one all-reduce.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.custom_partitioning import custom_partitioning
-from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_fp8._primitives import common, partition
-
-amax_p = Primitive("jax_fp8_amax")
-partition.require_devices_during_lowering(amax_p)
+from jax_fp8._primitives import base, common
 
 
 def _local_amax(x):
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
-amax_p.def_impl(common.eager_impl(amax_p))
-# (x.update keeps shard_map's manual-axis type of x on the result.)
-amax_p.def_abstract_eval(lambda x: x.update(shape=(), dtype=np.float32, weak_type=False))
+def _shardings(params, mesh, arg_shapes):
+    del params
+    return (arg_shapes[0].sharding,), NamedSharding(mesh, PartitionSpec())
 
 
-def _batch(args, dims):
-    (x,), (d,) = args, dims
-    x = jnp.moveaxis(x, d, 0)
-    return jnp.max(jnp.abs(x), axis=tuple(range(1, x.ndim))).astype(jnp.float32), 0
-
-
-batching.primitive_batchers[amax_p] = _batch
-ad.primitive_jvps[amax_p] = lambda primals, tangents: jax.jvp(_local_amax, primals, tangents)
-
-
-def _partition_fn(mesh, arg_shapes, result_shape):
-    del result_shape
-    axes = tuple(mesh.axis_names)
-
-    def lower(x):
-        return jax.lax.pmax(_local_amax(x), axes)
-
-    return mesh, lower, NamedSharding(mesh, PartitionSpec()), (arg_shapes[0].sharding,)
-
-
-def _infer(mesh, arg_shapes, result_shape):
-    del arg_shapes, result_shape
-    return NamedSharding(mesh, PartitionSpec())
-
-
-def _sharding_rule(mesh, operand_types, result_types):
-    del mesh, result_types
+def _sharding_rule(params, operand_types):
+    del params
     factors = [f"d{i}" for i in range(len(operand_types[0].shape))]
-    # Every axis is reduced: the result is a scalar, replicated (the partition
-    # function does the all-device max itself).
+    # Every axis is reduced: the result is a scalar, replicated (each device's max is
+    # combined over all devices).
     return " ".join(factors) + " -> ", {"reduction_factors": tuple(factors)}
 
 
-@functools.lru_cache(maxsize=None)
-def _partitioned_amax():
-    fn = custom_partitioning(_local_amax)
-    fn.def_partition(partition=_partition_fn, infer_sharding_from_operands=_infer,
-                     sharding_rule=_sharding_rule)
-    return fn
-
-
-def _lowering(ctx, x):
-    if partition.needs_partitioning(ctx) and ctx.avals_in[0].ndim > 0:
-        return mlir.lower_fun(_partitioned_amax(), multiple_results=False)(ctx, x)
-    return mlir.lower_fun(_local_amax, multiple_results=False)(ctx, x)
-
-
-mlir.register_lowering(amax_p, _lowering)
-
+amax_p = base.register(base.Spec(
+    "jax_fp8_amax",
+    # (x.update keeps shard_map's manual-axis type of x on the result.)
+    lambda x: x.update(shape=(), dtype=np.float32, weak_type=False),
+    _local_amax, batch="reference", jvp="reference",
+    partitioning=base.Partitioning(
+        _shardings, _sharding_rule, combine=lambda m, mesh: jax.lax.pmax(m, mesh.axis_names),
+        takes=lambda x: x.ndim > 0, needs_kernel=False)))
 
 varying_axes = common.varying_axes
 
 
-def on_explicit_mesh(x) -> bool:
-    """Whether x's type carries a mesh with Explicit axes (sharding in types)."""
-    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-    if mesh is None or getattr(mesh, "empty", True):
-        return False
-    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
-    return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()))
-
-
 def amax(x) -> jax.Array:
     """max |x| over the whole tensor as a float32 scalar (NaN propagates)."""
-    if varying_axes(x) or on_explicit_mesh(x):
+    if varying_axes(x) or common.on_explicit_mesh(x):
         # Inside shard_map a per-device value: plain jnp keeps its manual-axis type
         # (the user, or fp8_dot_general's backward, reduces it across devices). On a
         # mesh with Explicit axes JAX types the max itself (replicated result, its own
@@ -112,9 +62,6 @@ def amax(x) -> jax.Array:
 
 
 # --------------------------------------------------------------- amax for a state under vmap
-
-amax_for_state_p = Primitive("jax_fp8_amax_for_state")
-
 
 def amax_for_state(amax, like):
     """`amax` as the observation of the state whose scale is `like` (same shape).
@@ -133,19 +80,15 @@ def _afs_abstract_eval(amax, like):
     return amax
 
 
-def _afs_batch(args, dims):
+def _afs_batch(args, dims, **params):
     (amax, like), (d_amax, d_like) = args, dims
     if d_amax is not None and d_like is None:
         return jnp.max(amax, axis=d_amax), None
     if d_amax is None and d_like is not None:  # a per-example state, one amax: broadcast
-        return amax_for_state_p.bind(amax, jnp.take(like, 0, axis=d_like)), None
-    return amax_for_state_p.bind(amax, jnp.moveaxis(like, d_like, d_amax)), d_amax
+        return amax_for_state_p.bind(amax, jnp.take(like, 0, axis=d_like), **params), None
+    return amax_for_state_p.bind(amax, jnp.moveaxis(like, d_like, d_amax), **params), d_amax
 
 
-amax_for_state_p.def_abstract_eval(_afs_abstract_eval)
-amax_for_state_p.def_impl(lambda amax, like: amax)
-mlir.register_lowering(amax_for_state_p, lambda ctx, amax, like: [amax])
-batching.primitive_batchers[amax_for_state_p] = _afs_batch
-# Bookkeeping, not a function to differentiate (it lives in a backward pass).
-ad.primitive_jvps[amax_for_state_p] = lambda primals, tangents: (
-    amax_for_state_p.bind(*primals), ad.Zero(jax.typeof(primals[0]).to_tangent_aval()))
+# Bookkeeping, not a function to differentiate (it lives in a backward pass): zero tangents.
+amax_for_state_p = base.register(base.Spec(
+    "jax_fp8_amax_for_state", _afs_abstract_eval, lambda amax, like: amax, batch=_afs_batch))

@@ -12,10 +12,10 @@ writes them for jax_fp8's FP8 dot: then no XLA op runs between the two custom ca
 
 On CUDA with an SM90 GPU and cuBLASLt >= 12.9 (dlopen'ed from JAX's nvidia-cublas wheel)
 and sizes it takes (`cublas_takes`): one custom call, ffi/block_gemm_cuda.cc, which runs
-cuBLASLt's VEC128 / BLK128x128 matmul (or its own plain kernel where cuBLASLt finds no
-algorithm). Scales in the spec layout are transposed and padded to cuBLASLt's layout
-here, in XLA ops on arrays 128 (or 16,384) times smaller than the operands. Everywhere
-else the reference: each operand dequantized in float32 (q * scale_inv broadcast over its
+cuBLASLt's VEC128 / BLK128x128 matmul (or its own plain kernel, ffi/block_gemm_fallback.cu,
+where cuBLASLt finds no algorithm). Scales in the spec layout are transposed and padded to
+cuBLASLt's layout here, in XLA ops on arrays 128 (or 16,384) times smaller than the
+operands. Everywhere else, and with ``implementation="jnp"``, the reference: each operand dequantized in float32 (q * scale_inv broadcast over its
 block), a float32 dot_general at HIGHEST precision, cast to out_dtype (a float16 output
 is the float32 result rounded once: beyond 65504 it is +-inf).
 """
@@ -30,31 +30,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import mlir
 
 from jax_fp8 import _registration
-from jax_fp8._primitives import common, partition
-from jax_fp8._primitives.block_quantize import (BLOCK, SCALE_LAYOUTS, check_not_explicit,
-                                                from_gemm_layout, scale_shape, to_gemm_layout,
-                                                up_scaled)
+from jax_fp8._primitives import base, common
+from jax_fp8._primitives.block_quantize import (BLOCK, SCALE_LAYOUTS, from_gemm_layout,
+                                                scale_shape, to_gemm_layout, up_scaled)
 
 TARGET = "jax_fp8_block_gemm"
 WORKSPACE_BYTES = 32 * 1024 * 1024  # cuBLASLt's recommendation for Hopper
 MIN_CUBLASLT_VERSION = 120900
-# "auto": cuBLASLt where it applies, else the reference; "xla": the reference;
-# "fallback": the custom call with the handler's plain CUDA kernel (for tests).
-IMPLEMENTATIONS = ("auto", "xla", "fallback")
 _FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 _KERNEL_OUT = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
 
-block_gemm_p = Primitive("jax_fp8_block_gemm")
 
 
 def _abstract_eval(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype,
-                   implementation, scale_layout):
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"jax_fp8_block_gemm: implementation must be one of {IMPLEMENTATIONS}")
+                   scale_layout):
     if scale_layout not in SCALE_LAYOUTS:
         raise ValueError(f"jax_fp8_block_gemm: scale_layout must be one of {SCALE_LAYOUTS}")
     for name, q, rows in (("a", a, a_block_rows), ("b", b, b_block_rows)):
@@ -72,7 +64,7 @@ def _abstract_eval(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dt
             raise ValueError(f"jax_fp8_block_gemm: {name}_scale_inv must be float32{list(want)}, "
                              f"got {s.dtype}{list(s.shape)}")
     common.check_same_varying("jax_fp8_block_gemm", (a, a_scale, b, b_scale))
-    check_not_explicit("jax_fp8_block_gemm", a)
+    common.check_not_explicit("jax_fp8_block_gemm", a)
     return a.update(shape=a.shape[:-1] + (b.shape[-2],), dtype=out_dtype, weak_type=False)
 
 
@@ -90,8 +82,7 @@ def dequantize(q, scale_inv, block_rows):
 
 
 def reference(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype,
-              implementation=None, scale_layout="spec"):
-    del implementation
+              scale_layout="spec"):
     if scale_layout == "gemm":
         a_scale = from_gemm_layout(a_scale, a_block_rows, *a.shape[-2:])
         b_scale = from_gemm_layout(b_scale, b_block_rows, *b.shape[-2:])
@@ -144,8 +135,10 @@ def cublas_scales(scale_inv, block_rows):
     return to_gemm_layout(scale_inv, block_rows)
 
 
-def _ffi_gemm(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype, fallback,
-              scale_layout):
+def _ffi_gemm(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype, scale_layout,
+              force_fallback=False):
+    """The custom call; ``force_fallback`` runs the handler's plain kernel even where
+    cuBLASLt has an algorithm."""
     m, n = a.shape[-2], b.shape[-2]
     # float16 out: cuBLASLt writes float32, one convert rounds it (as the reference does)
     kernel_dtype = out_dtype if np.dtype(out_dtype) in _KERNEL_OUT else np.dtype(np.float32)
@@ -153,65 +146,32 @@ def _ffi_gemm(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype, 
         a_scale, b_scale = cublas_scales(a_scale, a_block_rows), cublas_scales(b_scale, b_block_rows)
     call = jax.ffi.ffi_call(TARGET, (
         jax.ShapeDtypeStruct(a.shape[:-2] + (m, n), kernel_dtype),
-        jax.ShapeDtypeStruct((256 if fallback else WORKSPACE_BYTES,), jnp.uint8)))
+        jax.ShapeDtypeStruct((256 if force_fallback else WORKSPACE_BYTES,), jnp.uint8)))
     out, _ = call(a, a_scale, b, b_scale, a_block_rows=np.int32(a_block_rows),
-                  b_block_rows=np.int32(b_block_rows), force_fallback=bool(fallback))
+                  b_block_rows=np.int32(b_block_rows), force_fallback=bool(force_fallback))
     return out.astype(out_dtype)
 
 
-def _cuda_lowering(ctx, a, a_scale, b, b_scale, **params):
-    impl = params["implementation"]
-    a_aval, _, b_aval, _ = ctx.avals_in
-    rows = (params["a_block_rows"], params["b_block_rows"])
-    fp8_ok = {np.dtype(a_aval.dtype), np.dtype(b_aval.dtype)} <= set(_FP8)
-    sizes_ok = min(a_aval.shape[-2:] + b_aval.shape[-2:-1] + (math.prod(a_aval.shape[:-2]),)) > 0
-    ffi = functools.partial(_ffi_gemm, a_block_rows=rows[0], b_block_rows=rows[1],
-                            out_dtype=params["out_dtype"], scale_layout=params["scale_layout"])
-    if impl == "fallback" and fp8_ok and sizes_ok and not partition.needs_partitioning(ctx):
-        fn = functools.partial(ffi, fallback=True)
-    elif (impl == "auto" and not partition.needs_partitioning(ctx)
-          and cublas_takes(a_aval, b_aval, *rows, params["out_dtype"]) and cublas_status()[0]):
-        fn = functools.partial(ffi, fallback=False)
-    else:
-        fn = _jitted_reference(tuple(sorted(params.items())))
-    return mlir.lower_fun(fn, multiple_results=False)(ctx, a, a_scale, b, b_scale)
+def _kernel_lowering(ctx, *operands, **params):
+    return mlir.lower_fun(functools.partial(_ffi_gemm, **params), multiple_results=False)(
+        ctx, *operands)
 
 
-@functools.lru_cache(maxsize=None)
-def _jitted_reference(params):
-    return jax.jit(functools.partial(reference, **dict(params)))  # traced once per shape
+def _kernel_takes(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype, **_):
+    del a_scale, b_scale
+    return cublas_takes(a, b, a_block_rows, b_block_rows, out_dtype) and cublas_status()[0]
 
 
-def _lowering(ctx, *args, **params):
-    fn = _jitted_reference(tuple(sorted(params.items())))
-    return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
-
-
-block_gemm_p.def_abstract_eval(_abstract_eval)
-block_gemm_p.def_impl(common.eager_impl(block_gemm_p))
-mlir.register_lowering(block_gemm_p, _lowering)
-if _registration.HAS_CUDA_KERNEL:
-    mlir.register_lowering(block_gemm_p, _cuda_lowering, platform="cuda")
-
-
-def _batch(args, dims, **params):
-    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-    args = [batching.bdim_at_front(x, d, size) for x, d in zip(args, dims)]
-    return block_gemm_p.bind(*args, **params), 0
-
-
-def _jvp(primals, tangents, **params):
-    tangents = [ad.instantiate_zeros(t) for t in tangents]
-    return jax.jvp(functools.partial(reference, **params), tuple(primals), tuple(tangents))
-
-
-batching.primitive_batchers[block_gemm_p] = _batch
-ad.primitive_jvps[block_gemm_p] = _jvp
+# Differentiated as the reference; batched in front (leading axes are independent GEMMs).
+block_gemm_p = base.register(base.Spec(
+    TARGET, _abstract_eval, reference, cache_reference=True, jvp="reference",
+    kernels={"cuda": base.Kernel(_kernel_lowering, _kernel_takes)}))
 
 
 def block_gemm(a, a_scale_inv, b, b_scale_inv, *, a_block_rows, b_block_rows, out_dtype,
                implementation="auto", scale_layout="spec"):
-    """Binds the primitive: a [..., M, K], b [..., N, K] (with their scale_inv) -> [..., M, N]."""
+    """Binds the primitive: a [..., M, K], b [..., N, K] (with their scale_inv) -> [..., M, N];
+    `implementation` is one of base.IMPLEMENTATIONS."""
     return block_gemm_p.bind(a, a_scale_inv, b, b_scale_inv, a_block_rows=int(a_block_rows),
                              b_block_rows=int(b_block_rows), out_dtype=np.dtype(out_dtype),
                              implementation=implementation, scale_layout=scale_layout)

@@ -1,7 +1,7 @@
-"""Quantization from the tensor's own amax (SPEC.md, current and blockwise scaling): bit-exact jax.numpy math and the `jax_fp8_block_quantize` primitive.
+"""Quantization from the tensor's own amax: bit-exact jax.numpy math and the `jax_fp8_block_quantize` primitive.
 
-XLA flushes float32 subnormals to zero in its own code (CPU and GPU), while SPEC.md keeps
-them. So the math here never feeds a subnormal to a float operation: amaxes are integer
+The arithmetic is docs/semantics.md's ("Current and blockwise scaling"). XLA flushes
+float32 subnormals to zero in its own code (CPU and GPU), while the semantics keep them. So the math here never feeds a subnormal to a float operation: amaxes are integer
 maxima of the bits of |x|, float16/bfloat16 are widened through their bits, a subnormal x
 is scaled up by 2**64 exactly (from its integer significand) before the multiply, and
 divisions are float64 divisions rounded to float32 in integers (`quotient.py`; XLA:GPU's
@@ -13,7 +13,7 @@ The primitive: x [..., M, K] -> the row-wise copy (q [..., M, K], scale_inv
 [..., M or ceil(M/128), ceil(K/128)]), the column-wise copy (the same for x with its last two
 axes swapped: q_t [..., K, M], scale_inv_t) or both from one read of x. On CUDA one custom
 call (one kernel); elsewhere, under a multi-device jit (XLA partitions the jax.numpy ops),
-for FP8 types the kernel does not write, or with ``implementation="xla"``, the math below.
+for FP8 types the kernel does not write, or with ``implementation="jnp"``, the math below.
 
 ``scale_layout="gemm"`` gives each scale_inv in the layout the block GEMM reads
 (``gemm_scale_shape``: 1x128 blocks of an operand [R, K] as [..., ceil(K/128),
@@ -24,19 +24,15 @@ quantization and its GEMMs. ``to_gemm_layout`` / ``from_gemm_layout`` convert.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
 
-from jax_fp8 import _registration
 from jax_fp8 import recipe as recipe_lib
-from jax_fp8._primitives import common, partition
+from jax_fp8._primitives import base, common
 from jax_fp8._primitives.quotient import divide_rn, quotient_bits
 
 F32 = np.float32
@@ -83,7 +79,8 @@ def abs_bits(x32):
 
 def scale_from_amax_f32(amax, fp8_max: float, amax_epsilon: float = 0.0,
                         power_of_2_scale: bool = False):
-    """SPEC.md's scale from a float32 amax (any shape), as IEEE float32 bits."""
+    """The scale from a float32 amax (any shape), as IEEE float32 bits (docs/semantics.md,
+    "Scale from an amax")."""
     a = _bits(jnp.asarray(amax, jnp.float32))
     mag, neg = a & _MAG, (a & _SIGN) != 0
     eps = U32(np.asarray(F32(amax_epsilon)).view(np.uint32))
@@ -227,24 +224,6 @@ def quantize_reference(x, *, block_rows: int, fp8_dtype, power_of_2_scale: bool,
 # --------------------------------------------------------------------------- primitive
 
 TARGET = "jax_fp8_block_quantize"
-# "auto" and "kernel": the CUDA kernel where it takes the input, else the jax.numpy math;
-# "xla": the jax.numpy math (the same bits).
-IMPLEMENTATIONS = ("auto", "xla", "kernel")
-block_quantize_p = Primitive("jax_fp8_block_quantize")
-block_quantize_p.multiple_results = True
-
-
-def check_not_explicit(name, aval):
-    """Arrays typed with an Explicit-axes mesh sharding would need sharding rules for
-    every result; refuse them with a clear error (Auto axes and shard_map work)."""
-    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
-    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
-    if mesh is not None and not getattr(mesh, "empty", True) and explicit is not None \
-            and explicit in tuple(getattr(mesh, "axis_types", ())):
-        raise NotImplementedError(
-            f"{name}: arrays sharded over a mesh with Explicit axes are not supported; use "
-            f"Auto axes (jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto, ...))) "
-            f"or shard_map")
 
 
 def _like(x, shape, dtype):
@@ -252,17 +231,16 @@ def _like(x, shape, dtype):
 
 
 def _abstract_eval(x, *, block_rows, fp8_dtype, power_of_2_scale, amax_epsilon, rowwise,
-                   colwise, implementation, scale_layout):
+                   colwise, scale_layout):
     del power_of_2_scale, amax_epsilon
-    check_not_explicit("jax_fp8_block_quantize", x)
+    common.check_not_explicit("jax_fp8_block_quantize", x)
     if x.ndim < 2 or np.dtype(x.dtype) not in INPUT_DTYPES:
         raise TypeError(f"jax_fp8_block_quantize: takes a float32/bfloat16/float16 array of "
                         f"rank >= 2, got {x.dtype}{list(x.shape)}")
     if block_rows not in (1, BLOCK) or not (rowwise or colwise) or \
-            implementation not in IMPLEMENTATIONS or scale_layout not in SCALE_LAYOUTS:
+            scale_layout not in SCALE_LAYOUTS:
         raise ValueError(f"jax_fp8_block_quantize: bad parameters block_rows={block_rows}, "
-                         f"rowwise={rowwise}, colwise={colwise}, implementation={implementation}, "
-                         f"scale_layout={scale_layout}")
+                         f"rowwise={rowwise}, colwise={colwise}, scale_layout={scale_layout}")
     *lead, m, k = x.shape
     lead = tuple(lead)
     outs = []
@@ -276,8 +254,7 @@ def _abstract_eval(x, *, block_rows, fp8_dtype, power_of_2_scale, amax_epsilon, 
 
 
 def _reference(x, *, block_rows, fp8_dtype, power_of_2_scale, amax_epsilon, rowwise, colwise,
-               implementation, scale_layout):
-    del implementation
+               scale_layout):
     opts = dict(block_rows=block_rows, fp8_dtype=fp8_dtype, power_of_2_scale=power_of_2_scale,
                 amax_epsilon=amax_epsilon)
     outs = []
@@ -297,61 +274,28 @@ def kernel_takes(shape, dtype, fp8_dtype) -> bool:
             and math.prod(lead) * -(-m // BLOCK) < 2 ** 31)
 
 
-def _cuda_lowering(ctx, x, **params):
-    aval = ctx.avals_in[0]
-    if (params["implementation"] == "xla" or partition.needs_partitioning(ctx)
-            or not kernel_takes(aval.shape, aval.dtype, params["fp8_dtype"])):
-        return _reference_lowering(ctx, x, **params)
+def _kernel_lowering(ctx, x, *, block_rows, fp8_dtype, power_of_2_scale, amax_epsilon, rowwise,
+                     colwise, scale_layout):
+    del fp8_dtype
     return jax.ffi.ffi_lowering(TARGET)(
-        ctx, x, tile_2d=params["block_rows"] == BLOCK, rowwise=bool(params["rowwise"]),
-        colwise=bool(params["colwise"]), amax_epsilon=F32(params["amax_epsilon"]),
-        power_of_2_scale=bool(params["power_of_2_scale"]),
-        gemm_layout=params["scale_layout"] == "gemm")
+        ctx, x, tile_2d=block_rows == BLOCK, rowwise=bool(rowwise), colwise=bool(colwise),
+        amax_epsilon=F32(amax_epsilon), power_of_2_scale=bool(power_of_2_scale),
+        gemm_layout=scale_layout == "gemm")
 
 
-@functools.lru_cache(maxsize=None)
-def _jitted_reference(params):
-    # A jit: its trace is cached, so a model's many same-shaped quantizations trace once.
-    return jax.jit(functools.partial(_reference, **dict(params)))
-
-
-def _reference_lowering(ctx, x, **params):
-    fn = _jitted_reference(tuple(sorted(params.items())))
-    return mlir.lower_fun(lambda x: list(fn(x)), multiple_results=True)(ctx, x)
-
-
-def _lowering(ctx, x, **params):
-    return _reference_lowering(ctx, x, **params)
-
-
-block_quantize_p.def_abstract_eval(_abstract_eval)
-block_quantize_p.def_impl(common.eager_impl(block_quantize_p))
-mlir.register_lowering(block_quantize_p, _lowering)
-if _registration.HAS_CUDA_KERNEL:
-    mlir.register_lowering(block_quantize_p, _cuda_lowering, platform="cuda")
-
-
-def _batch(args, dims, **params):
-    (x,), (d,) = args, dims
-    x = batching.bdim_at_front(x, d, x.shape[d])  # leading axes are independent tensors
-    outs = block_quantize_p.bind(x, **params)
-    return outs, [0] * len(outs)
-
-
-def _jvp(primals, tangents, **params):
-    """Quantization is not differentiated (stop-gradient): zero tangents."""
-    del tangents
-    outs = block_quantize_p.bind(*primals, **params)
-    return outs, [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in outs]
-
-
-batching.primitive_batchers[block_quantize_p] = _batch
-ad.primitive_jvps[block_quantize_p] = _jvp
+# Quantization is not differentiated (stop-gradient): zero tangents. Leading axes are
+# independent tensors: batched in front.
+block_quantize_p = base.register(base.Spec(
+    TARGET, _abstract_eval, _reference, multiple_results=True, cache_reference=True,
+    kernels={"cuda": base.Kernel(
+        _kernel_lowering,
+        takes=lambda x, *, fp8_dtype, **_: kernel_takes(x.shape, x.dtype, fp8_dtype))}))
 
 
 def block_quantize(x, *, block_rows, fp8_dtype, power_of_2_scale, amax_epsilon, rowwise=True,
                    colwise=False, implementation="auto", scale_layout="spec"):
-    """Binds the primitive (see the module docstring for the results)."""
+    """Binds the primitive (see the module docstring for the results); `implementation`
+    is one of base.IMPLEMENTATIONS."""
     return block_quantize_p.bind(
         x, block_rows=int(block_rows), fp8_dtype=np.dtype(fp8_dtype),
         power_of_2_scale=bool(power_of_2_scale), amax_epsilon=float(amax_epsilon),

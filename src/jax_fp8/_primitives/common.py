@@ -1,4 +1,4 @@
-"""Helpers shared by the primitives: eager execution, shard_map's varying manual axes."""
+"""Helpers shared by the primitives: eager execution, shard_map's varying manual axes, Explicit meshes."""
 
 from __future__ import annotations
 
@@ -58,3 +58,24 @@ def check_same_varying(name, avals):
     if len(sets) > 1:
         raise ValueError(f"{name}: operands vary over different manual axes {sorted(map(sorted, sets))}; "
                          "use the public jax_fp8 functions, which align them")
+
+
+def on_explicit_mesh(x) -> bool:
+    """Whether x's type (an array or an abstract value) carries a mesh with Explicit axes
+    (sharding in types)."""
+    aval = x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x)
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    if mesh is None or getattr(mesh, "empty", True):
+        return False
+    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+    return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()))
+
+
+def check_not_explicit(name, aval):
+    """Arrays typed with an Explicit-axes mesh sharding would need sharding rules for
+    every result; refuse them with a clear error (Auto axes and shard_map work)."""
+    if on_explicit_mesh(aval):
+        raise NotImplementedError(
+            f"{name}: arrays sharded over a mesh with Explicit axes are not supported; use "
+            f"Auto axes (jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto, ...))) "
+            f"or shard_map")

@@ -1,46 +1,43 @@
-"""FP8 layout changes for the backward GEMMs, as CUDA kernels of jax_fp8's.
+"""FP8 layout changes for the backward GEMMs, as CUDA kernels (ffi/transpose_cuda.cu).
 
 cuBLASLt's FP8 GEMMs only contract over both operands' minor axes, so the kernel
-gradient needs the quantized input and the quantized gradient transposed. XLA writes
-those transposes as kernels of their own (never fused with the quantization), at about
-half of a copy's bandwidth for 1-byte elements on an H200, and where the gradient's
-producer is a reduction fusion it quantizes the gradient in a second pass. Two
-primitives, each one custom call on CUDA (ffi/transpose_cuda.cu):
+gradient needs the quantized input and the quantized gradient transposed. Two
+primitives, each one custom call on CUDA:
 
-* `jax_fp8_transpose_bytes`: [R, C] -> [C, R] for 1-byte (FP8) matrices, near copy
-  speed; `rotate_axes` applies it to [A..., B...] -> [B..., A...].
+* `jax_fp8_transpose_bytes`: [R, C] -> [C, R] for 1-byte (FP8) matrices; `rotate_axes`
+  applies it to [A..., B...] -> [B..., A...].
 * `jax_fp8_quantize_transpose`: x [R, C] (f32/bf16/f16) and a scale -> the FP8 copy of
   x, that copy transposed and max |x|, from one read of x; `quantize_rotate` is the
   [A..., B...] form that `fp8_dot_general`'s backward uses for its incoming gradient.
 
 The bits are those of `lax.transpose`, `jax_fp8.quantize` and `compute_amax` (a NaN's
-payload aside). Every other platform, a multi-device jit (whose partitioner handles
-XLA's ops and the amax's one all-reduce), and sizes or types the kernels do not take
-lower to those XLA ops themselves.
+payload aside). Every other platform, a jit over several devices (whose partitioner
+handles XLA's ops and the amax's one all-reduce), and sizes or types the kernels do not
+take lower to those XLA ops themselves.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
 
 from jax_fp8 import _registration
 from jax_fp8 import recipe as recipe_lib
-from jax_fp8 import quantization as quantize_lib
 from jax_fp8._primitives import amax as amax_lib
-from jax_fp8._primitives import common, partition
-from jax_fp8.state import ScalingState
+from jax_fp8._primitives import base, common
 
-TRANSPOSE_TARGET = "jax_fp8_transpose_bytes"
+_KERNEL_IN = {np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)}
+_KERNEL_FP8 = {np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)}
 
-transpose_bytes_p = Primitive("jax_fp8_transpose_bytes")
+
+def kernel_takes(rows: int, cols: int) -> bool:
+    """Sizes the CUDA kernels take (ffi/transpose_cuda.cu's TransposeBytesSupports)."""
+    module = _registration.CUDA_MODULE
+    return module is not None and module.transpose_bytes_supports(1, int(rows), int(cols))
 
 
 def _abstract_eval(x):
@@ -50,41 +47,17 @@ def _abstract_eval(x):
     return x.update(shape=(x.shape[1], x.shape[0]), weak_type=False)
 
 
-transpose_bytes_p.def_abstract_eval(_abstract_eval)
-transpose_bytes_p.def_impl(common.eager_impl(transpose_bytes_p))
-
-
 def _swap(x):
     return lax.transpose(x, (1, 0))
 
 
-def kernel_takes(rows: int, cols: int) -> bool:
-    """Sizes the CUDA kernels take (ffi/transpose_cuda.cu's TransposeBytesSupports)."""
-    module = _registration.CUDA_MODULE
-    return module is not None and module.transpose_bytes_supports(1, int(rows), int(cols))
-
-
-def _cuda_lowering(ctx, x):
-    rows, cols = ctx.avals_in[0].shape
-    if partition.needs_partitioning(ctx) or not kernel_takes(rows, cols):
-        return mlir.lower_fun(_swap, multiple_results=False)(ctx, x)
-    return jax.ffi.ffi_lowering(TRANSPOSE_TARGET)(ctx, x)
-
-
-mlir.register_lowering(transpose_bytes_p, mlir.lower_fun(_swap, multiple_results=False))
-if _registration.HAS_CUDA_KERNEL:
-    mlir.register_lowering(transpose_bytes_p, _cuda_lowering, platform="cuda")
-
-
-def _batch(args, dims):
-    (x,), (d,) = args, dims
-    x = batching.bdim_at_front(x, d, x.shape[d])
-    return lax.transpose(x, (0, 2, 1)), 0
-
-
-batching.primitive_batchers[transpose_bytes_p] = _batch
 # A transpose is linear: its tangent is transposed the same way, its cotangent back.
-ad.deflinear2(transpose_bytes_p, lambda ct, x: [transpose_bytes_p.bind(ct)])
+transpose_bytes_p = base.register(base.Spec(
+    "jax_fp8_transpose_bytes", _abstract_eval, _swap, batch="reference", jvp="linear",
+    transpose=lambda ct, x, **params: [transpose_bytes_p.bind(ct, **params)],
+    kernels={"cuda": base.Kernel(
+        lambda ctx, x: jax.ffi.ffi_lowering("jax_fp8_transpose_bytes")(ctx, x),
+        takes=lambda x: kernel_takes(*x.shape))}))
 
 
 def rotate_axes(x, k: int):
@@ -95,7 +68,7 @@ def rotate_axes(x, k: int):
     perm = tuple(range(k, n)) + tuple(range(k))
     if k in (0, n):
         return x
-    if np.dtype(x.dtype).itemsize != 1 or amax_lib.on_explicit_mesh(x):
+    if np.dtype(x.dtype).itemsize != 1 or common.on_explicit_mesh(x):
         # (On a mesh with Explicit axes the reshapes would need sharding rules of their own.)
         return lax.transpose(x, perm)
     lead, trail = x.shape[:k], x.shape[k:]
@@ -104,13 +77,6 @@ def rotate_axes(x, k: int):
 
 
 # --------------------------------------------------------------------------- quantize
-
-QUANTIZE_TARGET = "jax_fp8_quantize_transpose"
-_KERNEL_IN = {np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)}
-_KERNEL_FP8 = {np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)}
-
-quantize_transpose_p = Primitive("jax_fp8_quantize_transpose")
-quantize_transpose_p.multiple_results = True
 
 
 def _qt_abstract_eval(x, scale, *, fp8_dtype):
@@ -123,51 +89,32 @@ def _qt_abstract_eval(x, scale, *, fp8_dtype):
             x.update(shape=(), dtype=np.float32, weak_type=False))
 
 
-quantize_transpose_p.def_abstract_eval(_qt_abstract_eval)
-
-
 def _qt_reference(x, scale, *, fp8_dtype):
-    """What the kernel computes, in jax.numpy: jax_fp8.quantize, lax.transpose and
-    compute_amax (so also its one-collective amax under a multi-device jit)."""
-    state = ScalingState(jnp.zeros((1,), np.float32), scale, scale, fp8_dtype=fp8_dtype)
-    q = quantize_lib.quantize(x, state)
-    return q, _swap(q), quantize_lib.compute_amax(x)
+    """What the kernel computes, in jax.numpy: jax_fp8.quantize's saturating cast,
+    lax.transpose and compute_amax (so also its one-collective amax under a multi-device
+    jit)."""
+    fmax = np.float32(recipe_lib.fp8_max(fp8_dtype))
+    q = jnp.clip(x.astype(jnp.float32) * scale, -fmax, fmax).astype(fp8_dtype)
+    amax = jnp.zeros((), jnp.float32) if x.size == 0 else amax_lib.amax(x)
+    return q, _swap(q), amax
 
 
-quantize_transpose_p.def_impl(common.eager_impl(quantize_transpose_p))
+def _qt_takes(x, scale, *, fp8_dtype):
+    del scale
+    return (kernel_takes(*x.shape) and np.dtype(x.dtype) in _KERNEL_IN
+            and np.dtype(fp8_dtype) in _KERNEL_FP8)
 
 
-def _qt_cuda_lowering(ctx, x, scale, *, fp8_dtype):
-    aval = ctx.avals_in[0]
-    if (partition.needs_partitioning(ctx) or not kernel_takes(*aval.shape)
-            or np.dtype(aval.dtype) not in _KERNEL_IN or np.dtype(fp8_dtype) not in _KERNEL_FP8):
-        return mlir.lower_fun(_qt_reference, multiple_results=True)(ctx, x, scale,
-                                                                   fp8_dtype=fp8_dtype)
-    return jax.ffi.ffi_lowering(QUANTIZE_TARGET)(
+def _qt_kernel(ctx, x, scale, *, fp8_dtype):
+    return jax.ffi.ffi_lowering("jax_fp8_quantize_transpose")(
         ctx, x, scale, fp8_max=np.float32(recipe_lib.fp8_max(fp8_dtype)))
 
 
-mlir.register_lowering(quantize_transpose_p, mlir.lower_fun(_qt_reference,
-                                                            multiple_results=True))
-if _registration.HAS_CUDA_KERNEL:
-    mlir.register_lowering(quantize_transpose_p, _qt_cuda_lowering, platform="cuda")
-
-
-def _qt_batch(args, dims, *, fp8_dtype):
-    outs = jax.vmap(functools.partial(_qt_reference, fp8_dtype=fp8_dtype), in_axes=dims)(*args)
-    return outs, (0, 0, 0)
-
-
-batching.primitive_batchers[quantize_transpose_p] = _qt_batch
 # Differentiated (e.g. the gradient of a gradient through fp8_dot_general's backward) as
 # the jax.numpy ops it stands for.
-def _qt_jvp(primals, tangents, *, fp8_dtype):
-    tangents = [ad.instantiate_zeros(t) for t in tangents]
-    return jax.jvp(functools.partial(_qt_reference, fp8_dtype=fp8_dtype), tuple(primals),
-                   tuple(tangents))
-
-
-ad.primitive_jvps[quantize_transpose_p] = _qt_jvp
+quantize_transpose_p = base.register(base.Spec(
+    "jax_fp8_quantize_transpose", _qt_abstract_eval, _qt_reference, multiple_results=True,
+    batch="reference", jvp="reference", kernels={"cuda": base.Kernel(_qt_kernel, _qt_takes)}))
 
 
 def quantize_rotate_applies(x, fp8_dtype) -> bool:
@@ -176,7 +123,7 @@ def quantize_rotate_applies(x, fp8_dtype) -> bool:
     scalar). Elsewhere callers quantize, take the amax and rotate_axes separately."""
     return (x.ndim >= 2 and np.dtype(x.dtype) in _KERNEL_IN
             and np.dtype(fp8_dtype) in _KERNEL_FP8
-            and not amax_lib.varying_axes(x) and not amax_lib.on_explicit_mesh(x))
+            and not common.varying_axes(x) and not common.on_explicit_mesh(x))
 
 
 def quantize_rotate(x, k: int, scale, fp8_dtype):

@@ -7,12 +7,10 @@ quotient (rounding twice gives the bits of rounding once: the exact quotient of 
 significands is never within float64's rounding error of a float32 midpoint unless it is
 one), subnormal quotients included. Two things must not touch the float64 value:
 
-* XLA:GPU's compiled HLO keeps ``convert_f32(divide(convert_f64(a), convert_f64(b)))``,
-  yet on an H200 its results had the float32 division's 2-ulp errors: below HLO the
-  pattern becomes a float32 division (a rewrite that is exact in IEEE arithmetic, so a
-  compiler may make it), which XLA:GPU's float32 division then rounds inexactly. So the
-  quotient leaves float64 as its bits (a bitcast to uint64), never through a float
-  convert;
+* below HLO, ``convert_f32(divide(convert_f64(a), convert_f64(b)))`` may become a float32
+  division (a rewrite that is exact in IEEE arithmetic, so a compiler may make it), which
+  XLA:GPU's float32 division rounds inexactly. So the quotient leaves float64 as its bits
+  (a bitcast to uint64), never through a float convert;
 * XLA flushes float32 subnormals in its own conversions (CPU), so the rounding to float32
   is integer arithmetic on those bits, and the result is the float32 bits (uint32).
 
@@ -25,12 +23,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Primitive
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
-from jax.interpreters import ad, batching, mlir
 
-from jax_fp8._primitives import common
+from jax_fp8._primitives import base, common
 
 
 def quotient_bits(a, b, *, subnormal=True):
@@ -100,23 +96,7 @@ def _lowering(ctx, a, b, *, subnormal):
     return [hlo.convert(u32, hlo.or_(bits, sign))]
 
 
-def _batch(args, dims, **params):
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    args = [batching.bdim_at_front(a, d, size) for a, d in zip(args, dims)]
-    return quotient_bits_p.bind(*args, **params), 0
-
-
-def _jvp(primals, tangents, **params):
-    """Integer bits: a float0 tangent (the float32 arithmetic around them is piecewise
-    constant, as the integer division it replaced was)."""
-    del tangents
-    out = quotient_bits_p.bind(*primals, **params)
-    return out, ad.Zero(jax.typeof(out).to_tangent_aval())
-
-
-quotient_bits_p = Primitive("jax_fp8_quotient_bits")
-quotient_bits_p.def_impl(common.eager_impl(quotient_bits_p))
-quotient_bits_p.def_abstract_eval(_abstract_eval)
-mlir.register_lowering(quotient_bits_p, _lowering)
-batching.primitive_batchers[quotient_bits_p] = _batch
-ad.primitive_jvps[quotient_bits_p] = _jvp
+# Integer bits: zero (float0) tangents; the float32 arithmetic around them is piecewise
+# constant, as the integer division it replaced was.
+quotient_bits_p = base.register(base.Spec(
+    "jax_fp8_quotient_bits", _abstract_eval, reference_lowering=_lowering))

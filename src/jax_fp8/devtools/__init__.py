@@ -1,4 +1,4 @@
-"""Checks of compiled programs and profiler traces: ``hlo``, ``compilation``, ``trace`` (and ``buffers``).
+"""Checks of compiled programs and profiler traces: ``hlo``, ``compilation``, ``trace``.
 
 For verifying what a jitted program really runs, e.g. that a train step updates its
 FP8 state in ONE custom call, that its GEMMs are FP8, which collectives it issues, and
@@ -17,12 +17,11 @@ where its GPU time goes::
     print(trace.by_family(kernels, hlo.op_families(compiled)))
 
 ``compilation`` reads what a compile reports besides its text (memory, aliased bytes)
-and the program right after XLA's SPMD partitioner. ``buffers`` places device buffers far apart, to reach the update kernel's 64-bit-offset
-launch on one GPU (tests and sanitizer runs). The modules are plain functions (no
-benchmark logic); hlo and trace
-work on any backend (on CPU the trace's "kernels" are XLA's op events).
+and the program right after XLA's SPMD partitioner. The modules are plain functions (no
+benchmark logic); hlo and trace work on any backend (on CPU the trace's "kernels" are
+XLA's op events).
 """
 
-from jax_fp8.devtools import buffers, compilation, hlo, trace
+from jax_fp8.devtools import compilation, hlo, trace
 
-__all__ = ["buffers", "compilation", "hlo", "trace"]
+__all__ = ["compilation", "hlo", "trace"]

@@ -25,6 +25,7 @@ import shutil
 import tempfile
 from typing import Any, Callable, Iterable, Mapping
 
+from jax_fp8 import _registration
 from jax_fp8.devtools.hlo import kernel_name
 
 __all__ = ["by_family", "by_name", "capture", "device_events", "kernel_family", "load",
@@ -37,12 +38,8 @@ Event = dict[str, Any]
 _DERIVED = re.compile(r"XLA Ops|XLA Modules|XLA TraceMe|Framework|TensorFlow|Steps|Source|"
                       r"Launch Stats|Name Scope|Async XLA Ops", re.IGNORECASE)
 _DEVICE = re.compile(r"/device:(GPU|TPU)")
-# jax_fp8's CUDA kernels -> their custom-call targets.
-_OWN_KERNELS = {"UpdateKernel": "jax_fp8_update", "TransposeBytesKernel": "jax_fp8_transpose_bytes",
-                "QuantizeTransposeKernel": "jax_fp8_quantize_transpose",
-                "BlockQuantizeKernel": "jax_fp8_block_quantize",
-                "BlockGemmFallbackKernel": "jax_fp8_block_gemm",
-                "SplitRowsKernel": "jax_fp8_split_rows"}
+# jax_fp8's CUDA kernels -> their custom-call targets (ffi/module.cc's table).
+_OWN_KERNELS = {t.cuda_kernel: t.name for t in _registration.TARGETS.values()}
 _FAMILY_RULES = (
     ("gemm", re.compile(r"nvjet|cublas|cutlass|xmma|gemm|matmul|^dot[._\d]|^dot$", re.I)),
     ("collective", re.compile(r"nccl|all.?reduce|all.?gather|reduce.?scatter|all.?to.?all|"

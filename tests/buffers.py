@@ -2,7 +2,7 @@
 
 The CUDA update's launch describes every buffer as an offset from the lowest one, 32-bit
 while the call's buffers span at most 16 GB and 64-bit past that; these helpers let a
-test (or a sanitizer run) reach the 64-bit case on one GPU.
+test (or scripts/sanitize_driver.py) reach the 64-bit case on one GPU.
 """
 
 from __future__ import annotations

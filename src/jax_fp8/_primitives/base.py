@@ -1,0 +1,285 @@
+"""The frame every jax_fp8 primitive is declared in, and the one place that picks a lowering.
+
+A primitive is a `Spec`: its name, abstract evaluation, jax.numpy reference (the bits
+every lowering must give), the FFI kernel per platform with the predicate for when it
+applies, and how it batches, differentiates and partitions. `register` turns a Spec into
+a JAX primitive with its eager impl, lowerings, batching, JVP and sharding rules.
+
+Every primitive takes the parameter ``implementation`` (``"auto"`` unless bound with
+another), one of `IMPLEMENTATIONS`:
+
+* ``"auto"``: the platform's kernel where it is built and takes the operands; under a
+  jit over several devices, one partitioned call where the Spec says how to partition
+  (each device runs the kernel on the shards it holds), else the reference, whose XLA
+  ops XLA's partitioner shards;
+* ``"jnp"``: the reference everywhere.
+
+`choose` is the one decision of which lowering runs; `kernels_on` says which primitives
+have a kernel on a platform in this process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Mapping
+
+import jax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from jax_fp8 import _registration
+from jax_fp8._primitives import common
+
+IMPLEMENTATIONS = ("auto", "jnp")
+# Inside a partitioned lowering: the kernel on one device's shards, never partitioned again.
+PER_DEVICE = "per_device"
+REFERENCE, KERNEL, PARTITIONED = "reference", "kernel", "partitioned"
+
+
+def _always(*avals, **params) -> bool:
+    del avals, params
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """A custom-call lowering on one platform: ``lower(ctx, *operands, **params)`` emits
+    it; ``takes(*avals, **params)`` says whether it applies (else the reference runs)."""
+    lower: Callable
+    takes: Callable = _always
+
+
+@dataclasses.dataclass(frozen=True)
+class Partitioning:
+    """custom_partitioning rules for a jit over several devices: each device binds the
+    primitive (``PER_DEVICE``) on the shards it holds, then ``combine(results, mesh)``.
+
+    ``shardings(params, mesh, arg_shapes)`` -> (operand shardings, result shardings);
+    ``rule(params, operand_types)`` -> (Shardy rule, its keyword arguments);
+    ``takes(*avals, **params)``: whether to partition these operands; ``needs_kernel``:
+    partition only on platforms with the kernel (elsewhere XLA shards the reference).
+    """
+    shardings: Callable
+    rule: Callable
+    combine: Callable | None = None
+    takes: Callable = _always
+    needs_kernel: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """A primitive's declaration.
+
+    name: the primitive's name, also its FFI target's (ffi/module.cc).
+    abstract_eval(*avals, **params): the result avals (checks the operands).
+    reference(*operands, **params): the jax.numpy reference.
+    reference_lowering(ctx, *operands, **params): an MLIR rule standing for the reference
+      where there is none in jax.numpy.
+    kernels: {platform ("cpu", "cuda"): Kernel}.
+    batch: "front" (move the batched axis of every operand to the front and bind once:
+      for primitives whose leading axes are independent tensors), "reference" (vmap the
+      reference) or a batching rule ``(args, dims, **params)``.
+    jvp: "zero" (results are not differentiated), "reference" (differentiate the
+      reference) or "linear" (with ``transpose(cts, *operands, **params)``).
+    partitioning: how it partitions under a jit over several devices, or None.
+    cache_reference: lower the reference through one jit per parameters, so that many
+      same-shaped calls trace it once.
+    """
+    name: str
+    abstract_eval: Callable
+    reference: Callable | None = None
+    reference_lowering: Callable | None = None
+    kernels: Mapping[str, Kernel] = dataclasses.field(default_factory=dict)
+    multiple_results: bool = False
+    batch: str | Callable = "front"
+    jvp: str = "zero"
+    transpose: Callable | None = None
+    partitioning: Partitioning | None = None
+    cache_reference: bool = False
+
+
+SPECS: dict[str, Spec] = {}
+
+
+def kernels_on(platform: str) -> tuple[str, ...]:
+    """The primitives whose kernel this process can emit on `platform` ("cpu", "cuda")."""
+    return tuple(name for name, spec in SPECS.items()
+                 if platform in spec.kernels and _registration.has_kernel(name, platform))
+
+
+def needs_partitioning(ctx) -> bool:
+    """True under a jit over several devices (not inside shard_map or pmap), except when
+    lowering for ``jax.export``: custom_partitioning runs a Python callback inside XLA's
+    partitioner, which a serialized program cannot carry. There the bare custom call is
+    emitted and XLA's partitioner gathers its (small) operands instead: same bits."""
+    params = getattr(ctx.module_context, "lowering_parameters", None)
+    if getattr(params, "for_export", False):
+        return False
+    return getattr(ctx.module_context.axis_context, "num_devices", 1) > 1
+
+
+def choose(spec: Spec, platform: str | None, ctx, implementation: str, params: dict) -> str:
+    """Which lowering of `spec` runs on `platform` (None: one without a kernel):
+    `KERNEL`, `PARTITIONED` or `REFERENCE`."""
+    if implementation == "jnp":
+        return REFERENCE
+    kernel = spec.kernels.get(platform)
+    if kernel is not None and not _registration.has_kernel(spec.name, platform):
+        kernel = None
+    if implementation != PER_DEVICE and needs_partitioning(ctx):
+        part = spec.partitioning
+        if part is not None and (kernel is not None or not part.needs_kernel) \
+                and part.takes(*ctx.avals_in, **params):
+            return PARTITIONED
+        return REFERENCE
+    if kernel is not None and kernel.takes(*ctx.avals_in, **params):
+        return KERNEL
+    return REFERENCE
+
+
+class _Primitive(Primitive):
+    """A primitive whose ``implementation`` parameter defaults to "auto"."""
+
+    def bind(self, *args, **params):
+        params.setdefault("implementation", "auto")
+        return super().bind(*args, **params)
+
+
+def register(spec: Spec) -> Primitive:
+    """The JAX primitive of `spec`, with all its rules registered."""
+    if spec.name in SPECS:
+        raise ValueError(f"primitive {spec.name} is already registered")
+    SPECS[spec.name] = spec
+    prim = _Primitive(spec.name)
+    prim.multiple_results = spec.multiple_results
+    rules = _Rules(spec, prim)
+    prim.def_abstract_eval(rules.abstract_eval)
+    prim.def_impl(common.eager_impl(prim))
+    mlir.register_lowering(prim, functools.partial(rules.lowering, platform=None))
+    for platform in spec.kernels:
+        if _registration.has_kernel(spec.name, platform):
+            mlir.register_lowering(prim, functools.partial(rules.lowering, platform=platform),
+                                   platform=platform)
+    batch = {"front": rules.batch_front, "reference": rules.batch_reference}
+    batching.primitive_batchers[prim] = batch.get(spec.batch, spec.batch)
+    if spec.jvp == "linear":
+        ad.deflinear2(prim, spec.transpose)
+    else:
+        ad.primitive_jvps[prim] = {"zero": rules.jvp_zero,
+                                   "reference": rules.jvp_reference}[spec.jvp]
+    if spec.partitioning is not None:
+        _require_devices_during_lowering(prim)
+    return prim
+
+
+def _require_devices_during_lowering(prim) -> None:
+    """custom_partitioning needs the device assignment when it is lowered; JAX only
+    provides it for primitives in this (internal) set, as custom_partitioning's own."""
+    from jax._src import dispatch  # no public equivalent as of jax 0.11
+
+    dispatch.prim_requires_devices_during_lowering.add(prim)
+
+
+def _static(params: dict) -> tuple:
+    return tuple(sorted(params.items()))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Rules:
+    """The rules `register` generates for one Spec."""
+    spec: Spec
+    prim: Primitive
+
+    def _results(self, outs, value):
+        return [value] * len(outs) if self.spec.multiple_results else value
+
+    def abstract_eval(self, *avals, implementation, **params):
+        if implementation not in IMPLEMENTATIONS + (PER_DEVICE,):
+            raise ValueError(f"{self.spec.name}: implementation must be one of "
+                             f"{IMPLEMENTATIONS}, got {implementation!r}")
+        return self.spec.abstract_eval(*avals, **params)
+
+    # ----------------------------------------------------------------------- lowering
+
+    def lowering(self, ctx, *operands, platform, implementation, **params):
+        how = choose(self.spec, platform, ctx, implementation, params)
+        if how == KERNEL:
+            return self.spec.kernels[platform].lower(ctx, *operands, **params)
+        if how == PARTITIONED:
+            fn = functools.partial(self._partitioned(), _static(params))
+            return self._lower_fun(fn)(ctx, *operands)
+        if self.spec.reference_lowering is not None:
+            return self.spec.reference_lowering(ctx, *operands, **params)
+        return self._lower_fun(self._reference(_static(params)))(ctx, *operands)
+
+    def _lower_fun(self, fn):
+        if self.spec.multiple_results:
+            return mlir.lower_fun(lambda *ops: list(fn(*ops)), multiple_results=True)
+        return mlir.lower_fun(fn, multiple_results=False)
+
+    @functools.lru_cache(maxsize=None)
+    def _reference(self, static):
+        fn = functools.partial(self.spec.reference, **dict(static))
+        return jax.jit(fn) if self.spec.cache_reference else fn
+
+    @functools.lru_cache(maxsize=None)
+    def _partitioned(self):
+        part = self.spec.partitioning
+
+        def per_device(static, *operands):
+            outs = self.prim.bind(*operands, implementation=PER_DEVICE, **dict(static))
+            return tuple(outs) if self.spec.multiple_results else outs
+
+        def partition(static, mesh, arg_shapes, result_shape):
+            del result_shape
+            args, results = part.shardings(dict(static), mesh, arg_shapes)
+
+            def lower(*operands):
+                outs = per_device(static, *operands)
+                return part.combine(outs, mesh) if part.combine else outs
+
+            return mesh, lower, results, args
+
+        def infer(static, mesh, arg_shapes, result_shape):
+            del result_shape
+            return part.shardings(dict(static), mesh, arg_shapes)[1]
+
+        def rule(static, mesh, operand_types, result_types):
+            del mesh, result_types
+            return part.rule(dict(static), operand_types)
+
+        fn = custom_partitioning(per_device, static_argnums=(0,))
+        fn.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                         sharding_rule=rule)
+        return fn
+
+    # ----------------------------------------------------------------------- batching
+
+    def batch_front(self, args, dims, **params):
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+        args = [batching.bdim_at_front(a, d, size) for a, d in zip(args, dims)]
+        outs = self.prim.bind(*args, **params)
+        return outs, self._results(outs, 0)
+
+    def batch_reference(self, args, dims, *, implementation, **params):
+        del implementation
+        outs = jax.vmap(functools.partial(self.spec.reference, **params),
+                        in_axes=tuple(dims))(*args)
+        return outs, self._results(outs, 0)
+
+    # ---------------------------------------------------------------------------- JVP
+
+    def jvp_zero(self, primals, tangents, **params):
+        del tangents
+        outs = self.prim.bind(*primals, **params)
+        if self.spec.multiple_results:
+            return outs, [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in outs]
+        return outs, ad.Zero(jax.typeof(outs).to_tangent_aval())
+
+    def jvp_reference(self, primals, tangents, *, implementation, **params):
+        del implementation
+        tangents = [ad.instantiate_zeros(t) for t in tangents]
+        return jax.jvp(functools.partial(self.spec.reference, **params), tuple(primals),
+                       tuple(tangents))
