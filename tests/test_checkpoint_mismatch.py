@@ -197,6 +197,9 @@ def _expected(saved, target):
 def _assert_same_states(got, want):
     assert jax.tree.structure(got, is_leaf=IS_STATE) == jax.tree.structure(want, is_leaf=IS_STATE)
     for x, y in zip(jax.tree.leaves(got, is_leaf=IS_STATE), jax.tree.leaves(want, is_leaf=IS_STATE)):
+        if not IS_STATE(y):  # a parameter
+            np.testing.assert_array_equal(x, y)
+            continue
         assert x.fp8_dtype == y.fp8_dtype
         for f in ("amax_history", "scale", "scale_inv"):
             np.testing.assert_array_equal(getattr(x, f), getattr(y, f))
@@ -226,7 +229,8 @@ def test_restore_into_changed_model(tmp_path, case, packed, backend):
 
 def test_msgpack_packed_errors_name_the_fix():
     saved, target = as_saved("base", True), as_saved("moved", True)
-    with pytest.raises(ValueError, match="at the top level.*start from fresh FP8 states"):
+    with pytest.raises(ValueError, match="at the top level.*restore only the params and "
+                                         "start from the new model's fresh FP8 states"):
         serialization.from_bytes(target, serialization.to_bytes(saved))
 
 
@@ -335,15 +339,32 @@ class _NnxNet(nnx.Module):
             setattr(self, name, layer)
 
 
-@pytest.mark.parametrize("change", ["format", "moved"])
-def test_nnx_state_into_changed_model_refuses(tmp_path, change):
+@pytest.mark.parametrize("backend", ["msgpack", "orbax_standard"])
+@pytest.mark.parametrize("change", ["format", "history", "moved"])
+def test_nnx_state_into_changed_model_refuses(tmp_path, change, backend):
+    """NNX: orbax saves nnx.state(model); msgpack its pure dict."""
     saved = nnx.state(_NnxNet(RECIPE, ("a",), nnx.Rngs(0)))
-    if change == "format":
-        other = _NnxNet(jax_fp8.DelayedScaling(history_len=8, fp8_format=jax_fp8.Format.E4M3),
-                        ("a",), nnx.Rngs(1))
-        want = ORBAX_KEYS + r"(.|\n)*scale_float8_e5m2"
+    recipe, fp8_on = {
+        "format": (jax_fp8.DelayedScaling(history_len=8, fp8_format=jax_fp8.Format.E4M3),
+                   ("a",)),
+        "history": (jax_fp8.DelayedScaling(history_len=16), ("a",)),
+        "moved": (RECIPE, ("b",))}[change]
+    target = nnx.state(_NnxNet(recipe, fp8_on, nnx.Rngs(1)))
+    if backend == "msgpack":
+        want = {"format": "at a/dot_general/grad: it was saved as float8_e5m2, the target's "
+                          "FP8 format is float8_e4m3fn",
+                "history": r"at a/dot_general/grad: its amax_history was saved with shape "
+                           r"\(8,\), the target's has \(16,\)",
+                "moved": r"\{'dot_general'\} which are not present in state dict at path ./b"}
+        with pytest.raises(ValueError, match=want[change]):
+            _msgpack(tmp_path, saved.to_pure_dict(), target.to_pure_dict())
     else:
-        other = _NnxNet(RECIPE, ("b",), nnx.Rngs(1))
-        want = ORBAX_KEYS
-    with pytest.raises(ValueError, match=want):
-        _standard(tmp_path, saved, nnx.state(other))
+        want = {"format": ORBAX_KEYS + r"(.|\n)*a.dot_general.grad.value.scale_float8_e5m2",
+                "history": ORBAX_SHAPE, "moved": ORBAX_KEYS}
+        with pytest.raises(ValueError, match=want[change]):
+            _standard(tmp_path, saved, target)
+    # The same model restores.
+    same = nnx.state(_NnxNet(RECIPE, ("a",), nnx.Rngs(2)))
+    got = (_msgpack(tmp_path, saved.to_pure_dict(), same.to_pure_dict())
+           if backend == "msgpack" else _standard(tmp_path / "ok", saved, same))
+    _assert_same_states(got, saved.to_pure_dict() if backend == "msgpack" else saved)

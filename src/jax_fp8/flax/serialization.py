@@ -25,8 +25,8 @@ from jax_fp8.state import FIELDS, ScalingState
 # FP8 states are scaling statistics, not weights: when the model changed, training can
 # start from fresh ones.
 _FIX = ("Restore into a target made from the model that wrote the checkpoint (the same FP8 "
-        "layers and recipe), or keep the checkpoint's params and start from fresh FP8 "
-        "states (e.g. Fp8TrainState.create for the new model).")
+        "layers and recipe), or restore only the params and start from the new model's "
+        "fresh FP8 states.")
 
 
 def _where() -> str:
