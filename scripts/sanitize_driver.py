@@ -114,8 +114,8 @@ if sys.argv[1:] in (["block"], ["block_kernels"]):
             for impl in ("fallback",) if sys.argv[1] == "block_kernels" else ("auto", "fallback"):
                 a, sa = operand(m, k, a_rows, e4m3)
                 b, sb = operand(nn, k, b_rows, e4m3)
-                ga = jax.device_get(bg.cublas_scales(jax.device_put(sa, cpu), a_rows))
-                gb = jax.device_get(bg.cublas_scales(jax.device_put(sb, cpu), b_rows))
+                ga = jax.device_get(bq.to_gemm_layout(jax.device_put(sa, cpu), a_rows))
+                gb = jax.device_get(bq.to_gemm_layout(jax.device_put(sb, cpu), b_rows))
                 # "fallback": the handler's plain kernel, called directly.
                 gemm = bg.block_gemm if impl == "auto" else functools.partial(
                     bg._ffi_gemm, force_fallback=True)

@@ -6,9 +6,8 @@ and [..., N or ceil(N/128), ceil(K/128)] (`block_rows` 1 or 128, jax_fp8.quantiz
 layout), out [..., M, N] in `out_dtype`.
 
 With ``scale_layout="gemm"`` the scales come in cuBLASLt's layout instead
-(block_quantize.gemm_scale_shape: 1x128 blocks [..., ceil(K/128), round_up(R, 4)],
-128x128 tiles [..., ceil(R/128), round_up(ceil(K/128), 4)]), as the quantization kernel
-writes them for jax_fp8's FP8 dot: then no XLA op runs between the two custom calls.
+(block_quantize.gemm_scale_shape), as the quantization kernel writes them for jax_fp8's
+FP8 dot: then no XLA op runs between the two custom calls.
 
 On CUDA with an SM90 GPU and cuBLASLt >= 12.9 (dlopen'ed from JAX's nvidia-cublas wheel)
 and sizes it takes (`cublas_takes`): one custom call, ffi/block_gemm_cuda.cc, which runs
@@ -129,12 +128,6 @@ def cublas_takes(a, b, a_block_rows, b_block_rows, out_dtype) -> bool:
             and (np.dtype(out_dtype) in _KERNEL_OUT or np.dtype(out_dtype) == np.float16))
 
 
-def cublas_scales(scale_inv, block_rows):
-    """scale_inv in the layout cuBLASLt reads: 1 x 128 blocks [..., R, Kb] -> [..., Kb,
-    round_up(R, 4)] (R contiguous); 128 x 128 tiles [..., Rb, Kb] -> [..., Rb, round_up(Kb, 4)]."""
-    return to_gemm_layout(scale_inv, block_rows)
-
-
 def _ffi_gemm(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype, scale_layout,
               force_fallback=False):
     """The custom call; ``force_fallback`` runs the handler's plain kernel even where
@@ -143,7 +136,8 @@ def _ffi_gemm(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype, 
     # float16 out: cuBLASLt writes float32, one convert rounds it (as the reference does)
     kernel_dtype = out_dtype if np.dtype(out_dtype) in _KERNEL_OUT else np.dtype(np.float32)
     if scale_layout == "spec":
-        a_scale, b_scale = cublas_scales(a_scale, a_block_rows), cublas_scales(b_scale, b_block_rows)
+        a_scale = to_gemm_layout(a_scale, a_block_rows)
+        b_scale = to_gemm_layout(b_scale, b_block_rows)
     call = jax.ffi.ffi_call(TARGET, (
         jax.ShapeDtypeStruct(a.shape[:-2] + (m, n), kernel_dtype),
         jax.ShapeDtypeStruct((256 if force_fallback else WORKSPACE_BYTES,), jnp.uint8)))

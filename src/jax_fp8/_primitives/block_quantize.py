@@ -16,10 +16,9 @@ call (one kernel); elsewhere, under a multi-device jit (XLA partitions the jax.n
 for FP8 types the kernel does not write, or with ``implementation="jnp"``, the math below.
 
 ``scale_layout="gemm"`` gives each scale_inv in the layout the block GEMM reads
-(``gemm_scale_shape``: 1x128 blocks of an operand [R, K] as [..., ceil(K/128),
-round_up(R, 4)], 128x128 tiles as [..., ceil(R/128), round_up(ceil(K/128), 4)], padded
-with 1.0), which the kernel writes directly: the FP8 dot needs no XLA op between its
-quantization and its GEMMs. ``to_gemm_layout`` / ``from_gemm_layout`` convert.
+(``gemm_scale_shape``, padded with 1.0), which the kernel writes directly: the FP8 dot
+needs no XLA op between its quantization and its GEMMs. ``to_gemm_layout`` /
+``from_gemm_layout`` convert.
 """
 
 from __future__ import annotations
@@ -166,9 +165,9 @@ def _round4(n: int) -> int:
 
 
 def gemm_scale_shape(shape, block_rows: int) -> tuple:
-    """The block GEMM's scale_inv shape for an operand [..., R, K] (block_gemm_cuda.h):
-    1x128 blocks [..., ceil(K/128), round_up(R, 4)] (R contiguous), 128x128 tiles
-    [..., ceil(R/128), round_up(ceil(K/128), 4)]."""
+    """The block GEMM's (cuBLASLt's) scale_inv shape for an operand [..., R, K], the
+    layout of ffi/block_scale_layout.h: 1x128 blocks [..., ceil(K/128), round_up(R, 4)]
+    (R contiguous), 128x128 tiles [..., ceil(R/128), round_up(ceil(K/128), 4)]."""
     *lead, r, k = shape
     kb = -(-k // BLOCK)
     tail = (kb, _round4(r)) if block_rows == 1 else (-(-r // BLOCK), _round4(kb))
@@ -186,7 +185,7 @@ def scale_shape(shape, block_rows: int, layout: str = "spec") -> tuple:
 def to_gemm_layout(scale_inv, block_rows: int):
     """scale_inv [..., R or ceil(R/128), ceil(K/128)] in the GEMM layout (padded with 1.0)."""
     s = jnp.swapaxes(scale_inv, -1, -2) if block_rows == 1 else scale_inv
-    pad = -s.shape[-1] % 4
+    pad = _round4(s.shape[-1]) - s.shape[-1]
     if pad:
         s = jnp.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, pad)], constant_values=1.0)
     return s
