@@ -60,7 +60,7 @@ int main() {
   const uintptr_t base = 0x7f0000000000ull;
   bool exact = false;
   // A train step's 288 states with their amaxes 20 GB away (XLA's temporary buffer):
-  // 64-bit offsets, ONE launch (it was one launch per state).
+  // 64-bit offsets, ONE launch (not one launch per state).
   auto far = Groups(288, 1024, base, base + (20ull << 30));
   Check(NeedsWideOffsets(far.data(), far.size()), "amaxes 20 GB away need 64-bit offsets");
   Check(Chunks<kMaxGroupsPerWideLaunch, uint64_t>(far, &exact) == 1, "288 far groups: 1 launch");

@@ -97,6 +97,6 @@ def _lowering(ctx, a, b, *, subnormal):
 
 
 # Integer bits: zero (float0) tangents; the float32 arithmetic around them is piecewise
-# constant, as the integer division it replaced was.
+# constant.
 quotient_bits_p = base.register(base.Spec(
     "jax_fp8_quotient_bits", _abstract_eval, reference_lowering=_lowering))
