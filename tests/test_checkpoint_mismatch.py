@@ -195,8 +195,10 @@ def _expected(saved, target):
 
 
 def _assert_same_states(got, want):
-    assert jax.tree.structure(got, is_leaf=IS_STATE) == jax.tree.structure(want, is_leaf=IS_STATE)
-    for x, y in zip(jax.tree.leaves(got, is_leaf=IS_STATE), jax.tree.leaves(want, is_leaf=IS_STATE)):
+    structure = functools.partial(jax.tree.structure, is_leaf=IS_STATE)
+    leaves = functools.partial(jax.tree.leaves, is_leaf=IS_STATE)
+    assert structure(got) == structure(want)
+    for x, y in zip(leaves(got), leaves(want)):
         if not IS_STATE(y):  # a parameter
             np.testing.assert_array_equal(x, y)
             continue

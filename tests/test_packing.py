@@ -52,6 +52,17 @@ def test_round_trip_groups_and_array_count():
     assert jax_fp8.unpack_states(tree) is tree
 
 
+def test_states_info_sees_packed_states_by_their_unpacked_paths():
+    from jax_fp8 import state
+
+    tree = _mixed_tree(np.random.default_rng(4))
+    info = sorted(state.states_info(tree), key=str)
+    assert len(info) == 5
+    assert sorted(state.states_info(jax_fp8.pack_states(tree)), key=str) == info
+    nested = sorted(state.states_info({"fp8": jax_fp8.pack_states(tree)}), key=str)
+    assert nested == sorted(state.states_info({"fp8": tree}), key=str)
+
+
 def test_update_on_packed_states_is_one_call_and_bit_equal():
     rng = np.random.default_rng(1)
     tree = _mixed_tree(rng)

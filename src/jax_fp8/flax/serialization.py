@@ -55,8 +55,8 @@ def _from_state_dict(target: ScalingState, state: dict) -> ScalingState:
                          f"{_FIX}")
     missing = [f for f in FIELDS if f not in state]
     if missing:
-        raise ValueError(f"restoring the ScalingState at {_where()}: the checkpoint's state lacks "
-                         f"{missing}")
+        raise ValueError(f"restoring the ScalingState at {_where()}: the checkpoint's state "
+                         f"lacks {missing}")
     for f in FIELDS:
         have, want = np.shape(state[f]), np.shape(getattr(target, f))
         if have != want:
@@ -85,7 +85,7 @@ def _saved_rows(state: dict):
     for key, entry in state.items():
         if key.startswith("other_"):
             continue
-        if not isinstance(entry, dict) or "fp8_dtype" not in entry:
+        if not isinstance(entry, dict) or any(f not in entry for f in ("fp8_dtype", *FIELDS)):
             raise ValueError(
                 f"restoring the packed FP8 states at {_where()}: the checkpoint holds "
                 f"{key!r} there, not a packed group: it was saved unpacked (e.g. "
