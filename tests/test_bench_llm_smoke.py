@@ -1,7 +1,8 @@
-"""bench/bench_llm.py on CPU: the whole run in a subprocess as a user runs it (size tiny, one
-worker process per variant, device time reported unavailable), and the pieces a CPU cannot
-exercise on real kernels: the kernel-family rules on GPU kernel names and HLO, and the
-floor arithmetic."""
+"""bench/bench_llm.py: the whole run in a subprocess as a user runs it (size tiny, one worker
+process per variant; on CPU the device time is reported unavailable, on a GPU it is split by
+kernel family), the same parameters for every variant, and the pieces a CPU cannot exercise
+on real kernels: the kernel-family rules on GPU kernel names and HLO, the floor arithmetic,
+the GPU report and plot."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import sys
 
 import pytest
 
+import jax
+import jax.numpy as jnp
 import jax_fp8
+import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -22,16 +26,18 @@ import bench_llm  # noqa: E402
 VARIANTS = ("bf16", "jax_fp8_delayed", "jax_fp8_block")
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    outdir = tmp_path_factory.mktemp("bench_llm")
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_backend_optimization_level=0")
-    proc = subprocess.run(
+def run_tiny(outdir, env):
+    return subprocess.run(
         [sys.executable, "bench/bench_llm.py", "--sizes", "tiny", "--variants", ",".join(VARIANTS),
          "--steps", "2", "--warmup", "1", "--outdir", str(outdir)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    return proc, outdir
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    outdir = tmp_path_factory.mktemp("bench_llm")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
+    return run_tiny(outdir, env), outdir
 
 
 def test_tiny_run_writes_every_figure(tiny_run):
@@ -232,3 +238,43 @@ def test_report_and_plot_of_gpu_rows(tmp_path):
     pytest.importorskip("matplotlib")
     assert bench_llm.plot(data, str(tmp_path / "plot.png"))
     assert (tmp_path / "plot.png").stat().st_size > 1000
+
+
+@pytest.mark.gpu
+def test_tiny_run_on_a_gpu_splits_device_time_by_family(tmp_path):
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    proc = run_tiny(tmp_path, env)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert not data["failures"], data["failures"]
+    rows = {r["variant"]: r for r in data["results"]}
+    for v, r in rows.items():
+        fam = r["families_ms"]
+        assert r["device_ms"] > 0 and r["attention_impl"] == "cudnn", v
+        assert sum(fam.values()) == pytest.approx(r["device_ms"], rel=1e-6), v
+        assert fam["attention"] > 0 and fam["other"] < r["device_ms"], (v, fam)
+        assert r["classified_by"].get("unmatched", 0) < r["events_per_step"] * 2, v
+    assert rows["bf16"]["families_ms"]["fp8_gemm"] == 0
+    assert rows["bf16"]["families_ms"]["bf16_gemm"] > 0
+    for v in ("jax_fp8_delayed", "jax_fp8_block"):
+        assert rows[v]["families_ms"]["fp8_gemm"] > 0, v
+        assert data["derived"]["tiny"][v]["floor_ms"] > 0, v
+    assert rows["jax_fp8_delayed"]["families_ms"]["jax_fp8_kernels"] > 0   # the fused update
+
+
+def test_every_variant_starts_from_the_same_parameters():
+    args = bench_llm.build_parser().parse_args(["--attention", "xla"])
+    size = bench_llm.SIZES["tiny"]
+    tokens = jnp.zeros((size.batch, size.seq), jnp.int32)
+    params = {}
+    with jax.default_device(jax.devices("cpu")[0]):
+        for name in ("bf16", "flax_fp8", "jax_fp8_delayed", "jax_fp8_block"):
+            p = bench_llm.make_state(bench_llm.VARIANTS[name], size, args, tokens).params
+            params[name] = p["params"] if name == "flax_fp8" else p
+    base = params.pop("bf16")
+    # Per block 2 norm scales and 4 kernels; the embedding, the final norm, the LM head.
+    assert len(jax.tree.leaves(base)) == size.layers * 6 + 3
+    for name, p in params.items():
+        assert jax.tree.structure(p) == jax.tree.structure(base), name
+        for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(p)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
