@@ -2,7 +2,7 @@
 error at restore time that names the state.
 
 The matrix: how the model changed between save and restore (FP8 layers moved, added,
-removed, renamed, restacked; another history length, FP8 format or recipe) x packed or
+removed, renamed, restacked; another history length, FP8 format, margin or recipe) x packed or
 unpacked FP8 state x msgpack (flax.serialization) or orbax (StandardCheckpointer,
 PyTreeCheckpointer, CheckpointManager, as a user calls them). What is saved and restored
 is the model's FP8 collection, as `Fp8TrainState.fp8` holds it (params of a changed model
@@ -77,6 +77,9 @@ MODELS = {
     "format": Net(recipe=jax_fp8.DelayedScaling(history_len=8,
                                                 fp8_format=jax_fp8.Format.E4M3)),
     "stateless": Net(recipe=jax_fp8.Float8CurrentScaling()),
+    # The same states; only how the update reads them differs.
+    "retuned": Net(recipe=jax_fp8.DelayedScaling(history_len=8, margin=1,
+                                                 amax_compute_algo="most_recent")),
     "stack3": Stack(3),
     "stack2": Stack(2),
 }
@@ -142,6 +145,7 @@ ORBAX_SHAPE = "not compatible with the stored shape"
 
 CASES = {
     "same": ("base", "base", None, None, None, None),
+    "retuned": ("base", "retuned", None, None, None, None),
     "moved": ("base", "moved",
               r"restoring the packed FP8 states at fp8_meta: the target's state "
               r"\['d1'\]\['Fp8DotGeneral_0'\]\['grad'\] \(float8_e5m2, history 8\) is not in "
