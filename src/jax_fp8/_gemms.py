@@ -4,7 +4,7 @@ transposes (the input and kernel gradients), written for FP8 operands.
 JAX's own transpose rules of ``dot_general`` assume both operands share a dtype; here each
 operand is FP8 with its own scale_inv, the result is dequantized by their product, and the
 kernel gradient contracts over both operands' minor axes (the only layout cuBLASLt's FP8
-GEMMs take on Hopper), using the byte-transpose kernels of ``_primitives/layout.py``.
+GEMMs take on sm_90), using the byte-transpose kernels of ``_primitives/layout.py``.
 Shardings of the results follow the primal operands' (Explicit meshes need them).
 """
 
@@ -141,15 +141,17 @@ def gemm(q_a, q_b, dimension_numbers, scale_inv_a, scale_inv_b, out_dtype, preci
          out_sharding=None):
     """``dot_general(q_a * scale_inv_a, q_b * scale_inv_b)`` in ``out_dtype`` for FP8 q_a, q_b.
 
-    The FP8 operands go straight into ``lax.dot_general`` (on Hopper/Ada XLA rewrites it
-    into a cuBLASLt FP8 GEMM) and the result is multiplied by ``scale_inv_a * scale_inv_b``.
-    For bfloat16 and float32 results that product is taken in ``out_dtype`` right on the
-    GEMM's output, so XLA folds it into the GEMM as its scale (one rounding, in float32,
-    inside the GEMM). The factor itself is then rounded to ``out_dtype`` first: for
-    bfloat16 a relative error of at most 2**-8 (half an ulp of an 8-bit significand; e.g.
-    1.0038 becomes 1.0), so the dequantized result carries at most that error on top of
-    its own rounding to bfloat16. Other result dtypes (float16) are computed in float32
-    and rounded once at the end.
+    The FP8 operands go straight into ``lax.dot_general`` (on GPUs with FP8 tensor cores
+    XLA rewrites it into a cuBLASLt FP8 GEMM) and the result is multiplied by
+    ``scale_inv_a * scale_inv_b``. For bfloat16 and float32 results that product is taken
+    in ``out_dtype`` right on the GEMM's output, so XLA folds it into the GEMM as its scale
+    (one rounding, in float32, inside the GEMM). The factor itself is then rounded to
+    ``out_dtype`` first: for bfloat16 a relative error of at most 2**-8 (half an ulp of
+    an 8-bit significand; e.g. 1.0038 becomes 1.0), so the dequantized result carries at
+    most that error on top of its own rounding to bfloat16. Other result dtypes (float16)
+    are computed in float32 and rounded once at the end. Where the product of the
+    scale_invs is below float32's normal range it is applied as two factors
+    (`dequantization_factors`), so a result in the normal range is not flushed.
     """
     out_dtype = np.dtype(out_dtype)
     factor = dequantization_factors(scale_inv_a, scale_inv_b)
@@ -225,12 +227,11 @@ def _fp8_product(q_a, q_b, factor, *, dimension_numbers, precision, out_dtype, o
     algorithm).
 
     Why: for the same Precision XLA:GPU runs the same cuBLASLt FP8 GEMMs, but it also
-    autotunes Triton FP8 kernels against them, which accumulate differently (Hopper's
-    tensor cores without cuBLASLt's float32 promotion): its autotuner checks each
-    candidate's output against the others' and describes every disagreeing element on
-    the host, which took most of an FP8 train step's compile time; and at HIGHEST it
-    could still pick a Triton kernel with the coarser accumulation. With the algorithm
-    only cuBLASLt's GEMMs are candidates.
+    autotunes Triton FP8 kernels against them, which accumulate differently (without
+    cuBLASLt's float32 promotion): its autotuner checks each candidate's output against
+    the others' and describes every disagreeing element on the host, at a cost in
+    compile time; and at HIGHEST it could pick a Triton kernel with the coarser
+    accumulation. With the algorithm only cuBLASLt's GEMMs are candidates.
 
     A function of its own, jitted: the platform is chosen where it is lowered, which for
     operands outside a jit (eagerly, under vmap or grad) is their device's.

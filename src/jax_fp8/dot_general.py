@@ -235,10 +235,8 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, meta: Fp8Meta, precision=None,
                               preferred_element_type=out_dtype)
         return out, meta
     # float16 operands and results run as float32 inside, rounded to float16 once at the
-    # end (the same bits: the FP8 GEMMs' results are float32 either way). A float16 FP8
-    # step overflowed on XLA:GPU once its scales put values near fp8_max; the cause was
-    # XLA widening a small GEMM's FP8 operands to float16 (`_gemms.keep_fp8` now widens
-    # them itself), and this path is the one verified on a GPU since.
+    # end (the same bits: the FP8 GEMMs' results are float32 either way); a GEMM of FP8
+    # values scaled up to fp8_max can exceed float16's range before its scaling.
     f16, f32 = np.dtype(np.float16), np.dtype(np.float32)
     if f16 in (np.dtype(lhs.dtype), np.dtype(rhs.dtype), out_dtype):
         wide = [x.astype(f32) if np.dtype(x.dtype) == f16 else x for x in (lhs, rhs)]

@@ -20,7 +20,7 @@ Float8BlockScaling (DeepSeek-V3 / TE's recipe; E4M3, or E5M2 gradients under HYB
   neither x nor w again.
 Float8CurrentScaling (one scale per tensor, from ``jax_fp8.compute_amax``)
   the three GEMMs as jax_fp8's delayed-scaling path runs them (``_gemms.gemm``: XLA's
-  FP8 GEMM on Hopper, the result scaled by scale_inv_a * scale_inv_b); the residuals are
+  FP8 GEMM on CUDA, the result scaled by scale_inv_a * scale_inv_b); the residuals are
   the FP8 x and w, whose transposes are byte transposes (one scale for the whole tensor).
   Under a multi-device jit each amax is one max over all devices.
 
