@@ -81,7 +81,7 @@ def vma_step(ws, metas, x):
 vma = jax.jit(jax.shard_map(vma_step, mesh=mesh, in_specs=(P(), P(), P("data")),
                             out_specs=(P(), P())))
 vma_gw, vma_fp8 = vma(ws, metas, xb)
-ref_gw = jax.jit(jax.grad(loss))(ws, metas, jnp.asarray(xb_np))
+ref_gw = jax.jit(jax.grad(loss, argnums=(0, 1)))(ws, metas, jnp.asarray(xb_np))[0]
 vma_same = all(np.array_equal(np.asarray(a), np.asarray(b))
                for a, b in zip(jax.tree.leaves(vma_fp8), jax.tree.leaves(ref)))
 vma_gw_close = all(np.allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)

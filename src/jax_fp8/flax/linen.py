@@ -344,7 +344,11 @@ class Fp8TrainState(train_state.TrainState):
         Under ``optax.MultiSteps`` the FP8 gradients' amaxes are combined by max into
         ``fp8_pending`` and the FP8 state is updated only when the optimizer applies.
         """
-        if fp8_grads is None and _is_combined(grads, self.params, self.fp8_collection):
+        if _is_combined(grads, self.params, self.fp8_collection):
+            if fp8_grads is not None:
+                raise ValueError("Fp8TrainState.apply_gradients: grads already holds the FP8 "
+                                 "gradients (as value_and_grad returns them); pass it "
+                                 "alone, without fp8_grads")
             grads, fp8_grads = grads["params"], grads[self.fp8_collection]
         new = super().apply_gradients(grads=grads, **kwargs)
         if not state_lib.states_info(self.fp8):
