@@ -1354,6 +1354,9 @@ def parse_args(argv=None):
                     help="with --summarize: the seed fp8.png shows (default: the lowest "
                          "with FP8 state)")
     ap.add_argument("--no-plot", action="store_true", help="with --summarize: no plots")
+    ap.add_argument("--source-commit", default=None,
+                    help="the source commit to record in the result files (default: what "
+                         "git says of this script's checkout, if it is one)")
     ap.add_argument("--attention", choices=["auto", "xla", "cudnn"], default="auto",
                     help="jax.nn.dot_product_attention implementation (auto: cudnn on a "
                          "GPU when it compiles, else xla); the same for every run")
@@ -1478,7 +1481,8 @@ def main(argv=None, started: float | None = None) -> dict:
             "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
             "jax_version": jax.__version__, "flax_version": flax.__version__,
             "jax_fp8_version": getattr(jax_fp8, "__version__", None),
-            "source_commit": source_commit(), "preset": args.preset, "params": n_params,
+            "source_commit": args.source_commit or source_commit(),
+            "preset": args.preset, "params": n_params,
             "tokens_per_step": cfg.batch * cfg.seq,
             "flops_per_token": flops_per_token(cfg, n_params), "attention": attention,
             "data": data.describe(), "tracked_tensors": [t[0] for t in tracked_tensors(cfg)],

@@ -127,7 +127,8 @@ def test_convergence_seeds_resume_summarize(tmp_path):
         assert (out / "ckpt" / f"{name}_s0" / "2").is_dir()
         assert f"{name:22s}    0  stopped at step 2/4" in p.stdout, p.stdout
     # 2. Seeds 0 and 1: seed 0 resumes from step 2, seed 1 starts; each run compiles once.
-    p = _conv(tmp_path, CONV_RUNS + ["--seeds", "0,1", "--out", str(out)])
+    p = _conv(tmp_path, CONV_RUNS + ["--seeds", "0,1", "--out", str(out),
+                                     "--source-commit", "abc123"])
     assert p.returncode == 0, p.stderr[-5000:]
     assert p.stderr.count("resumed from") == 2 and p.stderr.count("compiled the step") == 2
     assert not (out / "ckpt").exists()          # removed once every run is finished
@@ -137,6 +138,7 @@ def test_convergence_seeds_resume_summarize(tmp_path):
     got = {(r["run"], r["seed"]): r for r in conv.load_results(out)}
     for (name, seed), r in got.items():
         assert r["steps"] == 4 and r["config"]["steps"] == 4 and r["device"]
+        assert r["source_commit"] == "abc123"
         assert [q["start_step"] for q in r["processes"]] == ([0, 2] if seed == 0 else [0])
         cur = r["curves"]
         assert cur["val_steps"] == [0, 2, 4] and cur["block_end"] == [2, 4]
@@ -169,6 +171,7 @@ def test_convergence_seeds_resume_summarize(tmp_path):
     text = doc.read_text()
     assert text.startswith("intro\n" + conv.DOC_BEGIN) and text.endswith(conv.DOC_END + "\nafter\n")
     assert "old" not in text and "| `jax_fp8_delayed` | 2 |" in text
+    assert summary["source_commits"] == ["abc123"] and "source abc123)" in text
     if HAS_MPL:
         assert (out / "loss.png").is_file() and (out / "fp8.png").is_file()
         assert "![loss](conv/loss.png)" in text
