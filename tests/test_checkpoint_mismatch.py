@@ -6,11 +6,10 @@ removed, renamed, restacked; another history length, FP8 format, margin or recip
 unpacked FP8 state x msgpack (flax.serialization) or orbax (StandardCheckpointer,
 PyTreeCheckpointer, CheckpointManager, as a user calls them). What is saved and restored
 is the model's FP8 collection, as `Fp8TrainState.fp8` holds it (params of a changed model
-differ too, and the restore of those is Flax's and orbax's business). Then the two cases
-of the full train state seen silently wrong or late: a packed state restored into a model
-whose FP8 layers moved, and a bigger packed state into a smaller model; and plain
-`ScalingState`s restored into a target of another FP8 format (orbax compares keys and
-shapes only, so the format is in the keys).
+differ too, and the restore of those is Flax's and orbax's business). Then the full train
+state: a packed state restored into a model whose FP8 layers moved, and a bigger packed
+state into a smaller model; plain `ScalingState`s restored into a target of another FP8
+format (orbax compares keys and shapes only, so the format is in the keys); NNX states.
 """
 
 import functools
@@ -290,7 +289,7 @@ def test_keys_name_format_and_row_layout():
     assert jax_fp8.pack_states({"a": st, "b": st, "c": e5}).num_arrays == 6
 
 
-# ------------------------------------------- the full train state: the cases seen wrong
+# ------------------------------------------------------------------ the full train state
 
 
 def _train_state(model, pack):
