@@ -153,6 +153,30 @@ def test_remat_of_einsum_and_scan_of_remat(recipe):
     assert_trees_equal(got, want)
 
 
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_remat_under_vmap_and_inside_scan_bf16(recipe):
+    """bfloat16 operands; vmap of the gradient of a remat'd function, and a remat'd
+    function in a lax.scan body: the gradients without remat."""
+    rng = np.random.default_rng(5)
+    xs = jnp.asarray(rng.normal(size=(3, 16, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(128, 32)), jnp.bfloat16)
+    meta = Fp8Meta.create(RECIPES[recipe])
+
+    def f(w, x):
+        out, _ = jax_fp8.fp8_dot_general(x, w, DN, meta)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    remat = jax.checkpoint(f, policy=CP.everything_saveable)
+
+    def scanned(g):
+        return lambda w: jax.lax.scan(lambda a, x: (a + g(w, x), None), 0.0, xs)[0]
+
+    with jax_fp8.frozen_scales():   # delayed scaling: gradients w.r.t. the operands only
+        assert_trees_equal(jax.vmap(jax.grad(remat), in_axes=(None, 0))(w, xs),
+                           jax.vmap(jax.grad(f), in_axes=(None, 0))(w, xs))
+        assert_trees_equal(jax.grad(scanned(remat))(w), jax.grad(scanned(f))(w))
+
+
 class _LinenMlp(nn.Module):
     recipe: object
     policy: object
