@@ -7,6 +7,6 @@ JVP, partitioning) and the one choice of lowering per platform. The primitives:
 byte transposes and the gradient's quantize + transpose), ``split`` (a packed state's
 scale vectors cut into one buffer per state), ``block_quantize`` / ``block_gemm`` (block
 scaling), ``quotient`` (correctly rounded float32 division through float64). Below them:
-``jnp_update`` (the update in jax.numpy) and ``common`` (eager execution, manual axes,
-Explicit meshes).
+``exact`` (the bit-exact float32 arithmetic of current and block scaling), ``jnp_update``
+(the update in jax.numpy) and ``common`` (eager execution, manual axes, Explicit meshes).
 """

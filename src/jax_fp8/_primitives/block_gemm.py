@@ -34,7 +34,8 @@ from jax.interpreters import mlir
 from jax_fp8 import _registration
 from jax_fp8._primitives import base, common
 from jax_fp8._primitives.block_quantize import (BLOCK, SCALE_LAYOUTS, from_gemm_layout,
-                                                scale_shape, to_gemm_layout, up_scaled)
+                                                scale_shape, to_gemm_layout)
+from jax_fp8._primitives.exact import up_scaled
 
 TARGET = "jax_fp8_block_gemm"
 WORKSPACE_BYTES = 32 * 1024 * 1024  # cuBLASLt's recommendation for Hopper
