@@ -476,10 +476,12 @@ def _fusion_family(mod, ins) -> str:
     return "amax" if amax else "other"
 
 
-def hlo_families(program) -> dict[str, str]:
-    """{kernel name (`hlo.kernel_name`): family} of every kernel-level instruction."""
+def hlo_families(program, gemms=None) -> dict[str, str]:
+    """{kernel name (`hlo.kernel_name`): family} of every kernel-level instruction
+    (``gemms``: `hlo.gemms` of the program, where already found)."""
     mod = hlo.parse(program)
-    out = {hlo.kernel_name(g.name): "fp8_gemm" if g.fp8 else "bf16_gemm" for g in hlo.gemms(mod)}
+    gemms = hlo.gemms(mod) if gemms is None else gemms
+    out = {hlo.kernel_name(g.name): "fp8_gemm" if g.fp8 else "bf16_gemm" for g in gemms}
     for ins in hlo.kernel_instructions(mod):
         key = hlo.kernel_name(ins.name)
         if key in out:
@@ -588,14 +590,18 @@ def time_steps(step, state, args):
     return state, out, losses
 
 
-def hlo_summary(mod):
+def analyze(mod):
+    """(HLO summary for the row, `hlo_families`) of the compiled step (a parsed module)."""
     gemms = hlo.gemms(mod)
     calls = hlo.custom_calls(mod)
-    return {"kernels": len(hlo.kernel_instructions(mod)), "gemms_fp8": sum(g.fp8 for g in gemms),
-            "gemms_other": sum(not g.fp8 for g in gemms), "fp8_gemms": hlo.fp8_gemms(mod),
-            "custom_calls": calls,
-            "attention_calls": sum(n for t, n in calls.items() if _ATTENTION_NAME.search(t)),
-            "jax_fp8_update": calls.get("jax_fp8_update", 0)}
+    summary = {
+        "kernels": len(hlo.kernel_instructions(mod)), "gemms_fp8": sum(g.fp8 for g in gemms),
+        "gemms_other": sum(not g.fp8 for g in gemms),
+        "fp8_gemms": dict(sorted(collections.Counter(g.kind for g in gemms if g.fp8).items())),
+        "custom_calls": calls,
+        "attention_calls": sum(n for t, n in calls.items() if _ATTENTION_NAME.search(t)),
+        "jax_fp8_update": calls.get("jax_fp8_update", 0)}
+    return summary, hlo_families(mod, gemms)
 
 
 def measure(variant, size, args, progress=log):
@@ -634,8 +640,7 @@ def measure(variant, size, args, progress=log):
     row["temp_bytes"] = row["memory"].get("temp_size_in_bytes")
     t0 = time.perf_counter()
     mod = hlo.parse(compiled.as_text())
-    row["hlo"] = hlo_summary(mod)
-    families = hlo_families(mod)
+    row["hlo"], families = analyze(mod)
     del mod, lowered
     row["analysis_s"] = time.perf_counter() - t0
     progress(f"{tag}: lowered in {row['lower_s']:.1f} s, compiled in {row['compile_s']:.1f} s, "

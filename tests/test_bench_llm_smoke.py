@@ -253,7 +253,8 @@ def test_tiny_run_on_a_gpu_splits_device_time_by_family(tmp_path):
         assert r["device_ms"] > 0 and r["attention_impl"] == "cudnn", v
         assert sum(fam.values()) == pytest.approx(r["device_ms"], rel=1e-6), v
         assert fam["attention"] > 0 and fam["other"] < r["device_ms"], (v, fam)
-        assert r["classified_by"].get("unmatched", 0) < r["events_per_step"] * 2, v
+        # Nearly every kernel is named by the compiled HLO or by a library kernel rule.
+        assert r["classified_by"].get("unmatched", 0) <= 0.1 * sum(r["classified_by"].values()), v
     assert rows["bf16"]["families_ms"]["fp8_gemm"] == 0
     assert rows["bf16"]["families_ms"]["bf16_gemm"] > 0
     for v in ("jax_fp8_delayed", "jax_fp8_block"):
