@@ -1237,7 +1237,8 @@ def _plot_losses(summary, out, plt):
         ax.axvspan(tail, steps, color="0.9", zorder=0)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper right")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="upper right")
     axes[0].set_title("train loss (nats/byte, block means)")
     axes[1].set_title("validation loss (nats/byte); grey: the averaged last part")
     axes[2].axhline(0, color="k", lw=0.6)
@@ -1497,7 +1498,7 @@ def main(argv=None, started: float | None = None) -> dict:
             if name in skipped:
                 status[(name, seed)] = "skipped"
                 continue
-            if not deadline.allows(30.0):
+            if not deadline.allows(60.0):
                 log(f"[{name} s{seed}] not started: --max-minutes leaves no time")
                 unfinished.append([name, seed])
                 continue
