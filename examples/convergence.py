@@ -560,9 +560,10 @@ class Run:
                           for a, s in rows])
 
     def underflow(self, state, pgrads):
-        """[n probed, 2]: underflow fraction, in the run's gradient FP8 type, of each probed
-        layer's incoming gradient, with the scale the run quantizes it with this step (NaN
-        where it has none) and with the current per-tensor scale (max of the type / amax)."""
+        """[n probed, 3]: per probed layer's incoming gradient, its underflow fraction in
+        the run's gradient FP8 type with the scale the run quantizes it with this step (NaN
+        where it has none) and with the current per-tensor scale (max of the type / amax),
+        and its amax."""
         rows = []
         dtype = jnp.dtype(self.spec.grad_dtype)
         for _, i, name in probed_layers(self.cfg):
@@ -571,7 +572,7 @@ class Run:
             current = jnp.where(amax > 0, float(jnp.finfo(dtype).max) / amax, 1.0)
             own = fp8_scale_of(self.kind, state, i, name, "grad")
             rows.append(jnp.stack([underflow_fraction(grad, own[1], dtype) if own else jnp.nan,
-                                   underflow_fraction(grad, current, dtype)]))
+                                   underflow_fraction(grad, current, dtype), amax]))
         return jnp.stack(rows).astype(jnp.float32)
 
     def train_step(self, state, batch):
@@ -582,7 +583,7 @@ class Run:
         underflow = jax.lax.cond(
             state.step % self.cfg.probe_every == 0,
             lambda: self.underflow(state, pgrads),
-            lambda: jnp.full((n, 2), jnp.nan, jnp.float32))
+            lambda: jnp.full((n, 3), jnp.nan, jnp.float32))
         if self.kind == "jax_fp8":
             new = state.apply_gradients(grads=grads, fp8_grads=fp8_grads)
             gnorm = optax.global_norm(grads)
@@ -699,7 +700,7 @@ def new_record(run: Run, seed: int) -> dict:
                             for label, *_ in tracked_tensors(cfg)} if run.has_fp8_state
             else {},
             "e5m2_underflow": {"steps": [], "layers": {
-                label: {"run_scale": [], "current_scale": []}
+                label: {"run_scale": [], "current_scale": [], "grad_amax": []}
                 for label, *_ in probed_layers(cfg)}},
             "timed_steps": 0, "timed_s": 0.0, "processes": [], "steps_done": 0}
 
@@ -775,10 +776,11 @@ def train_run(run: Run, seed: int, cfg: Config, data: ByteData, params0,
             if step_taken % cfg.probe_every == 0:
                 und = record["e5m2_underflow"]
                 und["steps"].append(step_taken)
-                for (label, *_), (own, cur) in zip(probed_layers(cfg), m["underflow"]):
+                for (label, *_), (own, cur, amax) in zip(probed_layers(cfg), m["underflow"]):
                     series = und["layers"][label]
                     series["run_scale"].append(None if np.isnan(own) else float(own))
                     series["current_scale"].append(float(cur))
+                    series["grad_amax"].append(float(amax))
             record["train_loss"].append(float(m["loss"]))
             record["grad_norm"].append(float(m["grad_norm"]))
             if "track" in m:

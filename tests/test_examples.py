@@ -147,6 +147,11 @@ def test_convergence_seeds_resume_summarize(tmp_path):
         assert r["tail_val_loss"] == r["final_val_loss"] and r["tail_val_change"] is None
         assert all(math.isfinite(v) for v in cur["train_loss"] + cur["grad_norm"])
         assert r["e5m2_underflow"]["steps"] == [0, 2]
+        for series in r["e5m2_underflow"]["layers"].values():
+            assert all(0 <= v <= 1 for v in series["current_scale"])
+            assert all(v > 0 for v in series["grad_amax"]) and len(series["grad_amax"]) == 2
+            own = series["run_scale"]
+            assert own == [None, None] if name == "bf16" else all(0 <= v <= 1 for v in own)
         assert len(r["fp8_tracked"]) == (6 if name == "jax_fp8_delayed" else 0)
         assert r["tokens_per_s"] > 0
     # The seeds differ (weights and batches); the runs of one seed start alike.
