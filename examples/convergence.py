@@ -55,7 +55,7 @@ order; each run's train step is compiled once per process and reused for every s
 
     python examples/convergence.py --preset smoke --seeds 0,1 --out runs/conv_smoke  # CPU
     python examples/convergence.py --preset h200 --seeds 0,1,2 --out runs/conv --max-minutes 9
-    python examples/convergence.py --summarize --out runs/conv --doc docs/convergence.md
+    python examples/convergence.py --summarize --out runs/conv    # results.json, plots, tables
 
 ``--summarize`` (no training) collects DIR/runs/*.json into DIR/results.json: for every
 run, each seed's final validation loss and the mean validation loss over the last
