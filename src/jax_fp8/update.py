@@ -167,10 +167,11 @@ def update_states(tree, amaxes=None, *, recipe=DelayedScaling(),
       ValueError: ``amaxes`` whose structure or shapes do not match ``tree``, or an
         unknown implementation. An error about one state names its path in ``tree``.
 
-    Example::
-
+    Example:
+        ```python
         states = {"a": ScalingState.create(), "b": ScalingState.create((4,))}
         states = jax.jit(update_states, donate_argnums=0)(states)
+        ```
     """
     recipe_lib.check_delayed(recipe, "recipe")
     _check_options(recipe.amax_compute_algo, recipe.power_of_2_scale, recipe.skip_unused,
