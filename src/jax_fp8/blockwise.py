@@ -1,31 +1,24 @@
-"""Current and blockwise FP8 quantization (docs/semantics.md): each tensor, 1x128 block or 128x128 tile scaled from its own amax.
+"""Blockwise FP8 quantization (docs/semantics.md): each 1x128 block or 128x128 tile of a tensor scaled from its own amax.
 
 The numbers (docs/semantics.md, "Current and blockwise scaling"): a block's amax is
 ``fmaxf(0, |x_1|, ..., |x_n|)`` (NaN ignored), its scale Transformer Engine's
-``compute_scale_from_amax`` (``scale_from_amax`` here), ``x_fp8 = saturate_cast(x * s)``
-and ``scale_inv = 1 / s``, all IEEE float32 with subnormals kept. The CUDA kernel
-(ffi/block_quantize_cuda.cu) and the jax.numpy path give the same bits; a NaN x becomes
-the FP8 type's quiet NaN with x's sign (0x7F/0xFF for E4M3, 0x7E/0xFE for E5M2).
-
-Per-tensor current scaling (``quantize_current``) takes its amax from
-``jax_fp8.compute_amax``: one max over all devices under a multi-device jit, XLA's own
-max elsewhere. Unlike a block's, that amax may read a subnormal maximum as 0 (XLA:CPU
-flushes subnormals), and a NaN in x makes it NaN on the GPU (scale 1) where XLA's vectorized CPU
-max may drop it; the scale arithmetic after it is the exact one.
+``compute_scale_from_amax`` (``scale_from_amax``, shared with current scaling in
+``jax_fp8.current``), ``x_fp8 = saturate_cast(x * s)`` and ``scale_inv = 1 / s``, all
+IEEE float32 with subnormals kept. The CUDA kernel (ffi/block_quantize_cuda.cu) and the
+jax.numpy path give the same bits; a NaN x becomes the FP8 type's quiet NaN with x's
+sign (0x7F/0xFF for E4M3, 0x7E/0xFE for E5M2). Per-tensor current scaling
+(``quantize_current``) lives in ``jax_fp8.current`` and is re-exported here.
 """
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fp8 import quantization
-from jax_fp8 import recipe as recipe_lib
 from jax_fp8._primitives import block_gemm as gemm_lib
 from jax_fp8._primitives import block_quantize as bq
+from jax_fp8.current import (_operand, _options, quantize_current, scale_from_amax,  # noqa: F401
+                             scale_inverse)
 
 __all__ = ["dequantize_blocks", "quantize_blocks", "quantize_blocks_both",
            "quantize_blocks_transposed", "quantize_current", "scale_from_amax", "scale_inverse"]
@@ -46,47 +39,6 @@ def _block_rows(block_shape) -> int:
         raise ValueError(f"block_shape must be (1, 128) or (128, 128) (two ints), got "
                          f"{block_shape!r}")
     return int(block_shape[0])
-
-
-def _options(fp8_dtype, power_of_2_scale, amax_epsilon) -> dict:
-    if not isinstance(power_of_2_scale, (bool, np.bool_)):
-        raise TypeError(f"power_of_2_scale must be a bool, got {power_of_2_scale!r}")
-    recipe_lib._check_epsilon(amax_epsilon)
-    return dict(fp8_dtype=recipe_lib.canonical_fp8_dtype(fp8_dtype),
-                power_of_2_scale=bool(power_of_2_scale), amax_epsilon=float(amax_epsilon))
-
-
-def _operand(x, min_ndim=2):
-    x = jnp.asarray(x)
-    if np.dtype(x.dtype) not in bq.INPUT_DTYPES:
-        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
-    if x.ndim < min_ndim:
-        raise ValueError(f"x must be laid out as [..., M, K] (rank >= 2), got shape {x.shape}; "
-                         f"a vector v is x = v[None, :]")
-    return x
-
-
-def scale_from_amax(amax, fp8_dtype=jnp.float8_e4m3fn, *, power_of_2_scale=False,
-                    amax_epsilon=0.0) -> jax.Array:
-    """The quantization scale ``s`` (``x_fp8 = saturate_cast(x * s)``) from an amax.
-
-    docs/semantics.md / TE's ``compute_scale_from_amax``, elementwise over a float32 amax of any
-    shape: ``amax < amax_epsilon`` is raised to it; an amax of 0, inf or NaN gives 1;
-    otherwise ``fp8_max / amax`` (correctly rounded), FLT_MAX where that overflows; with
-    ``power_of_2_scale`` rounded down to a power of two. Exact IEEE float32, subnormal
-    amaxes included (their scale is FLT_MAX). ``scale_inverse(s)`` is the matching scale_inv.
-    """
-    opts = _options(fp8_dtype, power_of_2_scale, amax_epsilon)
-    amax = jnp.asarray(amax)
-    if not jnp.issubdtype(amax.dtype, jnp.floating):
-        raise TypeError(f"amax must be a floating array, got {amax.dtype}")
-    return bq.scale_from_amax_f32(amax.astype(jnp.float32), recipe_lib.fp8_max(opts["fp8_dtype"]),
-                                  opts["amax_epsilon"], opts["power_of_2_scale"])
-
-
-def scale_inverse(scale) -> jax.Array:
-    """``1 / scale`` in float32, correctly rounded also where it is subnormal."""
-    return bq.scale_inverse(jnp.asarray(scale, jnp.float32))
 
 
 def quantize_blocks(x, block_shape=(1, 128), fp8_dtype=jnp.float8_e4m3fn, *,
@@ -146,31 +98,3 @@ def dequantize_blocks(x_fp8, scale_inv, block_shape=(1, 128), dtype=jnp.float32)
         raise ValueError(f"scale_inv must have shape {want} for x_fp8 {x_fp8.shape} and "
                          f"block_shape {tuple(block_shape)}, got {scale_inv.shape}")
     return gemm_lib.dequantize(x_fp8, scale_inv, rows).astype(dtype)
-
-
-def quantize_current(x, fp8_dtype=jnp.float8_e4m3fn, *, power_of_2_scale=False,
-                     amax_epsilon=0.0):
-    """Per-tensor current scaling: (x_fp8 [...], scale_inv float32 []) from max |x|.
-
-    The amax is ``jax_fp8.compute_amax(x)`` (under a multi-device jit one max over all
-    devices, so every device quantizes with the global scale), then ``scale_from_amax``
-    and the same cast as ``quantize_blocks``. Not differentiated (a zero gradient).
-    """
-    x = jax.lax.stop_gradient(_operand(x, min_ndim=0))
-    opts = _options(fp8_dtype, power_of_2_scale, amax_epsilon)
-    amax = quantization.compute_amax(x)
-    with jax.disable_jit(False):  # one compiled program also when eager (as the primitives)
-        return _cast_current(tuple(sorted(opts.items())))(x, amax)
-
-
-@functools.lru_cache(maxsize=None)
-def _cast_current(opts):
-    opts = dict(opts)
-
-    @jax.jit
-    def cast(x, amax):
-        scale = bq.scale_from_amax_f32(amax, recipe_lib.fp8_max(opts["fp8_dtype"]),
-                                       opts["amax_epsilon"], opts["power_of_2_scale"])
-        return bq.cast_scaled(bq.widen(x), scale, opts["fp8_dtype"]), bq.scale_inverse(scale)
-
-    return cast

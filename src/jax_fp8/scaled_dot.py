@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_fp8 import _ad, _gemms, blockwise
+from jax_fp8 import _ad, _gemms, current
 from jax_fp8 import recipe as recipe_lib
 from jax_fp8._primitives import block_gemm as gemm_lib
 from jax_fp8._primitives import block_quantize as bq
@@ -201,7 +201,7 @@ def _block_backward(recipe, residuals, g, x_dtype, w_dtype):
 # -------------------------------------------------------------------------------- current
 
 def _current(a, recipe, fp8_dtype):
-    return blockwise.quantize_current(a, fp8_dtype, power_of_2_scale=recipe.power_of_2_scale,
+    return current.quantize_current(a, fp8_dtype, power_of_2_scale=recipe.power_of_2_scale,
                                       amax_epsilon=recipe.amax_epsilon)
 
 
