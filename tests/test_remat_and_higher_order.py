@@ -36,10 +36,21 @@ RECIPES = {
 NAME = "fp8_out"
 
 
+@pytest.fixture(autouse=True)
+def _on_cpu_unless_gpu(request):
+    """Bit-for-bit comparisons of two programs run on the CPU (on a GPU the two may run a
+    GEMM with different cuBLASLt algorithms); the gpu-marked test picks its device."""
+    if "gpu" in request.keywords:
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 def _offload_policies():
-    # Host offloading needs a "pinned_host" memory space on the default device.
+    # Host offloading needs a "pinned_host" memory space on the device the tests run on.
     try:
-        kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+        kinds = {m.kind for m in jax.devices("cpu")[0].addressable_memories()}
     except Exception:  # noqa: BLE001 (a backend without memory spaces)
         kinds = set()
     if "pinned_host" not in kinds:
