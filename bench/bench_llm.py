@@ -323,7 +323,7 @@ class Variant:
 
 VARIANTS = {v.name: v for v in (
     Variant("bf16", "bf16", "bf16"),
-    Variant("flax_fp8", "Flax FP8", "flax"),
+    Variant("flax_fp8", f"Flax FP8 ({FLAX_OP.__name__})", "flax"),
     Variant("jax_fp8_delayed", "jax_fp8 delayed", "jax_fp8", _delayed, update_calls=1),
     Variant("jax_fp8_current", "jax_fp8 current", "jax_fp8", _current),
     Variant("jax_fp8_block", "jax_fp8 block", "jax_fp8", _block),
@@ -352,10 +352,47 @@ def make_model(variant, size, args):
     return Decoder(size, variant.make_layers(args), scan=args.scan, rope=not args.no_rope)
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _normal(key, std, shape, dtype):
+    return jax.random.normal(key, shape, dtype) * std.astype(dtype)
+
+
+def init_params(shapes, key):
+    """Parameters of the shapes ``shapes`` (a tree of ShapeDtypeStruct): norm scales ones,
+    the embedding N(0, 0.02^2), every kernel N(0, 1 / fan_in). Drawn leaf by leaf, so one
+    small program per distinct shape is compiled, where a jitted ``model.init`` compiles
+    every initializer of the unrolled model (tens of seconds on a GPU for the 1b size)."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    out = []
+    for (path, leaf), k in zip(leaves, jax.random.split(key, len(leaves))):
+        name = jax.tree_util.keystr(path)
+        if leaf.ndim == 1 or "scale" in name:
+            out.append(jnp.ones(leaf.shape, leaf.dtype))
+            continue
+        std = 0.02 if "embedding" in name else 1.0 / math.sqrt(leaf.shape[-2])
+        out.append(_normal(k, np.float32(std), leaf.shape, np.dtype(leaf.dtype)))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def init_variables(model, tokens, seed):
+    """The model's variables: the parameters from `init_params`, the other collections (the
+    FP8 states) from the model's own initializers (one jitted init whose parameters are
+    dead code, so XLA drops their initializers)."""
+    key = jax.random.key(seed)
+    param_shapes = {}
+
+    def other_collections(k, t):
+        variables = model.init(k, t)
+        param_shapes["params"] = jax.eval_shape(lambda: variables["params"])  # (traced once)
+        return {c: v for c, v in variables.items() if c != "params"}
+    rest = jax.jit(other_collections)(key, tokens)
+    return {"params": init_params(param_shapes["params"], key), **rest}
+
+
 def make_state(variant, size, args, tokens):
     """A fresh train state (parameters from ``args.seed``, the same for every variant)."""
     model = make_model(variant, size, args)
-    variables = jax.jit(model.init)(jax.random.key(args.seed), tokens)
+    variables = init_variables(model, tokens, args.seed)
     tx = optax.adamw(args.lr, weight_decay=0.1)
     if variant.kind == "bf16":
         return train_state.TrainState.create(apply_fn=model.apply, params=variables["params"],
@@ -408,9 +445,9 @@ FAMILY_LABELS = {"fp8_gemm": "FP8 GEMM", "bf16_gemm": "bf16 GEMM", "attention": 
                  "amax": "amax", "jax_fp8_kernels": "jax_fp8 kernels", "other": "other"}
 GEMM_FAMILIES = ("fp8_gemm", "bf16_gemm")
 FAMILY_NOTE = (
-    "Kernel families: FP8 GEMM / bf16 GEMM (a GEMM with FP8 operands or not: the compiled "
-    "HLO's dots and GEMM custom calls, cuBLASLt's `nvjet_*` kernels by the operand types in "
-    "their name); attention (cuDNN's fused attention); norm+quantize and act+quantize (a "
+    "Kernel families: FP8 GEMM / bf16 GEMM (a GEMM with FP8 operands / any other GEMM: the "
+    "compiled HLO's dots and GEMM custom calls, cuBLASLt's `nvjet_*` kernels by the operand "
+    "types in their name); attention (cuDNN's fused attention); norm+quantize and act+quantize (a "
     "fusion that writes FP8 or takes a max-of-abs amax, with an RMSNorm's or the SwiGLU's "
     "ops in it, by the HLO's op_name scopes); quantize/transpose (other fusions, copies and "
     "transposes that write FP8, or transpose FP8 data); amax (other fusions with a max-of-abs "
