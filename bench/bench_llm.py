@@ -28,8 +28,8 @@ Variants (VARIANTS below; a new one, e.g. with fused kernels, is one entry):
 Each variant runs in its own process (this script with --worker), so its compile is a
 cold one and no variant sees another's autotuning. Per size and variant: device time per
 step (the sum of the GPU kernel durations in a profiler trace of --steps steps / steps),
-split by kernel family (FP8 GEMM, bf16 GEMM, attention, norm+quantize,
-quantize/transpose, amax, jax_fp8 kernels, other); pipelined wall time (--steps steps
+split by kernel family (FP8 GEMM, bf16 GEMM, attention, norm+quantize, act+quantize,
+quantize/transpose, amax, jax_fp8 kernels, other; FAMILY_NOTE below); pipelined wall time (--steps steps
 dispatched back to back, one block at the end) and blocked wall time (the median of
 --steps steps each followed by block_until_ready), after --warmup steps; tokens/s; lower
 + compile time; ``compiled.memory_analysis().temp_size_in_bytes``; the speed-ups vs bf16
