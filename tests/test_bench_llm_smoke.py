@@ -95,7 +95,8 @@ def test_tiny_run_report_and_plot(tiny_run):
         assert "no plot" in proc.stderr
     else:
         assert (outdir / "plot.png").stat().st_size > 1000
-    assert sorted(os.listdir(outdir)) == ["plot.png", "results.json", "results.md"]
+    # Nothing else: what a GPU machine sends back is a handful of files.
+    assert set(os.listdir(outdir)) - {"plot.png"} == {"results.json", "results.md"}
 
 
 @pytest.mark.parametrize("name, family", [
