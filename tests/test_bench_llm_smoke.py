@@ -95,7 +95,7 @@ def test_tiny_run_report_and_plot(tiny_run):
         assert "no plot" in proc.stderr
     else:
         assert (outdir / "plot.png").stat().st_size > 1000
-    # Nothing else: what a GPU machine sends back is a handful of files.
+    # OUTDIR holds the report and nothing else (worker files stay in a temporary folder).
     assert set(os.listdir(outdir)) - {"plot.png"} == {"results.json", "results.md"}
 
 
