@@ -36,13 +36,13 @@ ffi::Error CheckPair(ffi::AnyBuffer data, ffi::AnyBuffer scale, const std::vecto
   }
   const auto dd = data.dimensions(), sd = scale.dimensions();
   if (data.element_type() != fp8 || std::vector<int64_t>(dd.begin(), dd.end()) != want_data) {
-    return Invalid(std::string(what) + " data must be " + ShapeString(want_data) + " of one FP8 type, got " +
-                   ShapeString(dd));
+    return Invalid(std::string(what) + " data must be " + ShapeString(want_data) +
+                   " of one FP8 type, got " + ShapeString(dd));
   }
   if (scale.element_type() != ffi::DataType::F32 ||
       std::vector<int64_t>(sd.begin(), sd.end()) != want_scale) {
-    return Invalid(std::string(what) + " scale_inv must be float32 " + ShapeString(want_scale) + ", got " +
-                   ShapeString(sd));
+    return Invalid(std::string(what) + " scale_inv must be float32 " + ShapeString(want_scale) +
+                   ", got " + ShapeString(sd));
   }
   return ffi::Error::Success();
 }

@@ -1,26 +1,15 @@
 #pragma once
-// Pieces every CUDA FFI handler shares: its error messages, the decode of the input and
-// FP8 element types, and the status of a launch.
-#include <cstdint>
+// Pieces every CUDA FFI handler shares (besides handler_util.h's): the decode of the
+// input and FP8 element types, and the status of a launch.
 #include <string>
 
 #include <cuda_runtime.h>
 
+#include "handler_util.h"
 #include "transpose_cuda.h"  // InType, Fp8Type
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_fp8 {
-
-// "[d0, d1, ...]" for error messages.
-inline std::string ShapeString(xla::ffi::Span<const int64_t> dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-inline xla::ffi::Error InvalidArgument(const char* target, const std::string& msg) {
-  return xla::ffi::Error::InvalidArgument(std::string(target) + ": " + msg);
-}
 
 // The input types the quantizing kernels read: f32, bf16, f16; false for any other.
 inline bool DecodeInType(xla::ffi::DataType t, InType* out) {

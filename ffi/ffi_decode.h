@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "handler_util.h"
 #include "scaling_math.h"
 #include "tensor_group.h"
 #include "xla/ffi/api/ffi.h"
@@ -32,7 +33,7 @@ namespace ffi = xla::ffi;
       .Attr<bool>("in_place")
 
 inline ffi::Error InvalidArg(const std::string& msg) {
-  return ffi::Error::InvalidArgument("jax_fp8_update: " + msg);
+  return InvalidArgument("jax_fp8_update", msg);
 }
 
 inline ffi::ErrorOr<UpdateOptions> DecodeOptions(int32_t algo, bool power_of_2_scale,

@@ -5,41 +5,20 @@
 #include "split_cpu.h"
 
 #include <cstring>
-#include <string>
+
+#include "handler_util.h"
 
 namespace jax_fp8 {
 namespace ffi = xla::ffi;
 namespace {
 
 ffi::Error SplitRowsCpuImpl(ffi::AnyBuffer src, ffi::RemainingRets pieces) {
-  constexpr const char* kName = "jax_fp8_split_rows: ";
-  if (src.element_type() != ffi::DataType::F32 || src.dimensions().size() != 1) {
-    return ffi::Error::InvalidArgument(std::string(kName) + "the operand must be float32[R]");
-  }
-  const int64_t total = src.dimensions()[0];
-  const float* from = static_cast<const float*>(src.untyped_data());
-  int64_t offset = 0;
-  for (size_t k = 0; k < pieces.size(); ++k) {
-    auto piece = pieces.get<ffi::AnyBuffer>(k);
-    if (!piece.has_value()) return piece.error();
-    if ((*piece)->element_type() != ffi::DataType::F32 || (*piece)->dimensions().size() != 1) {
-      return ffi::Error::InvalidArgument(std::string(kName) + "result " + std::to_string(k) +
-                                         " is not a float32 vector");
-    }
-    const int64_t count = (*piece)->dimensions()[0];
-    if (count > total - offset) {
-      return ffi::Error::InvalidArgument(std::string(kName) + "the results hold more than " +
-                                         std::to_string(total) + " floats");
-    }
-    if (count > 0) {
-      std::memcpy((*piece)->untyped_data(), from + offset, sizeof(float) * count);
-    }
-    offset += count;
-  }
-  if (offset != total) {
-    return ffi::Error::InvalidArgument(std::string(kName) + "the results hold " +
-                                       std::to_string(offset) + " floats, the operand " +
-                                       std::to_string(total));
+  auto call = DecodeSplitRows(src, pieces);
+  if (!call.has_value()) return call.error();
+  const float* from = call->src;
+  for (size_t k = 0; k < call->dsts.size(); ++k) {
+    if (call->counts[k] > 0) std::memcpy(call->dsts[k], from, sizeof(float) * call->counts[k]);
+    from += call->counts[k];
   }
   return ffi::Error::Success();
 }

@@ -14,9 +14,10 @@ and sizes it takes (`cublas_takes`): one custom call, ffi/block_gemm_cuda.cc, wh
 cuBLASLt's VEC128 / BLK128x128 matmul (or its own plain kernel, ffi/block_gemm_fallback.cu,
 where cuBLASLt finds no algorithm). Scales in the spec layout are transposed and padded to
 cuBLASLt's layout here, in XLA ops on arrays 128 (or 16,384) times smaller than the
-operands. Everywhere else, and with ``implementation="jnp"``, the reference: each operand dequantized in float32 (q * scale_inv broadcast over its
-block), a float32 dot_general at HIGHEST precision, cast to out_dtype (a float16 output
-is the float32 result rounded once: beyond 65504 it is +-inf).
+operands. Everywhere else, and with ``implementation="jnp"``, the reference: each operand
+dequantized in float32 (q * scale_inv broadcast over its block), a float32 dot_general
+at HIGHEST precision, cast to out_dtype (a float16 output is the float32 result rounded
+once: beyond 65504 it is +-inf).
 """
 
 from __future__ import annotations
