@@ -383,7 +383,8 @@ def init_variables(model, tokens, seed):
 
     def other_collections(k, t):
         variables = model.init(k, t)
-        param_shapes["params"] = jax.eval_shape(lambda: variables["params"])  # (traced once)
+        param_shapes["params"] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                              variables["params"])   # (traced once)
         return {c: v for c, v in variables.items() if c != "params"}
     rest = jax.jit(other_collections)(key, tokens)
     return {"params": init_params(param_shapes["params"], key), **rest}
