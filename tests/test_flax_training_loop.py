@@ -464,12 +464,18 @@ def test_nnx_update_fp8_recipe_mismatch_is_an_error(recipe):
     with pytest.raises(ValueError, match=match):
         fnnx.update_fp8(model, grads, recipe)
     assert_trees_equal(fnnx.fp8_state(model), before)
+    # apply_gradients checks the recipe before the optimizer steps: nothing changes.
+    params = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    with pytest.raises(ValueError, match=match):
+        fnnx.apply_gradients(model, opt, grads, recipe)
+    assert_trees_equal(nnx.state(model, nnx.Param), params)
 
 
 def test_dot_general_class_and_instance_errors_name_the_public_class():
     x = rand(0, (4, D))
     with pytest.raises(TypeError, match=r"Fp8DotGeneral was called as a function.*"
-                                        r"dot_general=Fp8DotGeneral\(recipe\)") as err:
+                                        r"an instance, Fp8DotGeneral\(recipe\)") as err:
         nnx.Linear(D, 4, dot_general=fnnx.Fp8DotGeneral, rngs=nnx.Rngs(0))(x)
     assert "_Fp8Base" not in str(err.value)
     with pytest.raises(TypeError, match=r"dot_general_cls=Fp8DotGeneral"):

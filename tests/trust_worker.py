@@ -71,7 +71,7 @@ def step(x, w, meta):
     def loss(x, w, meta):
         return jnp.sum(jax_fp8.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), meta)[0] ** 2)
     gw, gm = jax.grad(loss, argnums=(1, 2))(x, w, meta)
-    return gw, jax_fp8.new_fp8_state(meta, gm)
+    return gw, jax_fp8.new_fp8_state(meta, gm, jax_fp8.DelayedScaling(history_len=4))
 
 
 want = jax.jit(step)(x, w, meta)

@@ -67,8 +67,9 @@ class _Fp8Base(nnx.Module):
             name = type(self).__name__
             raise TypeError(
                 f"{name} was called as a function with arrays: it holds the FP8 state of one "
-                f"layer, so pass an instance, e.g. nnx.Linear(..., dot_general={name}("
-                f"recipe)), not the class (or use Fp8Linear(..., recipe=recipe))")
+                f"layer, so pass an instance, {name}(recipe), not the class (e.g. "
+                f"nnx.Linear(..., dot_general=Fp8DotGeneral(recipe)), or Fp8Linear(..., "
+                f"recipe=recipe))")
         recipe = recipe_lib.DelayedScaling() if recipe is None else recipe
         recipe_lib.check_recipe(recipe, "recipe")
         self.min_fp8_flops = check_min_fp8_flops(min_fp8_flops)  # a static float
@@ -198,6 +199,9 @@ def apply_gradients(model, optimizer, grads, recipe=None, **kwargs):
     """
     fp8_grads, param_grads = _split(grads)
     held = state_lib.states_info(fp8_state(model))
+    # The recipe is checked before the optimizer steps, so a mismatch changes nothing.
+    state_lib.check_states_follow(recipe_lib.DelayedScaling() if recipe is None else recipe,
+                                  fp8_state(model), type(model).__name__)
     if held and not state_lib.states_info(fp8_grads) and not meta_lib.scales_frozen():
         raise ValueError(
             f"apply_gradients: grads has no FP8 gradients, but the model holds {len(held)} "
@@ -214,8 +218,6 @@ def apply_gradients(model, optimizer, grads, recipe=None, **kwargs):
             "parameter gradients and combining the FP8 ones with jax_fp8.combine_fp8_grads "
             "(docs/semantics.md, \"Gradient accumulation\").")
     optimizer.update(model, param_grads, **kwargs)
-    if recipe is not None:
-        recipe_lib.check_recipe(recipe, "recipe")
     if held and state_lib.states_info(fp8_grads):
         update_fp8(model, fp8_grads, recipe)
 
