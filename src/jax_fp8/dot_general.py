@@ -198,6 +198,11 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, meta: Fp8Meta, precision=None,
     precision); other keyword arguments (e.g. Flax's ``out_sharding``) are accepted and
     ignored.
 
+    Differentiation: reverse mode (``jax.grad``, ``jax.vjp``), under any remat policy
+    (``jax.checkpoint``, ``nn.remat``, ``nnx.remat``) with the same bits as without;
+    differentiating the gradient again (``jax.hessian``, ``jax.grad`` of a gradient, a
+    Hessian-vector product) raises ``NotImplementedError`` at trace time.
+
     ``min_fp8_flops``: a GEMM too small to gain from FP8 (fewer FLOPs than this, counted
     as ``2 * batch * M * N * K`` of the forward product, see `gemm_flops`) runs as
     ``lax.dot_general`` in the operands' dtype instead, with ``precision`` as given, and

@@ -64,6 +64,9 @@ def scaled_dot_general(lhs, rhs, dimension_numbers, recipe, preferred_element_ty
     current scaling each element's lhs and rhs slice has its own scale (its own amax), and
     block scaling's blocks never span two elements.
 
+    Differentiable once, under any remat policy; differentiating the gradient again
+    raises ``NotImplementedError`` at trace time (as `jax_fp8.fp8_dot_general`).
+
     Args:
       recipe: ``jax_fp8.Float8CurrentScaling`` or ``jax_fp8.Float8BlockScaling``.
 
