@@ -427,7 +427,6 @@ def test_nnx_scan_over_stacked_layers():
 # -- one API for the three recipes ----------------------------------------------------------
 
 def test_new_fp8_state_takes_every_recipe():
-    x = rand(0, (4, D))
     for recipe in (jax_fp8.Float8CurrentScaling(), jax_fp8.Float8BlockScaling()):
         assert jax_fp8.new_fp8_state({}, {}, recipe) == {}
         meta = jax_fp8.Fp8Meta.create(recipe)
@@ -438,7 +437,6 @@ def test_new_fp8_state_takes_every_recipe():
     # No recipe means DelayedScaling(), checked like any other.
     with pytest.raises(ValueError, match="history length 4, the recipe's is 1024"):
         jax_fp8.new_fp8_state(jax_fp8.Fp8Meta.create(RECIPE), jax_fp8.Fp8Meta.create(RECIPE))
-    del x
 
 
 def test_stateless_train_state_needs_no_fp8_gradients():
