@@ -232,6 +232,29 @@ def test_nnx_one_call_path_updates_params_and_fp8_state():
     fnnx.check_fp8_updated(model)
 
 
+def test_nnx_fp8_optimizer_update_is_apply_gradients():
+    x, y = rand(0, (16, D)), rand(1, (16, 4))
+    model, ref = NnxNet(nnx.Rngs(0)), NnxNet(nnx.Rngs(0))
+    opt = fnnx.Fp8Optimizer(model, optax.adam(1e-2), wrt=nnx.Param, recipe=RECIPE)
+    ref_opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer):      # the usual NNX loop, unchanged
+        loss, grads = fnnx.fp8_value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    for _ in range(2):
+        step(model, opt)
+        _nnx_step()(ref, ref_opt, x, y)
+    assert_trees_equal(nnx.state(model), nnx.state(ref))
+    fnnx.check_fp8_updated(model)
+    with jax_fp8.frozen_scales():
+        grads = nnx.grad(lambda m: jnp.sum(m(x)))(model)
+    with pytest.raises(ValueError, match="no FP8 gradients"):
+        opt.update(model, grads)
+
+
 def test_nnx_gradient_of_params_only_raises_at_trace_time():
     x = rand(0, (8, D))
     model = NnxNet(nnx.Rngs(0))
@@ -247,9 +270,9 @@ def test_nnx_apply_gradients_refuses_params_only_gradients():
         grads = nnx.grad(lambda m: jnp.sum(m(x)))(model)
     before = jax.tree.map(jnp.copy, fnnx.fp8_state(model))
     with pytest.raises(ValueError, match="no FP8 gradients.*6 delayed-scaling"):
-        fnnx.apply_gradients(model, opt, grads)
+        fnnx.apply_gradients(model, opt, grads, RECIPE)
     with jax_fp8.frozen_scales():
-        fnnx.apply_gradients(model, opt, grads)
+        fnnx.apply_gradients(model, opt, grads, RECIPE)
     assert_trees_equal(fnnx.fp8_state(model), before)
 
 
@@ -280,7 +303,7 @@ def test_nnx_apply_gradients_refuses_multi_steps():
     opt = nnx.Optimizer(model, optax.MultiSteps(optax.sgd(0.1), 2), wrt=nnx.Param)
     _, grads = fnnx.fp8_value_and_grad(lambda m: jnp.sum(m(x)))(model)
     with pytest.raises(ValueError, match="MultiSteps.*combine_fp8_grads"):
-        fnnx.apply_gradients(model, opt, grads)
+        fnnx.apply_gradients(model, opt, grads, RECIPE)
 
 
 # -- gradient accumulation ----------------------------------------------------------------

@@ -193,10 +193,15 @@ def apply_gradients(model, optimizer, grads, recipe=None, **kwargs):
     Raises:
       ValueError: the model holds delayed-scaling states and ``grads`` has no gradient for
         them (their scales would never change), unless inside `jax_fp8.frozen_scales`
-        (then only the optimizer steps); or ``optimizer`` wraps ``optax.MultiSteps``,
-        which would update the FP8 state every microbatch: accumulate the microbatches
-        inside the step instead (docs/semantics.md, "Gradient accumulation").
+        (then only the optimizer steps); ``recipe`` does not match the states (checked
+        before anything changes); or ``optimizer`` wraps ``optax.MultiSteps``, which would
+        update the FP8 state every microbatch: accumulate the microbatches inside the
+        step instead (docs/semantics.md, "Gradient accumulation").
     """
+    _step(model, optimizer, grads, recipe, nnx.Optimizer.update, kwargs)
+
+
+def _step(model, optimizer, grads, recipe, optimizer_update, kwargs):
     fp8_grads, param_grads = _split(grads)
     held = state_lib.states_info(fp8_state(model))
     # The recipe is checked before the optimizer steps, so a mismatch changes nothing.
@@ -217,9 +222,30 @@ def apply_gradients(model, optimizer, grads, recipe=None, **kwargs):
             "microbatches inside the step instead: a lax.scan over them, summing the "
             "parameter gradients and combining the FP8 ones with jax_fp8.combine_fp8_grads "
             "(docs/semantics.md, \"Gradient accumulation\").")
-    optimizer.update(model, param_grads, **kwargs)
+    optimizer_update(optimizer, model, param_grads, **kwargs)
     if held and state_lib.states_info(fp8_grads):
         update_fp8(model, fp8_grads, recipe)
+
+
+class Fp8Optimizer(nnx.Optimizer):
+    """``nnx.Optimizer`` whose ``update(model, grads)`` is `apply_gradients`.
+
+    ``Fp8Optimizer(model, tx, wrt=nnx.Param, recipe=None)``: ``recipe`` is the one the
+    layers were made with (as in `update_fp8`). Then the usual NNX loop updates the FP8
+    state too, or refuses gradients without it::
+
+        loss, grads = fp8_value_and_grad(loss_fn)(model, x, y)
+        optimizer.update(model, grads)       # params (optax) and ONE fused FP8 update
+    """
+
+    def __init__(self, model, tx, *, wrt=nnx.Param, recipe=None, **kwargs):
+        super().__init__(model, tx, wrt=wrt, **kwargs)
+        self.fp8_recipe = None if recipe is None else recipe_lib.check_recipe(recipe)
+
+    def update(self, model, grads, /, **kwargs):
+        """The optimizer step on the ``wrt`` gradients and `update_fp8` on the FP8 ones
+        (errors as `apply_gradients`)."""
+        _step(model, self, grads, self.fp8_recipe, nnx.Optimizer.update, kwargs)
 
 
 def check_fp8_updated(model) -> None:
@@ -229,6 +255,6 @@ def check_fp8_updated(model) -> None:
 
 
 __all__ = ["Fp8DotGeneral", "Fp8Einsum", "Fp8Linear", "Fp8State", "ScalingState",
-           "apply_gradients", "check_fp8_updated", "fp8_state",
+           "Fp8Optimizer", "apply_gradients", "check_fp8_updated", "fp8_state",
            "fp8_value_and_grad",
            "update_fp8"]
