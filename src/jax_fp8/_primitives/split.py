@@ -27,10 +27,10 @@ def _abstract_eval(a, *, sizes):
     return [a.update(shape=(n,), weak_type=False) for n in sizes]
 
 
-def _slices(a, *, sizes, axis=0):
+def _slices(a, *, sizes):
     out, start = [], 0
     for n in sizes:
-        out.append(lax.slice_in_dim(a, start, start + n, axis=axis))
+        out.append(lax.slice_in_dim(a, start, start + n))
         start += n
     return out
 
