@@ -5,16 +5,21 @@ Linen (the default namespace)::
     nn.Dense(features, dot_general_cls=jax_fp8.flax.Fp8DotGeneral)
     state = jax_fp8.flax.Fp8TrainState.create(apply_fn=model.apply, variables=v, tx=tx)
 
-NNX: `jax_fp8.flax.nnx` (Fp8Linear, Fp8DotGeneral, Fp8State, update_fp8, ...).
+An existing model in one call (docs/convert.md)::
+
+    model = jax_fp8.flax.fp8_model(model, jax_fp8.flax.Fp8Rule(recipe=recipe))
+
+NNX: `jax_fp8.flax.nnx` (Fp8Linear, Fp8DotGeneral, Fp8State, update_fp8, fp8_model, ...).
 Converters to/from Flax's own fp8_ops variables and Transformer Engine's layout:
 `jax_fp8.flax.convert`.
 """
 
 from jax_fp8.flax.linen import (FP8_COLLECTION, Fp8DotGeneral, Fp8Einsum, Fp8TrainState,
                                 fp8_value_and_grad, split_fp8)
+from jax_fp8.flax.conversion import Fp8Rule, fp8_model  # noqa: E402
 from jax_fp8.flax import convert  # noqa: E402
 from jax_fp8.flax import serialization  # noqa: E402,F401  (msgpack support)
 from jax_fp8.flax import nnx  # noqa: E402
 
-__all__ = ["FP8_COLLECTION", "Fp8DotGeneral", "Fp8Einsum", "Fp8TrainState", "convert",
-           "fp8_value_and_grad", "nnx", "split_fp8"]
+__all__ = ["FP8_COLLECTION", "Fp8DotGeneral", "Fp8Einsum", "Fp8Rule", "Fp8TrainState",
+           "convert", "fp8_model", "fp8_value_and_grad", "nnx", "split_fp8"]
