@@ -134,6 +134,8 @@ def _write(module: nn.Module, vs, used: Fp8Meta, meta: Fp8Meta, collection):
             v.value = getattr(meta, name)
         return
     leaf = used.input.amax_history
+    if meta.input.amax_history is leaf:
+        return  # the very arrays it read (an eager call): nothing to thread, and no cycle
     try:
         ref = weakref.ref(leaf, lambda _, k=id(leaf), d=_successor: d.pop(k, None))
     except TypeError:  # not weak-referenceable (e.g. a NumPy array): nothing to thread
