@@ -255,6 +255,34 @@ def test_nnx_fp8_optimizer_update_is_apply_gradients():
         opt.update(model, grads)
 
 
+def test_nnx_fp8_optimizer_under_multi_steps_updates_once_from_the_max():
+    k = 3
+    x, y = rand(0, (k, 8, D), 2.0), rand(1, (k, 8, 4))
+    x = x.at[1, 5].multiply(16.0)
+    model = NnxNet(nnx.Rngs(0))
+    opt = fnnx.Fp8Optimizer(model, optax.MultiSteps(optax.sgd(0.1), k), wrt=nnx.Param,
+                            recipe=RECIPE)
+    assert isinstance(opt.fp8_pending, fnnx.Fp8Pending)
+    start = jax.tree.map(jnp.copy, fnnx.fp8_state(model))
+
+    @nnx.jit
+    def micro(model, optimizer, xb, yb):
+        _, grads = fnnx.fp8_value_and_grad(lambda m: jnp.mean((m(xb) - yb) ** 2))(model)
+        optimizer.update(model, grads)
+        return fnnx.fp8_state(grads)
+
+    fp8_grads = []
+    for i in range(k):
+        fp8_grads.append(micro(model, opt, x[i], y[i]))
+        if i + 1 < k:
+            assert_trees_equal(fnnx.fp8_state(model), start)
+    want = jax_fp8.new_fp8_state(start, jax_fp8.combine_fp8_grads(*fp8_grads), RECIPE)
+    assert_trees_equal(nnx.as_pure(fnnx.fp8_state(model)), nnx.as_pure(want))
+    st = fnnx.fp8_state(model)["l1"]["dot_general"]["input"].get_value()
+    assert float(st.amax_history[-1]) == float(np.max(np.abs(np.asarray(x))))
+    assert not any(np.any(np.asarray(p)) for p in opt.fp8_pending.get_value())
+
+
 def test_nnx_gradient_of_params_only_raises_at_trace_time():
     x = rand(0, (8, D))
     model = NnxNet(nnx.Rngs(0))
@@ -302,7 +330,7 @@ def test_nnx_apply_gradients_refuses_multi_steps():
     model = NnxNet(nnx.Rngs(0))
     opt = nnx.Optimizer(model, optax.MultiSteps(optax.sgd(0.1), 2), wrt=nnx.Param)
     _, grads = fnnx.fp8_value_and_grad(lambda m: jnp.sum(m(x)))(model)
-    with pytest.raises(ValueError, match="MultiSteps.*combine_fp8_grads"):
+    with pytest.raises(ValueError, match="MultiSteps.*Fp8Optimizer.*combine_fp8_grads"):
         fnnx.apply_gradients(model, opt, grads, RECIPE)
 
 

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -42,6 +44,7 @@ from jax_fp8.dot_general import check_min_fp8_flops, fp8_dot_general
 from jax_fp8.einsum import fp8_einsum
 from jax_fp8.meta import Fp8Meta, new_fp8_state
 from jax_fp8.state import ScalingState
+from jax_fp8.update import update_states
 
 _NAMES = ("input", "kernel", "grad")
 
@@ -195,8 +198,8 @@ def apply_gradients(model, optimizer, grads, recipe=None, **kwargs):
         them (their scales would never change), unless inside `jax_fp8.frozen_scales`
         (then only the optimizer steps); ``recipe`` does not match the states (checked
         before anything changes); or ``optimizer`` wraps ``optax.MultiSteps``, which would
-        update the FP8 state every microbatch: accumulate the microbatches inside the
-        step instead (docs/semantics.md, "Gradient accumulation").
+        update the FP8 state every microbatch: use `Fp8Optimizer`, or accumulate inside
+        the step (docs/semantics.md, "Gradient accumulation").
     """
     _step(model, optimizer, grads, recipe, nnx.Optimizer.update, kwargs)
 
@@ -218,13 +221,30 @@ def _step(model, optimizer, grads, recipe, optimizer_update, kwargs):
     if held and _is_multi_steps(getattr(optimizer, "tx", None)):
         raise ValueError(
             "apply_gradients: the optimizer wraps optax.MultiSteps, which applies once per "
-            "k calls, but the FP8 state would be updated at every call. Accumulate the "
-            "microbatches inside the step instead: a lax.scan over them, summing the "
-            "parameter gradients and combining the FP8 ones with jax_fp8.combine_fp8_grads "
+            "k calls, but the FP8 state would be updated at every call. Use "
+            "jax_fp8.flax.nnx.Fp8Optimizer(model, tx, wrt=nnx.Param, recipe=...) and "
+            "optimizer.update(model, grads) (one FP8 update per MultiSteps step, from the max "
+            "of the microbatches' amaxes), or accumulate inside the step: a lax.scan over "
+            "the microbatches, combining the FP8 gradients with jax_fp8.combine_fp8_grads "
             "(docs/semantics.md, \"Gradient accumulation\").")
     optimizer_update(optimizer, model, param_grads, **kwargs)
     if held and state_lib.states_info(fp8_grads):
         update_fp8(model, fp8_grads, recipe)
+
+
+class Fp8Pending(nnx.Variable):
+    """Under ``optax.MultiSteps``: the max of the staged amaxes since the optimizer last
+    applied (a list of float32 arrays, one per FP8 state in tree order)."""
+
+
+def _multi_steps_state(opt_state):
+    """The ``optax.MultiStepsState`` in ``opt_state`` (searched through tuples), or None."""
+    if isinstance(opt_state, optax.MultiStepsState):
+        return opt_state
+    if isinstance(opt_state, (tuple, list)):
+        found = [f for f in map(_multi_steps_state, opt_state) if f is not None]
+        return found[0] if len(found) == 1 else None
+    return None
 
 
 class Fp8Optimizer(nnx.Optimizer):
@@ -236,16 +256,47 @@ class Fp8Optimizer(nnx.Optimizer):
 
         loss, grads = fp8_value_and_grad(loss_fn)(model, x, y)
         optimizer.update(model, grads)       # params (optax) and ONE fused FP8 update
+
+    With ``tx`` an ``optax.MultiSteps`` (alone or in a chain), the amaxes of the
+    microbatches combine by max in ``fp8_pending`` (`Fp8Pending`) and the FP8 state is
+    updated once, when MultiSteps applies.
     """
 
     def __init__(self, model, tx, *, wrt=nnx.Param, recipe=None, **kwargs):
         super().__init__(model, tx, wrt=wrt, **kwargs)
         self.fp8_recipe = None if recipe is None else recipe_lib.check_recipe(recipe)
+        states = fp8_state(model)
+        multi = state_lib.states_info(states) and \
+            _multi_steps_state(self.opt_state) is not None
+        self.fp8_pending = Fp8Pending(
+            [jnp.zeros_like(a) for a in jax.tree.leaves(meta_lib.amax_cotangents(states))]
+        ) if multi else None
 
     def update(self, model, grads, /, **kwargs):
         """The optimizer step on the ``wrt`` gradients and `update_fp8` on the FP8 ones
-        (errors as `apply_gradients`)."""
-        _step(model, self, grads, self.fp8_recipe, nnx.Optimizer.update, kwargs)
+        (errors as `apply_gradients`; under MultiSteps, see the class)."""
+        if self.fp8_pending is None:
+            _step(model, self, grads, self.fp8_recipe, nnx.Optimizer.update, kwargs)
+            return
+        recipe = recipe_lib.DelayedScaling() if self.fp8_recipe is None else self.fp8_recipe
+        states = fp8_state(model)
+        state_lib.check_states_follow(recipe, states, type(model).__name__)
+        fp8_grads, param_grads = _split(grads)
+        if not state_lib.states_info(fp8_grads):
+            _step(model, self, grads, self.fp8_recipe, nnx.Optimizer.update, kwargs)
+            return  # (raises unless the scales are frozen)
+        before = _multi_steps_state(self.opt_state).gradient_step[...]
+        nnx.Optimizer.update(self, model, param_grads, **kwargs)
+        applied = _multi_steps_state(self.opt_state).gradient_step[...] != before
+        staged = jax.tree.leaves(meta_lib.amax_cotangents(fp8_grads))
+        pending = [jnp.fmax(p, a) for p, a in zip(_get(self.fp8_pending), staged, strict=True)]
+        pure = nnx.as_pure(states) if hasattr(nnx, "as_pure") else states
+        amaxes = jax.tree.unflatten(jax.tree.structure(meta_lib.amax_cotangents(pure)),
+                                    pending)
+        new = jax.lax.cond(applied, lambda: update_states(pure, amaxes, recipe=recipe),
+                           lambda: pure)
+        nnx.update(model, new)
+        _set(self.fp8_pending, [jnp.where(applied, jnp.zeros_like(p), p) for p in pending])
 
 
 def check_fp8_updated(model) -> None:
@@ -254,10 +305,6 @@ def check_fp8_updated(model) -> None:
     meta_lib.check_fp8_updated(fp8_state(model), type(model).__name__)
 
 
-# The NNX converter builds on this module's layers: imported once they exist.
-from jax_fp8.flax.nnx_conversion import fp8_model  # noqa: E402
-
-__all__ = ["Fp8DotGeneral", "Fp8Einsum", "Fp8Linear", "Fp8State", "ScalingState",
-           "Fp8Optimizer", "apply_gradients", "check_fp8_updated", "fp8_model", "fp8_state",
-           "fp8_value_and_grad",
-           "update_fp8"]
+__all__ = ["Fp8DotGeneral", "Fp8Einsum", "Fp8Linear", "Fp8Optimizer", "Fp8Pending",
+           "Fp8State", "ScalingState", "apply_gradients", "check_fp8_updated",
+           "fp8_state", "fp8_value_and_grad", "update_fp8"]
