@@ -43,6 +43,7 @@ from jax_fp8 import state as state_lib
 from jax_fp8.dot_general import check_min_fp8_flops, fp8_dot_general
 from jax_fp8.einsum import fp8_einsum
 from jax_fp8.meta import Fp8Meta, new_fp8_state
+from jax_fp8.recipe import check_recipe
 from jax_fp8.state import ScalingState
 from jax_fp8.update import update_states
 
@@ -247,6 +248,14 @@ def _multi_steps_state(opt_state):
     return None
 
 
+def _pending(states, opt_state):
+    """Zero pending amaxes for the states under MultiSteps, else None."""
+    if not state_lib.states_info(states) or _multi_steps_state(opt_state) is None:
+        return None
+    return Fp8Pending([jnp.zeros_like(a)
+                       for a in jax.tree.leaves(meta_lib.amax_cotangents(states))])
+
+
 class Fp8Optimizer(nnx.Optimizer):
     """``nnx.Optimizer`` whose ``update(model, grads)`` is `apply_gradients`.
 
@@ -264,13 +273,8 @@ class Fp8Optimizer(nnx.Optimizer):
 
     def __init__(self, model, tx, *, wrt=nnx.Param, recipe=None, **kwargs):
         super().__init__(model, tx, wrt=wrt, **kwargs)
-        self.fp8_recipe = None if recipe is None else recipe_lib.check_recipe(recipe)
-        states = fp8_state(model)
-        multi = state_lib.states_info(states) and \
-            _multi_steps_state(self.opt_state) is not None
-        self.fp8_pending = Fp8Pending(
-            [jnp.zeros_like(a) for a in jax.tree.leaves(meta_lib.amax_cotangents(states))]
-        ) if multi else None
+        self.fp8_recipe = None if recipe is None else check_recipe(recipe)
+        self.fp8_pending = _pending(fp8_state(model), self.opt_state)
 
     def update(self, model, grads, /, **kwargs):
         """The optimizer step on the ``wrt`` gradients and `update_fp8` on the FP8 ones
