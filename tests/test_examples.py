@@ -3,6 +3,8 @@
 * examples/train_fp8_lm.py (the FP8 char-LM demo) with --compare: metrics.json with
   train and validation losses of both runs and their gap, the plots, and nothing written
   outside --out (cwd, HOME and TMPDIR stay empty);
+* examples/train_fp8_nnx.py (an NNX model converted to FP8 in one call): a few steps of
+  delayed and blockwise scaling, metrics.json with the converted layers;
 * examples/convergence.py --preset smoke: two runs (bf16, jax_fp8_delayed) of seed 0
   stopped after 2 of 4 steps, then seeds 0 and 1 (seed 0 resumed from its orbax
   checkpoints), the per-(run, seed) result files, finished runs skipped, --summarize's
@@ -94,6 +96,32 @@ def test_demo_smoke(tmp_path):
     # Nothing outside --out; nothing but the results inside it.
     expected = {"metrics.json"} | ({"loss.png", "fp8_scaling.png"} if HAS_MPL else set())
     assert {p.name for p in out.iterdir()} == expected
+    for d in ("cwd", "home", "tmpdir"):
+        assert not list((tmp_path / d).iterdir()), d
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "block"])
+def test_nnx_demo_smoke(tmp_path, recipe):
+    out, cwd = tmp_path / "out", tmp_path / "cwd"
+    cwd.mkdir()
+    proc = _run("train_fp8_nnx.py",
+                ["--steps", "3", "--out", str(out), "--recipe", recipe, "--d-model", "16",
+                 "--layers", "2", "--heads", "2", "--seq-len", "16", "--batch", "4",
+                 "--history-len", "4", "--eval-batches", "1"], cwd, _env(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    saved = json.loads((out / "metrics.json").read_text())
+    assert len(saved["loss"]) == 3 and all(math.isfinite(v) for v in saved["loss"])
+    assert math.isfinite(saved["valid_loss"])
+    # 4 attention projections + 2 MLP layers (stacked over the 2 layers): one call
+    # converted them all; the LM head stayed as it was.
+    assert saved["fp8_layers"] == 6, proc.stdout
+    if recipe == "delayed":
+        assert saved["n_fp8_arrays"] == 6 * 3 * 3       # stacked states, 3 arrays each
+        assert any(v > 0 for v in saved["amax_history"])
+    else:
+        assert saved["n_fp8_arrays"] == 0 and saved["amax_history"] is None
+    assert "step 3/3" in proc.stderr and "final train loss" in proc.stdout
+    assert {p.name for p in out.iterdir()} == {"metrics.json"}
     for d in ("cwd", "home", "tmpdir"):
         assert not list((tmp_path / d).iterdir()), d
 
