@@ -266,6 +266,27 @@ def test_linen_under_scan_remat_vmap_equals_the_hand_written_model(kind, n_state
             >= {(lead, RECIPE.history_len)}
 
 
+class ScanOf(nn.Module):
+    """nn.scan of Block with the model's own variable_axes."""
+
+    axes: tuple
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.scan(Block, variable_axes=dict(self.axes), split_rngs={"params": True},
+                       length=2)(name="layers")(x, None)[0]
+
+
+def test_linen_scan_needs_the_fp8_collection():
+    x, _ = _data()
+    # A model whose scan lists every collection needs no change ...
+    v = jax.jit(fp8_model(ScanOf(((True, 0),)), RULE).init)(KEY, x)
+    assert _n_states(v[FP8_COLLECTION]) == 2 * 3
+    # ... one that lists only its params says which line to change.
+    with pytest.raises(ValueError, match="variable_axes"):
+        fp8_model(ScanOf((("params", 0),)), RULE).init(KEY, x)
+
+
 def test_linen_rules_select_layers_and_recipes():
     x, _ = _data()
     rules = [Fp8Rule(path="Dense_0", recipe=None),                  # stays as it is

@@ -195,8 +195,8 @@ def _weight_side(site: Site, lhs, rhs) -> str | None:
     return "rhs" if site.rule.activations else None
 
 
-def _converting_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-                 **kwargs):
+def _converting_dot_general(lhs, rhs, dimension_numbers, precision=None,
+                            preferred_element_type=None, **kwargs):
     site = _innermost()
     side = None if site is None else _weight_side(site, lhs, rhs)
     if side is None:
@@ -212,10 +212,10 @@ def _swapped_dot_general(site, side, lhs, rhs, dimension_numbers, precision,
                          preferred_element_type):
     if side == "rhs":
         return site.convert("dot_general", (lhs, rhs, dimension_numbers),
-                             precision, preferred_element_type)
+                            precision, preferred_element_type)
     (lc, rc), (lb, rb) = dimension_numbers
     out = site.convert("dot_general", (rhs, lhs, ((rc, lc), (rb, lb))),
-                        precision, preferred_element_type)
+                       precision, preferred_element_type)
     # dot_general's result is (batch, lhs free, rhs free): put the swapped halves back.
     nb = len(lb)
     n_rhs_free = rhs.ndim - len(rc) - len(rb)
@@ -262,7 +262,7 @@ def explicit_einsum(subscripts: str, lhs_shape, rhs_shape) -> str | None:
 
 
 def _converting_einsum(subscripts, *operands, out=None, optimize="auto", precision=None,
-            preferred_element_type=None, _dot_general=None, **kwargs):
+                       preferred_element_type=None, _dot_general=None, **kwargs):
     if _dot_general is None or _dot_general is _converting_dot_general:
         _dot_general = ORIGINAL["dot_general"]  # no conversion inside jnp.einsum's jit
 
