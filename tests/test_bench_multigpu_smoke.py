@@ -88,10 +88,15 @@ class TestSmoke:
         _, data, _ = bench
         fp8 = _row(data, "fsdp", "jax_fp8")["weight_all_gathers"]
         bf16 = _row(data, "fsdp", "bf16")["weight_all_gathers"]
-        assert fp8["count"] == bf16["count"] == 4, (fp8, bf16)   # one per Dense kernel
+        # bf16: one gather per Dense kernel, kept from the forward for the backward.
+        # jax_fp8: the forward's gather of each FP8 kernel, and one more of the FP8 shard
+        # saved for the backward (the custom VJPs save their residuals as integers, which
+        # remat policies leave alone) for each input gradient the step computes: three of
+        # the four layers (the first layer's input needs none). In bytes, 5/6 of bf16's.
+        assert bf16["count"] == 4 and fp8["count"] == 4 + 3, (fp8, bf16)
         assert set(fp8["dtypes"]) <= FP8 and set(bf16["dtypes"]) == {"bf16"}, (fp8, bf16)
-        assert 2 * fp8["bytes"] == bf16["bytes"]
-        assert data["derived"]["fsdp"]["jax_fp8"]["weight_gather_bytes_over_bf16"] == 0.5
+        assert 6 * fp8["bytes"] == 5 * bf16["bytes"], (fp8, bf16)
+        assert data["derived"]["fsdp"]["jax_fp8"]["weight_gather_bytes_over_bf16"] == 5 / 6
         for c in _row(data, "fsdp", "jax_fp8")["partitioned_collective_list"]:
             if c["kind"] == "weight all-gather":
                 assert c["axes"] == ["fsdp"], c          # gathered over the fsdp axis only
