@@ -309,6 +309,9 @@ def check_fp8_updated(model) -> None:
     meta_lib.check_fp8_updated(fp8_state(model), type(model).__name__)
 
 
+# The NNX converter builds on this module's layers: imported once they exist.
+from jax_fp8.flax.nnx_conversion import fp8_model  # noqa: E402
+
 __all__ = ["Fp8DotGeneral", "Fp8Einsum", "Fp8Linear", "Fp8Optimizer", "Fp8Pending",
-           "Fp8State", "ScalingState", "apply_gradients", "check_fp8_updated",
+           "Fp8State", "ScalingState", "apply_gradients", "check_fp8_updated", "fp8_model",
            "fp8_state", "fp8_value_and_grad", "update_fp8"]
