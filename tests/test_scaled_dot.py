@@ -216,11 +216,10 @@ def test_batch_dimensions_are_the_vmapped_2d_product(recipe, case):
     gradients equal, bit for bit, the vmap of the call without batch axes, and each batch
     element is within its GEMM bounds of the exact product of the oracle's operands. On
     the CPU (two programs on a GPU may pick different GEMM algorithms)."""
-    with jax.default_device(jax.devices("cpu")[0]):
-        _check_batched(recipe, case)
+    _check_batched(recipe, case, jax.devices("cpu")[0])
 
 
-def _check_batched(recipe, case):
+def _check_batched(recipe, case, device):
     r = RECIPES[recipe]
     lhs_shape, rhs_shape, dims, vmapped = BATCHED[case]
     rng = np.random.default_rng(7)
@@ -229,6 +228,8 @@ def _check_batched(recipe, case):
     rhs = (rng.normal(size=rhs_shape) * 0.05).astype(F32)
     out_shape = jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dims), lhs, rhs).shape
     c = rng.normal(size=out_shape).astype(F32)
+    # The jitted programs run where their inputs are (the CPU, also on a GPU machine).
+    on_device = jax.device_put((lhs, rhs), device)
 
     def step(gemm):
         def f(lhs, rhs):
@@ -237,15 +238,16 @@ def _check_batched(recipe, case):
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
 
     sdg = lambda a, b, d: scaled_dot_general(a, b, d, r)  # noqa: E731
-    got = step(lambda a, b: sdg(a, b, dims))(lhs, rhs)
-    want = step(vmapped(sdg))(lhs, rhs)
+    got = step(lambda a, b: sdg(a, b, dims))(*on_device)
+    want = step(vmapped(sdg))(*on_device)
     (_, out), (dl, dr) = got
     assert out.shape == out_shape and dl.shape == lhs.shape and dr.shape == rhs.shape
+    assert out.devices() == {device}
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # the public entry points take them too, with the same bits
     meta = jax_fp8.Fp8Meta.create(r)
-    got_public = step(lambda a, b: jax_fp8.fp8_dot_general(a, b, dims, meta)[0])(lhs, rhs)
+    got_public = step(lambda a, b: jax_fp8.fp8_dot_general(a, b, dims, meta)[0])(*on_device)
     for a, b in zip(jax.tree.leaves(got_public), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     out_d = out if case != "attention" else np.asarray(out)
