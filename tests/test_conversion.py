@@ -558,3 +558,69 @@ def test_nnx_scan_over_vmap_stacked_layers_equals_the_hand_written_model():
     _equal(nnx.state(model), nnx.state(by_hand))
     hist = np.asarray(model.blocks.a.dot_general.input.get_value().amax_history)
     assert hist.shape == (3, RECIPE.history_len) and np.all(np.any(hist > 0, axis=1))
+
+
+class NnxRaw(nnx.Module):
+    """A module's own GEMMs: an einsum with its kernel on the rhs, a dot_general with it
+    on the lhs, and an attention-like product of two activations (left as it is)."""
+
+    def __init__(self, rngs, fp8=False):
+        init = nnx.initializers.lecun_normal()
+        self.w1 = nnx.Param(init(rngs.params(), (8, 16)))
+        self.w2 = nnx.Param(init(rngs.params(), (16, 4)))
+        if fp8:   # the model written with jax_fp8's layers
+            self.Fp8Einsum_0 = fnnx.Fp8Einsum(RECIPE)
+            self.Fp8DotGeneral_0 = fnnx.Fp8DotGeneral(RECIPE)
+        self.fp8 = fp8
+
+    def __call__(self, x):
+        if self.fp8:
+            h = self.Fp8Einsum_0("bd,dh->bh", x, self.w1[...])
+            h = h + jnp.einsum("bh,ch->bc", h, h) @ h / 16     # two activations
+            return self.Fp8DotGeneral_0(nnx.relu(h), self.w2[...],
+                                        (((1,), (0,)), ((), ())))
+        h = jnp.einsum("bd,dh->bh", x, self.w1[...])
+        h = h + jnp.einsum("bh,ch->bc", h, h) @ h / 16
+        return jax.lax.dot_general(self.w2[...], nnx.relu(h), (((0,), (1,)), ((), ()))).T
+
+
+def test_nnx_own_gemms_equal_the_hand_written_model():
+    x, y = _data()
+    model = fnnx.fp8_model(NnxRaw(nnx.Rngs(0)), RULE, x)      # one eager call adds them
+    by_hand = NnxRaw(nnx.Rngs(0), fp8=True)
+    assert _n_states(fnnx.fp8_state(model)) == 2 * 3
+    _equal(nnx.state(model), nnx.state(by_hand))
+    np.testing.assert_array_equal(model(x), by_hand(x))
+    np.testing.assert_array_equal(_nnx_train(model, x, y), _nnx_train(by_hand, x, y))
+    _equal(nnx.state(model), nnx.state(by_hand))
+    assert type(model).__name__ == "NnxRaw" and isinstance(model, NnxRaw)
+    assert jax.lax.dot_general is conversion.ORIGINAL["dot_general"]
+
+
+def test_nnx_own_gemms_unseen_inside_jit_are_an_error():
+    x, y = _data()
+    model = fnnx.fp8_model(NnxRaw(nnx.Rngs(0)), RULE)         # no example inputs
+    with pytest.raises(ValueError, match="example inputs"):
+        _nnx_train(model, x, y, steps=1)
+    # Excluded, the module's own GEMMs stay as they are (and nothing is added).
+    model = fnnx.fp8_model(NnxRaw(nnx.Rngs(0)), Fp8Rule(recipe=None), x)
+    assert _n_states(fnnx.fp8_state(model)) == 0
+    np.testing.assert_array_equal(model(x), NnxRaw(nnx.Rngs(0))(x))
+
+
+class NnxParent(nnx.Module):
+    def __init__(self, rngs):
+        self.child = NnxRaw(rngs)
+
+    def __call__(self, x):
+        h = self.child(x)
+        return h + jnp.einsum("bh,ch->bc", h, h) @ h       # two activations, its own
+
+
+def test_nnx_rules_apply_to_each_module_own_gemms():
+    x, _ = _data()
+    # The parent converts its activation GEMM; the unmatched child keeps all of its own.
+    model = fnnx.fp8_model(NnxParent(nnx.Rngs(0)),
+                           [Fp8Rule(path="", recipe=RECIPE, activations=True)], x)
+    assert hasattr(model, "Fp8Einsum_0") and not hasattr(model.child, "Fp8Einsum_0")
+    assert _n_states(fnnx.fp8_state(model)) == 1 * 3

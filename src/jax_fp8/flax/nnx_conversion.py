@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -64,7 +66,57 @@ def _convert(module, rule) -> bool:
     return True
 
 
-def fp8_model(model: nnx.Module, rules=None):
+_LAYERS = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
+
+
+def _own_params(module) -> tuple:
+    return tuple(_value(v) for v in vars(module).values() if isinstance(v, nnx.Param))
+
+
+def _raw_convert(module, rule, counts, kind, args, precision, preferred_element_type):
+    """A module's own GEMM as the FP8 module ``Fp8DotGeneral_<i>`` / ``Fp8Einsum_<i>`` of
+    ``module`` (the i-th of its kind in the call), created at the first eager call."""
+    cls = Fp8DotGeneral if kind == "dot_general" else Fp8Einsum
+    name = f"{cls.__name__}_{counts[kind]}"
+    counts[kind] += 1
+    layer = getattr(module, name, None)
+    if layer is None:
+        if any(isinstance(x, jax.core.Tracer) for x in args[:3]):
+            raise ValueError(
+                f"jax_fp8.flax.nnx.fp8_model: {type(module).__name__} calls a {kind} with a "
+                f"parameter operand that the conversion has not seen yet, inside a "
+                f"transformation (jit, grad, scan, ...), where no FP8 state can be added. "
+                f"Convert with example inputs, fp8_model(model, rules, *inputs), which calls "
+                f"the model once to create them, or exclude the module with "
+                f"Fp8Rule(path=..., recipe=None) before the other rules")
+        layer = cls(rule.recipe, min_fp8_flops=rule.min_fp8_flops)
+        setattr(module, name, nnx.data(layer))
+    return layer(*args, precision=precision, preferred_element_type=preferred_element_type)
+
+
+def _converting_call(method, rule):
+    @functools.wraps(method)
+    def converting(self, *args, **kwargs):
+        if rule is None:   # an unmatched module: its GEMMs stay as they are
+            with conversion.running(None):
+                return method(self, *args, **kwargs)
+        counts = {"dot_general": 0, "einsum": 0}
+        site = conversion.Site(rule, functools.partial(_raw_convert, self, rule, counts),
+                               weights=_own_params(self))
+        with conversion.patched(), conversion.running(site):
+            return method(self, *args, **kwargs)
+    return converting
+
+
+@functools.lru_cache(maxsize=None)
+def _converting_class(cls, rule):
+    new = type(cls.__name__, (cls,), {"__call__": _converting_call(cls.__call__, rule),
+                                      "_fp8_unconverted": cls})
+    new.__qualname__, new.__module__ = cls.__qualname__, cls.__module__
+    return new
+
+
+def fp8_model(model: nnx.Module, rules=None, *example_args, **example_kwargs):
     """Makes the GEMMs of the NNX ``model`` FP8, in place, the model's code unchanged.
 
     Every ``nnx.Linear``, ``nnx.LinearGeneral`` and ``nnx.Einsum`` of ``model`` whose path
@@ -76,15 +128,26 @@ def fp8_model(model: nnx.Module, rules=None):
     a rule with ``recipe=None`` keeps its layers as they are, as does a layer given its
     own ``dot_general`` / ``dot_general_cls`` / ``einsum_op``. Layers stacked by
     ``nnx.vmap`` (for ``nnx.scan`` over layers) get stacked FP8 states, one per layer,
-    along their kernel's leading axes. Other GEMMs (a module's own ``x @ w``,
-    ``jnp.einsum`` or ``jax.lax.dot_general``, the attention scores of
-    ``nnx.MultiHeadAttention``) stay as they are; its projections are ``LinearGeneral``s
-    and convert.
+    along their kernel's leading axes.
+
+    A matched module's own ``jnp.einsum`` / ``jax.lax.dot_general`` calls in its
+    ``__call__`` with one of its ``nnx.Param``s as an operand (the array it holds:
+    ``self.w[...]``) become FP8 too, through a module ``Fp8Einsum_<i>`` /
+    ``Fp8DotGeneral_<i>`` added to it at the first call (the parameter quantized as the
+    kernel); that first call must run outside ``jit``/``grad``/``scan``: pass example
+    inputs, which ``fp8_model`` feeds to the model once. Such calls of a module stacked by
+    ``nnx.vmap`` cannot get states: exclude it. GEMMs of two activations stay as they
+    are unless the rule says ``activations=True`` (then those run during the module's
+    ``__call__``, in the Flax modules it calls included, e.g. the attention scores);
+    ``x @ w`` and ``jnp.dot`` stay as they are.
 
     Args:
       model: an ``nnx.Module``.
       rules: an `jax_fp8.flax.Fp8Rule`, a sequence of them, or None (``Fp8Rule()``:
         every layer, delayed scaling).
+      *example_args: inputs of ``model(...)``, called once (eagerly) to add the FP8
+        modules of the modules' own GEMMs; none: they are added at the first eager call.
+      **example_kwargs: keyword inputs of that call.
 
     Returns:
       ``model`` itself (converted in place). Its ``nnx.Param``s are unchanged (same
@@ -92,17 +155,28 @@ def fp8_model(model: nnx.Module, rules=None):
       optimizer of `jax_fp8.flax.nnx`) as a hand-written FP8 model.
 
     Raises:
-      TypeError: ``model`` is not an NNX module, or a bad rule.
+      TypeError: ``model`` is not an NNX module, or a bad rule. ValueError (at trace time):
+      a module's own GEMM with a parameter operand, not seen by an eager call, runs inside
+      a transformation.
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"jax_fp8.flax.nnx.fp8_model(model): model must be an flax.nnx "
                         f"Module, got {type(model).__name__} (for a linen model use "
                         f"jax_fp8.flax.fp8_model)")
     rules = conversion.as_rules(rules)
-    layers = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
-    found = [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, layers)]
-    for path, module in found:
+    for path, module in list(nnx.iter_modules(model)):
         rule = conversion.rule_for(rules, "/".join(str(p) for p in path))
-        if rule is not None:
-            _convert(module, rule)
+        if isinstance(module, (Fp8DotGeneral, Fp8Einsum)):
+            continue
+        if isinstance(module, _LAYERS):
+            if rule is not None:
+                _convert(module, rule)
+        else:   # its __call__ converts its own GEMMs (rule None: marks them unconverted)
+            cls = getattr(type(module), "_fp8_unconverted", type(module))
+            # Flax's own modules have no GEMM of a parameter but those of their layers.
+            if not cls.__module__.startswith("flax.") and \
+                    any("__call__" in vars(k) for k in cls.__mro__[:-1]):
+                module.__class__ = _converting_class(cls, rule)
+    if example_args or example_kwargs:
+        model(*example_args, **example_kwargs)
     return model
