@@ -155,9 +155,9 @@ def fp8_model(model: nnx.Module, rules=None, *example_args, **example_kwargs):
       optimizer of `jax_fp8.flax.nnx`) as a hand-written FP8 model.
 
     Raises:
-      TypeError: ``model`` is not an NNX module, or a bad rule. ValueError (at trace time):
-      a module's own GEMM with a parameter operand, not seen by an eager call, runs inside
-      a transformation.
+      TypeError: ``model`` is not an NNX module, or a bad rule.
+      ValueError: at trace time, a module's own GEMM with a parameter operand, not seen
+        by an eager call, runs inside a transformation.
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"jax_fp8.flax.nnx.fp8_model(model): model must be an flax.nnx "
