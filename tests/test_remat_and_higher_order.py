@@ -286,16 +286,18 @@ def test_gpu_remat_keeps_every_gemm_an_fp8_cublaslt_gemm(gpu_device, recipe, pol
         out, _ = jax_fp8.fp8_dot_general(x, w, DN, meta)
         return jnp.sum(checkpoint_name(out, NAME) * c)
 
-    step = jax.jit(jax.grad(linear, argnums=(0, 1, 2)))
-    remat = jax.jit(jax.grad(jax.checkpoint(linear, policy=POLICIES[policy]),
-                             argnums=(0, 1, 2)))
+    # value_and_grad: the loss keeps the forward GEMM live (jax.grad alone would let XLA
+    # drop it, the loss being linear in the output).
+    step = jax.jit(jax.value_and_grad(linear, argnums=(0, 1, 2)))
+    remat = jax.jit(jax.value_and_grad(jax.checkpoint(linear, policy=POLICIES[policy]),
+                                       argnums=(0, 1, 2)))
     plain_gemms = hlo.fp8_gemms(step.lower(x, w, meta).compile())
     remat_gemms = hlo.fp8_gemms(remat.lower(x, w, meta).compile())
     assert set(plain_gemms) == set(remat_gemms) == {"__cublas$lt$matmul$f8"}, \
         (plain_gemms, remat_gemms)
     assert plain_gemms["__cublas$lt$matmul$f8"] == 3, plain_gemms
     assert remat_gemms["__cublas$lt$matmul$f8"] in (3, 4), remat_gemms
-    (dx, dw, dmeta), (dx0, dw0, dmeta0) = remat(x, w, meta), step(x, w, meta)
+    (_, (dx, dw, dmeta)), (_, (dx0, dw0, dmeta0)) = remat(x, w, meta), step(x, w, meta)
     assert_trees_equal(dmeta, dmeta0)
     xa, wa, ca = (np.abs(np.asarray(a, np.float64)) for a in (x, w, c))
     for got, want, s in ((dx, dx0, ca @ wa.T), (dw, dw0, xa.T @ ca)):
