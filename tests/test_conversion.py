@@ -150,7 +150,7 @@ def _train(model, x, y, steps=3, **apply_kwargs):
     for _ in range(steps):
         state, loss = step(state)
         losses.append(loss)
-    return np.array(losses), state
+    return np.asarray(jnp.stack(losses)), state
 
 
 def _data(shape=(8, 8), classes=4):
@@ -220,6 +220,22 @@ def test_linen_attention_projections_convert_and_scores_do_not():
     # activations=True: q @ k and p @ v in FP8 too (two more FP8 GEMMs of two activations).
     v = jax.jit(fp8_model(Pool(mha), Fp8Rule(recipe=RECIPE, activations=True)).init)(KEY, x)
     assert _n_states(v[FP8_COLLECTION]) == 6 * 3
+
+
+class Bf16(nn.Module):
+    """Layers computing in bfloat16 from float32 params (their kernels cast on the way)."""
+
+    dg: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(16, dtype=jnp.bfloat16, dot_general_cls=self.dg)(x)
+        return nn.DenseGeneral(4, dtype=jnp.bfloat16, dot_general_cls=self.dg)(h)
+
+
+def test_linen_bfloat16_layers_equal_the_hand_written_model():
+    x, y = _data()
+    _check_same_as_by_hand(fp8_model(Bf16(), RULE), Bf16(DG), x, y, n_states=2 * 3)
 
 
 class Block(nn.Module):
