@@ -190,6 +190,14 @@ def test_linen_eager_evaluation_twice():
     np.testing.assert_array_equal(model.apply(v, x), model.apply(v, x))
 
 
+def test_linen_a_hand_written_fp8_model_converts_to_itself():
+    x, _ = _data()
+    v, v2 = (jax.jit(m.init)(KEY, x) for m in (RawByHand(), fp8_model(RawByHand(), RULE)))
+    _equal(v, v2)
+    np.testing.assert_array_equal(jax.jit(RawByHand().apply)(v, x),
+                                  jax.jit(fp8_model(RawByHand(), RULE).apply)(v, x))
+
+
 def test_linen_params_of_the_original_model_load_into_the_converted_one():
     x, _ = _data()
     params = jax.jit(Raw().init)(KEY, x)["params"]
