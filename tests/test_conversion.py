@@ -21,7 +21,6 @@ from jax_fp8.flax import (FP8_COLLECTION, Fp8DotGeneral, Fp8Einsum, Fp8Rule, Fp8
                           fp8_model)
 from jax_fp8.flax import conversion
 from jax_fp8.flax import nnx as fnnx
-from jax_fp8.flax.nnx_conversion import Fp8EinsumOp
 
 KEY = jax.random.key(0)
 RECIPE = jax_fp8.DelayedScaling(history_len=4)
@@ -478,8 +477,8 @@ def _nnx_by_hand(rngs):
     att = model.attention
     for layer in (model.up, model.general, att.query, att.key, att.value, att.out):
         layer.dot_general = nnx.data(fnnx.Fp8DotGeneral(RECIPE))
-    # nnx.Einsum hands its einsum_op an out_sharding, which Fp8EinsumOp accepts.
-    model.head.einsum_op = nnx.data(Fp8EinsumOp(RECIPE))
+    # nnx.Einsum hands its einsum_op an out_sharding, which Fp8Einsum accepts.
+    model.head.einsum_op = nnx.data(fnnx.Fp8Einsum(RECIPE))
     return model
 
 
