@@ -42,11 +42,13 @@ def update_one(history, scale, amax, *, scaled_max, algo, power_of_2_scale, skip
         unused = h0 == 0
         new_history = jnp.where(unused[..., None], history, new_history)
         s = jnp.where(unused, scale, s)
-    return new_history, s, scale_inverse(s)
+    return new_history, s, reciprocal(s)
 
 
-def scale_inverse(s):
-    """1 / s; a NaN s gives that NaN quieted (scaling_math.h's scale_inverse)."""
+def reciprocal(s):
+    """1 / s as XLA divides (the update's jnp fallback; subnormal results may flush, as
+    docs/semantics.md says); a NaN s gives that NaN quieted, as scaling_math.h's
+    scale_inverse does. The kernels' exact 1 / scale is `exact.scale_inverse`."""
     quiet = lax.bitcast_convert_type(
         lax.bitcast_convert_type(s, jnp.uint32) | np.uint32(0x00400000), jnp.float32)
     return jnp.where(jnp.isnan(s), quiet, np.float32(1.0) / s)
