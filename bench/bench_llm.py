@@ -58,7 +58,6 @@ import json
 import math
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -601,33 +600,6 @@ def log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-def time_steps(step, state, args):
-    """Warm-up, blocked and pipelined steps: (state, {blocked_ms, blocked_ms_all,
-    pipelined_ms, dispatch_ms}, losses)."""
-    losses, out = [], {}
-    for _ in range(args.warmup):
-        state, loss = step(state)
-        losses.append(float(loss))
-    times, dispatch = [], []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        state, loss = step(state)
-        dispatch.append(time.perf_counter() - t0)
-        jax.block_until_ready((state, loss))
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
-    out["blocked_ms"] = statistics.median(times) * 1e3
-    out["blocked_ms_all"] = [round(t * 1e3, 4) for t in times]
-    out["dispatch_ms"] = statistics.median(dispatch) * 1e3
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        state, loss = step(state)
-    jax.block_until_ready((state, loss))
-    out["pipelined_ms"] = (time.perf_counter() - t0) / args.steps * 1e3
-    losses.append(float(loss))
-    return state, out, losses
-
-
 def analyze(mod):
     """(HLO summary for the row, `hlo_families`) of the compiled step (a parsed module)."""
     gemms = hlo.gemms(mod)
@@ -693,7 +665,7 @@ def measure(variant, size, args, progress=log):
         return compiled(s, tokens, labels)
 
     t0 = time.perf_counter()
-    state, times, losses = time_steps(step, state, args)
+    state, times, losses = common.time_steps(step, state, args)
     row.update(times)
     row["steps_s"] = time.perf_counter() - t0
     row["tokens_per_s"] = size.tokens / (row["pipelined_ms"] / 1e3)

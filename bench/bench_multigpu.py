@@ -528,7 +528,7 @@ def measure(mode, mesh, variant, args, host_xy, progress):
         return compiled(s, x, y)
 
     progress.status(f"{tag}: timing")
-    state, times, losses = bts.time_steps(step, state, args)
+    state, times, losses = common.time_steps(step, state, args)
     r.update(times)
     if args.trace_steps:
         progress.status(f"{tag}: tracing")

@@ -58,7 +58,6 @@ import math
 import os
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -354,7 +353,7 @@ def measure(variant, size, args, x, y, platform, progress):
         return compiled(s, x, y)
 
     progress.status(f"{tag}: timing")
-    state, times, losses = time_steps(step, state, args)
+    state, times, losses = common.time_steps(step, state, args)
     r.update(times)
     if args.trace_steps:
         progress.status(f"{tag}: tracing")
@@ -377,34 +376,6 @@ def measure(variant, size, args, x, y, platform, progress):
     r["loss_finite"] = all(math.isfinite(v) for v in losses)
     del state, compiled
     return r
-
-
-def time_steps(step, state, args):
-    """Runs ``state, loss = step(state)``: args.warmup steps, args.steps steps each followed
-    by block_until_ready, args.steps steps back to back. Returns (state, times, losses):
-    times has blocked_ms (the median), blocked_ms_all, dispatch_ms, pipelined_ms."""
-    losses, r = [], {}
-    for _ in range(args.warmup):
-        state, loss = step(state)
-        losses.append(float(loss))
-    times, dispatch = [], []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        state, loss = step(state)
-        dispatch.append(time.perf_counter() - t0)
-        jax.block_until_ready((state, loss))
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
-    r["blocked_ms"] = statistics.median(times) * 1e3
-    r["blocked_ms_all"] = [round(t * 1e3, 4) for t in times]
-    r["dispatch_ms"] = statistics.median(dispatch) * 1e3
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        state, loss = step(state)
-    jax.block_until_ready((state, loss))
-    r["pipelined_ms"] = (time.perf_counter() - t0) / args.steps * 1e3
-    losses.append(float(loss))
-    return state, r, losses
 
 
 def fresh_row(variant, size, fresh):

@@ -15,6 +15,7 @@ import math
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -325,3 +326,32 @@ def skipped_and_failed(data, group):
     an item besides its variant, e.g. "size"), each after a blank line."""
     lines = [f"\nSkipped {x[group]} {x['variant']}: {x['reason']}" for x in data["skipped"]]
     return lines + [f"\nFAILED {x[group]} {x['variant']}: {x['error']}" for x in data["failures"]]
+
+
+def time_steps(step, state, args):
+    """Runs ``state, loss = step(state)``: args.warmup steps, args.steps steps each followed
+    by block_until_ready, args.steps steps back to back. Returns (state, times, losses):
+    times has blocked_ms (the median), blocked_ms_all, dispatch_ms, pipelined_ms."""
+    import jax
+    losses, r = [], {}
+    for _ in range(args.warmup):
+        state, loss = step(state)
+        losses.append(float(loss))
+    times, dispatch = [], []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        state, loss = step(state)
+        dispatch.append(time.perf_counter() - t0)
+        jax.block_until_ready((state, loss))
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    r["blocked_ms"] = statistics.median(times) * 1e3
+    r["blocked_ms_all"] = [round(t * 1e3, 4) for t in times]
+    r["dispatch_ms"] = statistics.median(dispatch) * 1e3
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        state, loss = step(state)
+    jax.block_until_ready((state, loss))
+    r["pipelined_ms"] = (time.perf_counter() - t0) / args.steps * 1e3
+    losses.append(float(loss))
+    return state, r, losses
