@@ -948,26 +948,14 @@ def save_plot(data, outdir):
 # Command line.
 # --------------------------------------------------------------------------------------
 
-def _choices(table, what):
-    def parse(text):
-        if text.strip() == "all":
-            return list(table)
-        out = [t.strip() for t in text.split(",") if t.strip()]
-        bad = [t for t in out if t not in table]
-        if bad or not out:
-            raise argparse.ArgumentTypeError(f"{what}: 'all' or a comma-separated subset of "
-                                             f"{','.join(table)}; got {text!r}")
-        return out
-    return parse
-
-
 def build_parser():
     p = common.arg_parser("A Llama-style decoder's training step: bf16, Flax FP8 and jax_fp8's "
                           "recipes side by side, one process each (bench/README.md).", __doc__)
-    p.add_argument("--sizes", type=_choices(SIZES, "sizes"), default=list(DEFAULT_SIZES),
+    p.add_argument("--sizes", type=common.subset_of(SIZES, "sizes"),
+                   default=list(DEFAULT_SIZES),
                    help=f"comma-separated subset of {','.join(SIZES)} (default: "
                         f"{','.join(DEFAULT_SIZES)})")
-    p.add_argument("--variants", type=_choices(VARIANTS, "variants"),
+    p.add_argument("--variants", type=common.subset_of(VARIANTS, "variants"),
                    default=list(DEFAULT_VARIANTS),
                    help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)")
     p.add_argument("--steps", type=int, default=10,

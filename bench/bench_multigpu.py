@@ -665,17 +665,6 @@ def markdown(data):
 # Command line.
 # --------------------------------------------------------------------------------------
 
-def _names(allowed, what):
-    def parse(text):
-        out = [v.strip() for v in text.split(",") if v.strip()]
-        bad = [v for v in out if v not in allowed]
-        if bad or not out:
-            raise argparse.ArgumentTypeError(f"{what}: a subset of {','.join(allowed)}; "
-                                             f"got {text!r}")
-        return out
-    return parse
-
-
 def _meshes(text):
     out = {}
     for item in (t.strip() for t in text.split(",") if t.strip()):
@@ -690,9 +679,9 @@ def _meshes(text):
 def build_parser():
     p = common.arg_parser("bf16, Flax FP8 and jax_fp8 train steps, data-parallel, FSDP and "
                           "tensor-parallel, on every local device (bench/README.md).", __doc__)
-    p.add_argument("--modes", type=_names(MODES, "--modes"), default=list(MODES),
+    p.add_argument("--modes", type=common.subset_of(MODES, "--modes"), default=list(MODES),
                    help="comma-separated subset of dp,fsdp,tp (default: all)")
-    p.add_argument("--variants", type=_names(tuple(bts.VARIANTS), "--variants"),
+    p.add_argument("--variants", type=common.subset_of(tuple(bts.VARIANTS), "--variants"),
                    default=list(DEFAULT_VARIANTS),
                    help="bench_train_step.py's variants (default: "
                         + ",".join(DEFAULT_VARIANTS) + ")")

@@ -648,24 +648,13 @@ def _sizes(text):
     return out
 
 
-def _variants(text):
-    if text.strip() == "all":
-        return list(VARIANTS)
-    out = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in out if v not in VARIANTS]
-    if bad or not out:
-        raise argparse.ArgumentTypeError(f"variants: 'all' or a subset of {','.join(VARIANTS)}; "
-                                         f"got {text!r}")
-    return out
-
-
 def build_parser():
     p = common.arg_parser("A whole Flax train step: bf16, Flax FP8 and jax_fp8 side by side, "
                           "at several model sizes (bench/README.md).", __doc__)
     p.add_argument("--sizes", type=_sizes, default=list(SIZES.values()), metavar="DxBxT,...",
                    help="model width x blocks x tokens, or small/medium/large (default: "
                         + ",".join(size_key(s) for s in SIZES.values()) + ")")
-    p.add_argument("--variants", type=_variants,
+    p.add_argument("--variants", type=common.subset_of(VARIANTS, "variants"),
                    default=[k for k, v in VARIANTS.items() if v.default],
                    help="comma-separated subset of " + ",".join(VARIANTS) + ", or all "
                         "(default: " + ",".join(k for k, v in VARIANTS.items() if v.default) + ")")

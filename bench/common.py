@@ -355,3 +355,18 @@ def time_steps(step, state, args):
     r["pipelined_ms"] = (time.perf_counter() - t0) / args.steps * 1e3
     losses.append(float(loss))
     return state, r, losses
+
+
+def subset_of(allowed, what):
+    """An argparse ``type``: "all", or a comma-separated subset of ``allowed`` (in the order
+    given); anything else is an ArgumentTypeError naming ``what``."""
+    def parse(text):
+        if text.strip() == "all":
+            return list(allowed)
+        out = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in out if t not in allowed]
+        if bad or not out:
+            raise argparse.ArgumentTypeError(f"{what}: 'all' or a comma-separated subset of "
+                                             f"{','.join(allowed)}; got {text!r}")
+        return out
+    return parse
