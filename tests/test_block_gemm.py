@@ -373,3 +373,53 @@ def test_exact_product_helper():
     q = np.asarray(np.array([[1.5, -2.0]], F32).astype(ml_dtypes.float8_e4m3fn))
     e, s = exact(q, np.ones((1, 1), F32), q, np.full((1, 1), 0.5, F32), 1, 1)
     assert e[0, 0] == (2.25 + 4.0) * 0.5 and s[0, 0] == e[0, 0]
+
+
+_AUTOTUNE_OFF_SCRIPT = """
+import sys, numpy as np, jax
+sys.path.insert(0, {here!r})
+import test_block_gemm as t
+rng = np.random.default_rng(7)
+ops = (*t.operand(rng, (), 256, 1024, t.E4M3, "1d"), *t.operand(rng, (), 512, 1024, t.E4M3, "2d"))
+out = t.helpers.run_on(jax.devices("gpu")[0], t.gemm(1, 128, np.float32), *ops)
+np.save({path!r}, np.asarray(out))
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_heuristic_first_algorithm_with_autotune_off(gpu_device, tmp_path):
+    """JAX_FP8_BLOCK_GEMM_AUTOTUNE=0 keeps cuBLASLt's first heuristic algorithm (no timing
+    at plan time); its product is within the same bound as the timed choice's."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = str(tmp_path / "out.npy")
+    env = dict(os.environ, JAX_FP8_BLOCK_GEMM_AUTOTUNE="0")
+    proc = subprocess.run([sys.executable, "-c", _AUTOTUNE_OFF_SCRIPT.format(here=here, path=path)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rng = np.random.default_rng(7)
+    ops = (*operand(rng, (), 256, 1024, E4M3, "1d"), *operand(rng, (), 512, 1024, E4M3, "2d"))
+    e, s = exact(*ops, 1, 128)
+    assert_within(np.load(path), e, s, cublas_coef(1024), np.float32, "autotune off")
+    assert_within(helpers.run_on(gpu_device, gemm(1, 128, np.float32), *ops), e, s,
+                  cublas_coef(1024), np.float32, "autotuned")
+
+
+@pytest.mark.gpu
+def test_gpu_one_algorithm_per_shape(gpu_device):
+    """The timed choice is kept per shape: the same operands give the same bits eagerly,
+    under jit, and as one element of a batch (other buffers, other alignments)."""
+    rng = np.random.default_rng(8)
+    qa, sa = operand(rng, (3,), 384, 768, E4M3, "1d")
+    qb, sb = operand(rng, (), 640, 768, E4M3, "2d")
+    f = gemm(1, 128, jnp.bfloat16)
+    x = jax.device_put((qa, sa, qb, sb), gpu_device)
+    batched = jax.jit(jax.vmap(f, in_axes=(0, 0, None, None)))(*x)
+    for i in range(3):
+        jitted = jax.jit(f)(x[0][i], x[1][i], x[2], x[3])
+        eager = f(x[0][i], x[1][i], x[2], x[3])
+        np.testing.assert_array_equal(np.asarray(jitted), np.asarray(batched[i]))
+        np.testing.assert_array_equal(np.asarray(eager), np.asarray(jitted))
