@@ -4,23 +4,9 @@
 // capture) when XLA runs it, else at the first execution; executions only set the two
 // scale pointers and enqueue cublasLtMatmul (no allocation, no sync). A plan's mutex
 // covers those two steps, as the descriptor holds the pointers.
-//
-// Algorithm choice: cuBLASLt's heuristic ranks candidates by a model, and for the
-// block-scaled GEMMs its first is not always the fastest. So, where the plan is made on a
-// stream that is not being captured, up to kCandidates candidates are timed once on the
-// call's own operands (read only; the output goes to a scratch buffer) and the fastest is
-// kept, the heuristic's first unless another is more than kMargin faster. The choice is
-// kept per shape and types, so calls of one shape at other alignments use the same
-// algorithm where cuBLASLt offers it there. JAX_FP8_BLOCK_GEMM_AUTOTUNE=0 in the
-// environment keeps the heuristic's first (the same algorithm in every process).
 #include "block_gemm_cublaslt.h"
 
 #include <dlfcn.h>
-
-#include <cstdlib>
-#include <cstring>
-#include <cmath>
-#include <vector>
 
 #include <map>
 #include <memory>
@@ -55,9 +41,6 @@ constexpr int32_t kDescTransA = 3, kDescTransB = 4, kDescAScalePointer = 17,
 constexpr int32_t kPrefMaxWorkspace = 1, kPrefAlignA = 5, kPrefAlignB = 6, kPrefAlignC = 7,
                   kPrefAlignD = 8;
 constexpr int32_t kScaleVec128 = 4, kScaleBlk128x128 = 5;  // cublasLtMatmulMatrixScale_t
-constexpr int kCandidates = 8;     // heuristic results timed
-constexpr int kTimedRuns = 3;      // timed runs per candidate (after one warm-up run)
-constexpr float kMargin = 0.02f;   // another candidate must be this much faster than the first
 
 struct LtApi {
   LtStatus (*create)(LtHandle*);
@@ -105,77 +88,6 @@ using PlanKey = std::tuple<int32_t, int64_t, int64_t, int64_t, int32_t, int32_t,
                            bool, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t>;
 std::mutex g_plans_mu;
 std::map<PlanKey, std::unique_ptr<Plan>> g_plans;
-// The algorithm timing chose per (device, m, n, k, a type, b type, out type, a tile, b tile).
-using ShapeKey = std::tuple<int32_t, int64_t, int64_t, int64_t, int32_t, int32_t, int32_t, bool,
-                            bool>;
-std::map<ShapeKey, LtAlgo> g_tuned;
-
-bool SameAlgo(const LtAlgo& a, const LtAlgo& b) { return std::memcmp(&a, &b, sizeof(a)) == 0; }
-
-bool AutotuneEnabled() {
-  const char* v = std::getenv("JAX_FP8_BLOCK_GEMM_AUTOTUNE");
-  return !(v && std::strcmp(v, "0") == 0);
-}
-
-bool Capturing(cudaStream_t stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
-    cudaGetLastError();
-    return true;  // unknown: do not time
-  }
-  return status != cudaStreamCaptureStatusNone;
-}
-
-// Mean milliseconds of one GEMM of `g` with `algo`, or infinity if it cannot run.
-float TimeAlgo(LtHandle handle, LtDesc desc, LtLayout la, LtLayout lb, LtLayout ld,
-               const LtAlgo& algo, const Gemm& g, void* out, void* workspace, cudaStream_t stream,
-               cudaEvent_t start, cudaEvent_t stop) {
-  const float one = 1.0f, zero = 0.0f;
-  auto run = [&] {
-    return g_lt.matmul(handle, desc, &one, g.b, la, g.a, lb, &zero, out, ld, out, ld, &algo,
-                       workspace, g.workspace_bytes, stream) == kLtSuccess;
-  };
-  if (!run() || cudaEventRecord(start, stream) != cudaSuccess) return INFINITY;
-  for (int i = 0; i < kTimedRuns; ++i) {
-    if (!run()) return INFINITY;
-  }
-  float ms = INFINITY;
-  if (cudaEventRecord(stop, stream) != cudaSuccess || cudaEventSynchronize(stop) != cudaSuccess ||
-      cudaEventElapsedTime(&ms, start, stop) != cudaSuccess) {
-    return INFINITY;
-  }
-  return ms / kTimedRuns;
-}
-
-// The fastest of `found` candidates on `stream` (index into `cands`): the first unless
-// another is more than kMargin faster; 0 when timing is not possible.
-int FastestCandidate(LtHandle handle, LtDesc desc, LtLayout la, LtLayout lb, LtLayout ld,
-                     const LtHeuristic* cands, int found, const Gemm& g, cudaStream_t stream) {
-  const size_t out_bytes =
-      static_cast<size_t>(g.m) * g.n * (g.out_type == kR16BF ? 2 : 4);
-  void *out = nullptr, *workspace = nullptr;
-  cudaEvent_t start = nullptr, stop = nullptr;
-  int best = 0;
-  if (cudaMalloc(&out, out_bytes) == cudaSuccess &&
-      (g.workspace_bytes == 0 || cudaMalloc(&workspace, g.workspace_bytes) == cudaSuccess) &&
-      cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess) {
-    float first = INFINITY, fastest = INFINITY;
-    for (int i = 0; i < found; ++i) {
-      if (cands[i].state != kLtSuccess || cands[i].workspace_size > g.workspace_bytes) continue;
-      const float ms =
-          TimeAlgo(handle, desc, la, lb, ld, cands[i].algo, g, out, workspace, stream, start, stop);
-      if (i == 0) first = ms;
-      if (ms < fastest) fastest = ms, best = i;
-    }
-    if (best != 0 && std::isfinite(first) && fastest > (1.0f - kMargin) * first) best = 0;
-  }
-  if (start) cudaEventDestroy(start);
-  if (stop) cudaEventDestroy(stop);
-  if (workspace) cudaFree(workspace);
-  if (out) cudaFree(out);
-  cudaGetLastError();  // a failed allocation or run leaves the choice at the first
-  return best;
-}
 std::map<int32_t, LtHandle> g_handles;
 
 LtHandle HandleFor(int32_t device) {  // g_plans_mu held
@@ -191,10 +103,8 @@ LtHandle HandleFor(int32_t device) {  // g_plans_mu held
   return h;
 }
 
-// Makes the plan: descriptor, layouts and the algorithm (FastestCandidate's, or the
-// one chosen before for the shape), or marks it as a fallback. g_plans_mu held.
-void MakePlan(Plan& plan, LtHandle handle, int32_t device, const Gemm& g,
-              const uint32_t (&align)[5], cudaStream_t stream) {
+// Makes the plan: descriptor, layouts and the best algorithm, or marks it as a fallback.
+void MakePlan(Plan& plan, LtHandle handle, const Gemm& g, const uint32_t (&align)[5]) {
   if (!handle) return;
   LtDesc desc = nullptr;
   if (g_lt.desc_create(&desc, kCompute32F, kR32F) != kLtSuccess) return;
@@ -213,8 +123,7 @@ void MakePlan(Plan& plan, LtHandle handle, int32_t device, const Gemm& g,
        g_lt.layout_create(&ld, g.out_type, g.n, g.m, g.n) == kLtSuccess;
   LtPref pref = nullptr;
   int found = 0;
-  LtHeuristic cands[kCandidates] = {};
-  const bool tune = AutotuneEnabled();
+  LtHeuristic result{};
   if (ok && g_lt.pref_create(&pref) == kLtSuccess) {
     const uint64_t ws = g.workspace_bytes;
     ok = g_lt.pref_set(pref, kPrefMaxWorkspace, &ws, sizeof(ws)) == kLtSuccess &&
@@ -222,31 +131,14 @@ void MakePlan(Plan& plan, LtHandle handle, int32_t device, const Gemm& g,
          g_lt.pref_set(pref, kPrefAlignB, &align[0], sizeof(uint32_t)) == kLtSuccess &&
          g_lt.pref_set(pref, kPrefAlignC, &align[2], sizeof(uint32_t)) == kLtSuccess &&
          g_lt.pref_set(pref, kPrefAlignD, &align[2], sizeof(uint32_t)) == kLtSuccess &&
-         g_lt.heuristic(handle, desc, la, lb, ld, ld, pref, tune ? kCandidates : 1, cands,
-                        &found) == kLtSuccess;
+         g_lt.heuristic(handle, desc, la, lb, ld, ld, pref, 1, &result, &found) == kLtSuccess;
     g_lt.pref_destroy(pref);
   }
-  if (ok && found > 0 && cands[0].state == kLtSuccess &&
-      cands[0].workspace_size <= g.workspace_bytes) {
-    int chosen = 0;
-    const ShapeKey shape{device, g.m, g.n, g.k, g.a_type, g.b_type, g.out_type, g.a_tile, g.b_tile};
-    auto tuned = g_tuned.find(shape);
-    if (tuned != g_tuned.end()) {  // the shape's algorithm, where offered at this alignment
-      for (int i = 0; i < found; ++i) {
-        if (cands[i].state == kLtSuccess && cands[i].workspace_size <= g.workspace_bytes &&
-            SameAlgo(cands[i].algo, tuned->second)) {
-          chosen = i;
-          break;
-        }
-      }
-    } else if (found > 1 && stream != nullptr && !Capturing(stream)) {
-      chosen = FastestCandidate(handle, desc, la, lb, ld, cands, found, g, stream);
-      g_tuned[shape] = cands[chosen].algo;
-    }
+  if (ok && found > 0 && result.state == kLtSuccess && result.workspace_size <= g.workspace_bytes) {
     plan.fallback = false;
     plan.desc = desc;
     plan.a_layout = la, plan.b_layout = lb, plan.d_layout = ld;
-    plan.algo = cands[chosen].algo;
+    plan.algo = result.algo;
     return;
   }
   if (la) g_lt.layout_destroy(la);
@@ -265,7 +157,7 @@ uint32_t Alignment(const void* p, int64_t batch_stride_bytes, int64_t batch) {
   return a;
 }
 
-Plan* FindPlan(const Gemm& g, const uint32_t (&align)[5], int32_t device, cudaStream_t stream) {
+Plan* FindPlan(const Gemm& g, const uint32_t (&align)[5], int32_t device) {
   std::lock_guard<std::mutex> lt_lock(g_lt_mu);
   if (g_lt_version == 0) return nullptr;
   const PlanKey key{device,   g.m,      g.n,      g.k,      g.a_type,
@@ -275,7 +167,7 @@ Plan* FindPlan(const Gemm& g, const uint32_t (&align)[5], int32_t device, cudaSt
   std::unique_ptr<Plan>& slot = g_plans[key];
   if (!slot) {
     slot = std::make_unique<Plan>();
-    MakePlan(*slot, HandleFor(device), device, g, align, stream);
+    MakePlan(*slot, HandleFor(device), g, align);
   }
   return slot.get();
 }

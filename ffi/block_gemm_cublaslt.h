@@ -1,8 +1,7 @@
 #pragma once
 // cuBLASLt for the block-scaled FP8 GEMM: the library dlopen()ed at first use (never
 // linked) and, per (device, shape, types, block modes, pointer alignments), a plan made
-// once and kept (matmul descriptor, layouts, and the algorithm: the fastest of cuBLASLt's
-// heuristic candidates, timed once per shape; see block_gemm_cublaslt.cc).
+// once and kept (matmul descriptor, layouts, the heuristic's algorithm).
 //
 // cuBLASLt is column-major; the row-major out [M, N] = a [M, K] . b [N, K]^T is its
 // D (N x M) = op(A) . B with A = b (stored K x N, transa = T), B = a (stored K x M,
@@ -44,10 +43,8 @@ uint32_t Alignment(const void* p, int64_t batch_stride_bytes, int64_t batch);
 struct Plan;
 
 // The cached plan for this GEMM on `device` (made now if new), or null while no cuBLASLt
-// is loaded. align: the alignments of a, b, out, a_scale, b_scale. A new plan of a shape
-// not seen before times cuBLASLt's candidates on `stream` (synchronizing it) unless the
-// stream is null or being captured. The operands are read, never written.
-Plan* FindPlan(const Gemm& g, const uint32_t (&align)[5], int32_t device, cudaStream_t stream);
+// is loaded. align: the alignments of a, b, out, a_scale, b_scale.
+Plan* FindPlan(const Gemm& g, const uint32_t (&align)[5], int32_t device);
 
 // Whether cuBLASLt found an algorithm for the plan (else the fallback kernel runs).
 bool HasAlgorithm(const Plan& plan);

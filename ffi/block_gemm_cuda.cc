@@ -96,14 +96,14 @@ bool Empty(const Call& c) { return c.batch.count == 0 || c.g.m == 0 || c.g.n == 
 
 // Initialize stage (before any execution or command-buffer capture): makes the cuBLASLt
 // handle and the plan, so that the execute stage only enqueues work.
-ffi::Error BlockGemmInitialize(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
+ffi::Error BlockGemmInitialize(cudaStream_t, int32_t device, ffi::AnyBuffer a,
                                ffi::AnyBuffer a_scale, ffi::AnyBuffer b, ffi::AnyBuffer b_scale,
                                ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::AnyBuffer> workspace, int32_t a_block_rows,
                                int32_t b_block_rows, bool force_fallback) {
   auto call = Decode(a, a_scale, b, b_scale, out, workspace, a_block_rows, b_block_rows);
   if (!call.has_value()) return call.error();
-  if (!force_fallback && !Empty(*call)) FindPlan(call->g, call->align, device, stream);
+  if (!force_fallback && !Empty(*call)) FindPlan(call->g, call->align, device);
   return ffi::Error::Success();
 }
 
@@ -122,7 +122,7 @@ ffi::Error BlockGemmExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     return err == cudaSuccess ? ffi::Error::Success()
                               : ffi::Error::Internal(cudaGetErrorString(err));
   }
-  Plan* plan = force_fallback ? nullptr : FindPlan(g, c.align, device, stream);
+  Plan* plan = force_fallback ? nullptr : FindPlan(g, c.align, device);
   if (plan && HasAlgorithm(*plan)) {
     const int status = RunPlan(*plan, device, g, c.batch, workspace->untyped_data(), stream);
     if (status != 0) {
