@@ -534,3 +534,55 @@ def test_dot_general_class_and_instance_errors_name_the_public_class():
     w = nn.Dense(4, dot_general_cls=Fp8DotGeneral).init(jax.random.key(0), x)
     np.testing.assert_array_equal(nn.Dense(4, dot_general=Fp8DotGeneral()).apply(v, x),
                                   nn.Dense(4, dot_general_cls=Fp8DotGeneral).apply(w, x))
+
+
+def test_linen_optimizer_given_the_fp8_collection_is_detected():
+    """The plain Flax loop over *all* variables: TrainState.create(params=variables), one
+    jax.value_and_grad, apply_gradients. The optimizer applies the FP8 gradients (the
+    observed amaxes) as updates, so the histories turn negative and the scales never follow
+    the amaxes; check_fp8_updated names the states and the fix."""
+    x, y = rand(0, (16, D)), rand(1, (16, 4))
+    model = MLP()
+    variables = model.init(jax.random.key(0), x)
+    state = train_state.TrainState.create(apply_fn=model.apply, params=variables,
+                                          tx=optax.adamw(1e-2))
+
+    @jax.jit
+    def step(state):
+        loss = lambda v: jnp.mean((model.apply(v, x) - y) ** 2)  # noqa: E731
+        _, grads = jax.value_and_grad(loss)(state.params)
+        return state.apply_gradients(grads=grads)
+
+    for _ in range(3):
+        state = step(state)
+    with pytest.raises(ValueError, match=r"negative amaxes.*Dense_0.*an optimizer given the "
+                                         r"FP8 state.*Fp8TrainState"):
+        jax_fp8.check_fp8_updated(state.params)
+    # The same check passes on the loop that keeps the FP8 state out of the optimizer.
+    good = Fp8TrainState.create(apply_fn=model.apply, params=variables["params"],
+                                fp8=variables[FP8_COLLECTION], tx=optax.adamw(1e-2),
+                                recipe=RECIPE)
+    loss_fn = lambda p, f: jnp.mean((good.apply_model(p, f, x) - y) ** 2)  # noqa: E731
+    for _ in range(3):
+        _, grads = good.value_and_grad(loss_fn)()
+        good = good.apply_gradients(grads=grads)
+    jax_fp8.check_fp8_updated(good.fp8)
+
+
+def test_nnx_optimizer_over_the_fp8_states_is_detected():
+    """nnx.Optimizer(wrt=(nnx.Param, Fp8State)): the optimizer updates the FP8 states
+    with their gradients; check_fp8_updated raises."""
+    x, y = rand(0, (16, D)), rand(1, (16, 4))
+    model = NnxNet(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=(nnx.Param, fnnx.Fp8State))
+
+    @nnx.jit
+    def step(model, optimizer):
+        diff = nnx.DiffState(0, (nnx.Param, fnnx.Fp8State))
+        _, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2), argnums=diff)(model)
+        optimizer.update(model, grads)
+
+    for _ in range(2):
+        step(model, opt)
+    with pytest.raises(ValueError, match=r"NnxNet: delayed-scaling states with negative amaxes"):
+        fnnx.check_fp8_updated(model)

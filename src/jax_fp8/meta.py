@@ -301,25 +301,43 @@ def new_fp8_state(fp8_states, fp8_grads, recipe=None, *, axis_name=None,
 
 
 def check_fp8_updated(fp8_states, name: str = "fp8_states") -> None:
-    """Raises ValueError when ``fp8_states`` holds delayed-scaling states and every one of
-    them is still as created (an all-zero amax history and scale 1).
+    """Raises ValueError when the delayed-scaling states in ``fp8_states`` show a training
+    loop that does not update them through the FP8 update:
 
-    Call it on concrete values (outside ``jit``) after a few training steps: a loop that
-    never passes the FP8 gradients to the update leaves the states so, and trains with
-    unit scales. ``fp8_states``: any pytree of ScalingStates (an Fp8TrainState's ``fp8``,
-    a `PackedStates`, a Flax collection; NNX: `jax_fp8.flax.nnx.check_fp8_updated`).
+    * every one is still as created (an all-zero amax history and scale 1): the loop
+      never passes the FP8 gradients to the update, and trains with unit scales;
+    * one holds a negative amax in its history, which no update writes: something else
+      changed it, typically an optimizer that was given the FP8 state as parameters and
+      applied its gradients (the observed amaxes) as updates.
+
+    Call it on concrete values (outside ``jit``) after a few training steps.
+    ``fp8_states``: any pytree of ScalingStates (an Fp8TrainState's ``fp8``, a
+    `PackedStates`, a Flax collection, a whole Flax ``variables`` dict; NNX:
+    `jax_fp8.flax.nnx.check_fp8_updated`).
     """
-    states = [s for s in jax.tree.leaves(fp8_states, is_leaf=is_state) if is_state(s)]
+    leaves = jax.tree_util.tree_leaves_with_path(fp8_states, is_leaf=is_state)
+    states = [(jax.tree_util.keystr(path), s) for path, s in leaves if is_state(s)]
+    fix = ("Linen: `loss, grads = state.value_and_grad(loss_fn)(...)` and "
+           "`state.apply_gradients(grads=grads)` with a `jax_fp8.flax.Fp8TrainState`; NNX: "
+           "`loss, grads = jax_fp8.flax.nnx.fp8_value_and_grad(loss_fn)(model, ...)` and "
+           "`jax_fp8.flax.nnx.apply_gradients(model, optimizer, grads)`.")
+    negative = [where for where, s in states if np.any(np.asarray(s.amax_history) < 0)]
+    if negative:
+        shown = ", ".join(negative[:3]) + (f" and {len(negative) - 3} more" if len(negative) > 3
+                                           else "")
+        raise ValueError(
+            f"{name}: delayed-scaling states with negative amaxes in their history ({shown}), "
+            "which no FP8 update writes: something other than the FP8 update changed them, "
+            "most likely an optimizer given the FP8 state as parameters (e.g. "
+            "`flax.training.train_state.TrainState.create(params=variables)` with the FP8 "
+            "collection inside `variables`) that applied its gradients, the observed amaxes, "
+            "as updates. Keep the FP8 state out of the optimizer: " + fix)
     if states and all(not np.any(np.asarray(s.amax_history)) and
-                      np.all(np.asarray(s.scale) == 1) for s in states):
+                      np.all(np.asarray(s.scale) == 1) for _, s in states):
         raise ValueError(
             f"{name}: none of its {len(state_lib.states_info(fp8_states))} delayed-scaling "
             "states was ever updated (zero amax histories, scale 1): the training loop does "
-            "not pass the FP8 gradients to the update, and trains with unit scales. Linen: "
-            "`loss, grads = state.value_and_grad(loss_fn)(...)` and "
-            "`state.apply_gradients(grads=grads)`; NNX: `loss, grads = "
-            "jax_fp8.flax.nnx.fp8_value_and_grad(loss_fn)(model, ...)` and "
-            "`jax_fp8.flax.nnx.apply_gradients(model, optimizer, grads)`.")
+            "not pass the FP8 gradients to the update, and trains with unit scales. " + fix)
 
 
 def combine_fp8_grads(*fp8_grads):
