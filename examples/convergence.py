@@ -96,6 +96,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import scipy.stats
 from flax.linen import fp8_ops as flax_fp8_ops
 from flax.training import train_state
 
@@ -978,13 +979,49 @@ def load_results(out: pathlib.Path) -> list[dict]:
 # ----------------------------------------------------------------------------- summary
 
 def stats(per_seed: dict) -> dict:
-    """{"per_seed": {seed: value}, "n", "mean", "std"}: std is the sample standard
-    deviation (ddof 1), None for fewer than two seeds; mean is None for none."""
+    """{"per_seed": {seed: value}, "n", "mean", "std", "ci95"}: std is the sample standard
+    deviation (ddof 1) and ci95 the half-width of the mean's 95 % t interval
+    (t(0.975, n - 1) * std / sqrt(n)), both None for fewer than two seeds; mean is None
+    for none."""
     seeds = sorted(per_seed)
     vals = [per_seed[s] for s in seeds]
-    return {"per_seed": {str(s): per_seed[s] for s in seeds}, "n": len(vals),
-            "mean": float(np.mean(vals)) if vals else None,
-            "std": float(np.std(vals, ddof=1)) if len(vals) > 1 else None}
+    n = len(vals)
+    std = float(np.std(vals, ddof=1)) if n > 1 else None
+    return {"per_seed": {str(s): per_seed[s] for s in seeds}, "n": n,
+            "mean": float(np.mean(vals)) if vals else None, "std": std,
+            "ci95": (float(scipy.stats.t.ppf(0.975, n - 1) * std / math.sqrt(n))
+                     if std is not None else None)}
+
+
+ALONG_FRACTIONS = (0.2, 0.4, 0.6, 0.8, 1.0)
+
+
+def along_steps(val_steps, steps: int) -> list[int]:
+    """The evaluation steps at which the paired difference is followed along a run: the
+    first evaluation at or after each of ALONG_FRACTIONS of the run."""
+    picked = []
+    for f in ALONG_FRACTIONS:
+        later = [s for s in val_steps if s >= round(f * steps)]
+        if later and later[0] not in picked:
+            picked.append(later[0])
+    return picked
+
+
+def paired_along(run: dict, ref: dict, steps: list[int]) -> dict:
+    """{"steps", "stats"}: at each of ``steps``, stats over seeds of the difference of the
+    validation loss to the reference run of the same seed, in % of the reference's."""
+    out = []
+    for step in steps:
+        per_seed = {}
+        for seed, r in run.items():
+            if seed not in ref:
+                continue
+            a, b = (dict(zip(x["curves"]["val_steps"], x["curves"]["val_loss"]))
+                    for x in (r, ref[seed]))
+            if step in a and step in b:
+                per_seed[seed] = 100.0 * (a[step] - b[step]) / b[step]
+        out.append(stats(per_seed))
+    return {"steps": list(steps), "stats": out}
 
 
 _DATA_KEYS = ("python", "files_train", "files_val", "bytes_train", "bytes_val")
@@ -1028,6 +1065,8 @@ def summarize(results: list[dict]) -> dict:
                 key: stats({s: 100.0 * (r[key] - ref[s][key]) / ref[s][key]
                             for s, r in seeds.items() if s in ref})
                 for key in SUMMARIZED}
+            entry["vs_bf16_val_along_pct"] = paired_along(
+                seeds, ref, along_steps(some["curves"]["val_steps"], first["config"]["steps"]))
         entry["source_commits"] = {str(s): r.get("source_commit") for s, r in sorted(seeds.items())}
         entry["devices"] = sorted({r["device"] for r in seeds.values()})
         entry["curves"] = {
@@ -1066,9 +1105,9 @@ def markdown_tables(summary: dict) -> str:
     tail_name = f"last {pct}"
     runs = summary["runs"]
     lines = [f"| run | seeds | final val loss | val loss, {tail_name} | final vs bf16 "
-             f"(paired) | {tail_name} vs bf16 (paired) | train loss, {tail_name} | "
-             f"val loss change over the {tail_name} | tokens/s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"(paired) | its 95 % interval | {tail_name} vs bf16 (paired) | train loss, "
+             f"{tail_name} | val loss change over the {tail_name} | tokens/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, e in runs.items():
         vs = e.get("vs_bf16_pct")
         def paired(key):
@@ -1076,11 +1115,17 @@ def markdown_tables(summary: dict) -> str:
                 return "—"
             st = vs[key]
             return f"{_pm(st, '+.2f', ' %')} (n={st['n']})" if st["n"] else "no bf16 seed"
+        def interval(key):
+            st = (vs or {}).get(key)
+            if not st or st["ci95"] is None:
+                return "—"
+            lo, hi = st["mean"] - st["ci95"], st["mean"] + st["ci95"]
+            return f"{lo:+.2f} … {hi:+.2f} %"
         tok = e["tokens_per_s"]
         tok_text = f"{tok['mean'] / 1e3:.1f}k" if tok["n"] else "—"
         lines.append(f"| `{name}` | {len(e['seeds'])} | {_pm(e['final_val_loss'])} | "
                      f"{_pm(e['tail_val_loss'])} | {paired('final_val_loss')} | "
-                     f"{paired('tail_val_loss')} | {_pm(e['tail_train_loss'])} | "
+                     f"{interval('final_val_loss')} | {paired('tail_val_loss')} | {_pm(e['tail_train_loss'])} | "
                      f"{_pm(e['tail_val_change'], '+.4f')} | {tok_text} |")
     seeds = sorted({s for e in runs.values() for s in e["seeds"]})
     val_steps = next(iter(runs.values()))["curves"]["val_steps"]
@@ -1089,7 +1134,9 @@ def markdown_tables(summary: dict) -> str:
               f"the {len(tail_evals)} evaluations after step {tail:,} (steps "
               f"{tail_evals[0]:,} to {tail_evals[-1]:,}), and of the train losses of steps "
               f"{tail + 1:,} to {steps:,}. Paired: the difference to bf16 of the same seed, "
-              f"in % of bf16's, averaged over the seeds both runs have (n). Change over the "
+              f"in % of bf16's, averaged over the seeds both runs have (n); its 95 % "
+              f"interval is mean ± t(0.975, n − 1) · std / √n (an interval that contains 0: "
+              f"no difference this experiment can show). Change over the "
               f"last {pct}: the slope of the least-squares line through those evaluations "
               f"times {steps - tail:,} steps (near 0: the run ends on a flat part).", "",
               f"Per seed: final validation loss / {tail_name}; in brackets, each one's "
@@ -1110,6 +1157,19 @@ def markdown_tables(summary: dict) -> str:
                          f"{vs['tail_val_loss']['per_seed'][s]:+.2f} %)")
             cells.append(cell)
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    along = {name: e["vs_bf16_val_along_pct"] for name, e in runs.items()
+             if "vs_bf16_val_along_pct" in e}
+    if along:
+        at = next(iter(along.values()))["steps"]
+        lines += ["", "Along the run: the paired difference of the validation loss to bf16 of "
+                  "the same seed, in %, mean ± std over seeds (n), at "
+                  + ", ".join(f"{s:,}" for s in at) + " steps.", "",
+                  "| run | " + " | ".join(f"step {s:,}" for s in at) + " |",
+                  "| --- |" + " --- |" * len(at)]
+        for name, a in along.items():
+            lines.append(f"| `{name}` | " + " | ".join(
+                f"{_pm(st, '+.2f', ' %')} (n={st['n']})" if st["n"] else "—"
+                for st in a["stats"]) + " |")
     return "\n".join(lines)
 
 

@@ -240,11 +240,19 @@ def test_convergence_summary_statistics():
     assert paired["n"] == 2 and paired["per_seed"]["0"] == pytest.approx(10.0)
     assert paired["per_seed"]["1"] == 0.0
     assert paired["mean"] == pytest.approx(5.0) and paired["std"] == pytest.approx(50 ** 0.5)
+    # t(0.975, 1) = 12.7062: the 95 % interval of a mean over two seeds.
+    assert paired["ci95"] == pytest.approx(12.7062 * 50 ** 0.5 / 2 ** 0.5, rel=1e-4)
+    along = cur["vs_bf16_val_along_pct"]
+    assert along["steps"] == [8]      # every fraction of the run maps to the last evaluation
+    assert along["stats"][0]["per_seed"] == paired["per_seed"]
+    assert conv.along_steps([0, 250, 500, 750, 1000], 1000) == [250, 500, 750, 1000]
+    assert conv.along_steps([0, 300, 600, 900, 1000], 1000) == [300, 600, 900, 1000]
     tail = cur["vs_bf16_pct"]["tail_val_loss"]["per_seed"]
     assert tail == {"0": 0.0, "1": pytest.approx(-20.0)}
     table = conv.markdown_tables(s)
     assert "| `jax_fp8_current` | 3 | 2.4000 ± 1.5100 |" in table
-    assert "+5.00 ± 7.07 % (n=2)" in table
+    assert "+5.00 ± 7.07 % (n=2) | -58.53 … +68.53 % |" in table
+    assert "| run | step 8 |" in table
     one = conv.summarize([_result(conv, "bf16", 0, 2.0, 2.5)])["runs"]["bf16"]
     assert one["final_val_loss"]["std"] is None and "| `bf16` | 1 | 2.0000 |" in \
         conv.markdown_tables(conv.summarize([_result(conv, "bf16", 0, 2.0, 2.5)]))
