@@ -438,11 +438,12 @@ def step_function(variant):
 # --------------------------------------------------------------------------------------
 
 FAMILIES = ("fp8_gemm", "bf16_gemm", "attention", "norm_quantize", "act_quantize",
-            "quantize_transpose", "amax", "jax_fp8_kernels", "other")
+            "quantize_transpose", "amax", "jax_fp8_kernels", "optimizer", "other")
 FAMILY_LABELS = {"fp8_gemm": "FP8 GEMM", "bf16_gemm": "bf16 GEMM", "attention": "attention",
                  "norm_quantize": "norm+quantize", "act_quantize": "act+quantize",
                  "quantize_transpose": "quantize/transpose",
-                 "amax": "amax", "jax_fp8_kernels": "jax_fp8 kernels", "other": "other"}
+                 "amax": "amax", "jax_fp8_kernels": "jax_fp8 kernels",
+                 "optimizer": "optimizer", "other": "other"}
 GEMM_FAMILIES = ("fp8_gemm", "bf16_gemm")
 FAMILY_NOTE = (
     "Kernel families: FP8 GEMM / bf16 GEMM (a GEMM with FP8 operands / any other GEMM: the "
@@ -451,9 +452,11 @@ FAMILY_NOTE = (
     "fusion that writes FP8 or takes a max-of-abs amax, with an RMSNorm's or the SwiGLU's "
     "ops in it, by the HLO's op_name scopes); quantize/transpose (other fusions, copies and "
     "transposes that write FP8, or transpose FP8 data); amax (other fusions with a max-of-abs "
-    "reduction); jax_fp8 kernels (jax_fp8's own CUDA kernels other than its GEMM); other "
-    "(everything else: bf16 norms and activations, residual adds, RoPE, softmax and "
-    "cross-entropy, the embedding, adamw, copies).")
+    "reduction); jax_fp8 kernels (jax_fp8's own CUDA kernels other than its GEMM); optimizer "
+    "(a fusion whose largest output is computed outside the model's forward and backward, "
+    "i.e. with no `jvp(` in its op_name: adamw's update, with any weight amax that XLA reads "
+    "in the same pass); other (everything else: bf16 norms and activations, residual adds, "
+    "RoPE, softmax and cross-entropy, the embedding, copies).")
 FLOOR_NOTE = (
     "Floor of an FP8 variant: its own GEMM time (FP8 GEMMs and any bf16 GEMM left, e.g. the "
     "LM head) + bf16's attention time + bf16's other time (everything but GEMMs and "
@@ -472,6 +475,10 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 # "final_norm") and SwiGLU (in "mlp_out", outside its projection "proj").
 _NORM_SCOPE = re.compile(r"/\w*norm/")
 _ACT_SCOPE = re.compile(r"/mlp_out/(?!proj/)")
+# The model's forward and backward: every op_name under jax.value_and_grad has "jvp(" in
+# it ("jvp(Decoder)", "transpose(jvp(Decoder))"); the optimizer's ops do not.
+_MODEL_SCOPE = re.compile(r"\bjvp\(")
+_OPERAND = re.compile(r"%([\w.\-]+)")
 
 
 def _callees(line: str) -> list[str]:
@@ -492,6 +499,27 @@ def _body(mod, ins, depth=0) -> list:
     return out
 
 
+def _largest_output_outside_model(mod, ins) -> bool:
+    """Whether the largest output of fusion ``ins`` is computed outside the model's forward
+    and backward (its op_name has no ``jvp(``): the optimizer's update."""
+    for callee in _callees(ins.line):
+        body = mod.computations.get(callee, ())
+        root = next((i for i in body if i.line.lstrip().startswith("ROOT")), None)
+        if root is None:
+            continue
+        outputs = [root]
+        if root.opcode == "tuple":
+            by_name = {i.name: i for i in body}
+            args = root.line[root.line.index("tuple(", root.line.index("=")):]
+            outputs = [by_name[n] for n in _OPERAND.findall(args.split(")")[0]) if n in by_name]
+        if not outputs:
+            continue
+        largest = max(outputs, key=lambda i: hlo.shape_bytes(i.shape))
+        names = _OP_NAME.findall(largest.line)
+        return bool(names) and not _MODEL_SCOPE.search(names[0])
+    return False
+
+
 def _fusion_family(mod, ins) -> str:
     body = _body(mod, ins)
     ops = {i.opcode for i in body}
@@ -508,6 +536,8 @@ def _fusion_family(mod, ins) -> str:
             return "norm_quantize"
         if _ACT_SCOPE.search(scopes):
             return "act_quantize"
+    if _largest_output_outside_model(mod, ins):
+        return "optimizer"
     if writes_fp8 or (reads_fp8 and ("transpose" in ops or "transpose" in ins.name)):
         return "quantize_transpose"
     return "amax" if amax else "other"
@@ -890,7 +920,7 @@ def markdown(data):
 FAMILY_COLORS = {"fp8_gemm": "#1f77b4", "bf16_gemm": "#aec7e8", "attention": "#2ca02c",
                  "norm_quantize": "#d62728", "act_quantize": "#e377c2",
                  "quantize_transpose": "#ff7f0e", "amax": "#ffbb78",
-                 "jax_fp8_kernels": "#9467bd", "other": "#7f7f7f"}
+                 "jax_fp8_kernels": "#9467bd", "optimizer": "#bcbd22", "other": "#7f7f7f"}
 
 
 def plot(data, png):

@@ -163,6 +163,27 @@ HLO = """HloModule m
   ROOT %r = f32[] reduce(%ab, %z), dimensions={0,1}, to_apply=%max
 }
 
+%fused_adam_amax (p0: f32[128,128], p1: f32[128,128]) -> (f32[128,128], bf16[128]) {
+  %p0 = f32[128,128]{1,0} parameter(0)
+  %p1 = f32[128,128]{1,0} parameter(1)
+  %u = f32[128,128]{1,0} add(%p0, %p1), metadata={op_name="jit(step)/add"}
+  %w = bf16[128,128]{1,0} convert(%p0), metadata={op_name="jit(step)/jvp(Decoder)/block0/qkv/convert_element_type"}
+  %ab = bf16[128,128]{1,0} abs(%w), metadata={op_name="jit(step)/jvp(Decoder)/block0/qkv/abs"}
+  %z = bf16[] constant(-inf)
+  %r = bf16[128]{0} reduce(%ab, %z), dimensions={1}, to_apply=%max, metadata={op_name="jit(step)/jvp(Decoder)/block0/qkv/reduce_max"}
+  ROOT %t = (f32[128,128]{1,0}, bf16[128]{0}) tuple(%u, %r)
+}
+
+%fused_amax_bwd (p0: bf16[8,128]) -> (bf16[8,128], f32[]) {
+  %p0 = bf16[8,128]{1,0} parameter(0)
+  %n = bf16[8,128]{1,0} negate(%p0), metadata={op_name="jit(step)/transpose(jvp(Decoder))/block0/neg"}
+  %x = f32[8,128]{1,0} convert(%p0)
+  %ab = f32[8,128]{1,0} abs(%x)
+  %z = f32[] constant(0)
+  %r = f32[] reduce(%ab, %z), dimensions={0,1}, to_apply=%max
+  ROOT %t = (bf16[8,128]{1,0}, f32[]) tuple(%n, %r)
+}
+
 %fused_add (p0: bf16[8,128], p1: bf16[8,128]) -> bf16[8,128] {
   %p0 = bf16[8,128]{1,0} parameter(0)
   %p1 = bf16[8,128]{1,0} parameter(1)
@@ -179,6 +200,9 @@ ENTRY %main (a: bf16[8,128], w: f8e4m3fn[128,128]) -> bf16[8,128] {
   %att.5 = (bf16[8,128], u8[0]) custom-call(%a), custom_call_target="__cudnn$fmhaSoftmax"
   %g.6 = (bf16[8,128], s8[4]) custom-call(%norm_q.1, %w), custom_call_target="__cublas$lt$matmul$f8"
   %u.7 = f32[2]{0} custom-call(%a), custom_call_target="jax_fp8_update"
+  %p.9 = f32[128,128]{1,0} parameter(2)
+  %adam.10 = (f32[128,128]{1,0}, bf16[128]{0}) fusion(%p.9, %p.9), kind=kInput, calls=%fused_adam_amax
+  %amax.11 = (bf16[8,128]{1,0}, f32[]) fusion(%a), kind=kInput, calls=%fused_amax_bwd
   ROOT %add.8 = bf16[8,128]{1,0} fusion(%a, %a), kind=kLoop, calls=%fused_add
 }
 """
@@ -188,7 +212,7 @@ def test_hlo_families():
     assert bench_llm.hlo_families(HLO) == {
         "norm_q_1": "norm_quantize", "act_q_2": "act_quantize", "q_3": "quantize_transpose",
         "amax_4": "amax", "att_5": "attention", "g_6": "fp8_gemm", "u_7": "jax_fp8_kernels",
-        "add_8": "other"}
+        "add_8": "other", "adam_10": "optimizer", "amax_11": "amax"}
 
 
 def _row(variant, device, **families):
@@ -232,7 +256,7 @@ def test_report_and_plot_of_gpu_rows(tmp_path):
     md = bench_llm.markdown(data)
     assert "# Llama-style decoder train step — NVIDIA H200" in md
     assert ("| jax_fp8_delayed | 38.000 | 5.000 | 9.000 | 0.000 | 0.000 | 3.000 | 0.000 | 0.000 "
-            "| 20.000 | 75.000 |") in md
+            "| 0.000 | 20.000 | 75.000 |") in md
     assert ("| jax_fp8_delayed | 43.000 | 9.000 | 23.000 | 73.000 | 1.370 | 0.973 | +3.000 | "
             "500 |") in md
     assert "| jax_fp8_delayed | 75.00 | 1.333 | — | 75.75 |" in md
