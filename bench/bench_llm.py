@@ -603,23 +603,44 @@ def event_family(event, families) -> tuple[str, str]:
     return "other", "unmatched"
 
 
-def split_by_family(events, families, steps, top):
-    """({family: ms per step}, {how decided: events}, top kernels) of the traced events."""
+def split_by_family(events, families, steps, top, kernel_bytes=None):
+    """({family: ms per step}, {how decided: events}, top kernels, {family: bandwidth}) of
+    the traced events. ``kernel_bytes``: `hlo.kernel_bytes` of the program; the kernels XLA
+    names after an HLO instruction (fusions, copies) then get the bytes they move and the
+    TB/s that makes, and each family the TB/s of those kernels together ("tb_per_s") and
+    the share of the family's time they are ("of_time"). Custom calls' kernels (GEMMs,
+    attention, jax_fp8's) are named by their library and get none."""
+    kernel_bytes = kernel_bytes or {}
     ms = dict.fromkeys(FAMILIES, 0.0)
     how = collections.Counter()
     per_kernel: dict = {}
+    moved = collections.Counter()     # family: bytes of the kernels with known bytes
+    timed = collections.Counter()     # family: their time, us
     for e in events:
         fam, decided = event_family(e, families)
         dur = float(e.get("dur", 0.0))
         ms[fam] += dur / steps / 1e3
         how[decided] += 1
-        slot = per_kernel.setdefault(str(e.get("name", "?")), [fam, 0, 0.0])
+        name = str(e.get("name", "?"))
+        slot = per_kernel.setdefault(name, [fam, 0, 0.0, kernel_bytes.get(hlo.kernel_name(name))])
         slot[1] += 1
         slot[2] += dur
+        if slot[3] is not None:
+            moved[fam] += slot[3]
+            timed[fam] += dur
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][2])[:top]
-    top_kernels = [{"name": k[:160], "family": f, "per_step": n / steps,
-                    "ms_per_step": round(us / steps / 1e3, 5)} for k, (f, n, us) in ranked]
-    return {k: round(v, 5) for k, v in ms.items()}, dict(how), top_kernels
+    top_kernels = []
+    for k, (f, n, us, nbytes) in ranked:
+        entry = {"name": k[:160], "family": f, "per_step": n / steps,
+                 "ms_per_step": round(us / steps / 1e3, 5)}
+        if nbytes is not None:
+            entry["bytes"] = nbytes
+            entry["tb_per_s"] = round(nbytes * n / (us * 1e-6) / 1e12, 3) if us else None
+        top_kernels.append(entry)
+    bandwidth = {f: {"tb_per_s": round(moved[f] / (timed[f] * 1e-6) / 1e12, 3),
+                     "of_time": round(timed[f] / steps / 1e3 / ms[f], 3)}
+                 for f in FAMILIES if timed[f] and ms[f]}
+    return {k: round(v, 5) for k, v in ms.items()}, dict(how), top_kernels, bandwidth
 
 
 # --------------------------------------------------------------------------------------
@@ -631,7 +652,8 @@ def log(msg):
 
 
 def analyze(mod):
-    """(HLO summary for the row, `hlo_families`) of the compiled step (a parsed module)."""
+    """(HLO summary for the row, `hlo_families`, `hlo.kernel_bytes`) of the compiled step
+    (a parsed module)."""
     gemms = hlo.gemms(mod)
     calls = hlo.custom_calls(mod)
     summary = {
@@ -641,7 +663,7 @@ def analyze(mod):
         "custom_calls": calls,
         "attention_calls": sum(n for t, n in calls.items() if _ATTENTION_NAME.search(t)),
         "jax_fp8_update": calls.get("jax_fp8_update", 0)}
-    return summary, hlo_families(mod, gemms)
+    return summary, hlo_families(mod, gemms), hlo.kernel_bytes(mod)
 
 
 def measure(variant, size, args, progress=log):
@@ -680,7 +702,7 @@ def measure(variant, size, args, progress=log):
     row["temp_bytes"] = row["memory"].get("temp_size_in_bytes")
     t0 = time.perf_counter()
     mod = hlo.parse(compiled.as_text())
-    row["hlo"], families = analyze(mod)
+    row["hlo"], families, kernel_bytes = analyze(mod)
     del mod, lowered
     row["analysis_s"] = time.perf_counter() - t0
     progress(f"{tag}: lowered in {row['lower_s']:.1f} s, compiled in {row['compile_s']:.1f} s, "
@@ -709,8 +731,9 @@ def measure(variant, size, args, progress=log):
         if dev:
             row["device_ms"] = trace.total_us(dev) / args.steps / 1e3
             row["events_per_step"] = len(dev) / args.steps
-            row["families_ms"], row["classified_by"], row["top_kernels"] = split_by_family(
-                dev, families, args.steps, args.top_kernels)
+            (row["families_ms"], row["classified_by"], row["top_kernels"],
+             row["families_bandwidth"]) = split_by_family(dev, families, args.steps,
+                                                          args.top_kernels, kernel_bytes)
             row["tokens_per_s_device"] = size.tokens / (row["device_ms"] / 1e3)
             row["model_tflops_device"] = size.flops_per_step() / (row["device_ms"] / 1e3) / 1e12
         else:
@@ -720,7 +743,7 @@ def measure(variant, size, args, progress=log):
                                    "GPU kernels")
         ops = trace.device_events(events, platform="cpu")
         if ops:
-            row["cpu_op_families_ms"], _, row["top_ops"] = split_by_family(
+            row["cpu_op_families_ms"], _, row["top_ops"], _ = split_by_family(
                 ops, families, args.steps, args.top_kernels)
     del events
     row["trace_s"] = time.perf_counter() - t0
@@ -906,6 +929,20 @@ def markdown(data):
                     _f(e.get("floor_vs_bf16"), "{:.3f}"), _f(e.get("floor_over_device"), "{:.3f}"),
                     _f(e.get("overhead_ms"), "{:+.3f}"),
                     _f(r.get("model_tflops_device"), "{:.0f}")]) + " |")
+            bw_rows = [r for r in fam_rows if r.get("families_bandwidth")]
+            bw_fams = [f for f in FAMILIES
+                       if any(f in r["families_bandwidth"] for r in bw_rows)]
+            if bw_rows:
+                lines += ["", "Memory bandwidth of XLA's own kernels (fusions, copies) by "
+                              "family: TB/s = bytes of each kernel's operands and result / its "
+                              "time (the share of the family's time they are):", "",
+                          "| variant | " + " | ".join(FAMILY_LABELS[f] for f in bw_fams) + " |",
+                          "|---|" + "---:|" * len(bw_fams)]
+                for r in bw_rows:
+                    bw = r["families_bandwidth"]
+                    lines.append(f"| {r['label']} | " + " | ".join(
+                        f"{bw[f]['tb_per_s']:.2f} ({100 * bw[f]['of_time']:.0f} %)"
+                        if f in bw else "—" for f in bw_fams) + " |")
         else:
             notes = {r.get("device_time_note") for r in rows} - {None}
             lines += ["", "Device time: unavailable (" + "; ".join(sorted(notes)) + ")."]

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import jax_fp8
 import numpy as np
+from jax_fp8.devtools import hlo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -215,6 +216,24 @@ def test_hlo_families():
         "add_8": "other", "adam_10": "optimizer", "amax_11": "amax"}
 
 
+def test_split_by_family_with_bytes():
+    events = [{"name": "adam_10", "dur": 100.0}, {"name": "adam_10", "dur": 100.0},
+              {"name": "amax_11", "dur": 50.0},
+              {"name": "nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_TNN", "dur": 300.0}]
+    families = bench_llm.hlo_families(HLO)
+    ms, how, top, bw = bench_llm.split_by_family(events, families, 2, 10,
+                                                 hlo.kernel_bytes(HLO))
+    assert ms["optimizer"] == pytest.approx(0.1) and ms["fp8_gemm"] == pytest.approx(0.15)
+    adam = next(k for k in top if k["name"] == "adam_10")
+    # adam.10 reads p.9 once (65536 B), writes f32[128,128] and bf16[128].
+    assert adam["bytes"] == 65536 + 65536 + 256
+    assert adam["tb_per_s"] == pytest.approx(131328 / 100e-6 / 1e12, abs=1e-3)
+    assert "bytes" not in next(k for k in top if k["name"].startswith("nvjet"))
+    assert bw["optimizer"] == {"tb_per_s": pytest.approx(131328 / 100e-6 / 1e12, abs=1e-3),
+                               "of_time": 1.0}
+    assert "fp8_gemm" not in bw
+
+
 def _row(variant, device, **families):
     fam = dict.fromkeys(bench_llm.FAMILIES, 0.0)
     fam.update(families)
@@ -251,9 +270,11 @@ def test_report_and_plot_of_gpu_rows(tmp_path):
     meta = {"settings": {"steps": 10, "warmup": 3, "history_len": 1024, "fp8_lm_head": False,
                          "scan": False}, "environment": {"device": "NVIDIA H200"},
             "command": "python bench/bench_llm.py", "total_s": 1.0}
+    rows[1]["families_bandwidth"] = {"optimizer": {"tb_per_s": 4.04, "of_time": 0.98}}
     data = {"meta": meta, "results": rows, "derived": bench_llm.derive(rows), "failures": [],
             "skipped": []}
     md = bench_llm.markdown(data)
+    assert "| variant | optimizer |\n|---|---:|\n| jax_fp8_delayed | 4.04 (98 %) |" in md
     assert "# Llama-style decoder train step — NVIDIA H200" in md
     assert ("| jax_fp8_delayed | 38.000 | 5.000 | 9.000 | 0.000 | 0.000 | 3.000 | 0.000 | 0.000 "
             "| 0.000 | 20.000 | 75.000 |") in md

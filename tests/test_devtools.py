@@ -188,6 +188,45 @@ def test_shape_bytes():
     assert hlo.shape_bytes("token[]") == 0
 
 
+def test_tuple_elements():
+    assert hlo.tuple_elements("f32[2]{0}") == ["f32[2]{0}"]
+    assert hlo.tuple_elements("(f32[2]{0}, (bf16[], s8[4]), f8e5m2[3,4]{1,0})") == [
+        "f32[2]{0}", "(bf16[], s8[4])", "f8e5m2[3,4]{1,0}"]
+    assert hlo.tuple_elements("()") == []
+
+
+BYTES_HLO = """HloModule m
+
+%f (p0: f32[64,32], p1: f32[64,32]) -> (f32[64,32], bf16[64]) {
+  %p0 = f32[64,32]{1,0} parameter(0)
+  %p1 = f32[64,32]{1,0} parameter(1)
+  %a = f32[64,32]{1,0} add(%p0, %p1)
+  %z = bf16[64]{0} constant({...})
+  ROOT %t = (f32[64,32]{1,0}, bf16[64]{0}) tuple(%a, %z)
+}
+
+%g (p0: bf16[64]) -> f8e4m3fn[64] {
+  %p0 = bf16[64]{0} parameter(0)
+  ROOT %c = f8e4m3fn[64]{0} convert(%p0)
+}
+
+ENTRY %main (x: f32[64,32], y: f32[64,32]) -> f8e4m3fn[64] {
+  %x = f32[64,32]{1,0} parameter(0)
+  %y = f32[64,32]{1,0} parameter(1)
+  %two = (f32[64,32]{1,0}, bf16[64]{0}) fusion(%x, %y), kind=kLoop, calls=%f
+  %same = (f32[64,32]{1,0}, bf16[64]{0}) fusion(%x, %x), kind=kLoop, calls=%f
+  ROOT %cast = f8e4m3fn[64]{0} fusion(%two#1), kind=kLoop, calls=%g
+}
+"""
+
+
+def test_kernel_bytes():
+    # two: reads x and y (8192 B each), writes 8192 + 128 B; same: reads x once;
+    # cast: reads element 1 of two's tuple (bf16[64]), writes 64 B.
+    assert hlo.kernel_bytes(BYTES_HLO) == {"two": 8192 * 3 + 128, "same": 8192 * 2 + 128,
+                                           "cast": 128 + 64}
+
+
 def test_text_of_rejects_other_objects():
     with pytest.raises(TypeError):
         hlo.text_of(3)

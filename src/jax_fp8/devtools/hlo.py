@@ -21,7 +21,8 @@ __all__ = [
     "Collective", "Gemm", "Instruction", "Module", "all_reduce_kinds", "collectives",
     "computations_calling", "count_collectives", "count_custom_calls", "count_kernels",
     "custom_calls", "fp8_gemms", "fusion_kinds", "gemms", "kernel_instructions",
-    "kernel_name", "op_families", "parse", "shape_bytes", "source_ops", "text_of",
+    "kernel_bytes", "kernel_name", "op_families", "parse", "shape_bytes", "source_ops",
+    "text_of", "tuple_elements",
 ]
 
 
@@ -185,6 +186,46 @@ def shape_bytes(shape: str) -> int:
             n *= int(d) if d.isdigit() else 0
         total += n * bits
     return total // 8
+
+
+def tuple_elements(shape: str) -> list[str]:
+    """The element types of a tuple type, or ``[shape]`` for an array type:
+    ``tuple_elements("(f32[2]{0}, (bf16[], s8[4]))") == ["f32[2]{0}", "(bf16[], s8[4])"]``."""
+    text = shape.strip()
+    if not text.startswith("("):
+        return [text]
+    out, depth, cur = [], 0, []
+    for ch in text[1:-1]:
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch == "," and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    tail = "".join(cur).strip()
+    return out + [tail] if tail else out
+
+
+def kernel_bytes(program) -> dict[str, int]:
+    """{kernel name (`kernel_name`): bytes} for every kernel-level instruction
+    (`kernel_instructions`): the bytes of its result plus those of its distinct operands,
+    i.e. what it moves if it reads each operand and writes its result once. A kernel that
+    reads part of an operand (a slice) moves less, one that reads an operand twice more.
+    An operand written ``%name#k`` is element k of the tuple ``name``."""
+    mod = parse(program)
+    shapes = {i.name: i.shape for comp in mod.computations.values() for i in comp}
+    out = {}
+    for ins in kernel_instructions(mod):
+        total = shape_bytes(ins.shape)
+        for operand in dict.fromkeys(_operands(ins)):
+            name, _, index = operand.partition("#")
+            shape = shapes.get(name, "")
+            if index.isdigit():
+                elements = tuple_elements(shape)
+                shape = elements[int(index)] if int(index) < len(elements) else ""
+            total += shape_bytes(shape)
+        out[kernel_name(ins.name)] = total
+    return out
 
 
 def kernel_instructions(program) -> list[Instruction]:
