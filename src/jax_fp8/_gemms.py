@@ -280,6 +280,23 @@ def lhs_for_kernel_grad(q_lhs, dimension_numbers):
     return lax.transpose(q_lhs, perm)
 
 
+def rhs_for_forward(q_rhs, dimension_numbers):
+    """(rhs, dimension_numbers) for the forward GEMM with the quantized kernel's contracting
+    axes made minor, as cuBLASLt's FP8 GEMMs want them. A kernel that contracts over its
+    leading axes (a Dense kernel [K, N]) is rotated to [N, K] by `layout.rotate_axes`
+    (jax_fp8's byte-transpose kernel on CUDA); left as it is, XLA would fuse the cast
+    into a transpose for this GEMM and transpose back for the input gradient's, which
+    wants the kernel as stored. Other kernels, and any with batch axes, are returned
+    unchanged. Same bits either way: only the layout differs."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    n_c = len(rc)
+    if lb or rb or not 0 < n_c < q_rhs.ndim or set(rc) != set(range(n_c)):
+        return q_rhs, dimension_numbers
+    n_f = q_rhs.ndim - n_c
+    return (layout.rotate_axes(q_rhs, n_c),
+            ((tuple(lc), tuple(n_f + int(a) for a in rc)), (tuple(lb), tuple(rb))))
+
+
 def lhs_free_axes(g, rhs, rhs_contract):
     """How many leading axes of the output gradient g come from lhs (no batch axes)."""
     return g.ndim - (rhs.ndim - len(rhs_contract))

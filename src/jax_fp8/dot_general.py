@@ -31,8 +31,8 @@ __all__ = ["fp8_dot_general", "gemm_flops"]
 
 def _fwd(lhs, rhs, meta, dimension_numbers, out_dtype):
     q_lhs, q_rhs = quantize(lhs, meta.input), quantize(rhs, meta.kernel)
-    out = _gemms.gemm(q_lhs, q_rhs, dimension_numbers, meta.input.scale_inv,
-                      meta.kernel.scale_inv, out_dtype)
+    out = _gemms.gemm(q_lhs, *_gemms.rhs_for_forward(q_rhs, dimension_numbers),
+                      meta.input.scale_inv, meta.kernel.scale_inv, out_dtype)
     # The meta is returned unchanged: its only job is to carry the cotangent chain.
     # lhs[:0], rhs[:0]: empty arrays that carry the primal inputs' manual-axis types
     # (shard_map's vma) to the backward rule.

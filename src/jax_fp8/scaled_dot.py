@@ -212,8 +212,8 @@ def _current_forward(x, w, recipe, out_dtype, keep):
     fwd = recipe.fp8_format.fwd_dtype
     qx, sx = _current(x, recipe, fwd)
     qw, sw = _current(w, recipe, fwd)
-    out = _gemms.gemm(qx, qw, (((1,), (0,)), ((), ())), sx, sw, out_dtype,
-                      out_sharding=_product_sharding(qx, qw))
+    out = _gemms.gemm(qx, *_gemms.rhs_for_forward(qw, (((1,), (0,)), ((), ()))), sx, sw,
+                      out_dtype, out_sharding=_product_sharding(qx, qw))
     return out, ((qx, sx, qw, sw) if keep else None)
 
 

@@ -1,8 +1,9 @@
-"""FP8 layout changes for the backward GEMMs, as CUDA kernels (ffi/transpose_cuda.cu).
+"""FP8 layout changes for the GEMMs, as CUDA kernels (ffi/transpose_cuda.cu).
 
-cuBLASLt's FP8 GEMMs only contract over both operands' minor axes, so the kernel
-gradient needs the quantized input and the quantized gradient transposed. Two
-primitives, each one custom call on CUDA:
+cuBLASLt's FP8 GEMMs only contract over both operands' minor axes, so the forward GEMM
+needs the quantized kernel transposed (a Dense kernel [K, N] contracts over its leading
+axis) and the kernel gradient needs the quantized input and the quantized gradient
+transposed. Two primitives, each one custom call on CUDA:
 
 * `jax_fp8_transpose_bytes`: [R, C] -> [C, R] for 1-byte (FP8) matrices; `rotate_axes`
   applies it to [A..., B...] -> [B..., A...].
