@@ -267,13 +267,19 @@ def _operands(ins):
 def _from_parameter(name, by_name, limit=64):
     """Whether the value ``name`` is a parameter of the program passed through one chain
     of shape-preserving ops whose other operands are broadcasts or constants (convert,
-    scale, clamp: a weight shard's quantization), not an activation or gradient, which
-    the step computes from several arrays of its shape."""
+    scale, clamp: a weight shard's quantization) and transposes (the layout the forward
+    GEMM takes), not an activation or gradient, which the step computes from several
+    arrays of its shape."""
     want = _dims(by_name[name].shape)
     for _ in range(limit):
         ins = by_name[name]
         if ins.opcode == "parameter":
             return True
+        if ins.opcode == "transpose" and len(_operands(ins)) == 1 \
+                and _operands(ins)[0] in by_name:
+            name = _operands(ins)[0]
+            want = _dims(by_name[name].shape)
+            continue
         chain = [o for o in _operands(ins) if o in by_name
                  and by_name[o].opcode not in ("broadcast", "constant", "iota")
                  and _dims(by_name[o].shape) == want]
@@ -290,6 +296,7 @@ def weight_gather_names(text, size):
     tokens == d; a combined all-gather of several arrays is not attributed.)"""
     d = size[0]
     kernels = {(d, 3 * d), (d, d), (d, 4 * d), (4 * d, d)}
+    kernels |= {(b, a) for a, b in kernels}   # as stored, or transposed for the forward GEMM
     out = {}
     for comp in hlo.parse(text).computations.values():
         by_name = {ins.name: ins for ins in comp}
