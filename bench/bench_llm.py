@@ -478,7 +478,6 @@ _ACT_SCOPE = re.compile(r"/mlp_out/(?!proj/)")
 # The model's forward and backward: every op_name under jax.value_and_grad has "jvp(" in
 # it ("jvp(Decoder)", "transpose(jvp(Decoder))"); the optimizer's ops do not.
 _MODEL_SCOPE = re.compile(r"\bjvp\(")
-_OPERAND = re.compile(r"%([\w.\-]+)")
 
 
 def _callees(line: str) -> list[str]:
@@ -510,8 +509,7 @@ def _largest_output_outside_model(mod, ins) -> bool:
         outputs = [root]
         if root.opcode == "tuple":
             by_name = {i.name: i for i in body}
-            args = root.line[root.line.index("tuple(", root.line.index("=")):]
-            outputs = [by_name[n] for n in _OPERAND.findall(args.split(")")[0]) if n in by_name]
+            outputs = [by_name[n] for n in hlo.operands(root) if n in by_name]
         if not outputs:
             continue
         largest = max(outputs, key=lambda i: hlo.shape_bytes(i.shape))

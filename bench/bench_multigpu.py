@@ -255,13 +255,8 @@ def _dims(shape):
 
 
 def _operands(ins):
-    """The operand names of an instruction: the %names inside its opcode's parentheses."""
-    start = ins.line.find(ins.opcode + "(", ins.line.find("=")) + len(ins.opcode) + 1
-    depth, end = 1, start
-    while end < len(ins.line) and depth:
-        depth += (ins.line[end] == "(") - (ins.line[end] == ")")
-        end += 1
-    return re.findall(r"%([\w.\-]+)", ins.line[start:end])
+    """The operand names of an instruction (a tuple element's as its tuple's name)."""
+    return [o.partition("#")[0] for o in hlo.operands(ins)]
 
 
 def _from_parameter(name, by_name, limit=64):
@@ -275,13 +270,12 @@ def _from_parameter(name, by_name, limit=64):
         ins = by_name[name]
         if ins.opcode == "parameter":
             return True
-        if ins.opcode == "transpose" and len(_operands(ins)) == 1 \
-                and _operands(ins)[0] in by_name:
-            name = _operands(ins)[0]
-            want = _dims(by_name[name].shape)
+        ops = [o for o in _operands(ins) if o in by_name]
+        if ins.opcode == "transpose" and len(ops) == 1:
+            name, want = ops[0], _dims(by_name[ops[0]].shape)
             continue
-        chain = [o for o in _operands(ins) if o in by_name
-                 and by_name[o].opcode not in ("broadcast", "constant", "iota")
+        chain = [o for o in ops
+                 if by_name[o].opcode not in ("broadcast", "constant", "iota")
                  and _dims(by_name[o].shape) == want]
         if len(chain) != 1:
             return False

@@ -21,8 +21,8 @@ __all__ = [
     "Collective", "Gemm", "Instruction", "Module", "all_reduce_kinds", "collectives",
     "computations_calling", "count_collectives", "count_custom_calls", "count_kernels",
     "custom_calls", "fp8_gemms", "fusion_kinds", "gemms", "kernel_instructions",
-    "kernel_bytes", "kernel_name", "op_families", "parse", "shape_bytes", "source_ops",
-    "text_of", "tuple_elements",
+    "kernel_bytes", "kernel_name", "op_families", "operands", "parse", "shape_bytes",
+    "source_ops", "text_of", "tuple_elements",
 ]
 
 
@@ -149,8 +149,9 @@ def _callees(line: str) -> list[str]:
     return out
 
 
-def _operands(ins: Instruction) -> list[str]:
-    """The operand names of ``ins`` (types printed before them are dropped)."""
+def operands(ins: Instruction) -> list[str]:
+    """The operand names of ``ins`` (types printed before them are dropped); element k of
+    a tuple operand is ``name#k``."""
     start = ins.line.find(ins.opcode + "(", ins.line.find("="))
     if start < 0:
         return []
@@ -217,7 +218,7 @@ def kernel_bytes(program) -> dict[str, int]:
     out = {}
     for ins in kernel_instructions(mod):
         total = shape_bytes(ins.shape)
-        for operand in dict.fromkeys(_operands(ins)):
+        for operand in dict.fromkeys(operands(ins)):
             name, _, index = operand.partition("#")
             shape = shapes.get(name, "")
             if index.isdigit():
@@ -309,7 +310,7 @@ def _dots(mod: Module, name: str, seen: set) -> list[bool]:
     found = []
     for ins in comp:
         if ins.opcode in _DOTS:
-            found.append(any(_is_fp8(d) for op in _operands(ins)
+            found.append(any(_is_fp8(d) for op in operands(ins)
                              for d in _dtypes(types.get(op, ""))))
         for c in _callees(ins.line):
             found += _dots(mod, c, seen)
@@ -332,7 +333,7 @@ def gemms(program) -> list[Gemm]:
                 out.append(Gemm(ins.name, _fusion_kind(ins), any(dots)))
         elif ins.opcode in _DOTS:
             types = {i.name: i.shape for i in mod.computations[comp]}
-            fp8 = any(_is_fp8(d) for op in _operands(ins) for d in _dtypes(types.get(op, "")))
+            fp8 = any(_is_fp8(d) for op in operands(ins) for d in _dtypes(types.get(op, "")))
             out.append(Gemm(ins.name, ins.opcode, fp8))
     return out
 
@@ -351,7 +352,7 @@ def collectives(program) -> list[Collective]:
         done = {}
         for ins in comp:
             if ins.opcode.endswith("-done"):
-                for op in _operands(ins)[:1]:
+                for op in operands(ins)[:1]:
                     done[op] = ins.shape
         for ins in comp:
             base = ins.opcode[:-len("-start")] if ins.opcode.endswith("-start") else ins.opcode
