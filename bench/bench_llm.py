@@ -25,6 +25,16 @@ Variants (VARIANTS below; a new one, e.g. with fused kernels, is one entry):
   jax_fp8_current   the same with Float8CurrentScaling
   jax_fp8_block     the same with Float8BlockScaling
 
+and, run only when named, jax_fp8_delayed with one piece of its layout work handed back
+to XLA's own ops (XLA_PIECES below), to measure what each of its kernels saves:
+
+  jax_fp8_delayed_xla_gradient_cast     the incoming gradient's FP8 copy and amax by XLA
+                                        (fused into the gradient's producer), not the
+                                        quantize + transpose kernel
+  jax_fp8_delayed_xla_kernel_rotation   the forward GEMM's FP8 kernel transposed by XLA
+  jax_fp8_delayed_xla_layouts           no layout kernel at all: every FP8 transpose and
+                                        the gradient's cast by XLA
+
 Each variant runs in its own process (this script with --worker), so its compile is a
 cold one and no variant sees another's autotuning. Per size and variant: device time per
 step (the sum of the GPU kernel durations in a profiler trace of --steps steps / steps),
@@ -54,6 +64,7 @@ import argparse
 import collections
 import dataclasses
 import functools
+import importlib
 import json
 import math
 import os
@@ -297,7 +308,9 @@ class Variant:
     """One way to run the step. ``kind`` ("bf16", "flax" or "jax_fp8") picks the train
     state and step; ``recipe``: args -> the jax_fp8 recipe (kind "jax_fp8"); ``layers``:
     args -> `Layers` (default: by kind, from the recipe); ``update_calls``: the
-    ``jax_fp8_update`` custom calls the compiled step must hold (None: not checked)."""
+    ``jax_fp8_update`` custom calls the compiled step must hold (None: not checked);
+    ``xla_pieces``: pieces of jax_fp8's own layout work handed back to XLA's ops in the
+    worker (`XLA_PIECES`), to measure what each of its kernels saves."""
 
     name: str
     label: str
@@ -305,6 +318,7 @@ class Variant:
     recipe: Callable | None = None
     layers: Callable | None = None
     update_calls: int | None = None
+    xla_pieces: tuple = ()
 
     def make_layers(self, args) -> Layers:
         if self.layers is not None:
@@ -320,14 +334,49 @@ class Variant:
                                    attention=attention_impl(args)).resolved()
 
 
+# The pieces of jax_fp8's layout work a variant can hand back to XLA's own ops: each is
+# (module, private function, replacement), replaced in the worker process. The library needs
+# no switch for them, since the bits are the same either way (tests/test_layout_kernels.py).
+XLA_PIECES = {
+    # fp8_dot_general's backward: the gradient's FP8 copy and amax as XLA's ops (which XLA
+    # fuses into the kernel that produces the gradient), its transposed copy by the byte
+    # transpose, instead of the quantize + transpose kernel's one pass.
+    "gradient_cast": ("jax_fp8._primitives.layout", "quantize_rotate_applies",
+                      lambda x, fp8_dtype: False),
+    # The forward GEMM's FP8 kernel left as stored: XLA casts it into a transpose for the
+    # forward GEMM and transposes it back for the input gradient's.
+    "kernel_rotation": ("jax_fp8._gemms", "rhs_for_forward",
+                        lambda q_rhs, dimension_numbers: (q_rhs, dimension_numbers)),
+    # Neither layout kernel takes any size: every FP8 transpose, and the gradient's
+    # quantize + transpose + amax, lower to XLA's own ops.
+    "layout_kernels": ("jax_fp8._primitives.layout", "kernel_takes", lambda rows, cols: False),
+}
+
+
+def hand_to_xla(piece):
+    """Replaces the library function behind ``piece`` (`XLA_PIECES`) in this process."""
+    module_name, name, replacement = XLA_PIECES[piece]
+    module = importlib.import_module(module_name)
+    if not callable(getattr(module, name, None)):
+        raise AttributeError(f"{module_name}.{name} is gone: update XLA_PIECES[{piece!r}]")
+    setattr(module, name, replacement)
+
+
 VARIANTS = {v.name: v for v in (
     Variant("bf16", "bf16", "bf16"),
     Variant("flax_fp8", f"Flax FP8 ({FLAX_OP.__name__})", "flax"),
     Variant("jax_fp8_delayed", "jax_fp8 delayed", "jax_fp8", _delayed, update_calls=1),
     Variant("jax_fp8_current", "jax_fp8 current", "jax_fp8", _current),
     Variant("jax_fp8_block", "jax_fp8 block", "jax_fp8", _block),
+    Variant("jax_fp8_delayed_xla_gradient_cast", "jax_fp8 delayed, gradient cast by XLA",
+            "jax_fp8", _delayed, update_calls=1, xla_pieces=("gradient_cast",)),
+    Variant("jax_fp8_delayed_xla_kernel_rotation", "jax_fp8 delayed, kernel rotated by XLA",
+            "jax_fp8", _delayed, update_calls=1, xla_pieces=("kernel_rotation",)),
+    Variant("jax_fp8_delayed_xla_layouts", "jax_fp8 delayed, no layout kernels", "jax_fp8",
+            _delayed, update_calls=1, xla_pieces=("layout_kernels",)),
 )}
-DEFAULT_VARIANTS = tuple(VARIANTS)
+# The three variants with a piece handed back to XLA run only when named (--variants).
+DEFAULT_VARIANTS = tuple(name for name, v in VARIANTS.items() if not v.xla_pieces)
 
 
 def attention_impl(args):
@@ -758,6 +807,8 @@ def measure(variant, size, args, progress=log):
 def worker(args):
     """--worker: one size and variant, the row written to --result as JSON."""
     (size_name,), (name,) = args.sizes, args.variants
+    for piece in VARIANTS[name].xla_pieces:
+        hand_to_xla(piece)
     common.write_json(args.result, measure(VARIANTS[name], SIZES[size_name], args))
     return 0
 
@@ -869,6 +920,30 @@ def _f(x, spec="{:.2f}"):
     return common.fmt(x, spec)
 
 
+def _pieces_table(rows):
+    """What each layout kernel saves: the variants that hand a piece back to XLA against
+    jax_fp8 delayed of the same run, and whether their losses have the same bits."""
+    ref = next((r for r in rows if r["variant"] == "jax_fp8_delayed"), None)
+    pieces = [r for r in rows if VARIANTS.get(r["variant"]) and VARIANTS[r["variant"]].xla_pieces]
+    if ref is None or not pieces:
+        return []
+    lines = ["", "Each layout kernel on and off (the same step with that piece as XLA's own "
+                 "ops; its first and last step's losses compared with jax_fp8 delayed's):", "",
+             "| variant | device ms | − jax_fp8 delayed | quantize/transpose ms | "
+             "jax_fp8 kernels ms | losses |", "|---|---:|---:|---:|---:|---|"]
+    for r in [ref] + pieces:
+        fam = r.get("families_ms") or {}
+        same = (r.get("loss_first"), r.get("loss_last")) == (ref.get("loss_first"),
+                                                             ref.get("loss_last"))
+        lines.append("| " + " | ".join([
+            r["label"], _f(r.get("device_ms")),
+            "" if r is ref else _f(None if r.get("device_ms") is None
+                                   else r["device_ms"] - ref["device_ms"], "{:+.2f}"),
+            _f(fam.get("quantize_transpose"), "{:.3f}"), _f(fam.get("jax_fp8_kernels"), "{:.3f}"),
+            "" if r is ref else ("the same" if same else "DIFFERENT")]) + " |")
+    return lines
+
+
 def markdown(data):
     meta, s = data["meta"], data["meta"]["settings"]
     env = meta.get("environment") or {}
@@ -944,6 +1019,7 @@ def markdown(data):
         else:
             notes = {r.get("device_time_note") for r in rows} - {None}
             lines += ["", "Device time: unavailable (" + "; ".join(sorted(notes)) + ")."]
+        lines += _pieces_table(rows)
         for r in rows:
             if r.get("check_error"):
                 lines.append(f"\nCHECK FAILED {key} {r['variant']}: {r['check_error']}")
@@ -1022,7 +1098,8 @@ def build_parser():
                         f"{','.join(DEFAULT_SIZES)})")
     p.add_argument("--variants", type=common.subset_of(VARIANTS, "variants"),
                    default=list(DEFAULT_VARIANTS),
-                   help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)")
+                   help=f"comma-separated subset of {','.join(VARIANTS)} (default: "
+                        f"{','.join(DEFAULT_VARIANTS)})")
     p.add_argument("--steps", type=int, default=10,
                    help="steps blocked, pipelined and traced, each (10)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up steps (3)")

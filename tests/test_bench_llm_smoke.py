@@ -326,3 +326,29 @@ def test_every_variant_starts_from_the_same_parameters():
         assert jax.tree.structure(p) == jax.tree.structure(base), name
         for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(p)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
+@pytest.mark.parametrize("piece", sorted(bench_llm.XLA_PIECES))
+def test_a_piece_handed_to_xla_gives_the_same_bits(piece, monkeypatch):
+    """The variants that hand one piece of jax_fp8's layout work back to XLA replace a
+    library function that exists, and the FP8 Dense gradient keeps its bits."""
+    module_name, name, replacement = bench_llm.XLA_PIECES[piece]
+    module = __import__(module_name, fromlist=[name])
+    dn = (((1,), (0,)), ((), ()))
+
+    def loss(x, w, m):
+        y, _ = jax_fp8.fp8_dot_general(x, w, dn, m)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    rng = np.random.default_rng(0)
+    args = (jnp.asarray(rng.normal(size=(64, 128)), jnp.bfloat16),
+            jnp.asarray(rng.normal(size=(128, 96)), jnp.float32), jax_fp8.Fp8Meta.create())
+    want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*args)
+    monkeypatch.setattr(module, name, replacement)   # as bench_llm.hand_to_xla does
+    got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*args)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # hand_to_xla finds the function it replaces
+    monkeypatch.setattr(module, name, getattr(module, name))
+    bench_llm.hand_to_xla(piece)
+    assert getattr(module, name) is replacement
