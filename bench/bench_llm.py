@@ -702,9 +702,55 @@ def log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
+def gemm_info(mod, gemms) -> dict[str, dict]:
+    """{kernel name: {"fp8", "role", "batch", "m", "n", "k"}} of the step's GEMMs (`hlo.gemms`,
+    `hlo.gemm_sizes`); role "backward" where the GEMM's op_name is under a ``transpose(``
+    (JAX's name for the backward pass), else "forward"."""
+    lines = {i.name: i.line for i in hlo.kernel_instructions(mod)}
+    sizes = hlo.gemm_sizes(mod)
+    out = {}
+    for g in gemms:
+        op_name = re.search(r'op_name="([^"]*)"', lines.get(g.name, ""))
+        entry = {"fp8": g.fp8,
+                 "role": "backward" if op_name and "transpose(" in op_name.group(1) else "forward"}
+        if g.name in sizes:
+            entry.update(sizes[g.name]._asdict())
+        out[hlo.kernel_name(g.name)] = entry
+    return out
+
+
+def gemm_table(events, gemms, steps) -> dict:
+    """The traced GEMM kernels by shape: {"rows": [{fp8, role, batch, m, n, k, per_step,
+    ms_per_step, tflops}], "unattributed_ms": ...}. A kernel event is attributed to the GEMM
+    its ``hlo_op`` names (``gemms`` from `gemm_info`); GEMM kernels whose event names no
+    GEMM of the program (e.g. launched from a command buffer) are summed unattributed."""
+    groups: dict = {}
+    unattributed = 0.0
+    for e in events:
+        name = str(e.get("name", ""))
+        hlo_op = (e.get("args") or {}).get("hlo_op")
+        info = gemms.get(hlo.kernel_name(str(hlo_op))) if hlo_op else None
+        if info is None:
+            if _GEMM_NAME.search(name) or _FP8_NAME.search(name):
+                unattributed += float(e.get("dur", 0.0))
+            continue
+        key = tuple(info.get(f) for f in ("fp8", "role", "batch", "m", "n", "k"))
+        slot = groups.setdefault(key, [0, 0.0])
+        slot[0] += 1
+        slot[1] += float(e.get("dur", 0.0))
+    rows = []
+    for (fp8, role, batch, m, n, k), (count, us) in sorted(
+            groups.items(), key=lambda kv: -kv[1][1]):
+        flops = 2 * batch * m * n * k if None not in (batch, m, n, k) else None
+        rows.append({"fp8": fp8, "role": role, "batch": batch, "m": m, "n": n, "k": k,
+                     "per_step": count / steps, "ms_per_step": round(us / steps / 1e3, 5),
+                     "tflops": flops * count / (us * 1e-6) / 1e12 if flops and us else None})
+    return {"rows": rows, "unattributed_ms": round(unattributed / steps / 1e3, 5)}
+
+
 def analyze(mod):
-    """(HLO summary for the row, `hlo_families`, `hlo.kernel_bytes`) of the compiled step
-    (a parsed module)."""
+    """(HLO summary for the row, `hlo_families`, `hlo.kernel_bytes`, `gemm_info`) of the
+    compiled step (a parsed module)."""
     gemms = hlo.gemms(mod)
     calls = hlo.custom_calls(mod)
     summary = {
@@ -714,7 +760,7 @@ def analyze(mod):
         "custom_calls": calls,
         "attention_calls": sum(n for t, n in calls.items() if _ATTENTION_NAME.search(t)),
         "jax_fp8_update": calls.get("jax_fp8_update", 0)}
-    return summary, hlo_families(mod, gemms), hlo.kernel_bytes(mod)
+    return summary, hlo_families(mod, gemms), hlo.kernel_bytes(mod), gemm_info(mod, gemms)
 
 
 def measure(variant, size, args, progress=log):
@@ -753,7 +799,7 @@ def measure(variant, size, args, progress=log):
     row["temp_bytes"] = row["memory"].get("temp_size_in_bytes")
     t0 = time.perf_counter()
     mod = hlo.parse(compiled.as_text())
-    row["hlo"], families, kernel_bytes = analyze(mod)
+    row["hlo"], families, kernel_bytes, gemms = analyze(mod)
     del mod, lowered
     row["analysis_s"] = time.perf_counter() - t0
     progress(f"{tag}: lowered in {row['lower_s']:.1f} s, compiled in {row['compile_s']:.1f} s, "
@@ -785,6 +831,7 @@ def measure(variant, size, args, progress=log):
             (row["families_ms"], row["classified_by"], row["top_kernels"],
              row["families_bandwidth"]) = split_by_family(dev, families, args.steps,
                                                           args.top_kernels, kernel_bytes)
+            row["gemms"] = gemm_table(dev, gemms, args.steps)
             row["tokens_per_s_device"] = size.tokens / (row["device_ms"] / 1e3)
             row["model_tflops_device"] = size.flops_per_step() / (row["device_ms"] / 1e3) / 1e12
         else:
@@ -796,6 +843,7 @@ def measure(variant, size, args, progress=log):
         if ops:
             row["cpu_op_families_ms"], _, row["top_ops"], _ = split_by_family(
                 ops, families, args.steps, args.top_kernels)
+            row["cpu_gemms"] = gemm_table(ops, gemms, args.steps)
     del events
     row["trace_s"] = time.perf_counter() - t0
     row["device_ms"] = row.get("device_ms")
@@ -924,6 +972,34 @@ def _f(x, spec="{:.2f}"):
     return common.fmt(x, spec)
 
 
+def _gemms_table(rows):
+    """Each variant's GEMMs by shape: kernels per step, ms per step, TFLOP/s."""
+    key = "gemms" if any(r.get("gemms") for r in rows) else "cpu_gemms"
+    rows = [r for r in rows if (r.get(key) or {}).get("rows")]
+    if not rows:
+        return []
+    what = "GPU kernel time" if key == "gemms" else "CPU op time"
+    lines = ["", f"GEMMs by shape ({what} of the kernels each GEMM of the compiled step "
+                 "launches; B × M × N × K: `batch` products of [M, K] × [K, N]; TFLOP/s = "
+                 "2 B M N K per call / its time; backward: under JAX's `transpose(` in the "
+                 "op name):", "",
+             "| variant | GEMM | role | B × M × N × K | per step | ms per step | TFLOP/s |",
+             "|---|---|---|---|---:|---:|---:|"]
+    for r in rows:
+        table = r[key]
+        for g in table["rows"]:
+            shape = " × ".join(str(g[f]) if g[f] is not None else "?"
+                               for f in ("batch", "m", "n", "k"))
+            lines.append("| " + " | ".join([
+                r["label"], "FP8" if g["fp8"] else "bf16", g["role"], shape,
+                _f(g["per_step"], "{:g}"), _f(g["ms_per_step"], "{:.3f}"),
+                _f(g["tflops"], "{:,.0f}" if (g["tflops"] or 0) >= 100 else "{:.3g}")]) + " |")
+        if table.get("unattributed_ms"):
+            lines.append(f"| {r['label']} | (kernels naming no GEMM of the program) | | | | "
+                         f"{table['unattributed_ms']:.3f} | |")
+    return lines
+
+
 def _pieces_table(rows):
     """What each layout kernel saves: the variants that hand a piece back to XLA against
     jax_fp8 delayed of the same run."""
@@ -1025,6 +1101,7 @@ def markdown(data):
         else:
             notes = {r.get("device_time_note") for r in rows} - {None}
             lines += ["", "Device time: unavailable (" + "; ".join(sorted(notes)) + ")."]
+        lines += _gemms_table(rows)
         lines += _pieces_table(rows)
         for r in rows:
             if r.get("check_error"):

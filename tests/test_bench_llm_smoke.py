@@ -359,3 +359,27 @@ def test_a_piece_handed_to_xla_gives_the_same_bits(piece, monkeypatch):
     monkeypatch.setattr(module, name, getattr(module, name))
     bench_llm.hand_to_xla(piece)
     assert getattr(module, name) is replacement
+
+
+def test_gemm_table_attributes_kernels_to_the_gemm_their_event_names():
+    """Two traced steps of three GEMM kernels: TFLOP/s = 2 B M N K per call / its time;
+    a GEMM kernel whose event names no GEMM of the program is counted apart."""
+    gemms = {"custom_call_3": {"fp8": True, "role": "forward", "batch": 1, "m": 8192,
+                               "n": 4096, "k": 4096},
+             "custom_call_7": {"fp8": True, "role": "backward", "batch": 1, "m": 4096,
+                               "n": 4096, "k": 8192}}
+    events = []
+    for _ in range(2):
+        events += [
+            {"name": "nvjet_sm90_qqtst_128x160", "dur": 500.0, "args": {"hlo_op": "custom-call.3"}},
+            {"name": "nvjet_sm90_qrtst_128x160", "dur": 250.0, "args": {"hlo_op": "custom-call.7"}},
+            {"name": "nvjet_sm90_tst_128x256", "dur": 100.0, "args": {"hlo_op": "command_buffer"}},
+            {"name": "loop_add_fusion", "dur": 40.0, "args": {"hlo_op": "loop_add_fusion"}}]
+    table = bench_llm.gemm_table(events, gemms, steps=2)
+    flops = 2 * 8192 * 4096 * 4096
+    assert table["rows"] == [
+        {"fp8": True, "role": "forward", "batch": 1, "m": 8192, "n": 4096, "k": 4096,
+         "per_step": 1, "ms_per_step": 0.5, "tflops": pytest.approx(flops / 500e-6 / 1e12)},
+        {"fp8": True, "role": "backward", "batch": 1, "m": 4096, "n": 4096, "k": 8192,
+         "per_step": 1, "ms_per_step": 0.25, "tflops": pytest.approx(flops / 250e-6 / 1e12)}]
+    assert table["unattributed_ms"] == 0.1

@@ -151,6 +151,47 @@ def test_kernels_custom_calls():
                                     "cc": "custom-call:jax_fp8_update"}
 
 
+def test_gemm_sizes_gpu_style():
+    sizes = hlo.gemm_sizes(GPU_HLO)
+    assert sizes == {"cublas-gemm.1": hlo.GemmSize(1, 64, 16, 32),
+                     "gemm_fusion": hlo.GemmSize(1, 64, 16, 32),
+                     "bf16_fusion": hlo.GemmSize(1, 64, 16, 32)}
+    assert sizes["cublas-gemm.1"].flops == 2 * 64 * 16 * 32
+
+
+def test_gemm_sizes_from_a_gemm_library_calls_dimension_numbers():
+    """cuBLASLt's FP8 GEMMs take both operands contracted over their minor axis (TN): the
+    sizes come from the call's dot_dimension_numbers, batch axes included."""
+    config = ('{"gemm_backend_config":{"alpha_real":1,"dot_dimension_numbers":{'
+              '"lhs_contracting_dimensions":["%s"],"rhs_contracting_dimensions":["%s"],'
+              '"lhs_batch_dimensions":[%s],"rhs_batch_dimensions":[%s]}}}')
+    text = f"""HloModule m
+
+ENTRY %main (x: f8e4m3fn[8192,4096], w: f8e4m3fn[14336,4096], y: f8e4m3fn[3,64,32], z: f8e4m3fn[3,16,32]) -> bf16[8192,14336] {{
+  %x = f8e4m3fn[8192,4096]{{1,0}} parameter(0)
+  %w = f8e4m3fn[14336,4096]{{1,0}} parameter(1)
+  %y = f8e4m3fn[3,64,32]{{2,1,0}} parameter(2)
+  %z = f8e4m3fn[3,16,32]{{2,1,0}} parameter(3)
+  %g1 = (bf16[8192,14336]{{1,0}}, s8[4]{{0}}) custom-call(%x, %w), custom_call_target="__cublas$lt$matmul$f8", backend_config={config % ("1", "1", "", "")}
+  %g2 = (bf16[3,64,16]{{2,1,0}}, s8[4]{{0}}) custom-call(%y, %z), custom_call_target="__cublas$lt$matmul$f8", backend_config={config % ("2", "2", '"0"', '"0"')}
+  ROOT %r = bf16[8192,14336]{{1,0}} get-tuple-element(%g1), index=0
+}}
+"""
+    assert hlo.gemm_sizes(text) == {"g1": hlo.GemmSize(1, 8192, 14336, 4096),
+                                    "g2": hlo.GemmSize(3, 64, 16, 32)}
+
+
+def test_gemm_sizes_of_a_compiled_cpu_program():
+    def f(a, b, c):
+        return a @ b, jnp.einsum("bij,bjk->bik", c, c)
+
+    compiled = jax.jit(f).lower(jnp.ones((64, 32)), jnp.ones((32, 16)),
+                                jnp.ones((3, 8, 8))).compile()
+    sizes = sorted(hlo.gemm_sizes(compiled).values())
+    assert sizes == [hlo.GemmSize(1, 64, 16, 32), hlo.GemmSize(3, 8, 8, 8)]
+    assert len(hlo.gemm_sizes(compiled)) == len(hlo.gemms(compiled))
+
+
 def test_gemms_gpu_style():
     assert hlo.custom_calls(GPU_HLO) == {"__cublas$lt$matmul$f8": 1, "jax_fp8_update": 1}
     assert hlo.computations_calling(GPU_HLO, "__cublas$lt$matmul$f8") == ["command_buffer"]

@@ -20,7 +20,8 @@ from typing import NamedTuple
 __all__ = [
     "Collective", "Gemm", "Instruction", "Module", "all_reduce_kinds", "collectives",
     "computations_calling", "count_collectives", "count_custom_calls", "count_kernels",
-    "custom_calls", "fp8_gemms", "fusion_kinds", "gemms", "kernel_instructions",
+    "custom_calls", "fp8_gemms", "fusion_kinds", "gemm_sizes", "gemms", "GemmSize",
+    "kernel_instructions",
     "kernel_bytes", "kernel_name", "op_families", "operands", "parse", "shape_bytes",
     "source_ops", "text_of", "tuple_elements",
 ]
@@ -48,6 +49,21 @@ class Gemm(NamedTuple):
     name: str      # the instruction's name
     kind: str      # custom-call target, fusion kind (e.g. "__triton_gemm") or "dot"
     fp8: bool      # an FP8 operand (or an FP8 library call, target ending in "$f8")
+
+
+class GemmSize(NamedTuple):
+    """The sizes of a GEMM: ``batch`` products of ``[M, K] x [K, N]`` (each the product of
+    its axes' sizes)."""
+
+    batch: int
+    m: int
+    n: int
+    k: int
+
+    @property
+    def flops(self) -> int:
+        """2 * batch * M * N * K."""
+        return 2 * self.batch * self.m * self.n * self.k
 
 
 class Collective(NamedTuple):
@@ -335,6 +351,103 @@ def gemms(program) -> list[Gemm]:
             types = {i.name: i.shape for i in mod.computations[comp]}
             fp8 = any(_is_fp8(d) for op in operands(ins) for d in _dtypes(types.get(op, "")))
             out.append(Gemm(ins.name, ins.opcode, fp8))
+    return out
+
+
+_DOT_DIMS = {side: re.compile(side + r"_dims=\{([\d,]*)\}")
+             for side in ("lhs_contracting", "lhs_batch")}
+_GEMM_CONFIG_DIMS = {side: re.compile(r'"' + side + r'_dimensions"\s*:\s*\[([^\]]*)\]')
+                     for side in ("lhs_contracting", "lhs_batch")}
+
+
+def _dims(shape: str) -> list[int] | None:
+    m = _ARRAY.search(shape)
+    if m is None:
+        return None
+    dims = [d.strip() for d in m.group(2).replace("<=", "").split(",") if d.strip()]
+    return [int(d) for d in dims] if all(d.isdigit() for d in dims) else None
+
+
+def _size(lhs: list[int], rhs: list[int], contracting, batch) -> GemmSize | None:
+    try:
+        k = _product(lhs[i] for i in contracting)
+        b = _product(lhs[i] for i in batch)
+    except IndexError:
+        return None
+    if not k or not b:
+        return None
+    return GemmSize(b, _product(lhs) // (b * k), _product(rhs) // (b * k), k)
+
+
+def _product(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def _gemm_size(mod: Module, comp: str, ins: Instruction) -> GemmSize | None:
+    """The sizes of a GEMM custom call or dot ``ins`` of computation ``comp``: its first two
+    operands' shapes and its contracting and batch axes (a dot's attributes, a GEMM
+    library call's ``dot_dimension_numbers``; without them, a matrix product)."""
+    types = {i.name: i.shape for i in mod.computations.get(comp, ())}
+    shapes = [_dims(types.get(op.partition("#")[0], "")) for op in operands(ins)[:2]]
+    if len(shapes) < 2 or None in shapes:
+        return None
+    lhs, rhs = shapes
+    patterns = _DOT_DIMS if ins.opcode in _DOTS else _GEMM_CONFIG_DIMS
+    found = {side: p.search(ins.line) for side, p in patterns.items()}
+    if found["lhs_contracting"] is None:
+        # A matrix product in one of its layouts: K is the size the two operands share
+        # that the result does not have.
+        out = _product(_dims(tuple_elements(ins.shape)[0]) or [0])
+        if len(lhs) != 2 or len(rhs) != 2:
+            return None
+        for i in (1, 0):
+            for j in (0, 1):
+                if lhs[i] == rhs[j] and lhs[1 - i] * rhs[1 - j] == out:
+                    return GemmSize(1, lhs[1 - i], rhs[1 - j], lhs[i])
+        return None
+    axes = {side: [int(a) for a in re.findall(r"\d+", m.group(1))] if m else []
+            for side, m in found.items()}
+    return _size(lhs, rhs, axes["lhs_contracting"], axes["lhs_batch"])
+
+
+def _first_dot(mod: Module, name: str, seen: set):
+    if name in seen:
+        return None
+    seen.add(name)
+    for ins in mod.computations.get(name, ()):
+        if ins.opcode in _DOTS:
+            return name, ins
+        for c in _callees(ins.line):
+            found = _first_dot(mod, c, seen)
+            if found:
+                return found
+    return None
+
+
+def gemm_sizes(program) -> dict[str, GemmSize]:
+    """{instruction name: `GemmSize`} for every kernel-level GEMM of `gemms` whose sizes
+    the HLO gives (a fusion's are those of the first dot in its body), e.g.
+    ``{'custom-call.3': GemmSize(batch=1, m=8192, n=4096, k=14336)}``; ``.flops`` counts
+    the GEMM's multiply-adds twice."""
+    mod = parse(program)
+    out = {}
+    for comp, ins in _walk(mod):
+        size = None
+        if ins.opcode == "custom-call" and re.search(r"gemm|matmul", _target(ins), re.IGNORECASE):
+            size = _gemm_size(mod, comp, ins)
+        elif ins.opcode == "fusion":
+            for c in _callees(ins.line):
+                found = _first_dot(mod, c, set())
+                if found:
+                    size = _gemm_size(mod, *found)
+                    break
+        elif ins.opcode in _DOTS:
+            size = _gemm_size(mod, comp, ins)
+        if size is not None:
+            out[ins.name] = size
     return out
 
 
