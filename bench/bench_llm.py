@@ -703,16 +703,22 @@ def log(msg):
 
 
 def gemm_info(mod, gemms) -> dict[str, dict]:
-    """{kernel name: {"fp8", "role", "batch", "m", "n", "k"}} of the step's GEMMs (`hlo.gemms`,
-    `hlo.gemm_sizes`); role "backward" where the GEMM's op_name is under a ``transpose(``
-    (JAX's name for the backward pass), else "forward"."""
-    lines = {i.name: i.line for i in hlo.kernel_instructions(mod)}
+    """{kernel name: {"fp8", "role", "dtypes", "batch", "m", "n", "k"}} of the step's GEMMs
+    (`hlo.gemms`, `hlo.gemm_sizes`); role "backward" where the GEMM's op_name is under a
+    ``transpose(`` (JAX's name for the backward pass), else "forward"; dtypes: its two
+    operands' element types (e.g. ``["f8e5m2", "f8e4m3fn"]``)."""
+    kernels = {i.name: i for i in hlo.kernel_instructions(mod)}
+    shapes = {i.name: i.shape for comp in mod.computations.values() for i in comp}
     sizes = hlo.gemm_sizes(mod)
     out = {}
     for g in gemms:
-        op_name = re.search(r'op_name="([^"]*)"', lines.get(g.name, ""))
+        ins = kernels.get(g.name)
+        op_name = re.search(r'op_name="([^"]*)"', ins.line if ins else "")
+        dtypes = [re.match(r"\(?\s*([a-z][a-z0-9]*)\[", shapes.get(op.partition("#")[0], ""))
+                  for op in (hlo.operands(ins)[:2] if ins else [])]
         entry = {"fp8": g.fp8,
-                 "role": "backward" if op_name and "transpose(" in op_name.group(1) else "forward"}
+                 "role": "backward" if op_name and "transpose(" in op_name.group(1) else "forward",
+                 "dtypes": [m.group(1) if m else None for m in dtypes]}
         if g.name in sizes:
             entry.update(sizes[g.name]._asdict())
         out[hlo.kernel_name(g.name)] = entry
@@ -734,18 +740,58 @@ def gemm_table(events, gemms, steps) -> dict:
             if _GEMM_NAME.search(name) or _FP8_NAME.search(name):
                 unattributed += float(e.get("dur", 0.0))
             continue
-        key = tuple(info.get(f) for f in ("fp8", "role", "batch", "m", "n", "k"))
+        key = tuple(info.get(f) for f in ("fp8", "role", "batch", "m", "n", "k")) + (
+            tuple(info.get("dtypes") or ()),)
         slot = groups.setdefault(key, [0, 0.0])
         slot[0] += 1
         slot[1] += float(e.get("dur", 0.0))
     rows = []
-    for (fp8, role, batch, m, n, k), (count, us) in sorted(
+    for (fp8, role, batch, m, n, k, dtypes), (count, us) in sorted(
             groups.items(), key=lambda kv: -kv[1][1]):
         flops = 2 * batch * m * n * k if None not in (batch, m, n, k) else None
-        rows.append({"fp8": fp8, "role": role, "batch": batch, "m": m, "n": n, "k": k,
+        rows.append({"fp8": fp8, "role": role, "dtypes": list(dtypes), "batch": batch, "m": m,
+                     "n": n, "k": k,
                      "per_step": count / steps, "ms_per_step": round(us / steps / 1e3, 5),
                      "tflops": flops * count / (us * 1e-6) / 1e12 if flops and us else None})
     return {"rows": rows, "unattributed_ms": round(unattributed / steps / 1e3, 5)}
+
+
+_HLO_DTYPES = {"f8e4m3fn": jnp.float8_e4m3fn, "f8e5m2": jnp.float8_e5m2}
+
+
+def time_fp8_gemm_alone(g, steps, seed=0) -> dict:
+    """One FP8 GEMM row of `gemm_table` timed on its own, the way jax_fp8 runs it
+    (``_gemms.gemm``: both operands contracted over their minor axis, a bfloat16 result,
+    cuBLASLt's algorithm as XLA autotunes it for that GEMM alone): {"tflops": with the
+    row's accumulation (fast for a forward GEMM, float32 for a backward one),
+    "tflops_other_accumulation": with the other}. GPU kernel time of ``steps`` calls."""
+    from jax_fp8 import _gemms
+    if g.get("batch") != 1 or None in (g.get("m"), g.get("n"), g.get("k")):
+        return {}
+    dtypes = [_HLO_DTYPES.get(d) for d in g.get("dtypes") or ()]
+    if len(dtypes) != 2 or None in dtypes:
+        return {}
+    rng = np.random.default_rng(seed)
+    a = jnp.asarray(rng.normal(size=(g["m"], g["k"])).astype(np.float32)).astype(dtypes[0])
+    b = jnp.asarray(rng.normal(size=(g["n"], g["k"])).astype(np.float32)).astype(dtypes[1])
+    one = jnp.float32(1)
+    flops = 2 * g["m"] * g["n"] * g["k"]
+    out = {}
+    fast = g["role"] == "forward"
+    for key, precision in (("tflops", None if fast else jax.lax.Precision.HIGHEST),
+                           ("tflops_other_accumulation",
+                            jax.lax.Precision.HIGHEST if fast else None)):
+        gemm = jax.jit(functools.partial(_gemms.gemm, dimension_numbers=(((1,), (1,)), ((), ())),
+                                         scale_inv_a=one, scale_inv_b=one,
+                                         out_dtype=jnp.bfloat16, precision=precision))
+        jax.block_until_ready(gemm(a, b))
+        _, events = trace.capture(lambda c: (c[0], c[1], gemm(c[0], c[1])),
+                                  (a, b, gemm(a, b)), steps=steps)
+        kernels = [e for e in trace.device_events(events, platform="gpu")
+                   if _GEMM_NAME.search(str(e.get("name", "")))]
+        us = sum(float(e.get("dur", 0.0)) for e in kernels)
+        out[key] = flops * steps / (us * 1e-6) / 1e12 if us else None
+    return out
 
 
 def analyze(mod):
@@ -832,6 +878,10 @@ def measure(variant, size, args, progress=log):
              row["families_bandwidth"]) = split_by_family(dev, families, args.steps,
                                                           args.top_kernels, kernel_bytes)
             row["gemms"] = gemm_table(dev, gemms, args.steps)
+            if args.gemms_alone:
+                for g in row["gemms"]["rows"]:
+                    if g["fp8"]:
+                        g["alone"] = time_fp8_gemm_alone(g, args.steps)
             row["tokens_per_s_device"] = size.tokens / (row["device_ms"] / 1e3)
             row["model_tflops_device"] = size.flops_per_step() / (row["device_ms"] / 1e3) / 1e12
         else:
@@ -870,7 +920,7 @@ def worker(args):
 # --------------------------------------------------------------------------------------
 
 WORKER_OPTIONS = ("steps", "warmup", "history_len", "lr", "seed", "top_kernels", "attention")
-WORKER_FLAGS = ("scan", "fp8_lm_head", "no_rope")
+WORKER_FLAGS = ("scan", "fp8_lm_head", "no_rope", "gemms_alone")
 
 
 def worker_env():
@@ -982,9 +1032,12 @@ def _gemms_table(rows):
     lines = ["", f"GEMMs by shape ({what} of the kernels each GEMM of the compiled step "
                  "launches; B × M × N × K: `batch` products of [M, K] × [K, N]; TFLOP/s = "
                  "2 B M N K per call / its time; backward: under JAX's `transpose(` in the "
-                 "op name):", "",
-             "| variant | GEMM | role | B × M × N × K | per step | ms per step | TFLOP/s |",
-             "|---|---|---|---|---:|---:|---:|"]
+                 "op name; alone (--gemms-alone): the same FP8 GEMM timed on its own, with "
+                 "the step's accumulation (fast in the forward, float32 in the backward) "
+                 "and with the other):", "",
+             "| variant | GEMM | role | B × M × N × K | per step | ms per step | TFLOP/s | "
+             "alone | alone, other accumulation |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         table = r[key]
         for g in table["rows"]:
@@ -993,11 +1046,16 @@ def _gemms_table(rows):
             lines.append("| " + " | ".join([
                 r["label"], "FP8" if g["fp8"] else "bf16", g["role"], shape,
                 _f(g["per_step"], "{:g}"), _f(g["ms_per_step"], "{:.3f}"),
-                _f(g["tflops"], "{:,.0f}" if (g["tflops"] or 0) >= 100 else "{:.3g}")]) + " |")
+                _tflops(g["tflops"]), _tflops((g.get("alone") or {}).get("tflops")),
+                _tflops((g.get("alone") or {}).get("tflops_other_accumulation"))]) + " |")
         if table.get("unattributed_ms"):
             lines.append(f"| {r['label']} | (kernels naming no GEMM of the program) | | | | "
-                         f"{table['unattributed_ms']:.3f} | |")
+                         f"{table['unattributed_ms']:.3f} | | | |")
     return lines
+
+
+def _tflops(x):
+    return _f(x, "{:,.0f}" if (x or 0) >= 100 else "{:.3g}")
 
 
 def _pieces_table(rows):
@@ -1202,6 +1260,9 @@ def build_parser():
     p.add_argument("--fp8-lm-head", action="store_true",
                    help="the LM head with the variant's FP8 dot_general too (default bf16)")
     p.add_argument("--no-rope", action="store_true", help="no rotary position embedding")
+    p.add_argument("--gemms-alone", action="store_true",
+                   help="also time each FP8 GEMM shape of the step on its own, with both "
+                        "accumulations (GPU)")
     p.add_argument("--top-kernels", type=int, default=25,
                    help="kernels with the most device time kept per variant in results.json")
     p.add_argument("--outdir", default=os.path.join("out", "bench_llm"),
