@@ -714,8 +714,11 @@ def gemm_info(mod, gemms) -> dict[str, dict]:
     for g in gemms:
         ins = kernels.get(g.name)
         op_name = re.search(r'op_name="([^"]*)"', ins.line if ins else "")
+        ops = hlo.operands(ins) if ins else []
+        # (jax_fp8's block-scaled GEMM takes a, a's scales, b, b's scales)
+        ops = ops[0:4:2] if ins and "jax_fp8_block_gemm" in ins.line else ops[:2]
         dtypes = [re.match(r"\(?\s*([a-z][a-z0-9]*)\[", shapes.get(op.partition("#")[0], ""))
-                  for op in (hlo.operands(ins)[:2] if ins else [])]
+                  for op in ops]
         entry = {"fp8": g.fp8,
                  "role": "backward" if op_name and "transpose(" in op_name.group(1) else "forward",
                  "dtypes": [m.group(1) if m else None for m in dtypes]}

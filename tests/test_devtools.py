@@ -161,7 +161,9 @@ def test_gemm_sizes_gpu_style():
 
 def test_gemm_sizes_from_a_gemm_library_calls_dimension_numbers():
     """cuBLASLt's FP8 GEMMs take both operands contracted over their minor axis (TN): the
-    sizes come from the call's dot_dimension_numbers, batch axes included."""
+    sizes come from the call's dot_dimension_numbers, batch axes included; jax_fp8's
+    block-scaled GEMM takes (a, a's scales, b, b's scales), both contracted over their
+    minor axis."""
     config = ('{"gemm_backend_config":{"alpha_real":1,"dot_dimension_numbers":{'
               '"lhs_contracting_dimensions":["%s"],"rhs_contracting_dimensions":["%s"],'
               '"lhs_batch_dimensions":[%s],"rhs_batch_dimensions":[%s]}}}')
@@ -174,11 +176,15 @@ ENTRY %main (x: f8e4m3fn[8192,4096], w: f8e4m3fn[14336,4096], y: f8e4m3fn[3,64,3
   %z = f8e4m3fn[3,16,32]{{2,1,0}} parameter(3)
   %g1 = (bf16[8192,14336]{{1,0}}, s8[4]{{0}}) custom-call(%x, %w), custom_call_target="__cublas$lt$matmul$f8", backend_config={config % ("1", "1", "", "")}
   %g2 = (bf16[3,64,16]{{2,1,0}}, s8[4]{{0}}) custom-call(%y, %z), custom_call_target="__cublas$lt$matmul$f8", backend_config={config % ("2", "2", '"0"', '"0"')}
+  %sx = f32[32,8192]{{1,0}} parameter(4)
+  %sw = f32[32,112]{{1,0}} parameter(5)
+  %g3 = bf16[8192,14336]{{1,0}} custom-call(%x, %sx, %w, %sw), custom_call_target="jax_fp8_block_gemm"
   ROOT %r = bf16[8192,14336]{{1,0}} get-tuple-element(%g1), index=0
 }}
 """
     assert hlo.gemm_sizes(text) == {"g1": hlo.GemmSize(1, 8192, 14336, 4096),
-                                    "g2": hlo.GemmSize(3, 64, 16, 32)}
+                                    "g2": hlo.GemmSize(3, 64, 16, 32),
+                                    "g3": hlo.GemmSize(1, 8192, 14336, 4096)}
 
 
 def test_gemm_sizes_of_a_compiled_cpu_program():

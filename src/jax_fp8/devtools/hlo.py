@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import re
 from typing import NamedTuple
 
 __all__ = [
-    "Collective", "Gemm", "Instruction", "Module", "all_reduce_kinds", "collectives",
+    "Collective", "Instruction", "Module", "all_reduce_kinds", "collectives",
     "computations_calling", "count_collectives", "count_custom_calls", "count_kernels",
-    "custom_calls", "fp8_gemms", "fusion_kinds", "gemm_sizes", "gemms", "GemmSize",
-    "kernel_instructions",
-    "kernel_bytes", "kernel_name", "op_families", "operands", "parse", "shape_bytes",
+    "custom_calls", "fp8_gemms", "fusion_kinds", "Gemm", "GemmSize", "gemm_sizes", "gemms",
+    "kernel_instructions", "kernel_bytes", "kernel_name", "op_families", "operands", "parse", "shape_bytes",
     "source_ops", "text_of", "tuple_elements",
 ]
 
@@ -370,37 +370,36 @@ def _dims(shape: str) -> list[int] | None:
 
 def _size(lhs: list[int], rhs: list[int], contracting, batch) -> GemmSize | None:
     try:
-        k = _product(lhs[i] for i in contracting)
-        b = _product(lhs[i] for i in batch)
+        k = math.prod(lhs[i] for i in contracting)
+        b = math.prod(lhs[i] for i in batch)
     except IndexError:
         return None
     if not k or not b:
         return None
-    return GemmSize(b, _product(lhs) // (b * k), _product(rhs) // (b * k), k)
-
-
-def _product(xs) -> int:
-    out = 1
-    for x in xs:
-        out *= x
-    return out
+    return GemmSize(b, math.prod(lhs) // (b * k), math.prod(rhs) // (b * k), k)
 
 
 def _gemm_size(mod: Module, comp: str, ins: Instruction) -> GemmSize | None:
-    """The sizes of a GEMM custom call or dot ``ins`` of computation ``comp``: its first two
-    operands' shapes and its contracting and batch axes (a dot's attributes, a GEMM
-    library call's ``dot_dimension_numbers``; without them, a matrix product)."""
+    """The sizes of a GEMM custom call or dot ``ins`` of computation ``comp``: its operands'
+    shapes and its contracting and batch axes (a dot's attributes, a cuBLAS call's
+    ``dot_dimension_numbers``; without them, a matrix product). jax_fp8's block-scaled
+    GEMM takes (a, a's scales, b, b's scales), a [..., M, K] and b [..., N, K]."""
     types = {i.name: i.shape for i in mod.computations.get(comp, ())}
-    shapes = [_dims(types.get(op.partition("#")[0], "")) for op in operands(ins)[:2]]
+    block = ins.opcode == "custom-call" and _target(ins).startswith("jax_fp8_block_gemm")
+    names = operands(ins)
+    names = names[0:4:2] if block else names[:2]
+    shapes = [_dims(types.get(op.partition("#")[0], "")) for op in names]
     if len(shapes) < 2 or None in shapes:
         return None
     lhs, rhs = shapes
+    if block:
+        return _size(lhs, rhs, (len(lhs) - 1,), tuple(range(len(lhs) - 2)))
     patterns = _DOT_DIMS if ins.opcode in _DOTS else _GEMM_CONFIG_DIMS
     found = {side: p.search(ins.line) for side, p in patterns.items()}
     if found["lhs_contracting"] is None:
         # A matrix product in one of its layouts: K is the size the two operands share
         # that the result does not have.
-        out = _product(_dims(tuple_elements(ins.shape)[0]) or [0])
+        out = math.prod(_dims(tuple_elements(ins.shape)[0]) or [0])
         if len(lhs) != 2 or len(rhs) != 2:
             return None
         for i in (1, 0):
@@ -437,6 +436,7 @@ def gemm_sizes(program) -> dict[str, GemmSize]:
     for comp, ins in _walk(mod):
         size = None
         if ins.opcode == "custom-call" and re.search(r"gemm|matmul", _target(ins), re.IGNORECASE):
+            # cuBLAS calls take A and B first; jax_fp8's block-scaled GEMM as above
             size = _gemm_size(mod, comp, ins)
         elif ins.opcode == "fusion":
             for c in _callees(ins.line):
