@@ -703,8 +703,8 @@ def log(msg):
 
 
 def gemm_info(mod, gemms) -> dict[str, dict]:
-    """{kernel name: {"fp8", "role", "dtypes", "batch", "m", "n", "k"}} of the step's GEMMs
-    (`hlo.gemms`, `hlo.gemm_sizes`); role "backward" where the GEMM's op_name is under a
+    """{kernel name: {"fp8", "kind", "role", "dtypes", "batch", "m", "n", "k"}} of the step's
+    GEMMs (`hlo.gemms`, `hlo.gemm_sizes`; kind: `hlo.Gemm`'s); role "backward" where the GEMM's op_name is under a
     ``transpose(`` (JAX's name for the backward pass), else "forward"; dtypes: its two
     operands' element types (e.g. ``["f8e5m2", "f8e4m3fn"]``)."""
     kernels = {i.name: i for i in hlo.kernel_instructions(mod)}
@@ -719,7 +719,7 @@ def gemm_info(mod, gemms) -> dict[str, dict]:
         ops = ops[0:4:2] if ins and "jax_fp8_block_gemm" in ins.line else ops[:2]
         dtypes = [re.match(r"\(?\s*([a-z][a-z0-9]*)\[", shapes.get(op.partition("#")[0], ""))
                   for op in ops]
-        entry = {"fp8": g.fp8,
+        entry = {"fp8": g.fp8, "kind": g.kind,
                  "role": "backward" if op_name and "transpose(" in op_name.group(1) else "forward",
                  "dtypes": [m.group(1) if m else None for m in dtypes]}
         if g.name in sizes:
@@ -743,16 +743,16 @@ def gemm_table(events, gemms, steps) -> dict:
             if _GEMM_NAME.search(name) or _FP8_NAME.search(name):
                 unattributed += float(e.get("dur", 0.0))
             continue
-        key = tuple(info.get(f) for f in ("fp8", "role", "batch", "m", "n", "k")) + (
+        key = tuple(info.get(f) for f in ("fp8", "kind", "role", "batch", "m", "n", "k")) + (
             tuple(info.get("dtypes") or ()),)
         slot = groups.setdefault(key, [0, 0.0])
         slot[0] += 1
         slot[1] += float(e.get("dur", 0.0))
     rows = []
-    for (fp8, role, batch, m, n, k, dtypes), (count, us) in sorted(
+    for (fp8, kind, role, batch, m, n, k, dtypes), (count, us) in sorted(
             groups.items(), key=lambda kv: -kv[1][1]):
         flops = 2 * batch * m * n * k if None not in (batch, m, n, k) else None
-        rows.append({"fp8": fp8, "role": role, "dtypes": list(dtypes), "batch": batch, "m": m,
+        rows.append({"fp8": fp8, "kind": kind, "role": role, "dtypes": list(dtypes), "batch": batch, "m": m,
                      "n": n, "k": k,
                      "per_step": count / steps, "ms_per_step": round(us / steps / 1e3, 5),
                      "tflops": flops * count / (us * 1e-6) / 1e12 if flops and us else None})
@@ -769,8 +769,9 @@ def time_fp8_gemm_alone(g, steps, seed=0) -> dict:
     row's accumulation (fast for a forward GEMM, float32 for a backward one),
     "tflops_other_accumulation": with the other}. GPU kernel time of ``steps`` calls."""
     from jax_fp8 import _gemms
-    if g.get("batch") != 1 or None in (g.get("m"), g.get("n"), g.get("k")):
-        return {}
+    if g.get("batch") != 1 or None in (g.get("m"), g.get("n"), g.get("k")) \
+            or not str(g.get("kind", "")).startswith("__cublas"):
+        return {}   # (a block-scaled GEMM is not a per-tensor one)
     dtypes = [_HLO_DTYPES.get(d) for d in g.get("dtypes") or ()]
     if len(dtypes) != 2 or None in dtypes:
         return {}

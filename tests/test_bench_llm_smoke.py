@@ -364,10 +364,11 @@ def test_a_piece_handed_to_xla_gives_the_same_bits(piece, monkeypatch):
 def test_gemm_table_attributes_kernels_to_the_gemm_their_event_names():
     """Two traced steps of three GEMM kernels: TFLOP/s = 2 B M N K per call / its time;
     a GEMM kernel whose event names no GEMM of the program is counted apart."""
-    gemms = {"custom_call_3": {"fp8": True, "role": "forward", "batch": 1, "m": 8192,
-                               "n": 4096, "k": 4096},
-             "custom_call_7": {"fp8": True, "role": "backward", "batch": 1, "m": 4096,
-                               "n": 4096, "k": 8192}}
+    kind = "__cublas$lt$matmul$f8"
+    gemms = {"custom_call_3": {"fp8": True, "kind": kind, "role": "forward", "batch": 1,
+                               "m": 8192, "n": 4096, "k": 4096},
+             "custom_call_7": {"fp8": True, "kind": kind, "role": "backward", "batch": 1,
+                               "m": 4096, "n": 4096, "k": 8192}}
     events = []
     for _ in range(2):
         events += [
@@ -378,9 +379,9 @@ def test_gemm_table_attributes_kernels_to_the_gemm_their_event_names():
     table = bench_llm.gemm_table(events, gemms, steps=2)
     flops = 2 * 8192 * 4096 * 4096
     assert table["rows"] == [
-        {"fp8": True, "role": "forward", "dtypes": [], "batch": 1, "m": 8192, "n": 4096,
+        {"fp8": True, "kind": kind, "role": "forward", "dtypes": [], "batch": 1, "m": 8192, "n": 4096,
          "k": 4096, "per_step": 1, "ms_per_step": 0.5, "tflops": pytest.approx(flops / 500e-6 / 1e12)},
-        {"fp8": True, "role": "backward", "dtypes": [], "batch": 1, "m": 4096, "n": 4096,
+        {"fp8": True, "kind": kind, "role": "backward", "dtypes": [], "batch": 1, "m": 4096, "n": 4096,
          "k": 8192, "per_step": 1, "ms_per_step": 0.25, "tflops": pytest.approx(flops / 250e-6 / 1e12)}]
     assert table["unattributed_ms"] == 0.1
 
@@ -388,10 +389,11 @@ def test_gemm_table_attributes_kernels_to_the_gemm_their_event_names():
 def test_time_fp8_gemm_alone_runs_the_gemm_of_a_row():
     """On the CPU there are no GPU kernels to time (None); a batched row or one whose
     operands are not FP8 is not timed."""
-    row = {"fp8": True, "role": "backward", "dtypes": ["f8e5m2", "f8e4m3fn"], "batch": 1,
-           "m": 64, "n": 32, "k": 128}
+    row = {"fp8": True, "kind": "__cublas$lt$matmul$f8", "role": "backward",
+           "dtypes": ["f8e5m2", "f8e4m3fn"], "batch": 1, "m": 64, "n": 32, "k": 128}
     with jax.default_device(jax.devices("cpu")[0]):
         got = bench_llm.time_fp8_gemm_alone(row, steps=2)
     assert got == {"tflops": None, "tflops_other_accumulation": None}
     assert bench_llm.time_fp8_gemm_alone(dict(row, batch=2), steps=2) == {}
     assert bench_llm.time_fp8_gemm_alone(dict(row, dtypes=["bf16", "bf16"]), steps=2) == {}
+    assert bench_llm.time_fp8_gemm_alone(dict(row, kind="jax_fp8_block_gemm"), steps=2) == {}
