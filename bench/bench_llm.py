@@ -714,11 +714,8 @@ def gemm_info(mod, gemms) -> dict[str, dict]:
     for g in gemms:
         ins = kernels.get(g.name)
         op_name = re.search(r'op_name="([^"]*)"', ins.line if ins else "")
-        ops = hlo.operands(ins) if ins else []
-        # (jax_fp8's block-scaled GEMM takes a, a's scales, b, b's scales)
-        ops = ops[0:4:2] if ins and "jax_fp8_block_gemm" in ins.line else ops[:2]
         dtypes = [re.match(r"\(?\s*([a-z][a-z0-9]*)\[", shapes.get(op.partition("#")[0], ""))
-                  for op in ops]
+                  for op in (hlo.gemm_operands(ins) if ins else [])]
         entry = {"fp8": g.fp8, "kind": g.kind,
                  "role": "backward" if op_name and "transpose(" in op_name.group(1) else "forward",
                  "dtypes": [m.group(1) if m else None for m in dtypes]}
@@ -1062,9 +1059,9 @@ def _tflops(x):
     return _f(x, "{:,.0f}" if (x or 0) >= 100 else "{:.3g}")
 
 
-def _pieces_table(rows):
+def _pieces_table(rows, per):
     """What each layout kernel saves: the variants that hand a piece back to XLA against
-    jax_fp8 delayed of the same run."""
+    jax_fp8 delayed of the same run (``per``: `derive`'s entries of the size)."""
     ref = next((r for r in rows if r["variant"] == "jax_fp8_delayed"), None)
     pieces = [r for r in rows if VARIANTS.get(r["variant"]) and VARIANTS[r["variant"]].xla_pieces]
     if ref is None or not pieces:
@@ -1073,16 +1070,13 @@ def _pieces_table(rows):
                  "ops):", "",
              "| variant | device ms | − jax_fp8 delayed | FP8 overhead ms | "
              "quantize/transpose ms | jax_fp8 kernels ms |", "|---|---:|---:|---:|---:|---:|"]
-    bf16 = next((r for r in rows if r["variant"] == "bf16"), None)
-    base_rest = _split(bf16)[2] if bf16 and _split(bf16) else None
     for r in [ref] + pieces:
         fam = r.get("families_ms") or {}
-        split = _split(r)
         lines.append("| " + " | ".join([
             r["label"], _f(r.get("device_ms")),
             "" if r is ref else _f(None if r.get("device_ms") is None
                                    else r["device_ms"] - ref["device_ms"], "{:+.2f}"),
-            _f(split[2] - base_rest if split and base_rest is not None else None, "{:+.2f}"),
+            _f(per.get(r["variant"], {}).get("overhead_ms"), "{:+.2f}"),
             _f(fam.get("quantize_transpose"), "{:.3f}"),
             _f(fam.get("jax_fp8_kernels"), "{:.3f}")]) + " |")
     return lines
@@ -1164,7 +1158,7 @@ def markdown(data):
             notes = {r.get("device_time_note") for r in rows} - {None}
             lines += ["", "Device time: unavailable (" + "; ".join(sorted(notes)) + ")."]
         lines += _gemms_table(rows)
-        lines += _pieces_table(rows)
+        lines += _pieces_table(rows, per)
         for r in rows:
             if r.get("check_error"):
                 lines.append(f"\nCHECK FAILED {key} {r['variant']}: {r['check_error']}")

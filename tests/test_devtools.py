@@ -185,6 +185,9 @@ ENTRY %main (x: f8e4m3fn[8192,4096], w: f8e4m3fn[14336,4096], y: f8e4m3fn[3,64,3
     assert hlo.gemm_sizes(text) == {"g1": hlo.GemmSize(1, 8192, 14336, 4096),
                                     "g2": hlo.GemmSize(3, 64, 16, 32),
                                     "g3": hlo.GemmSize(1, 8192, 14336, 4096)}
+    calls = {i.name: i for i in hlo.kernel_instructions(text)}
+    assert hlo.gemm_operands(calls["g1"]) == ["x", "w"]
+    assert hlo.gemm_operands(calls["g3"]) == ["x", "w"]
 
 
 def test_gemm_sizes_of_a_compiled_cpu_program():

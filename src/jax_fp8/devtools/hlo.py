@@ -19,11 +19,12 @@ import re
 from typing import NamedTuple
 
 __all__ = [
-    "Collective", "Instruction", "Module", "all_reduce_kinds", "collectives",
-    "computations_calling", "count_collectives", "count_custom_calls", "count_kernels",
-    "custom_calls", "fp8_gemms", "fusion_kinds", "Gemm", "GemmSize", "gemm_sizes", "gemms",
-    "kernel_instructions", "kernel_bytes", "kernel_name", "op_families", "operands", "parse", "shape_bytes",
-    "source_ops", "text_of", "tuple_elements",
+    "Collective", "Gemm", "GemmSize", "Instruction", "Module", "all_reduce_kinds",
+    "collectives", "computations_calling", "count_collectives", "count_custom_calls",
+    "count_kernels", "custom_calls", "fp8_gemms", "fusion_kinds", "gemm_operands",
+    "gemm_sizes", "gemms", "kernel_bytes", "kernel_instructions", "kernel_name",
+    "op_families", "operands", "parse", "shape_bytes", "source_ops", "text_of",
+    "tuple_elements",
 ]
 
 
@@ -379,6 +380,16 @@ def _size(lhs: list[int], rhs: list[int], contracting, batch) -> GemmSize | None
     return GemmSize(b, math.prod(lhs) // (b * k), math.prod(rhs) // (b * k), k)
 
 
+def gemm_operands(ins: Instruction) -> list[str]:
+    """The names of a GEMM instruction's two matrix operands (A and B): a dot's and a cuBLAS
+    call's first two, jax_fp8's block-scaled GEMM's first and third (it takes a, a's scales,
+    b, b's scales)."""
+    names = operands(ins)
+    if ins.opcode == "custom-call" and _target(ins).startswith("jax_fp8_block_gemm"):
+        return names[0:4:2]
+    return names[:2]
+
+
 def _gemm_size(mod: Module, comp: str, ins: Instruction) -> GemmSize | None:
     """The sizes of a GEMM custom call or dot ``ins`` of computation ``comp``: its operands'
     shapes and its contracting and batch axes (a dot's attributes, a cuBLAS call's
@@ -386,9 +397,7 @@ def _gemm_size(mod: Module, comp: str, ins: Instruction) -> GemmSize | None:
     GEMM takes (a, a's scales, b, b's scales), a [..., M, K] and b [..., N, K]."""
     types = {i.name: i.shape for i in mod.computations.get(comp, ())}
     block = ins.opcode == "custom-call" and _target(ins).startswith("jax_fp8_block_gemm")
-    names = operands(ins)
-    names = names[0:4:2] if block else names[:2]
-    shapes = [_dims(types.get(op.partition("#")[0], "")) for op in names]
+    shapes = [_dims(types.get(op.partition("#")[0], "")) for op in gemm_operands(ins)]
     if len(shapes) < 2 or None in shapes:
         return None
     lhs, rhs = shapes
