@@ -727,18 +727,34 @@ def gemm_info(mod, gemms) -> dict[str, dict]:
 
 def gemm_table(events, gemms, steps) -> dict:
     """The traced GEMM kernels by shape: {"rows": [{fp8, role, batch, m, n, k, per_step,
-    ms_per_step, tflops}], "unattributed_ms": ...}. A kernel event is attributed to the GEMM
-    its ``hlo_op`` names (``gemms`` from `gemm_info`); GEMM kernels whose event names no
-    GEMM of the program (e.g. launched from a command buffer) are summed unattributed."""
-    groups: dict = {}
-    unattributed = 0.0
+    ms_per_step, tflops}], "unattributed_ms": ..., "attributed_by": ...}.
+
+    A kernel event is attributed to the GEMM its ``hlo_op`` names (``gemms`` from
+    `gemm_info`, in the compiled program's order). Where no event names one (kernels
+    launched from a command buffer carry no ``hlo_op``) and the trace has exactly one GEMM
+    kernel per GEMM of the program per step, each in time order is the GEMM at the same
+    place in the program's order, provided every kernel's name agrees with its GEMM on
+    FP8 or not ("order"). GEMM kernels left over are summed unattributed."""
+    named, is_gemm = [], []
     for e in events:
-        name = str(e.get("name", ""))
         hlo_op = (e.get("args") or {}).get("hlo_op")
         info = gemms.get(hlo.kernel_name(str(hlo_op))) if hlo_op else None
+        name = str(e.get("name", ""))
+        if _GEMM_NAME.search(name) or _FP8_NAME.search(name):
+            is_gemm.append(e)
+        elif info is None:
+            continue
+        named.append((e, info))
+    how = "hlo_op"
+    if not any(info for _, info in named) and is_gemm:
+        by_order = _gemms_by_order(is_gemm, list(gemms.values()), steps)
+        if by_order is not None:
+            named, how = by_order, "order"
+    groups: dict = {}
+    unattributed = 0.0
+    for e, info in named:
         if info is None:
-            if _GEMM_NAME.search(name) or _FP8_NAME.search(name):
-                unattributed += float(e.get("dur", 0.0))
+            unattributed += float(e.get("dur", 0.0))
             continue
         key = tuple(info.get(f) for f in ("fp8", "kind", "role", "batch", "m", "n", "k")) + (
             tuple(info.get("dtypes") or ()),)
@@ -753,7 +769,23 @@ def gemm_table(events, gemms, steps) -> dict:
                      "n": n, "k": k,
                      "per_step": count / steps, "ms_per_step": round(us / steps / 1e3, 5),
                      "tflops": flops * count / (us * 1e-6) / 1e12 if flops and us else None})
-    return {"rows": rows, "unattributed_ms": round(unattributed / steps / 1e3, 5)}
+    return {"rows": rows, "unattributed_ms": round(unattributed / steps / 1e3, 5),
+            "attributed_by": how if groups else None}
+
+
+def _gemms_by_order(gemm_events, infos, steps):
+    """[(event, info)] pairing the GEMM kernels in time order with the program's GEMMs in
+    its order, step after step; None unless the counts match and every kernel's name
+    agrees with its GEMM on FP8 or not (`gemm_table`)."""
+    if not infos or len(gemm_events) != steps * len(infos):
+        return None
+    ordered = sorted(gemm_events, key=lambda e: float(e.get("ts", 0.0)))
+    pairs = [(e, infos[i % len(infos)]) for i, e in enumerate(ordered)]
+    for e, info in pairs:
+        fp8 = _gemm_name_fp8(str(e.get("name", "")))
+        if fp8 is not None and fp8 != bool(info.get("fp8")):
+            return None
+    return pairs
 
 
 _HLO_DTYPES = {"f8e4m3fn": jnp.float8_e4m3fn, "f8e5m2": jnp.float8_e5m2}
@@ -1031,7 +1063,8 @@ def _gemms_table(rows):
         return []
     what = "GPU kernel time" if key == "gemms" else "CPU op time"
     lines = ["", f"GEMMs by shape ({what} of the kernels each GEMM of the compiled step "
-                 "launches; B × M × N × K: `batch` products of [M, K] × [K, N]; TFLOP/s = "
+                 "launches, found by the HLO op a kernel's trace event names or, where none "
+                 "does (command buffers), by the program's order; B × M × N × K: `batch` products of [M, K] × [K, N]; TFLOP/s = "
                  "2 B M N K per call / its time; backward: under JAX's `transpose(` in the "
                  "op name; alone (--gemms-alone): the same FP8 GEMM timed on its own, with "
                  "the step's accumulation (fast in the forward, float32 in the backward) "

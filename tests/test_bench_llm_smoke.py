@@ -397,3 +397,31 @@ def test_time_fp8_gemm_alone_runs_the_gemm_of_a_row():
     assert bench_llm.time_fp8_gemm_alone(dict(row, batch=2), steps=2) == {}
     assert bench_llm.time_fp8_gemm_alone(dict(row, dtypes=["bf16", "bf16"]), steps=2) == {}
     assert bench_llm.time_fp8_gemm_alone(dict(row, kind="jax_fp8_block_gemm"), steps=2) == {}
+
+
+def test_gemm_table_falls_back_to_program_order():
+    """Kernels from a command buffer name no HLO op: with one GEMM kernel per GEMM of the
+    program per step, the kernels in time order are the GEMMs in program order, unless a
+    kernel's name disagrees with its GEMM on FP8 (then nothing is attributed)."""
+    kind = "__cublas$lt$matmul$f8"
+    gemms = {"custom_call_3": {"fp8": True, "kind": kind, "role": "forward", "batch": 1,
+                               "m": 8192, "n": 4096, "k": 4096},
+             "custom_call_9": {"fp8": False, "kind": "__cublas$lt$matmul", "role": "forward",
+                               "batch": 1, "m": 8192, "n": 32000, "k": 4096}}
+    events = []
+    for step in range(2):
+        t = 1000.0 * step
+        events += [
+            {"name": "nvjet_sm90_tst_128x256", "ts": t + 600, "dur": 300.0, "args": {}},
+            {"name": "loop_add_fusion", "ts": t + 550, "dur": 40.0, "args": {}},
+            {"name": "nvjet_sm90_qqtst_128x160", "ts": t, "dur": 500.0, "args": {}}]
+    table = bench_llm.gemm_table(events, gemms, steps=2)
+    assert table["attributed_by"] == "order"
+    assert [(r["fp8"], r["n"], r["per_step"], r["ms_per_step"]) for r in table["rows"]] == [
+        (True, 4096, 1, 0.5), (False, 32000, 1, 0.3)]
+    assert table["unattributed_ms"] == 0
+    swapped = [dict(e, ts=-e["ts"]) for e in events]   # bf16 kernel first: names disagree
+    table = bench_llm.gemm_table(swapped, gemms, steps=2)
+    assert table["rows"] == [] and table["attributed_by"] is None
+    assert table["unattributed_ms"] == 0.8
+    assert bench_llm.gemm_table(events[:-1], gemms, steps=2)["rows"] == []   # counts differ
