@@ -740,7 +740,7 @@ def gemm_table(events, gemms, steps) -> dict:
         hlo_op = (e.get("args") or {}).get("hlo_op")
         info = gemms.get(hlo.kernel_name(str(hlo_op))) if hlo_op else None
         name = str(e.get("name", ""))
-        if _GEMM_NAME.search(name) or _FP8_NAME.search(name):
+        if _is_gemm_kernel(name):
             is_gemm.append(e)
         elif info is None:
             continue
@@ -771,6 +771,14 @@ def gemm_table(events, gemms, steps) -> dict:
                      "tflops": flops * count / (us * 1e-6) / 1e12 if flops and us else None})
     return {"rows": rows, "unattributed_ms": round(unattributed / steps / 1e3, 5),
             "attributed_by": how if groups else None}
+
+
+def _is_gemm_kernel(name: str) -> bool:
+    """A GEMM's kernel by its name (as `event_family` decides): jax_fp8's block-scaled
+    GEMM among its own kernels, a GEMM library's (cuBLASLt's ``nvjet_*``, CUTLASS) else."""
+    if _OWN_NAME.search(name):
+        return "BlockGemm" in name
+    return bool(_GEMM_NAME.search(name) or _FP8_NAME.search(name))
 
 
 def _gemms_by_order(gemm_events, infos, steps):

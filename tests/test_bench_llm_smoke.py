@@ -414,6 +414,9 @@ def test_gemm_table_falls_back_to_program_order():
         events += [
             {"name": "nvjet_sm90_tst_128x256", "ts": t + 600, "dur": 300.0, "args": {}},
             {"name": "loop_add_fusion", "ts": t + 550, "dur": 40.0, "args": {}},
+            {"name": "void jax_fp8::(anonymous namespace)::QuantizeTransposeKernel<"
+                     "__nv_bfloat16, (jax_fp8::Fp8Type)1>", "ts": t + 560, "dur": 30.0,
+             "args": {}},
             {"name": "nvjet_sm90_qqtst_128x160", "ts": t, "dur": 500.0, "args": {}}]
     table = bench_llm.gemm_table(events, gemms, steps=2)
     assert table["attributed_by"] == "order"
