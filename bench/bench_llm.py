@@ -774,11 +774,8 @@ def gemm_table(events, gemms, steps) -> dict:
 
 
 def _is_gemm_kernel(name: str) -> bool:
-    """A GEMM's kernel by its name (as `event_family` decides): jax_fp8's block-scaled
-    GEMM among its own kernels, a GEMM library's (cuBLASLt's ``nvjet_*``, CUTLASS) else."""
-    if _OWN_NAME.search(name):
-        return "BlockGemm" in name
-    return bool(_GEMM_NAME.search(name) or _FP8_NAME.search(name))
+    """Whether `event_family` names a kernel a GEMM's by its name alone."""
+    return event_family({"name": name}, {})[0] in ("fp8_gemm", "bf16_gemm")
 
 
 def _gemms_by_order(gemm_events, infos, steps):
@@ -1072,8 +1069,8 @@ def _gemms_table(rows):
     what = "GPU kernel time" if key == "gemms" else "CPU op time"
     lines = ["", f"GEMMs by shape ({what} of the kernels each GEMM of the compiled step "
                  "launches, found by the HLO op a kernel's trace event names or, where none "
-                 "does (command buffers), by the program's order; B × M × N × K: `batch` products of [M, K] × [K, N]; TFLOP/s = "
-                 "2 B M N K per call / its time; backward: under JAX's `transpose(` in the "
+                 "does (command buffers), by the program's order; B × M × N × K: `batch` "
+                 "products of [M, K] × [K, N]; TFLOP/s = 2 B M N K per call / its time; backward: under JAX's `transpose(` in the "
                  "op name; alone (--gemms-alone): the same FP8 GEMM timed on its own, with "
                  "the step's accumulation (fast in the forward, float32 in the backward) "
                  "and with the other):", "",
