@@ -23,6 +23,9 @@ from jax_fp8.devtools import hlo
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import bench_llm  # noqa: E402
+import llm_kernels  # noqa: E402
+import llm_models  # noqa: E402
+import llm_report  # noqa: E402
 
 VARIANTS = ("bf16", "jax_fp8_delayed", "jax_fp8_block")
 
@@ -64,7 +67,7 @@ def test_tiny_run_writes_every_figure(tiny_run):
         assert isinstance(r["temp_bytes"], int), v
         assert r["loss_finite"] and r["attention_impl"] == "xla", v
         # The XLA:CPU op time stands in for the family split (every family named).
-        assert set(r["cpu_op_families_ms"]) == set(bench_llm.FAMILIES), v
+        assert set(r["cpu_op_families_ms"]) == set(llm_kernels.FAMILIES), v
         assert sum(r["cpu_op_families_ms"].values()) > 0, v
         h = r["hlo"]
         assert h["gemms_fp8"] + h["gemms_other"] >= 2 * (4 * 2 + 1), v   # 4 per block + head
@@ -117,17 +120,17 @@ def test_tiny_run_report_and_plot(tiny_run):
     ("memcpy32_post", "other"),
 ])
 def test_gpu_kernel_names_by_family(name, family):
-    assert bench_llm.event_family({"name": name, "dur": 1.0}, {})[0] == family
+    assert llm_kernels.event_family({"name": name, "dur": 1.0}, {})[0] == family
 
 
 def test_event_family_prefers_the_compiled_hlo():
     families = {"loop_convert_fusion_3": "quantize_transpose", "custom_call_7": "fp8_gemm"}
-    assert bench_llm.event_family({"name": "loop_convert_fusion_3"}, families) == (
+    assert llm_kernels.event_family({"name": "loop_convert_fusion_3"}, families) == (
         "quantize_transpose", "hlo name")
     # A GEMM kernel whose name says nothing of its operands: the HLO instruction decides.
-    assert bench_llm.event_family({"name": "sm90_gemm_kernel", "args": {"hlo_op": "custom-call.7"}},
+    assert llm_kernels.event_family({"name": "sm90_gemm_kernel", "args": {"hlo_op": "custom-call.7"}},
                                   families)[0] == "fp8_gemm"
-    assert bench_llm.event_family({"name": "sm90_gemm_kernel"}, families)[0] == "bf16_gemm"
+    assert llm_kernels.event_family({"name": "sm90_gemm_kernel"}, families)[0] == "bf16_gemm"
 
 
 HLO = """HloModule m
@@ -210,7 +213,7 @@ ENTRY %main (a: bf16[8,128], w: f8e4m3fn[128,128]) -> bf16[8,128] {
 
 
 def test_hlo_families():
-    assert bench_llm.hlo_families(HLO) == {
+    assert llm_kernels.hlo_families(HLO) == {
         "norm_q_1": "norm_quantize", "act_q_2": "act_quantize", "q_3": "quantize_transpose",
         "amax_4": "amax", "att_5": "attention", "g_6": "fp8_gemm", "u_7": "jax_fp8_kernels",
         "add_8": "other", "adam_10": "optimizer", "amax_11": "amax"}
@@ -220,8 +223,8 @@ def test_split_by_family_with_bytes():
     events = [{"name": "adam_10", "dur": 100.0}, {"name": "adam_10", "dur": 100.0},
               {"name": "amax_11", "dur": 50.0},
               {"name": "nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_TNN", "dur": 300.0}]
-    families = bench_llm.hlo_families(HLO)
-    ms, how, top, bw = bench_llm.split_by_family(events, families, 2, 10,
+    families = llm_kernels.hlo_families(HLO)
+    ms, how, top, bw = llm_kernels.split_by_family(events, families, 2, 10,
                                                  hlo.kernel_bytes(HLO))
     assert ms["optimizer"] == pytest.approx(0.1) and ms["fp8_gemm"] == pytest.approx(0.15)
     adam = next(k for k in top if k["name"] == "adam_10")
@@ -235,7 +238,7 @@ def test_split_by_family_with_bytes():
 
 
 def _row(variant, device, **families):
-    fam = dict.fromkeys(bench_llm.FAMILIES, 0.0)
+    fam = dict.fromkeys(llm_kernels.FAMILIES, 0.0)
     fam.update(families)
     return {"size": "s", "variant": variant, "device_ms": device, "pipelined_ms": device * 1.01,
             "families_ms": fam}
@@ -246,7 +249,7 @@ def test_floor_is_own_gemms_plus_bf16_attention_and_rest():
             _row("flax_fp8", 80.0, fp8_gemm=40.0, bf16_gemm=5.0, attention=10.0, other=25.0),
             _row("jax_fp8_delayed", 75.0, fp8_gemm=38.0, bf16_gemm=5.0, attention=9.0,
                  quantize_transpose=3.0, other=20.0)]
-    per = bench_llm.derive(rows)["s"]
+    per = llm_report.derive(rows)["s"]
     d = per["jax_fp8_delayed"]
     assert d["floor_ms"] == pytest.approx(43.0 + 10.0 + 20.0)
     assert d["floor_vs_bf16"] == pytest.approx(100.0 / 73.0)
@@ -264,16 +267,16 @@ def test_report_and_plot_of_gpu_rows(tmp_path):
             _row("jax_fp8_delayed", 75.0, fp8_gemm=38.0, bf16_gemm=5.0, attention=9.0,
                  quantize_transpose=3.0, other=20.0)]
     for r in rows:
-        r.update(label=r["variant"], config=dataclasses.asdict(bench_llm.SIZES["8b_slice"]),
+        r.update(label=r["variant"], config=dataclasses.asdict(llm_models.SIZES["8b_slice"]),
                  blocked_ms=r["device_ms"] * 1.02, lower_compile_s=5.0, temp_bytes=2 ** 30,
                  tokens_per_s=1e5, model_tflops_device=500.0)
     meta = {"settings": {"steps": 10, "warmup": 3, "history_len": 1024, "fp8_lm_head": False,
                          "scan": False}, "environment": {"device": "NVIDIA H200"},
             "command": "python bench/bench_llm.py", "total_s": 1.0}
     rows[1]["families_bandwidth"] = {"optimizer": {"tb_per_s": 4.04, "of_time": 0.98}}
-    data = {"meta": meta, "results": rows, "derived": bench_llm.derive(rows), "failures": [],
+    data = {"meta": meta, "results": rows, "derived": llm_report.derive(rows), "failures": [],
             "skipped": []}
-    md = bench_llm.markdown(data)
+    md = llm_report.markdown(data)
     assert "| variant | optimizer |\n|---|---:|\n| jax_fp8_delayed | 4.04 (98 %) |" in md
     assert "# Llama-style decoder train step — NVIDIA H200" in md
     assert ("| jax_fp8_delayed | 38.000 | 5.000 | 9.000 | 0.000 | 0.000 | 3.000 | 0.000 | 0.000 "
@@ -282,7 +285,7 @@ def test_report_and_plot_of_gpu_rows(tmp_path):
             "500 |") in md
     assert "| jax_fp8_delayed | 75.00 | 1.333 | — | 75.75 |" in md
     pytest.importorskip("matplotlib")
-    assert bench_llm.plot(data, str(tmp_path / "plot.png"))
+    assert llm_report.plot(data, str(tmp_path / "plot.png"))
     assert (tmp_path / "plot.png").stat().st_size > 1000
 
 
@@ -312,12 +315,12 @@ def test_tiny_run_on_a_gpu_splits_device_time_by_family(tmp_path):
 
 def test_every_variant_starts_from_the_same_parameters():
     args = bench_llm.build_parser().parse_args(["--attention", "xla"])
-    size = bench_llm.SIZES["tiny"]
+    size = llm_models.SIZES["tiny"]
     tokens = jnp.zeros((size.batch, size.seq), jnp.int32)
     params = {}
     with jax.default_device(jax.devices("cpu")[0]):
         for name in ("bf16", "flax_fp8", "jax_fp8_delayed", "jax_fp8_block"):
-            p = bench_llm.make_state(bench_llm.VARIANTS[name], size, args, tokens).params
+            p = llm_models.make_state(llm_models.VARIANTS[name], size, args, tokens).params
             params[name] = p["params"] if name == "flax_fp8" else p
     base = params.pop("bf16")
     # Per block 2 norm scales and 4 kernels; the embedding, the final norm, the LM head.
@@ -328,7 +331,44 @@ def test_every_variant_starts_from_the_same_parameters():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
-@pytest.mark.parametrize("piece", sorted(bench_llm.XLA_PIECES))
+# Projection weights per block of each architecture the benchmark converts with fp8_model.
+CONVERTED_ARCHS = {"gemma3_tiny": ("q_einsum", "kv_einsum", "attn_vec_einsum",
+                                   "gating_einsum", "mlp_out"),
+                   "qwen3_tiny": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                  "up_proj", "mlp_out")}
+
+
+@pytest.mark.parametrize("size_name", sorted(CONVERTED_ARCHS))
+def test_a_converted_architecture_trains_with_fp8_projections(size_name):
+    """gemma3 / qwen3 are written without FP8 and converted by fp8_model: the same
+    parameters as bf16, one FP8 state per projection (delayed), FP8 GEMMs in the compiled
+    step, and one fused update; the LM head (tied in gemma3) stays bf16."""
+    args = bench_llm.build_parser().parse_args(["--attention", "xla"])
+    size = llm_models.SIZES[size_name]
+    tokens = jnp.zeros((size.batch, size.seq), jnp.int32)
+    with jax.default_device(jax.devices("cpu")[0]):
+        base = llm_models.make_state(llm_models.VARIANTS["bf16"], size, args, tokens)
+        state = llm_models.make_state(llm_models.VARIANTS["jax_fp8_delayed"], size, args,
+                                      tokens)
+        assert len(jax.tree.leaves(base.params)) == len(jax.tree.leaves(state.params))
+        for a, b in zip(jax.tree.leaves(base.params), jax.tree.leaves(state.params)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        meta = jax_fp8.unpack_states(state.fp8)
+        for i in range(size.layers):
+            assert sorted(meta[f"layer_{i}"]) == sorted(CONVERTED_ARCHS[size_name]), meta
+        step = jax.jit(llm_models.step_function(llm_models.VARIANTS["jax_fp8_delayed"]))
+        lowered = step.lower(state, tokens, tokens)
+        # XLA:CPU widens FP8 operands before its dots: the FP8 GEMMs are read before that.
+        fp8_dots = [ln for ln in lowered.as_text().splitlines()
+                    if "dot_general" in ln and "f8E4M3FN" in ln]
+        assert fp8_dots
+        compiled = lowered.compile()
+        assert hlo.custom_calls(hlo.parse(compiled.as_text())).get("jax_fp8_update") == 1
+        new, loss = compiled(state, tokens, tokens)
+        assert np.isfinite(float(loss))
+
+
+@pytest.mark.parametrize("piece", sorted(llm_models.XLA_PIECES))
 def test_a_piece_handed_to_xla_gives_the_same_bits(piece, monkeypatch):
     """The variants that hand one piece of jax_fp8's layout work back to XLA replace a
     library function that exists, and on the CPU the FP8 Dense gradient keeps its bits.
@@ -337,7 +377,7 @@ def test_a_piece_handed_to_xla_gives_the_same_bits(piece, monkeypatch):
     The kernels' own bits are tests/test_layout_kernels.py's.) The loss's cotangent is a
     bfloat16 value computed in float32 (exact in both), so XLA's excess precision, which
     lets a fused cast read a gradient's unrounded float32 value, has nothing to change."""
-    module_name, name, replacement = bench_llm.XLA_PIECES[piece]
+    module_name, name, replacement = llm_models.XLA_PIECES[piece]
     module = __import__(module_name, fromlist=[name])
     dn = (((1,), (0,)), ((), ()))
     rng = np.random.default_rng(0)
@@ -351,13 +391,13 @@ def test_a_piece_handed_to_xla_gives_the_same_bits(piece, monkeypatch):
             jnp.asarray(rng.normal(size=(128, 96)), jnp.float32), jax_fp8.Fp8Meta.create())
     args = jax.device_put(args, jax.devices("cpu")[0])
     want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*args)
-    monkeypatch.setattr(module, name, replacement)   # as bench_llm.hand_to_xla does
+    monkeypatch.setattr(module, name, replacement)   # as llm_models.hand_to_xla does
     got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*args)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # hand_to_xla finds the function it replaces
     monkeypatch.setattr(module, name, getattr(module, name))
-    bench_llm.hand_to_xla(piece)
+    llm_models.hand_to_xla(piece)
     assert getattr(module, name) is replacement
 
 
@@ -376,7 +416,7 @@ def test_gemm_table_attributes_kernels_to_the_gemm_their_event_names():
             {"name": "nvjet_sm90_qrtst_128x160", "dur": 250.0, "args": {"hlo_op": "custom-call.7"}},
             {"name": "nvjet_sm90_tst_128x256", "dur": 100.0, "args": {"hlo_op": "command_buffer"}},
             {"name": "loop_add_fusion", "dur": 40.0, "args": {"hlo_op": "loop_add_fusion"}}]
-    table = bench_llm.gemm_table(events, gemms, steps=2)
+    table = llm_kernels.gemm_table(events, gemms, steps=2)
     flops = 2 * 8192 * 4096 * 4096
     assert table["rows"] == [
         {"fp8": True, "kind": kind, "role": "forward", "dtypes": [], "batch": 1, "m": 8192, "n": 4096,
@@ -392,11 +432,11 @@ def test_time_fp8_gemm_alone_runs_the_gemm_of_a_row():
     row = {"fp8": True, "kind": "__cublas$lt$matmul$f8", "role": "backward",
            "dtypes": ["f8e5m2", "f8e4m3fn"], "batch": 1, "m": 64, "n": 32, "k": 128}
     with jax.default_device(jax.devices("cpu")[0]):
-        got = bench_llm.time_fp8_gemm_alone(row, steps=2)
+        got = llm_kernels.time_fp8_gemm_alone(row, steps=2)
     assert got == {"tflops": None, "tflops_other_accumulation": None}
-    assert bench_llm.time_fp8_gemm_alone(dict(row, batch=2), steps=2) == {}
-    assert bench_llm.time_fp8_gemm_alone(dict(row, dtypes=["bf16", "bf16"]), steps=2) == {}
-    assert bench_llm.time_fp8_gemm_alone(dict(row, kind="jax_fp8_block_gemm"), steps=2) == {}
+    assert llm_kernels.time_fp8_gemm_alone(dict(row, batch=2), steps=2) == {}
+    assert llm_kernels.time_fp8_gemm_alone(dict(row, dtypes=["bf16", "bf16"]), steps=2) == {}
+    assert llm_kernels.time_fp8_gemm_alone(dict(row, kind="jax_fp8_block_gemm"), steps=2) == {}
 
 
 def test_gemm_table_falls_back_to_program_order():
@@ -418,13 +458,13 @@ def test_gemm_table_falls_back_to_program_order():
                      "__nv_bfloat16, (jax_fp8::Fp8Type)1>", "ts": t + 560, "dur": 30.0,
              "args": {}},
             {"name": "nvjet_sm90_qqtst_128x160", "ts": t, "dur": 500.0, "args": {}}]
-    table = bench_llm.gemm_table(events, gemms, steps=2)
+    table = llm_kernels.gemm_table(events, gemms, steps=2)
     assert table["attributed_by"] == "order"
     assert [(r["fp8"], r["n"], r["per_step"], r["ms_per_step"]) for r in table["rows"]] == [
         (True, 4096, 1, 0.5), (False, 32000, 1, 0.3)]
     assert table["unattributed_ms"] == 0
     swapped = [dict(e, ts=-e["ts"]) for e in events]   # bf16 kernel first: names disagree
-    table = bench_llm.gemm_table(swapped, gemms, steps=2)
+    table = llm_kernels.gemm_table(swapped, gemms, steps=2)
     assert table["rows"] == [] and table["attributed_by"] is None
     assert table["unattributed_ms"] == 0.8
-    assert bench_llm.gemm_table(events[:-1], gemms, steps=2)["rows"] == []   # counts differ
+    assert llm_kernels.gemm_table(events[:-1], gemms, steps=2)["rows"] == []   # counts differ
