@@ -44,7 +44,6 @@ One recipe: the layers create their states from their ``recipe`` (default
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -108,39 +107,74 @@ def _meta_variables(module: nn.Module, recipe, collection):
 
 
 # A module applied with its FP8 collection immutable cannot write the threaded meta back;
-# the meta its call returned is kept here, keyed by the variable value it replaces, for
-# the next call in the same apply (values are identical: only the dataflow changes).
-_successor: dict = {}
+# the meta its call returned is kept for the later calls of the same apply on that apply's
+# root scope (a lifted transform's body has its own), keyed by the layer's path, and used
+# only while the trace it was made in is still running (values are identical: only the
+# dataflow changes). Nothing is kept anywhere else, so no traced value outlives its trace.
+_THREADED = "_jax_fp8_threaded"
 
 
-def _read(vs, recipe) -> Fp8Meta:
+def _live_traces() -> set | None:
+    """ids of the current trace and of every trace it is nested in; None where JAX does
+    not tell (then a traced meta is never reused)."""
+    try:
+        from jax._src import core as jax_core  # no public API for the current trace
+        trace = jax_core.trace_ctx.trace
+    except (ImportError, AttributeError):  # pragma: no cover
+        return None
+    ids = set()
+    while trace is not None:
+        ids.add(id(trace))
+        trace = getattr(trace, "parent_trace", None)
+    return ids
+
+
+def _usable(meta: Fp8Meta) -> bool:
+    """Whether every traced leaf of ``meta`` belongs to a trace that is still running
+    around the current one (a value of a finished trace must never be used again)."""
+    tracers = [x for x in jax.tree.leaves(meta) if isinstance(x, jax.core.Tracer)]
+    if not tracers:
+        return True
+    live = _live_traces()
+    return live is not None and all(id(getattr(t, "_trace", None)) in live for t in tracers)
+
+
+def _threaded(module: nn.Module) -> dict:
+    root = module.scope.root
+    store = getattr(root, _THREADED, None)
+    if store is None:
+        store = {}
+        setattr(root, _THREADED, store)
+    return store
+
+
+def _read(module: nn.Module, vs, recipe, collection) -> Fp8Meta:
     if vs is None:
         return Fp8Meta(recipe=recipe)
     meta = Fp8Meta(*(v.value for v in vs))
-    while True:
-        entry = _successor.get(id(meta.input.amax_history))
-        if entry is None or entry[0]() is not meta.input.amax_history:
-            return meta
-        meta = entry[1]
+    if module.is_mutable_collection(collection):
+        return meta
+    entry = _threaded(module).get((collection, module.scope.path))
+    if entry is not None and entry[0] is meta.input.amax_history and _usable(entry[1]):
+        return entry[1]
+    return meta
 
 
-def _write(module: nn.Module, vs, used: Fp8Meta, meta: Fp8Meta, collection):
+def _write(module: nn.Module, vs, meta: Fp8Meta, collection):
     # Thread the meta: the next call of this module consumes what this one returned, so
     # the amaxes of all calls combine by max.
     if vs is None:
         return
     if module.is_mutable_collection(collection):
+        if module.is_initializing():
+            # The values are those just created: writing the returned meta would only
+            # add a dependence on the data (which nn.scan refuses for a broadcast
+            # collection), and init is never differentiated.
+            return
         for v, name in zip(vs, _NAMES):
             v.value = getattr(meta, name)
         return
-    leaf = used.input.amax_history
-    if meta.input.amax_history is leaf:
-        return  # the very arrays it read (an eager call): nothing to thread, and no cycle
-    try:
-        ref = weakref.ref(leaf, lambda _, k=id(leaf), d=_successor: d.pop(k, None))
-    except TypeError:  # not weak-referenceable (e.g. a NumPy array): nothing to thread
-        return
-    _successor[id(leaf)] = (ref, meta)
+    _threaded(module)[(collection, module.scope.path)] = (vs[0].value.amax_history, meta)
 
 
 class Fp8DotGeneral(nn.Module):
@@ -174,10 +208,10 @@ class Fp8DotGeneral(nn.Module):
                 "functools.partial(Fp8DotGeneral, recipe=...); an instance goes in "
                 "nn.Dense(..., dot_general=Fp8DotGeneral(...))")
         vs = _meta_variables(self, self.recipe, self.collection)
-        used = _read(vs, self.recipe)
+        used = _read(self, vs, self.recipe, self.collection)
         out, meta = fp8_dot_general(lhs, rhs, dimension_numbers, used, precision,
                                     preferred_element_type, min_fp8_flops=self.min_fp8_flops)
-        _write(self, vs, used, meta, self.collection)
+        _write(self, vs, meta, self.collection)
         return out
 
 
@@ -193,11 +227,11 @@ class Fp8Einsum(nn.Module):
     def __call__(self, eqn, lhs, rhs, precision=None, preferred_element_type=None):
         del precision
         vs = _meta_variables(self, self.recipe, self.collection)
-        used = _read(vs, self.recipe)
+        used = _read(self, vs, self.recipe, self.collection)
         out, meta = fp8_einsum(eqn, lhs, rhs, used,
                                preferred_element_type=preferred_element_type,
                                min_fp8_flops=self.min_fp8_flops)
-        _write(self, vs, used, meta, self.collection)
+        _write(self, vs, meta, self.collection)
         return out
 
 
