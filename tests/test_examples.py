@@ -33,7 +33,10 @@ COMMON = ["--preset", "smoke", "--layers", "1", "--steps", "4", "--ckpt-every", 
 
 
 def _load(script):
+    """An example script loaded as a module (its sibling modules importable, as when run)."""
     path = ROOT / "examples" / script
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod       # dataclasses (flax modules) look their module up
@@ -245,8 +248,8 @@ def test_convergence_summary_statistics():
     along = cur["vs_bf16_val_along_pct"]
     assert along["steps"] == [8]      # every fraction of the run maps to the last evaluation
     assert along["stats"][0]["per_seed"] == paired["per_seed"]
-    assert conv.along_steps([0, 250, 500, 750, 1000], 1000) == [250, 500, 750, 1000]
-    assert conv.along_steps([0, 300, 600, 900, 1000], 1000) == [300, 600, 900, 1000]
+    assert sys.modules["convergence_report"].along_steps([0, 250, 500, 750, 1000], 1000) == [250, 500, 750, 1000]
+    assert sys.modules["convergence_report"].along_steps([0, 300, 600, 900, 1000], 1000) == [300, 600, 900, 1000]
     tail = cur["vs_bf16_pct"]["tail_val_loss"]["per_seed"]
     assert tail == {"0": 0.0, "1": pytest.approx(-20.0)}
     table = conv.markdown_tables(s)
@@ -267,7 +270,7 @@ def test_convergence_schedule_and_last_part():
     conv = _load("convergence.py")
     cfg = conv.Config(d_model=8, layers=1, heads=1, seq=8, batch=1, steps=100, lr=1e-3,
                       warmup=10, min_lr_ratio=0.01, decay_fraction=0.8)
-    lr = conv.learning_rate(cfg)
+    lr = sys.modules["convergence_setup"].learning_rate(cfg)
     vals = [float(lr(t)) for t in range(101)]
     assert cfg.decay_end == 80 and cfg.tail_start == 80
     assert vals[0] == 0.0 and vals[10] == pytest.approx(1e-3)
@@ -277,9 +280,9 @@ def test_convergence_schedule_and_last_part():
     assert vals[45] == pytest.approx(1e-5 + (1e-3 - 1e-5) / 2)          # cosine midpoint
     # The last part: the values after step 80.
     steps, vals = [0, 80, 90, 95, 100], [5.0, 3.0, 2.0, 1.5, 1.0]
-    assert conv.tail_mean(steps, vals, cfg) == 1.5
-    assert conv.tail_change(steps, vals, cfg) == pytest.approx(-2.0)   # -0.1 per step x 20
-    assert conv.tail_change(steps[:3], vals[:3], cfg) is None
+    assert sys.modules["convergence_report"].tail_mean(steps, vals, cfg) == 1.5
+    assert sys.modules["convergence_report"].tail_change(steps, vals, cfg) == pytest.approx(-2.0)   # -0.1 per step x 20
+    assert sys.modules["convergence_report"].tail_change(steps[:3], vals[:3], cfg) is None
 
 
 @pytest.mark.slow
@@ -301,9 +304,9 @@ def test_convergence_resumed_run_equals_uninterrupted(tmp_path):
 def test_convergence_skips_a_recipe_the_library_refuses(tmp_path, monkeypatch):
     conv = _load("convergence.py")
     # A recipe that this jax_fp8 does not have, and an object its layers refuse as one.
-    monkeypatch.setitem(conv.RUNS, "missing", conv.RunSpec(
-        "jax_fp8", "not in jax_fp8", conv._recipe("Float8NoSuchScaling")))
-    monkeypatch.setitem(conv.RUNS, "refused", conv.RunSpec(
+    monkeypatch.setitem(conv.RUNS, "missing", sys.modules["convergence_setup"].RunSpec(
+        "jax_fp8", "not in jax_fp8", sys.modules["convergence_setup"]._recipe("Float8NoSuchScaling")))
+    monkeypatch.setitem(conv.RUNS, "refused", sys.modules["convergence_setup"].RunSpec(
         "jax_fp8", "not a recipe", lambda: object()))
     out = tmp_path / "out"
     res = conv.main(COMMON + ["--runs", "missing,refused", "--seeds", "0,1", "--out",
