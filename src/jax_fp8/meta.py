@@ -194,14 +194,22 @@ _frozen = threading.local()
 
 @contextlib.contextmanager
 def frozen_scales():
-    """Context in which delayed-scaling GEMMs may be differentiated with their scales frozen.
+    """Context in which no delayed-scaling state changes: the scales are frozen.
 
-    Outside it, differentiating a delayed-scaling `fp8_dot_general` / `fp8_einsum` w.r.t.
-    its operands while its `Fp8Meta` is not differentiated raises ValueError at trace time
-    (the amaxes would be dropped). Inside it, such a GEMM uses its current scales, reports
-    nothing, and `Fp8TrainState.apply_gradients` / NNX `apply_gradients` accept gradients
-    without FP8 gradients and leave the FP8 state as it is. The context acts when the
-    function is traced (a jitted function already traced outside it is not re-traced).
+    Everything traced inside it keeps the FP8 state as it is, whatever the loop:
+
+    * differentiating a delayed-scaling `fp8_dot_general` / `fp8_einsum` w.r.t. its
+      operands alone is allowed (outside the context it raises ValueError at trace time,
+      the amaxes would be dropped); the GEMM uses its current scales;
+    * `new_fp8_state` returns the states unchanged, so `Fp8TrainState.apply_gradients`,
+      NNX `apply_gradients` / `update_fp8` / `Fp8Optimizer.update` step the optimizer on
+      the parameters and leave the FP8 state (and, under ``optax.MultiSteps``, its
+      pending amaxes) as it is, with or without FP8 gradients: the one-call path
+      (``state.value_and_grad`` then ``apply_gradients(grads=grads)``) is frozen too.
+
+    `update_states`, the bare fused update of a pytree of states, is not affected. The
+    context acts when the function is traced (a jitted function already traced outside
+    it is not re-traced: jit the step inside the context, or give it a static flag).
 
     Example (a saliency map of a trained model)::
 
@@ -290,11 +298,12 @@ def new_fp8_state(fp8_states, fp8_grads, recipe=None, *, axis_name=None,
         amaxes are combined, with one ``pmax`` for all of them (see ``update_states``).
 
     Returns:
-      ``fp8_states`` updated (same structure).
+      ``fp8_states`` updated (same structure); traced inside `frozen_scales`,
+      ``fp8_states`` as they are (the recipe is still checked).
     """
     recipe = recipe_lib.DelayedScaling() if recipe is None else recipe
     state_lib.check_states_follow(recipe, fp8_states, "fp8_states")
-    if not isinstance(recipe, recipe_lib.DelayedScaling):
+    if not isinstance(recipe, recipe_lib.DelayedScaling) or scales_frozen():
         return fp8_states
     return update_states(fp8_states, amax_cotangents(fp8_grads), recipe=recipe,
                          axis_name=axis_name, implementation=implementation)
@@ -320,7 +329,10 @@ def check_fp8_updated(fp8_states, name: str = "fp8_states") -> None:
     fix = ("Linen: `loss, grads = state.value_and_grad(loss_fn)(...)` and "
            "`state.apply_gradients(grads=grads)` with a `jax_fp8.flax.Fp8TrainState`; NNX: "
            "`loss, grads = jax_fp8.flax.nnx.fp8_value_and_grad(loss_fn)(model, ...)` and "
-           "`jax_fp8.flax.nnx.apply_gradients(model, optimizer, grads)`.")
+           "`jax_fp8.flax.nnx.apply_gradients(model, optimizer, grads, recipe)` (or "
+           "`optimizer = jax_fp8.flax.nnx.Fp8Optimizer(model, tx, wrt=nnx.Param, "
+           "recipe=recipe)` and `optimizer.update(model, grads)`), with `recipe` the one the "
+           "layers were made with (linen: `Fp8TrainState.create(..., recipe=recipe)`).")
     negative = [where for where, s in states if np.any(np.asarray(s.amax_history) < 0)]
     if negative:
         shown = ", ".join(negative[:3]) + (f" and {len(negative) - 3} more" if len(negative) > 3

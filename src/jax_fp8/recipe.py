@@ -217,14 +217,21 @@ RECIPES = (DelayedScaling, Float8CurrentScaling, Float8BlockScaling)
 
 def check_recipe(recipe, name: str = "recipe"):
     """`recipe` if it is one of the three recipes, else a TypeError naming `name`."""
+    if isinstance(recipe, type) and issubclass(recipe, RECIPES):
+        raise TypeError(f"{name} must be a recipe instance, got the class {recipe.__name__}: "
+                        f"pass `{recipe.__name__}()`, an instance (e.g. "
+                        f"`{recipe.__name__}()` for the defaults)")
     if not isinstance(recipe, RECIPES):
         raise TypeError(f"{name} must be a jax_fp8.DelayedScaling, Float8CurrentScaling or "
-                        f"Float8BlockScaling, got {type(recipe).__name__}")
+                        f"Float8BlockScaling instance (e.g. `DelayedScaling()`), got "
+                        f"{type(recipe).__name__}")
     return recipe
 
 
 def check_delayed(recipe, name: str = "recipe"):
     """`recipe` if it is a DelayedScaling (the only recipe with state), else a TypeError."""
+    if isinstance(recipe, type) and issubclass(recipe, RECIPES):
+        check_recipe(recipe, name)
     if not isinstance(recipe, DelayedScaling):
         raise TypeError(f"{name} must be a jax_fp8.DelayedScaling here (the recipe with FP8 "
                         f"state), got {type(recipe).__name__}")

@@ -160,10 +160,17 @@ def check_states_follow(recipe, tree, name: str = "tree") -> None:
             problems.append(f"FP8 dtype {fp8_dtype.name}, the recipe's is "
                             f"{' or '.join(d.name for d in dict.fromkeys(want))}")
         if problems:
+            default = (" (the default, taken when no recipe is passed)"
+                       if recipe == recipe_lib.DelayedScaling() else "")
             raise ValueError(
-                f"{where} does not follow the recipe {recipe}: it has {'; '.join(problems)}. "
-                "Create the FP8 states with the same recipe as the update (e.g. "
-                "nn.Dense(..., dot_general_cls=functools.partial(Fp8DotGeneral, "
+                f"{where} does not follow the recipe {recipe}{default}: it has "
+                f"{'; '.join(problems)}. The update must be given the recipe the layers "
+                "were made with: pass `recipe=` to `Fp8TrainState.create(..., recipe=recipe)` "
+                "(linen), to `jax_fp8.flax.nnx.apply_gradients(model, optimizer, grads, "
+                "recipe)` / `Fp8Optimizer(model, tx, wrt=nnx.Param, recipe=recipe)` / "
+                "`update_fp8(model, grads, recipe)` (NNX), or to `new_fp8_state(fp8, grads, "
+                "recipe)`; or create the FP8 states with the update's recipe "
+                "(nn.Dense(..., dot_general_cls=functools.partial(Fp8DotGeneral, "
                 "recipe=recipe)), Fp8Linear(..., recipe=recipe), Fp8Meta.create(recipe)).")
 
 

@@ -93,10 +93,19 @@ class _Fp8Base(nnx.Module):
         return Fp8Meta(*(_get(getattr(self, n)) for n in _NAMES))
 
     def _thread(self, meta: Fp8Meta):
+        # The returned meta carries the same values as the one read; it is written back
+        # so that a second call's amaxes chain into the first's (max, not sum) when the
+        # state is differentiated. A call that cannot write to the variables (a sampler's
+        # `lax.while_loop` / `fori_loop` body closing over the model) and is not
+        # differentiated has nothing to thread: the variables keep their values.
         if meta.stateless:
             return
+        differentiated = any(meta_lib._ad_trace(x) is not None for x in jax.tree.leaves(meta))
         for n in _NAMES:
-            _set(getattr(self, n), getattr(meta, n))
+            var = getattr(self, n)
+            if not differentiated and not getattr(var, "_can_update", True):
+                continue
+            _set(var, getattr(meta, n))
 
 
 class Fp8DotGeneral(_Fp8Base):
@@ -223,7 +232,7 @@ def _step(model, optimizer, grads, recipe, optimizer_update, kwargs):
             "(or nnx.value_and_grad with argnums=nnx.DiffState(0, nnx.Any(nnx.Param, "
             "Fp8State))). To keep the scales frozen on purpose, call it inside "
             "`with jax_fp8.frozen_scales():`.")
-    if held and _is_multi_steps(getattr(optimizer, "tx", None)):
+    if held and not meta_lib.scales_frozen() and _is_multi_steps(getattr(optimizer, "tx", None)):
         raise ValueError(
             "apply_gradients: the optimizer wraps optax.MultiSteps, which applies once per "
             "k calls, but the FP8 state would be updated at every call. Use "
@@ -290,9 +299,12 @@ class Fp8Optimizer(nnx.Optimizer):
         states = fp8_state(model)
         state_lib.check_states_follow(recipe, states, type(model).__name__)
         fp8_grads, param_grads = _split(grads)
+        if meta_lib.scales_frozen():  # the FP8 state and its pending amaxes are kept
+            nnx.Optimizer.update(self, model, param_grads, **kwargs)
+            return
         if not state_lib.states_info(fp8_grads):
             _step(model, self, grads, self.fp8_recipe, nnx.Optimizer.update, kwargs)
-            return  # (raises unless the scales are frozen)
+            return  # (raises)
         before = _multi_steps_state(self.opt_state).gradient_step[...]
         nnx.Optimizer.update(self, model, param_grads, **kwargs)
         applied = _multi_steps_state(self.opt_state).gradient_step[...] != before
