@@ -122,9 +122,10 @@ class RawByHand(nn.Module):
         d = self.d
         x = nn.Dense(2 * d, dot_general_cls=DG)(x)
         w1 = self.param("w1", nn.initializers.lecun_normal(), (2 * d, d))
-        x = Fp8Einsum(recipe=RECIPE)("bd,dh->bh", nn.relu(x), w1)
+        # A module's own GEMM has the FP8 state of the weight it multiplies: <weight>_fp8.
+        x = Fp8Einsum(recipe=RECIPE, name="w1_fp8")("bd,dh->bh", nn.relu(x), w1)
         w2 = self.param("w2", nn.initializers.lecun_normal(), (d, d))
-        x = DG()(x, w2, (((1,), (0,)), ((), ())))
+        x = DG(name="w2_fp8")(x, w2, (((1,), (0,)), ((), ())))
         x = nn.DenseGeneral((2, d // 2), dot_general_cls=DG)(x).reshape(x.shape[0], d)
         return _EinsumFp8((d, d), "bd,dh->bh")(x)
 
@@ -317,7 +318,7 @@ def test_linen_rules_select_layers_and_recipes():
              Fp8Rule(path="DenseGeneral_0", recipe=RECIPE, min_fp8_flops=1e12),
              Fp8Rule(path="", recipe=RECIPE)]                       # the root: w1, w2
     v = jax.jit(fp8_model(Raw(), rules).init)(KEY, x)
-    assert set(v[FP8_COLLECTION]) == {"DenseGeneral_0", "Fp8Einsum_0", "Fp8DotGeneral_0"}
+    assert set(v[FP8_COLLECTION]) == {"DenseGeneral_0", "w1_fp8", "w2_fp8"}
     # Unmatched: a model whose rules match nothing is the original model.
     none = fp8_model(Raw(), Fp8Rule(path="nothing"))
     vn = jax.jit(none.init)(KEY, x)
@@ -591,16 +592,16 @@ class NnxRaw(nnx.Module):
         init = nnx.initializers.lecun_normal()
         self.w1 = nnx.Param(init(rngs.params(), (8, 16)))
         self.w2 = nnx.Param(init(rngs.params(), (16, 4)))
-        if fp8:   # the model written with jax_fp8's layers
-            self.Fp8Einsum_0 = fnnx.Fp8Einsum(RECIPE)
-            self.Fp8DotGeneral_0 = fnnx.Fp8DotGeneral(RECIPE)
+        if fp8:   # the model written with jax_fp8's layers: a state per weight
+            self.w1_fp8 = fnnx.Fp8Einsum(RECIPE)
+            self.w2_fp8 = fnnx.Fp8DotGeneral(RECIPE)
         self.fp8 = fp8
 
     def __call__(self, x):
         if self.fp8:
-            h = self.Fp8Einsum_0("bd,dh->bh", x, self.w1[...])
+            h = self.w1_fp8("bd,dh->bh", x, self.w1[...])
             h = h + jnp.einsum("bh,ch->bc", h, h) @ h / 16     # two activations
-            return self.Fp8DotGeneral_0(nnx.relu(h), self.w2[...],
+            return self.w2_fp8(nnx.relu(h), self.w2[...],
                                         (((1,), (0,)), ((), ())))
         h = jnp.einsum("bd,dh->bh", x, self.w1[...])
         h = h + jnp.einsum("bh,ch->bc", h, h) @ h / 16
@@ -645,5 +646,5 @@ def test_nnx_rules_apply_to_each_module_own_gemms():
     # The parent converts its activation GEMM; the unmatched child keeps all of its own.
     model = fnnx.fp8_model(NnxParent(nnx.Rngs(0)),
                            [Fp8Rule(path="", recipe=RECIPE, activations=True)], x)
-    assert hasattr(model, "Fp8Einsum_0") and not hasattr(model.child, "Fp8Einsum_0")
+    assert hasattr(model, "Fp8Einsum_0") and not hasattr(model.child, "w1_fp8")
     assert _n_states(fnnx.fp8_state(model)) == 1 * 3

@@ -115,7 +115,8 @@ def rule_for(rules: tuple[Fp8Rule, ...], path: str) -> Fp8Rule | None:
 
 # ------------------------------------------------------------------ the GEMM calls
 
-ORIGINAL = {"dot_general": jax.lax.dot_general, "einsum": jnp.einsum}
+ORIGINAL = {"dot_general": jax.lax.dot_general, "einsum": jnp.einsum,
+            "param": nn.Module.param}
 _FLOATS = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
 
 
@@ -123,14 +124,16 @@ _FLOATS = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32
 class Site:
     """How the GEMMs of one running module method are converted.
 
-    ``convert(kind, args, precision, preferred_element_type)`` runs the FP8 GEMM in the
-    module's scope: kind "dot_general" with ``args = (lhs, rhs, dimension_numbers)`` or
-    "einsum" with ``args = (eqn, lhs, rhs)``, the rhs quantized as the kernel.
+    ``convert(kind, args, precision, preferred_element_type, weight)`` runs the FP8 GEMM
+    in the module's scope: kind "dot_general" with ``args = (lhs, rhs, dimension_numbers)``
+    or "einsum" with ``args = (eqn, lhs, rhs)``, the rhs quantized as the kernel;
+    ``weight`` is the name of the module's parameter the rhs is (its FP8 state is that
+    weight's), or None (a layer's kernel, or an activation).
     """
 
     rule: Fp8Rule
     convert: Any
-    weights: tuple = ()          # the module's parameter arrays (compared by identity)
+    weights: tuple = ()          # (name, array) of the module's parameters (by identity)
     rhs_is_weight: bool = False  # a layer whose GEMM's rhs is its kernel (nn.Dense, ...)
 
 
@@ -159,13 +162,15 @@ def running(site):
 
 @contextlib.contextmanager
 def patched():
-    """Installs the converting ``jax.lax.dot_general`` / ``jax.numpy.einsum`` for the
-    duration (reference counted over threads; other threads see the original behaviour:
-    the replacements act only where a converted method runs)."""
+    """Installs the converting ``jax.lax.dot_general`` / ``jax.numpy.einsum`` (and the
+    recording linen ``Module.param``) for the duration (reference counted over threads;
+    other threads see the original behaviour: the replacements act only where a
+    converted method runs)."""
     with _lock:
         if _installed[0] == 0:
             jax.lax.dot_general = _converting_dot_general
             jnp.einsum = _converting_einsum
+            nn.Module.param = _recording_param
         _installed[0] += 1
     try:
         yield
@@ -175,6 +180,7 @@ def patched():
             if _installed[0] == 0:
                 jax.lax.dot_general = ORIGINAL["dot_general"]
                 jnp.einsum = ORIGINAL["einsum"]
+                nn.Module.param = ORIGINAL["param"]
 
 
 def _innermost() -> Site | None:
@@ -183,39 +189,46 @@ def _innermost() -> Site | None:
     return site() if callable(site) else site
 
 
-def _weight_side(site: Site, lhs, rhs) -> str | None:
-    """"rhs" / "lhs": the operand to quantize as the kernel; None: leave the GEMM alone."""
+def _weight_of(site: Site, x) -> str | None:
+    return next((name for name, w in site.weights if x is w), None)
+
+
+def _weight_side(site: Site, lhs, rhs) -> tuple[str, str | None] | None:
+    """("rhs" / "lhs", the parameter's name or None): the operand to quantize as the
+    kernel and the weight it is; None: leave the GEMM alone."""
     for x in (lhs, rhs):
         if not hasattr(x, "dtype") or np.dtype(x.dtype) not in _FLOATS:
             return None
-    if site.rhs_is_weight or any(rhs is w for w in site.weights):
-        return "rhs"
-    if any(lhs is w for w in site.weights):
-        return "lhs"
-    return "rhs" if site.rule.activations else None
+    if site.rhs_is_weight:
+        return "rhs", None
+    for side, x in (("rhs", rhs), ("lhs", lhs)):
+        name = _weight_of(site, x)
+        if name is not None:
+            return side, name
+    return ("rhs", None) if site.rule.activations else None
 
 
 def _converting_dot_general(lhs, rhs, dimension_numbers, precision=None,
                             preferred_element_type=None, **kwargs):
     site = _innermost()
-    side = None if site is None else _weight_side(site, lhs, rhs)
-    if side is None:
+    found = None if site is None else _weight_side(site, lhs, rhs)
+    if found is None:
         return ORIGINAL["dot_general"](lhs, rhs, dimension_numbers, precision=precision,
                                         preferred_element_type=preferred_element_type,
                                         **kwargs)
     with running(None):
-        return _swapped_dot_general(site, side, lhs, rhs, dimension_numbers, precision,
+        return _swapped_dot_general(site, *found, lhs, rhs, dimension_numbers, precision,
                                     preferred_element_type)
 
 
-def _swapped_dot_general(site, side, lhs, rhs, dimension_numbers, precision,
+def _swapped_dot_general(site, side, weight, lhs, rhs, dimension_numbers, precision,
                          preferred_element_type):
     if side == "rhs":
         return site.convert("dot_general", (lhs, rhs, dimension_numbers),
-                            precision, preferred_element_type)
+                            precision, preferred_element_type, weight)
     (lc, rc), (lb, rb) = dimension_numbers
     out = site.convert("dot_general", (rhs, lhs, ((rc, lc), (rb, lb))),
-                       precision, preferred_element_type)
+                       precision, preferred_element_type, weight)
     # dot_general's result is (batch, lhs free, rhs free): put the swapped halves back.
     nb = len(lb)
     n_rhs_free = rhs.ndim - len(rc) - len(rb)
@@ -263,7 +276,9 @@ def explicit_einsum(subscripts: str, lhs_shape, rhs_shape) -> str | None:
 
 def _converting_einsum(subscripts, *operands, out=None, optimize="auto", precision=None,
                        preferred_element_type=None, _dot_general=None, **kwargs):
-    if _dot_general is None or _dot_general is _converting_dot_general:
+    # An einsum given its own dot_general (not jax.lax.dot_general) stays as it is.
+    own = _dot_general not in (None, _converting_dot_general, ORIGINAL["dot_general"])
+    if not own:
         _dot_general = ORIGINAL["dot_general"]  # no conversion inside jnp.einsum's jit
 
     def original():
@@ -273,26 +288,43 @@ def _converting_einsum(subscripts, *operands, out=None, optimize="auto", precisi
                                    _dot_general=_dot_general, **kwargs)
 
     site = _innermost()
-    if site is None or not isinstance(subscripts, str) or len(operands) != 2 \
+    if site is None or own or not isinstance(subscripts, str) or len(operands) != 2 \
             or out is not None:
         return original()
     lhs, rhs = operands
-    side = _weight_side(site, lhs, rhs)
-    eqn = None if side is None else explicit_einsum(subscripts, jnp.shape(lhs), jnp.shape(rhs))
+    found = _weight_side(site, lhs, rhs)
+    eqn = None if found is None else explicit_einsum(subscripts, jnp.shape(lhs),
+                                                     jnp.shape(rhs))
     if eqn is None:
         return original()
+    side, weight = found
     if side == "lhs":
         ins, res = eqn.split("->")
         a, b = ins.split(",")
         eqn, lhs, rhs = f"{b},{a}->{res}", rhs, lhs
     with running(None):
-        return site.convert("einsum", (eqn, lhs, rhs), precision, preferred_element_type)
+        return site.convert("einsum", (eqn, lhs, rhs), precision, preferred_element_type,
+                            weight)
 
 
 # ------------------------------------------------------------------------- linen
 
 # Flax layers whose GEMM has the layer's kernel as its rhs.
 _LINEN_LAYERS = (nn.Dense, nn.DenseGeneral, nn.Einsum)
+# Flax layers that take a GEMM of the user's (then left as it is).
+_LINEN_OWN_GEMM = (nn.Dense, nn.DenseGeneral)
+
+
+def _recording_param(module, name, *args, **kwargs):
+    """``nn.Module.param`` that also records, for the converted call running in this
+    thread, the very array it returns (after any unboxing: a partitioned parameter under
+    a mesh comes back as a new, sharding-constrained array), so a GEMM of it is known
+    as a GEMM of the parameter ``name``."""
+    value = ORIGINAL["param"](module, name, *args, **kwargs)
+    params = getattr(_local, "params", None)
+    if params is not None and hasattr(value, "dtype"):
+        params.setdefault(id(module), (module, {}))[1][name] = value
+    return value
 
 
 def _linen_path(module) -> str | None:
@@ -302,26 +334,79 @@ def _linen_path(module) -> str | None:
 
 
 def _linen_weights(module) -> tuple:
+    """(name, array) of the module's parameters: the arrays its ``self.param`` calls
+    returned in this converted call, then those of its params collection (unboxed)."""
+    weights = []
+    recorded = (getattr(_local, "params", None) or {}).get(id(module))
+    if recorded is not None and recorded[0] is module:
+        weights.extend(recorded[1].items())
     try:
         params = module.variables.get("params", {})
     except Exception:  # noqa: BLE001  (an unbound or uninitialised module: no params)
-        return ()
-    leaves = [nn.meta.unbox(v) for v in params.values() if not isinstance(v, Mapping)]
-    return tuple(v for v in leaves if hasattr(v, "dtype"))
+        params = {}
+    weights.extend((name, nn.meta.unbox(v)) for name, v in params.items()
+                   if not isinstance(v, Mapping))
+    return tuple((name, v) for name, v in weights if hasattr(v, "dtype"))
 
 
-def _linen_convert(module, rule: Fp8Rule, kind, args, precision, preferred_element_type):
+def _keeps_own_gemm(module) -> bool:
+    """Whether ``module`` is, or runs inside, a layer given its own ``dot_general`` /
+    ``dot_general_cls`` (a GEMM of the user's choice: left as it is)."""
     from jax_fp8.flax import linen as fp8_linen
+    while isinstance(module, nn.Module):
+        if isinstance(module, _LINEN_OWN_GEMM):
+            cls = getattr(module, "dot_general_cls", None)
+            own = getattr(module, "dot_general", None) is not None or cls is not None
+            # A layer written with jax_fp8's FP8 dot_general is FP8 already.
+            if own and not (isinstance(cls, type) and issubclass(cls, fp8_linen.Fp8DotGeneral)):
+                return True
+        module = module.parent
+    return False
+
+
+def _no_submodule_here(module, kind):
+    path = _linen_path(module)
+    return TypeError(
+        f"fp8_model: module {path!r} ({type(module).__name__}) calls a {kind} with a "
+        f"parameter operand from a method that is neither setup nor @nn.compact, where "
+        f"Flax allows no submodule to hold its FP8 state. Exclude it with "
+        f"Fp8Rule(path={path!r}, recipe=None) before the other rules, or make the method "
+        f"@nn.compact")
+
+
+def _weight_layer(module, rule: Fp8Rule, weight: str, kind: str):
+    """The module's `_WeightFp8` ``<weight>_fp8``: the one created earlier in this call
+    of the module (so every GEMM of the weight threads one state), else a new one."""
+    from jax_fp8.flax import linen as fp8_linen
+    name = f"{weight}_fp8"
+    if module.scope.name_reserved(name):
+        layer = module._state.children.get(name)  # noqa: SLF001  (made in this call)
+        if isinstance(layer, fp8_linen._WeightFp8):  # noqa: SLF001
+            return layer
+        raise TypeError(
+            f"fp8_model: module {_linen_path(module)!r} ({type(module).__name__}) has a "
+            f"submodule or variable named {name!r}, the name of the FP8 state of its "
+            f"parameter {weight!r}. Rename it, or exclude the module with "
+            f"Fp8Rule(path={_linen_path(module)!r}, recipe=None) before the other rules")
+    try:
+        return fp8_linen._WeightFp8(recipe=rule.recipe, min_fp8_flops=rule.min_fp8_flops,  # noqa: SLF001
+                                    name=name)
+    except flax_errors.AssignSubModuleError:
+        raise _no_submodule_here(module, kind) from None
+
+
+def _linen_convert(module, rule: Fp8Rule, kind, args, precision, preferred_element_type,
+                   weight=None):
+    from jax_fp8.flax import linen as fp8_linen
+    if weight is not None:   # a GEMM of the module's own parameter: that weight's state
+        layer = _weight_layer(module, rule, weight, kind)
+        return layer(kind, args, precision, preferred_element_type)
+    # A layer's kernel (one GEMM per call), or two activations: by call order.
     cls = fp8_linen.Fp8DotGeneral if kind == "dot_general" else fp8_linen.Fp8Einsum
     try:
         layer = cls(recipe=rule.recipe, min_fp8_flops=rule.min_fp8_flops)
     except flax_errors.AssignSubModuleError:
-        raise TypeError(
-            f"fp8_model: module {_linen_path(module)!r} ({type(module).__name__}) calls a "
-            f"{kind} with a parameter operand from a method that is neither setup nor "
-            f"@nn.compact, where Flax allows no submodule to hold its FP8 state. Exclude "
-            f"it with Fp8Rule(path={_linen_path(module)!r}, recipe=None) before the "
-            f"other rules, or make the method @nn.compact") from None
+        raise _no_submodule_here(module, kind) from None
     return layer(*args, precision=precision, preferred_element_type=preferred_element_type)
 
 
@@ -329,11 +414,12 @@ def _linen_site(rules, module) -> Site | None:
     """The conversion of a running linen module's GEMMs (looked up at each GEMM: the
     module's params exist only once its method has created them)."""
     from jax_fp8.flax import linen as fp8_linen
-    if isinstance(module, (fp8_linen.Fp8DotGeneral, fp8_linen.Fp8Einsum)):
+    if isinstance(module, (fp8_linen.Fp8DotGeneral, fp8_linen.Fp8Einsum,
+                           fp8_linen._WeightFp8)):  # noqa: SLF001
         return None
     path = _linen_path(module)
     rule = None if path is None else rule_for(rules, path)
-    if rule is None:
+    if rule is None or _keeps_own_gemm(module):
         return None
     return Site(rule, functools.partial(_linen_convert, module, rule),
                 weights=_linen_weights(module),
@@ -376,13 +462,14 @@ def _converting_method(method, rules):
     def converting(self, *args, **kwargs):
         if getattr(_local, "converting", 0):
             return method(self, *args, **kwargs)
-        _local.converting = 1
+        _local.converting, _local.params = 1, {}
         try:
             with patched(), nn.intercept_methods(interceptor), \
                     running(functools.partial(_linen_site, rules, self)):
                 return method(self, *args, **kwargs)
         finally:
-            _local.converting = 0
+            # The recorded parameters live for this call only.
+            _local.converting, _local.params = 0, None
     return converting
 
 

@@ -95,11 +95,11 @@ def _check_collection_reaches(module: nn.Module, collection: str, op: str) -> No
                                      fix=fix.format(c=collection)))
 
 
-def _meta_variables(module: nn.Module, recipe, collection):
+def _meta_variables(module: nn.Module, recipe, collection, op: str | None = None):
     recipe_lib.check_recipe(recipe, "recipe")
     if not isinstance(recipe, recipe_lib.DelayedScaling):
         return None  # current / blockwise scaling: no state
-    _check_collection_reaches(module, collection, type(module).__name__)
+    _check_collection_reaches(module, collection, op or type(module).__name__)
     fwd, bwd = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
     dtypes = {"input": fwd, "kernel": fwd, "grad": bwd}
     return [module.variable(collection, name, ScalingState.create, (), recipe.history_len,
@@ -231,6 +231,37 @@ class Fp8Einsum(nn.Module):
         out, meta = fp8_einsum(eqn, lhs, rhs, used,
                                preferred_element_type=preferred_element_type,
                                min_fp8_flops=self.min_fp8_flops)
+        _write(self, vs, meta, self.collection)
+        return out
+
+
+class _WeightFp8(nn.Module):
+    """The FP8 state of one weight of a module, for every GEMM that multiplies it.
+
+    What `jax_fp8.flax.fp8_model` creates, named ``<weight>_fp8``, for a converted
+    module's own ``dot_general`` / ``einsum`` calls with a parameter ``<weight>`` as an
+    operand: its variables are those of an `Fp8DotGeneral` / `Fp8Einsum` of that name
+    (``input``, ``kernel``, ``grad``), whichever of the two GEMMs a call is; the weight is
+    the rhs (the kernel). Calls: ``("dot_general", (lhs, rhs, dimension_numbers),
+    precision, preferred_element_type)`` or ``("einsum", (eqn, lhs, rhs), ...)``.
+    Attributes as `Fp8DotGeneral`'s.
+    """
+
+    recipe: DelayedScaling | Float8CurrentScaling | Float8BlockScaling = DelayedScaling()
+    collection: str = FP8_COLLECTION
+    min_fp8_flops: float = 0
+
+    @nn.compact
+    def __call__(self, kind, args, precision=None, preferred_element_type=None):
+        op = "Fp8DotGeneral" if kind == "dot_general" else "Fp8Einsum"
+        vs = _meta_variables(self, self.recipe, self.collection, op)
+        used = _read(self, vs, self.recipe, self.collection)
+        if kind == "dot_general":
+            out, meta = fp8_dot_general(*args, used, precision, preferred_element_type,
+                                        min_fp8_flops=self.min_fp8_flops)
+        else:
+            out, meta = fp8_einsum(*args, used, preferred_element_type=preferred_element_type,
+                                   min_fp8_flops=self.min_fp8_flops)
         _write(self, vs, meta, self.collection)
         return out
 
@@ -404,6 +435,8 @@ class Fp8TrainState(train_state.TrainState):
         if self.fp8_pending is None:
             return new.replace(fp8=new_fp8_state(self.fp8, fp8_grads, self.recipe))
         state_lib.check_states_follow(self.recipe, self.fp8, "fp8")
+        if scales_frozen():
+            return new  # the FP8 state and its pending amaxes stay as they are
         staged = jax.tree.leaves(amax_cotangents(fp8_grads))
         pending = [jnp.fmax(p, a) for p, a in zip(self.fp8_pending, staged, strict=True)]
         amaxes = jax.tree.unflatten(jax.tree.structure(amax_cotangents(self.fp8)), pending)

@@ -370,15 +370,23 @@ _LAYERS = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
 
 
 def _own_params(module) -> tuple:
-    return tuple(_get(v) for v in vars(module).values() if isinstance(v, nnx.Param))
+    """(attribute name, array) of the module's own ``nnx.Param``s."""
+    return tuple((name, _get(v)) for name, v in vars(module).items()
+                 if isinstance(v, nnx.Param))
 
 
-def _raw_convert(module, rule, counts, kind, args, precision, preferred_element_type):
-    """A module's own GEMM as the FP8 module ``Fp8DotGeneral_<i>`` / ``Fp8Einsum_<i>`` of
-    ``module`` (the i-th of its kind in the call), created at the first eager call."""
+def _raw_convert(module, rule, counts, kind, args, precision, preferred_element_type,
+                 weight=None):
+    """A module's own GEMM through an FP8 module of ``module``, created at the first
+    eager call: ``<weight>_fp8`` for a GEMM of its parameter ``<weight>`` (every GEMM of
+    that weight shares and threads its state), else (two activations)
+    ``Fp8DotGeneral_<i>`` / ``Fp8Einsum_<i>``, the i-th of its kind in the call."""
     cls = Fp8DotGeneral if kind == "dot_general" else Fp8Einsum
-    name = f"{cls.__name__}_{counts[kind]}"
-    counts[kind] += 1
+    if weight is not None:
+        name = f"{weight}_fp8"
+    else:
+        name = f"{cls.__name__}_{counts[kind]}"
+        counts[kind] += 1
     layer = getattr(module, name, None)
     if layer is None:
         if any(isinstance(x, jax.core.Tracer) for x in args[:3]):
@@ -391,7 +399,22 @@ def _raw_convert(module, rule, counts, kind, args, precision, preferred_element_
                 f"Fp8Rule(path=..., recipe=None) before the other rules")
         layer = cls(rule.recipe, min_fp8_flops=rule.min_fp8_flops)
         setattr(module, name, nnx.data(layer))
-    return layer(*args, precision=precision, preferred_element_type=preferred_element_type)
+    elif not isinstance(layer, _Fp8Base):
+        raise TypeError(
+            f"jax_fp8.flax.nnx.fp8_model: {type(module).__name__} has an attribute {name!r}, "
+            f"the name of the FP8 state of its parameter {weight!r}. Rename it, or exclude "
+            f"the module with Fp8Rule(path=..., recipe=None) before the other rules")
+    if isinstance(layer, cls):
+        return layer(*args, precision=precision, preferred_element_type=preferred_element_type)
+    # The weight's state was made by a GEMM of the other kind: the same state, threaded.
+    if kind == "dot_general":
+        out, meta = fp8_dot_general(*args, layer.meta, precision, preferred_element_type,
+                                    min_fp8_flops=layer.min_fp8_flops)
+    else:
+        out, meta = fp8_einsum(*args, layer.meta, preferred_element_type=preferred_element_type,
+                               min_fp8_flops=layer.min_fp8_flops)
+    layer._thread(meta)  # noqa: SLF001
+    return out
 
 
 def _converting_call(method, rule):
