@@ -198,7 +198,18 @@ def _block_backward(recipe, residuals, g, x_dtype, w_dtype):
     qg, sg, qg_t, sg_t = _quantize(g, recipe, "grad", recipe.fp8_format.bwd_dtype, True, True)
     dx = _gemm(qg, sg, qw_kn, sw_kn, gr, wr, x_dtype)       # [M, N] . [K, N]^T
     dw = _gemm(qx_t, sx_t, qg_t, sg_t, xr, gr, w_dtype)     # [K, M] . [N, M]^T
-    return dx, dw
+    # On a mesh with Explicit axes each gradient is typed as its primal (x as its
+    # column-wise copy transposed back, w as its row-wise copy): a reshard, which slices
+    # a gradient the GEMM gave replicated (e.g. a sum over the sharded batch).
+    return _like(dx, qx_t, (1, 0)), _like(dw, qw_kn, (0, 1))
+
+
+def _like(grad, residual, perm):
+    """grad resharded as `residual` with its axes in `perm`, on a mesh with Explicit
+    axes; grad itself elsewhere."""
+    if not common.on_explicit_mesh(residual):
+        return grad
+    return jax.sharding.reshard(grad, _gemms.permuted_sharding(residual, perm))
 
 
 # -------------------------------------------------------------------------------- current

@@ -16,6 +16,15 @@ another), one of `IMPLEMENTATIONS`:
 
 `choose` is the one decision of which lowering runs; `kernels_on` says which primitives
 have a kernel on a platform in this process.
+
+Two rules every primitive gets from the frame by declaring them:
+
+* ``Spec.same_varying``: inside shard_map, the operands are made to vary over the union
+  of their manual axes before the primitive is bound (and abstract evaluation checks it);
+* ``Partitioning.explicit``: on a mesh with Explicit axes (sharding in types), the
+  primitive runs per device under ``jax.shard_map`` with the shardings its Partitioning
+  gives (the operands resharded to them first), so its results carry those shardings in
+  their types: the same per-device program as custom_partitioning runs on Auto meshes.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_fp8 import _registration
 from jax_fp8._primitives import common
@@ -58,14 +68,22 @@ class Partitioning:
 
     ``shardings(params, mesh, arg_shapes)`` -> (operand shardings, result shardings);
     ``rule(params, operand_types)`` -> (Shardy rule, its keyword arguments);
+    ``combine(results, mesh)``: applied to each device's results (e.g. a collective);
+    ``local(bind, operands, *, mesh, shardings, params)``: instead of bind + combine,
+    each device's whole computation, given ``bind(*operands, **params)`` (the primitive
+    on one device) and the operand shardings `shardings` returned;
     ``takes(*avals, **params)``: whether to partition these operands; ``needs_kernel``:
-    partition only on platforms with the kernel (elsewhere XLA shards the reference).
+    partition only on platforms with the kernel (elsewhere XLA shards the reference);
+    ``explicit``: on meshes with Explicit axes run per device under shard_map with the
+    same shardings (else the primitive sees the Explicit-typed operands itself).
     """
     shardings: Callable
     rule: Callable
     combine: Callable | None = None
     takes: Callable = _always
     needs_kernel: bool = True
+    local: Callable | None = None
+    explicit: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +102,8 @@ class Spec:
     jvp: "zero" (results are not differentiated), "reference" (differentiate the
       reference) or "linear" (with ``transpose(cts, *operands, **params)``).
     partitioning: how it partitions under a jit over several devices, or None.
+    same_varying: align the operands' varying manual axes (inside shard_map) at bind,
+      and check them in abstract evaluation.
     cache_reference: lower the reference through one jit per parameters, so that many
       same-shaped calls trace it once.
     """
@@ -97,6 +117,7 @@ class Spec:
     jvp: str = "zero"
     transpose: Callable | None = None
     partitioning: Partitioning | None = None
+    same_varying: bool = False
     cache_reference: bool = False
 
 
@@ -140,11 +161,69 @@ def choose(spec: Spec, platform: str | None, ctx, implementation: str, params: d
 
 
 class _Primitive(Primitive):
-    """A primitive whose ``implementation`` parameter defaults to "auto"."""
+    """A primitive whose ``implementation`` parameter defaults to "auto", with the frame's
+    rules for shard_map's varying axes and Explicit meshes (see the module docstring)."""
 
     def bind(self, *args, **params):
         params.setdefault("implementation", "auto")
+        spec = SPECS[self.name]
+        if spec.same_varying:
+            args = common.vary_like(args)
+        part = spec.partitioning
+        if (part is not None and part.explicit and params["implementation"] == "auto"
+                and any(common.on_explicit_mesh(a) for a in args)):
+            return _explicit_mesh_bind(spec, self, args, params)
         return super().bind(*args, **params)
+
+
+def _spec_of(aval, mesh) -> NamedSharding:
+    """aval's sharding on `mesh` (replicated where its type names no mesh)."""
+    sharding = getattr(aval, "sharding", None)
+    if getattr(getattr(sharding, "mesh", None), "empty", True):
+        return NamedSharding(mesh, PartitionSpec())
+    return NamedSharding(mesh, sharding.spec)
+
+
+def _explicit_mesh_bind(spec: Spec, prim, args, params):
+    """`prim` on operands typed on a mesh with Explicit axes: resharded to the shardings
+    its Partitioning asks for, then each device's computation (as under
+    custom_partitioning) under shard_map, whose results carry the result shardings."""
+    part = spec.partitioning
+    params = {k: v for k, v in params.items() if k != "implementation"}
+    avals = [jax.typeof(a) for a in args]
+    mesh = next(a.sharding.mesh for a in avals if common.on_explicit_mesh(a))
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_spec_of(a, mesh)) for a in avals]
+    arg_shardings, result_shardings = part.shardings(params, mesh, shapes)
+    args = [jax.sharding.reshard(a, s) for a, s in zip(args, arg_shardings)]
+
+    def per_device(*operands):
+        return _per_device(spec, prim, params, mesh, arg_shardings, operands)
+
+    specs = lambda shardings: tuple(s.spec for s in shardings)  # noqa: E731
+    out_specs = specs(result_shardings) if spec.multiple_results else result_shardings.spec
+    with jax.named_scope(per_device_scope(spec.name)):
+        return jax.shard_map(per_device, mesh=mesh, in_specs=specs(arg_shardings),
+                             out_specs=out_specs)(*args)
+
+
+def per_device_scope(name: str) -> str:
+    """The name scope of a partitioned primitive's per-device computation: its ops carry
+    it in their HLO metadata (op_name), whichever lowering they got."""
+    return f"{name}_per_device"
+
+
+def _per_device(spec: Spec, prim, params, mesh, arg_shardings, operands):
+    """One device's computation of a partitioned `prim` on the shards it holds."""
+    part = spec.partitioning
+
+    def bind(*ops, **kw):
+        outs = prim.bind(*ops, implementation=PER_DEVICE, **kw)
+        return tuple(outs) if spec.multiple_results else outs
+
+    if part.local is not None:
+        return part.local(bind, operands, mesh=mesh, shardings=arg_shardings, params=params)
+    outs = bind(*operands, **params)
+    return part.combine(outs, mesh) if part.combine else outs
 
 
 def register(spec: Spec) -> Primitive:
@@ -199,6 +278,8 @@ class _Rules:
         if implementation not in IMPLEMENTATIONS + (PER_DEVICE,):
             raise ValueError(f"{self.spec.name}: implementation must be one of "
                              f"{IMPLEMENTATIONS}, got {implementation!r}")
+        if self.spec.same_varying:
+            common.check_same_varying(self.spec.name, avals)
         return self.spec.abstract_eval(*avals, **params)
 
     # ----------------------------------------------------------------------- lowering
@@ -208,7 +289,12 @@ class _Rules:
         if how == KERNEL:
             return self.spec.kernels[platform].lower(ctx, *operands, **params)
         if how == PARTITIONED:
-            fn = functools.partial(self._partitioned(), _static(params))
+            partitioned = functools.partial(self._partitioned(), _static(params))
+
+            def fn(*ops):
+                with jax.named_scope(per_device_scope(self.spec.name)):
+                    return partitioned(*ops)
+
             return self._lower_fun(fn)(ctx, *operands)
         if self.spec.reference_lowering is not None:
             return self.spec.reference_lowering(ctx, *operands, **params)
@@ -237,8 +323,7 @@ class _Rules:
             args, results = part.shardings(dict(static), mesh, arg_shapes)
 
             def lower(*operands):
-                outs = per_device(static, *operands)
-                return part.combine(outs, mesh) if part.combine else outs
+                return _per_device(self.spec, self.prim, dict(static), mesh, args, operands)
 
             return mesh, lower, results, args
 

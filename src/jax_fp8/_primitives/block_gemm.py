@@ -18,6 +18,9 @@ operands. Everywhere else, and with ``implementation="jnp"``, the reference: eac
 dequantized in float32 (q * scale_inv broadcast over its block), a float32 dot_general
 at HIGHEST precision, cast to out_dtype (a float16 output is the float32 result rounded
 once: beyond 65504 it is +-inf).
+
+Under a jit over several devices, and on meshes with Explicit axes, each device runs
+this GEMM on the shards it holds (`partition.BLOCK_GEMM`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from jax import lax
 from jax.interpreters import mlir
 
 from jax_fp8 import _registration
-from jax_fp8._primitives import base, common
+from jax_fp8._primitives import base, partition
 from jax_fp8._primitives.block_quantize import (BLOCK, SCALE_LAYOUTS, from_gemm_layout,
                                                 scale_shape, to_gemm_layout)
 from jax_fp8._primitives.exact import up_scaled
@@ -64,8 +67,6 @@ def _abstract_eval(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dt
         if s.shape != want or s.dtype != np.float32:
             raise ValueError(f"jax_fp8_block_gemm: {name}_scale_inv must be float32{list(want)}, "
                              f"got {s.dtype}{list(s.shape)}")
-    common.check_same_varying("jax_fp8_block_gemm", (a, a_scale, b, b_scale))
-    common.check_not_explicit("jax_fp8_block_gemm", a)
     return a.update(shape=a.shape[:-1] + (b.shape[-2],), dtype=out_dtype, weak_type=False)
 
 
@@ -161,7 +162,8 @@ def _kernel_takes(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dty
 # Differentiated as the reference; batched in front (leading axes are independent GEMMs).
 block_gemm_p = base.register(base.Spec(
     TARGET, _abstract_eval, reference, cache_reference=True, jvp="reference",
-    kernels={"cuda": base.Kernel(_kernel_lowering, _kernel_takes)}))
+    kernels={"cuda": base.Kernel(_kernel_lowering, _kernel_takes)},
+    partitioning=partition.BLOCK_GEMM, same_varying=True))
 
 
 def block_gemm(a, a_scale_inv, b, b_scale_inv, *, a_block_rows, b_block_rows, out_dtype,

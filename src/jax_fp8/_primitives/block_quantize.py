@@ -3,9 +3,17 @@
 x [..., M, K] -> the row-wise copy (q [..., M, K], scale_inv
 [..., M or ceil(M/128), ceil(K/128)]), the column-wise copy (the same for x with its last two
 axes swapped: q_t [..., K, M], scale_inv_t) or both from one read of x. On CUDA one custom
-call (one kernel); elsewhere, under a multi-device jit (XLA partitions the jax.numpy ops),
-for FP8 types the kernel does not write, or with ``implementation="jnp"``,
-`quantize_reference`: the bit-exact arithmetic of exact.py, the CUDA kernel's bits.
+call (one kernel); elsewhere, for FP8 types the kernel does not write, or with
+``implementation="jnp"``, `quantize_reference`: the bit-exact arithmetic of exact.py, the
+CUDA kernel's bits.
+
+Under a jit over several devices (and on meshes with Explicit axes) each device quantizes
+the shard it holds (`PARTITIONING`: the kernel on CUDA, the reference elsewhere): every
+block lies within one shard, so the bits are one device's. An axis keeps its sharding
+where each shard holds whole blocks along it (whole 128s along K for the row-wise copy;
+along M for the column-wise copy and for 128 x 128 tiles) and, for the GEMM scale layout,
+where the scales along the layout's padded axis need no padding globally; other axes are
+gathered (in x's own type) before quantizing.
 
 ``scale_layout="gemm"`` gives each scale_inv in the layout the block GEMM reads
 (``gemm_scale_shape``, padded with 1.0), which the kernel writes directly: the FP8 dot
@@ -21,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_fp8 import recipe as recipe_lib
 from jax_fp8._primitives import base, common
@@ -111,7 +120,6 @@ def _like(x, shape, dtype):
 def _abstract_eval(x, *, block_rows, fp8_dtype, power_of_2_scale, amax_epsilon, rowwise,
                    colwise, scale_layout):
     del power_of_2_scale, amax_epsilon
-    common.check_not_explicit("jax_fp8_block_quantize", x)
     if x.ndim < 2 or np.dtype(x.dtype) not in INPUT_DTYPES:
         raise TypeError(f"jax_fp8_block_quantize: takes a float32/bfloat16/float16 array of "
                         f"rank >= 2, got {x.dtype}{list(x.shape)}")
@@ -161,13 +169,92 @@ def _kernel_lowering(ctx, x, *, block_rows, fp8_dtype, power_of_2_scale, amax_ep
         gemm_layout=scale_layout == "gemm")
 
 
+# ------------------------------------------------------------------------ partitioning
+
+def _kept_axes(params, shape, spec, mesh):
+    """x's PartitionSpec entries with each axis whose shards would cut a block (or make
+    the GEMM layout's scales padded inside the array) replaced by None."""
+    rows, rowwise, colwise = params["block_rows"], params["rowwise"], params["colwise"]
+    gemm = params["scale_layout"] == "gemm"
+    *lead, m, k = shape
+    # Per axis: (whole 128-blocks per shard needed, scale counts along a padded GEMM axis)
+    m_whole = colwise or (rowwise and rows == BLOCK)
+    k_whole = rowwise or (colwise and rows == BLOCK)
+    m_padded = [c for c, on in ((m, rowwise and rows == 1), (-(-m // BLOCK), colwise and rows == BLOCK))
+                if gemm and on]
+    k_padded = [c for c, on in ((-(-k // BLOCK), rowwise and rows == BLOCK), (k, colwise and rows == 1))
+                if gemm and on]
+    rules = [(False, [])] * len(lead) + [(m_whole, m_padded), (k_whole, k_padded)]
+    kept = []
+    for n, entry, (whole, padded) in zip(shape, spec, rules):
+        shards = common.axes_size(mesh, common.spec_axes(entry))
+        fits = (n % shards == 0 and not (whole and (n // shards) % BLOCK)
+                and all(c % 4 == 0 for c in padded))
+        kept.append(entry if fits or shards == 1 else None)
+    return tuple(kept)
+
+
+def _result_specs(params, kept):
+    """The results' PartitionSpecs for x's kept spec (lead..., m, k)."""
+    *lead, m, k = kept
+    rows, gemm = params["block_rows"], params["scale_layout"] == "gemm"
+    lead = tuple(lead)
+    out = []
+    if params["rowwise"]:   # q [M, K]; scales [kb, M] (gemm, 1x128) else [M or mb, kb]
+        out += [lead + (m, k), lead + ((k, m) if gemm and rows == 1 else (m, k))]
+    if params["colwise"]:   # q_t [K, M]; scales [mb, K] (gemm, 1x128) else [K or kb, mb]
+        out += [lead + (k, m), lead + ((m, k) if gemm and rows == 1 else (k, m))]
+    return out
+
+
+def _shardings(params, mesh, arg_shapes):
+    (x,) = arg_shapes
+    kept = _kept_axes(params, x.shape, common.padded_spec(x.sharding, x.ndim), mesh)
+    named = lambda spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
+    return (named(kept),), tuple(named(spec) for spec in _result_specs(params, kept))
+
+
+def _local(bind, operands, *, mesh, shardings, params):
+    """One device's quantization; a GEMM-layout scale whose padded axis is sharded is cut
+    to this device's scales (the kernel pads a shard's count to a multiple of 4, the
+    global array holds no padding there)."""
+    del mesh
+    (x,) = operands
+    outs = list(bind(x, **params))
+    if params["scale_layout"] != "gemm":
+        return tuple(outs)
+    *_, m_entry, k_entry = common.padded_spec(shardings[0], x.ndim)
+    m, k = x.shape[-2:]
+    rows = params["block_rows"]
+    # (the padded axis is sharded, this device's count of scales along it) per copy
+    row_cut = (m_entry, m) if rows == 1 else (k_entry, -(-k // BLOCK))
+    col_cut = (k_entry, k) if rows == 1 else (m_entry, -(-m // BLOCK))
+    cuts = ([row_cut] if params["rowwise"] else []) + ([col_cut] if params["colwise"] else [])
+    for i, (entry, count) in enumerate(cuts):
+        if entry is not None:
+            outs[2 * i + 1] = outs[2 * i + 1][..., :count]
+    return tuple(outs)
+
+
+def _sharding_rule(params, operand_types):
+    lead = " ".join(f"b{i}" for i in range(len(operand_types[0].shape) - 2))
+    specs = _result_specs(params, tuple(f"b{i}" for i in range(len(lead.split()))) + ("m", "k"))
+    results = ", ".join(" ".join(spec) for spec in specs)
+    return f"{lead} m k -> {results}".strip(), {}
+
+
+PARTITIONING = base.Partitioning(_shardings, _sharding_rule, local=_local, needs_kernel=False,
+                                 explicit=True)
+
 # Quantization is not differentiated (stop-gradient): zero tangents. Leading axes are
-# independent tensors: batched in front.
+# independent tensors: batched in front. Bit-exact per shard, so partitioned also where
+# the reference runs (needs_kernel=False).
 block_quantize_p = base.register(base.Spec(
     TARGET, _abstract_eval, _reference, multiple_results=True, cache_reference=True,
     kernels={"cuda": base.Kernel(
         _kernel_lowering,
-        takes=lambda x, *, fp8_dtype, **_: kernel_takes(x.shape, x.dtype, fp8_dtype))}))
+        takes=lambda x, *, fp8_dtype, **_: kernel_takes(x.shape, x.dtype, fp8_dtype))},
+    partitioning=PARTITIONING))
 
 
 def block_quantize(x, *, block_rows, fp8_dtype, power_of_2_scale, amax_epsilon, rowwise=True,

@@ -1,4 +1,4 @@
-"""Helpers shared by the primitives: eager execution, shard_map's varying manual axes, Explicit meshes."""
+"""Helpers shared by the primitives: eager execution, shard_map's varying manual axes, Explicit meshes, partition specs."""
 
 from __future__ import annotations
 
@@ -79,3 +79,32 @@ def check_not_explicit(name, aval):
             f"{name}: arrays sharded over a mesh with Explicit axes are not supported; use "
             f"Auto axes (jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto, ...))) "
             f"or shard_map")
+
+
+# ------------------------------------------------------------------------ partition specs
+
+def padded_spec(sharding, ndim) -> tuple:
+    """The PartitionSpec of `sharding` as a tuple of `ndim` entries (None: replicated)."""
+    spec = tuple(getattr(sharding, "spec", ()))
+    return spec + (None,) * (ndim - len(spec))
+
+
+def spec_axes(entry) -> tuple:
+    """The mesh axis names of one PartitionSpec entry (None, a name or a tuple of names)."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def axes_size(mesh, axes) -> int:
+    """How many shards `axes` (names of `mesh`) cut a dimension into."""
+    size = 1
+    for a in axes:
+        size *= mesh.shape[a]
+    return size
+
+
+def spec_entry(axes):
+    """The PartitionSpec entry for a tuple of mesh axis names."""
+    axes = tuple(axes)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
