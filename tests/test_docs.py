@@ -100,6 +100,87 @@ def test_api_reference_shows_only_public_names():
         assert not aliases, f"{page}: internal aliases in signatures: {sorted(set(aliases))}"
 
 
+_SITE_LINK = re.compile(r'<(?:a|img|link|script)\b[^>]*?\b(?:href|src)="([^"]*)"')
+
+
+def _broken_site_links(site):
+    """'page: target' for each relative href / src of the built site's HTML that names no
+    file of the site, or an anchor (`page.html#id`, `#id`) that its page does not have."""
+    ids = {}
+
+    def page_ids(path):
+        if path not in ids:
+            ids[path] = set(re.findall(r"""\bid=["']([^"']+)["']""",
+                                       path.read_text(encoding="utf-8", errors="replace")))
+        return ids[path]
+
+    broken = []
+    for page in sorted(site.rglob("*.html")):
+        if page == site / "404.html":
+            continue  # served for any missing path, so its links start at the server's root
+        html = page.read_text(encoding="utf-8", errors="replace")
+        for raw in _SITE_LINK.findall(html):
+            target = html_lib.unescape(raw)
+            if not target or re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", target) \
+                    or target.startswith("//"):
+                continue  # another site's address, mailto:, data:, javascript:
+            path, _, anchor = target.split("?", 1)[0].partition("#")
+            dest = page if not path else (page.parent / path)
+            if path.endswith("/") or dest.is_dir():
+                dest = dest / "index.html"
+            where = f"{page.relative_to(site)}: {target}"
+            if not dest.exists():
+                broken.append(where)
+            elif anchor and dest.suffix == ".html" and anchor not in page_ids(dest):
+                broken.append(where)
+    return broken
+
+
+def test_built_site_has_no_broken_link_or_image():
+    """Every relative link and image of the built site lands on a file of the site (and
+    on an element of that page where it names one): links written for the repository
+    (README.md, ../bench/..., ../tests/...) were turned into pages of the site."""
+    site = _site()
+    assert (site / "index.html").exists()
+    broken = _broken_site_links(site)
+    assert not broken, "broken links on the built site:\n" + "\n".join(broken)
+
+
+def test_site_link_checker_finds_broken_links(tmp_path):
+    """The checker itself, on a made-up site."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "index.html").write_text('<h1 id="top">A</h1>', encoding="utf-8")
+    (tmp_path / "index.html").write_text(
+        '<a href="a/">ok</a> <a href="a/#top">ok</a> <img src="a/index.html"> '
+        '<a href="https://example.com/x">ok</a> <a href="#here">?</a> <p id="here"></p>'
+        '<a href="b/">no</a> <a href="a/#nowhere">no</a> <img src="plot.png">',
+        encoding="utf-8")
+    assert _broken_site_links(tmp_path) == [
+        "index.html: b/", "index.html: a/#nowhere", "index.html: plot.png"]
+
+
+def test_home_page_is_the_readme():
+    """The site's home page shows the README (its first section and its install
+    command), not a pointer to it."""
+    html = (_site() / "index.html").read_text(encoding="utf-8")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    install = re.search(r'^python -m pip install "\.\[[a-z,]+\]"', readme, re.MULTILINE)
+    assert install and html_lib.escape(install.group(0), quote=False) in html.replace(
+        "&quot;", '"')
+    assert 'href="getting_started/"' in html
+
+
+def test_docs_requirements_match_the_docs_extra():
+    """docs/requirements.txt (the docs-only install) and pyproject's `docs` extra list
+    the same packages, so either install builds the same site."""
+    tomllib = pytest.importorskip("tomllib")
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))[
+        "project"]["optional-dependencies"]["docs"]
+    lines = (ROOT / "docs" / "requirements.txt").read_text(encoding="utf-8").splitlines()
+    requirements = [line.split("#")[0].strip() for line in lines]
+    assert sorted(r for r in requirements if r) == sorted(extra)
+
+
 def test_every_reference_page_is_in_the_nav():
     text = MKDOCS_YML.read_text(encoding="utf-8")
     for page in PUBLIC_MODULES.values():
@@ -231,6 +312,56 @@ def test_snippet_runs_on_its_own(page, index, tmp_path):
     pytest.importorskip("optax")
     proc = _run_snippet(_snippets(ROOT / page)[index], tmp_path)
     assert proc.returncode == 0, f"{page}, python block {index}:\n" + proc.stderr[-5000:]
+
+
+# Pages whose ```python blocks continue each other within a section: each `## ` section's
+# blocks, in order, form one program (as a reader pastes them into one session).
+PROGRAM_PAGES = ("docs/getting_started.md",)
+
+
+def _section_programs(md):
+    """{title: its ```python blocks joined in order} for each `## ` section of the page
+    that holds any."""
+    text = md.read_text(encoding="utf-8")
+    fences = [m.span() for m in _FENCE.finditer(text)]
+    headings = [(m.start(), m.group(1).strip())
+                for m in re.finditer(r"^## (.+)$", text, re.MULTILINE)
+                if not any(a <= m.start() < b for a, b in fences)]
+    programs = {}
+    for m in _PYTHON_BLOCK.finditer(text):
+        titles = [title for start, title in headings if start < m.start()]
+        if titles and "/path/to/" not in m.group(1):
+            programs.setdefault(titles[-1], []).append(m.group(1))
+    return {title: "\n".join(blocks) for title, blocks in programs.items()}
+
+
+def _program_cases():
+    return [pytest.param(page, title, id=f"{page}[{title}]") for page in PROGRAM_PAGES
+            if (ROOT / page).exists() for title in _section_programs(ROOT / page)]
+
+
+@pytest.mark.parametrize("page, section", _program_cases())
+def test_section_runs_as_one_program(page, section, tmp_path):
+    """The section's ```python blocks, run in order in one fresh interpreter on CPU,
+    import and define everything they use and run without error."""
+    pytest.importorskip("flax")
+    pytest.importorskip("optax")
+    pytest.importorskip("orbax.checkpoint")
+    proc = _run_snippet(_section_programs(ROOT / page)[section], tmp_path)
+    assert proc.returncode == 0, f"{page}, section {section!r}:\n" + proc.stderr[-5000:]
+
+
+def test_getting_started_runs_both_loops():
+    """The getting-started page holds a linen and an NNX program, each with a train step,
+    an evaluation and an orbax save and restore."""
+    programs = _section_programs(ROOT / "docs" / "getting_started.md")
+    assert {"Flax linen", "Flax NNX"} <= set(programs), sorted(programs)
+    for title in ("Flax linen", "Flax NNX"):
+        code = programs[title]
+        for needle in ("train_step(", "eval_loss(", "StandardCheckpointer()", ".save(",
+                       ".restore("):
+            assert needle in code, (title, needle)
+    assert "nnx.eval_shape(" in programs["Flax NNX"] and "nnx.split(" in programs["Flax NNX"]
 
 
 def test_readme_has_snippets_to_run():

@@ -188,6 +188,14 @@ def on_files(files: Files, config):
                 continue
             if (_site.root / path).exists():
                 _site.mirror(path, files, config, pending)
+    # Two sources of one page (e.g. `x.md` and `x/README.md`, both `x/index.html`): one
+    # would silently replace the other on the site.
+    seen: dict[str, str] = {}
+    for f in files:
+        if f.dest_uri in seen:
+            log.warning(f"'{f.src_uri}' and '{seen[f.dest_uri]}' are both the site's "
+                        f"'{f.dest_uri}': rename one of them")
+        seen.setdefault(f.dest_uri, f.src_uri)
     return files
 
 
