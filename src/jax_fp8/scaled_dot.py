@@ -31,6 +31,7 @@ product without them, one GEMM per batch element.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -184,7 +185,7 @@ def _block_forward(x, w, recipe, out_dtype, keep):
     if keep:
         qx, sx, qx_t, sx_t = _quantize(x, recipe, "x", fwd, True, True)
         qw_kn, sw_kn, qw, sw = _quantize(w, recipe, "w", fwd, True, True)
-        residuals = (qx_t, sx_t, qw_kn, sw_kn)
+        residuals = (qx_t, sx_t, qw_kn, sw_kn, _Types(_explicit_type(x), _explicit_type(w)))
     else:
         qx, sx = _quantize(x, recipe, "x", fwd, True, False)
         qw, sw = _quantize(w, recipe, "w", fwd, False, True)
@@ -193,23 +194,31 @@ def _block_forward(x, w, recipe, out_dtype, keep):
 
 
 def _block_backward(recipe, residuals, g, x_dtype, w_dtype):
-    qx_t, sx_t, qw_kn, sw_kn = residuals
+    qx_t, sx_t, qw_kn, sw_kn, types = residuals
     xr, wr, gr = (recipe.block_shape(r)[0] for r in ("x", "w", "grad"))
     qg, sg, qg_t, sg_t = _quantize(g, recipe, "grad", recipe.fp8_format.bwd_dtype, True, True)
     dx = _gemm(qg, sg, qw_kn, sw_kn, gr, wr, x_dtype)       # [M, N] . [K, N]^T
     dw = _gemm(qx_t, sx_t, qg_t, sg_t, xr, gr, w_dtype)     # [K, M] . [N, M]^T
-    # On a mesh with Explicit axes each gradient is typed as its primal (x as its
-    # column-wise copy transposed back, w as its row-wise copy): a reshard, which slices
-    # a gradient the GEMM gave replicated (e.g. a sum over the sharded batch).
-    return _like(dx, qx_t, (1, 0)), _like(dw, qw_kn, (0, 1))
+    # On a mesh with Explicit axes each gradient is typed as its primal: a reshard
+    # (e.g. a slice of a weight gradient the GEMM summed over the sharded batch).
+    return _typed(dx, types.x), _typed(dw, types.w)
 
 
-def _like(grad, residual, perm):
-    """grad resharded as `residual` with its axes in `perm`, on a mesh with Explicit
-    axes; grad itself elsewhere."""
-    if not common.on_explicit_mesh(residual):
-        return grad
-    return jax.sharding.reshard(grad, _gemms.permuted_sharding(residual, perm))
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Types:
+    """The primals' shardings on a mesh with Explicit axes (None elsewhere), kept with the
+    residuals as static data."""
+    x: object
+    w: object
+
+
+def _explicit_type(a):
+    return jax.typeof(a).sharding if common.on_explicit_mesh(a) else None
+
+
+def _typed(grad, sharding):
+    return grad if sharding is None else jax.sharding.reshard(grad, sharding)
 
 
 # -------------------------------------------------------------------------------- current
