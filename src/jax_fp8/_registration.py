@@ -59,7 +59,7 @@ def export_disabled_checks() -> list:
 
     jax.export refuses custom calls it does not know to be stable; jax_fp8's are stable
     within a jax_fp8 release. A deserialized program runs where ``import jax_fp8`` has
-    registered the kernels::
+    registered the kernels:
 
         exp = jax.export.export(jax.jit(step),
                                 disabled_checks=jax_fp8.export_disabled_checks())(*args)

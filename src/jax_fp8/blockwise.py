@@ -51,7 +51,7 @@ def quantize_blocks(x, block_shape=(1, 128), fp8_dtype=jnp.float8_e4m3fn, *,
     blocks cut short by the edges hold fewer values. ``x ~= x_fp8 * scale_inv`` broadcast
     over each block. Leading axes are independent. Not differentiated (a zero gradient).
 
-    Example::
+    Example:
 
         q, s = jax_fp8.quantize_blocks(x)             # x [4096, 1024] -> s [4096, 8]
     """

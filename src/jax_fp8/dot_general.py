@@ -210,7 +210,7 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, meta: Fp8Meta, precision=None,
     default, keeps every GEMM in FP8. Where FP8 starts to pay is a property of the GPU:
     see docs/benchmarks.md ("One Dense layer").
 
-    Example::
+    Example:
 
         meta = jax_fp8.Fp8Meta.create()
         out, meta = jax_fp8.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), meta)

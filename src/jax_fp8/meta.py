@@ -69,7 +69,7 @@ class Fp8Meta:
     ``grad`` are None and the (static) ``recipe`` says how to scale. The functional call
     is the same for all three recipes.
 
-    Example::
+    Example:
 
         meta = Fp8Meta.create(DelayedScaling(history_len=16))     # or Float8BlockScaling()
         out, meta = fp8_dot_general(x, w, (((1,), (0,)), ((), ())), meta)
@@ -211,7 +211,7 @@ def frozen_scales():
     context acts when the function is traced (a jitted function already traced outside
     it is not re-traced: jit the step inside the context, or give it a static flag).
 
-    Example (a saliency map of a trained model)::
+    Example (a saliency map of a trained model):
 
         with jax_fp8.frozen_scales():
             dx = jax.grad(lambda x: jnp.sum(model.apply(variables, x)))(x)

@@ -46,7 +46,7 @@ def quantize(x, state: ScalingState) -> jax.Array:
     for E4M3, which has a NaN but no infinity). A state with leading axes ``[...]`` scales
     the matching leading axes of ``x``.
 
-    Example::
+    Example:
 
         st = ScalingState.create()                       # scale 1, E4M3
         quantize(jnp.array([1.0, 500.0]), st)            # -> [1, 448] as float8_e4m3fn

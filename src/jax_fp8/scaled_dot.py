@@ -71,7 +71,7 @@ def scaled_dot_general(lhs, rhs, dimension_numbers, recipe, preferred_element_ty
     Args:
       recipe: ``jax_fp8.Float8CurrentScaling`` or ``jax_fp8.Float8BlockScaling``.
 
-    Example (a Dense layer)::
+    Example (a Dense layer):
 
         y = scaled_dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
                                jax_fp8.Float8BlockScaling())   # x [B, T, D], kernel [D, H]

@@ -1,11 +1,11 @@
 """Flax integration of jax_fp8: linen and NNX FP8 layers, train-step helpers, converters.
 
-Linen (the default namespace)::
+Linen (the default namespace):
 
     nn.Dense(features, dot_general_cls=jax_fp8.flax.Fp8DotGeneral)
     state = jax_fp8.flax.Fp8TrainState.create(apply_fn=model.apply, variables=v, tx=tx)
 
-An existing model in one call (docs/convert.md)::
+An existing model in one call (docs/convert.md):
 
     model = jax_fp8.flax.fp8_model(model, jax_fp8.flax.Fp8Rule(recipe=recipe))
 

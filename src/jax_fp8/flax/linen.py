@@ -1,6 +1,6 @@
 """Flax linen: FP8 dot_general / einsum modules and a TrainState that keeps FP8 state apart.
 
-Usage::
+Usage:
 
     dense = nn.Dense(features, dot_general_cls=jax_fp8.flax.Fp8DotGeneral)
     variables = model.init(rng, x)           # {"params": ..., "fp8_meta": ...}
@@ -187,7 +187,7 @@ class Fp8DotGeneral(nn.Module):
       min_fp8_flops: GEMMs with fewer FLOPs (2 * batch * M * N * K) run in the operands'
         dtype, not FP8 (`jax_fp8.fp8_dot_general`); 0 (the default): every GEMM is FP8.
 
-    Example::
+    Example:
 
         dg = functools.partial(Fp8DotGeneral, recipe=jax_fp8.Float8BlockScaling())
         nn.Dense(1024, dot_general_cls=dg)
@@ -322,16 +322,26 @@ class Fp8TrainState(train_state.TrainState):
                **kwargs):
         """From ``variables`` (as returned by ``model.init``), or ``params`` and ``fp8``.
 
-        recipe: the recipe the FP8 states were made by (default ``DelayedScaling()``):
-          every FP8 state must follow it (history length and FP8 dtypes; the layers'
-          ``recipe`` attribute), else ValueError. A current or blockwise recipe keeps no
-          state: the FP8 collection must then be empty.
-        pack_fp8: keep the FP8 collection packed into one stacked state per (FP8 dtype,
-          history length) (`jax_fp8.pack_states`, the default): the step then takes 3
-          arrays per group instead of 3 per FP8 tensor, which cuts JAX's per-argument
-          host cost, the fused update runs on stacked states, and a checkpoint records
-          each group's FP8 dtype. The layers still see their own states. False keeps the
-          collection as the model made it.
+        Args:
+          apply_fn: the model's ``apply``.
+          tx: the optax transformation of the parameters (it never sees the FP8 state).
+          variables: ``model.init``'s result: ``"params"`` and the FP8 collection only,
+            else ValueError (pass ``params=`` and ``fp8=`` and keep other collections
+            yourself).
+          params: the parameters, in place of ``variables``.
+          fp8: the FP8 collection, with ``params`` (default: none).
+          recipe: the recipe the FP8 states were made by (default ``DelayedScaling()``):
+            every FP8 state must follow it (history length and FP8 dtypes; the layers'
+            ``recipe`` attribute), else ValueError. A current or blockwise recipe keeps
+            no state: the FP8 collection must then be empty.
+          fp8_collection: the name of the FP8 collection (the layers' ``collection``).
+          pack_fp8: keep the FP8 collection packed into one stacked state per (FP8
+            dtype, history length) (`jax_fp8.pack_states`, the default): the step then
+            takes 3 arrays per group instead of 3 per FP8 tensor, which cuts JAX's
+            per-argument host cost, the fused update runs on stacked states, and a
+            checkpoint records each group's FP8 dtype. The layers still see their own
+            states. False keeps the collection as the model made it.
+          **kwargs: other fields of Flax's ``TrainState``.
 
         With ``tx`` an ``optax.MultiSteps`` (alone or inside a chain), the FP8 state is
         updated once per optimizer step from the max of its microbatches' amaxes.

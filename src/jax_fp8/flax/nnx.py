@@ -1,6 +1,6 @@
 """Flax NNX: FP8 delayed-scaling dot_general / Linear with the state in an nnx.Variable.
 
-Usage::
+Usage:
 
     model = MyModel(...)   # built with jax_fp8.flax.nnx.Fp8Linear, or
                            # nnx.Linear(..., dot_general=Fp8DotGeneral(recipe))
@@ -159,15 +159,18 @@ def fp8_state(model) -> nnx.State:
 def update_fp8(model, fp8_grads, recipe=None):
     """Replaces every `Fp8State` of ``model`` with ONE fused ``update_states`` call.
 
-    fp8_grads: the gradient w.r.t. the model's `Fp8State`s, or the whole gradient of
-      `fp8_value_and_grad` (its FP8 part is used).
+    Args:
+      model: the NNX module whose `Fp8State`s are replaced, in place.
+      fp8_grads: the gradient w.r.t. the model's `Fp8State`s, or the whole gradient of
+        `fp8_value_and_grad` (its FP8 part is used).
+      recipe: the recipe the layers were made with (default ``DelayedScaling()``, as in
+        linen): every state must follow it (history length, FP8 dtypes), else
+        ValueError. A current or blockwise recipe keeps no state: the model must then
+        hold none (there is nothing to update); on delayed-scaling states it is a
+        ValueError.
 
-    recipe: the recipe the layers were made with (default ``DelayedScaling()``, as in
-      linen): every state must follow it (history length, FP8 dtypes), else ValueError.
-      A current or blockwise recipe keeps no state: the model must then hold none (there
-      is nothing to update); on delayed-scaling states it is a ValueError.
-
-    Returns the new FP8 state.
+    Returns:
+      The new FP8 state (an ``nnx.State``), now also the model's.
     """
     if isinstance(fp8_grads, nnx.State):
         fp8_grads = fp8_state(fp8_grads)
@@ -274,7 +277,7 @@ class Fp8Optimizer(nnx.Optimizer):
 
     ``Fp8Optimizer(model, tx, wrt=nnx.Param, recipe=None)``: ``recipe`` is the one the
     layers were made with (as in `update_fp8`). Then the usual NNX loop updates the FP8
-    state too, or refuses gradients without it::
+    state too, or refuses gradients without it:
 
         loss, grads = fp8_value_and_grad(loss_fn)(model, x, y)
         optimizer.update(model, grads)       # params (optax) and ONE fused FP8 update
