@@ -181,6 +181,19 @@ def test_docs_requirements_match_the_docs_extra():
     assert sorted(r for r in requirements if r) == sorted(extra)
 
 
+def test_api_reference_renders_docstrings_as_markdown():
+    """No reST left on the reference pages: no literal '::' in the text, and no box titled
+    by a parameter's description (a `name: text` paragraph outside an Args section)."""
+    for page in PUBLIC_MODULES.values():
+        html = (_site() / "reference" / page / "index.html").read_text(encoding="utf-8")
+        prose = re.sub(r"<(pre|code)\b.*?</\1>", "", html, flags=re.DOTALL)
+        text = html_lib.unescape(re.sub(r"<[^>]+>", "", prose))
+        literal = [text[max(0, m.start() - 60):m.end()] for m in re.finditer("::", text)]
+        assert not literal, f"{page}: reST '::' shown as text: {literal}"
+        boxes = set(re.findall(r'<details class="([^"]*)"', html))
+        assert boxes <= {"example", "note", "warning", "tip"}, f"{page}: boxes {boxes}"
+
+
 def test_every_reference_page_is_in_the_nav():
     text = MKDOCS_YML.read_text(encoding="utf-8")
     for page in PUBLIC_MODULES.values():
