@@ -52,8 +52,8 @@ def test_layers_hold_fp8_state_variables():
 
 
 def _split(grads):
-    fp8_grads, param_grads = nnx.split_state(grads, fnnx.Fp8State, ...)
-    return param_grads, fp8_grads
+    param_grads = nnx.split_state(grads, fnnx.Fp8Grad, ...)[1]
+    return param_grads, fnnx.fp8_state(grads)
 
 
 def _step_fn(recipe):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 import jax
@@ -85,8 +86,47 @@ def field_key(field: str, fp8_dtype) -> str:
 
 _KEYS: dict = {}  # fp8_dtype -> the GetAttrKeys of its three fields
 
+OPTAX_REFUSES = (
+    "optax was given jax_fp8 FP8 scaling states, or their gradients (the amaxes a step "
+    "observed): an optimizer would add its updates to the amax histories and scales, "
+    "and the FP8 update would never run. FP8 states never go through an optimizer; keep "
+    "them out of it. Linen: `state = jax_fp8.flax.Fp8TrainState.create(apply_fn=..., "
+    "variables=variables, tx=tx, recipe=recipe)` (not flax's TrainState.create("
+    "params=variables)), `loss, grads = state.value_and_grad(loss_fn)(...)`, "
+    "`state = state.apply_gradients(grads=grads)`; by hand, optax on variables['params'] "
+    "only and `jax_fp8.new_fp8_state(fp8, fp8_grads, recipe)` for the FP8 collection. "
+    "NNX: `optimizer = jax_fp8.flax.nnx.Fp8Optimizer(model, tx, wrt=nnx.Param, "
+    "recipe=recipe)` and `optimizer.update(model, grads)`, or "
+    "`jax_fp8.flax.nnx.apply_gradients(model, optimizer, grads, recipe)` (a plain "
+    "nnx.Optimizer takes the FP8 gradients of fp8_value_and_grad as parameters, whatever "
+    "its wrt, and lands here).")
+
+
+def _check_not_optax():
+    """Raises ValueError when the pytree operation flattening a state was called by optax
+    (the Python frames above the flatten, past JAX's own tree functions)."""
+    try:
+        frame = sys._getframe(2)
+    except ValueError:  # called from the top level
+        return
+    for _ in range(8):
+        if frame is None:
+            return
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith("optax"):
+            raise ValueError(OPTAX_REFUSES)
+        if not module.startswith("jax"):
+            return
+        frame = frame.f_back
+
+
+def _flatten(st: ScalingState):
+    _check_not_optax()
+    return (st.amax_history, st.scale, st.scale_inv), st.fp8_dtype
+
 
 def _flatten_with_keys(st: ScalingState):
+    _check_not_optax()
     keys = _KEYS.get(st.fp8_dtype)
     if keys is None:
         keys = _KEYS[st.fp8_dtype] = tuple(
@@ -97,7 +137,7 @@ def _flatten_with_keys(st: ScalingState):
 jax.tree_util.register_pytree_with_keys(
     ScalingState, _flatten_with_keys,
     lambda fp8_dtype, arrays: ScalingState(*arrays, fp8_dtype=fp8_dtype),
-    flatten_func=lambda st: ((st.amax_history, st.scale, st.scale_inv), st.fp8_dtype))
+    flatten_func=_flatten)
 
 # jax.export: a serialized function taking or returning states names them
 # "jax_fp8.ScalingState" (deserializing it needs `import jax_fp8`).

@@ -56,6 +56,21 @@ class Fp8State(nnx.Variable):
     """The delayed-scaling state (a `ScalingState`) of one FP8 tensor."""
 
 
+class Fp8Grad(nnx.Param):
+    """In the gradients `fp8_value_and_grad` returns: the gradient w.r.t. one `Fp8State`,
+    a `ScalingState` whose staging slot holds the amaxes the step observed.
+
+    An ``nnx.Param`` subtype on purpose: an optimizer that selects parameters
+    (``nnx.Optimizer(model, tx, wrt=nnx.Param)``, ``wrt=nnx.Any(...)``) takes it along
+    with the parameter gradients, and optax refuses it at trace time with an error
+    naming `Fp8Optimizer` / `apply_gradients`, instead of dropping the FP8 update.
+    `Fp8Optimizer`, `apply_gradients` and `update_fp8` take it apart from the rest.
+    """
+
+
+_FP8_GRADS = nnx.Any(Fp8Grad, Fp8State)  # the FP8 part of a gradient nnx.State
+
+
 def _get(var):
     return var.get_value() if hasattr(var, "get_value") else var.value
 
@@ -152,8 +167,11 @@ class Fp8Linear(nnx.Linear):
 
 def fp8_state(model) -> nnx.State:
     """The model's FP8 state (every `Fp8State`), as an ``nnx.State``; of a gradient
-    ``nnx.State``, its FP8 part."""
-    return nnx.state(model, Fp8State)
+    ``nnx.State``, its FP8 part (its `Fp8Grad`s as `Fp8State`s, the structure of the
+    model's FP8 state)."""
+    if isinstance(model, nnx.Module):
+        return nnx.state(model, Fp8State)
+    return _as_states(nnx.state(model, _FP8_GRADS))
 
 
 def update_fp8(model, fp8_grads, recipe=None):
@@ -180,20 +198,47 @@ def update_fp8(model, fp8_grads, recipe=None):
 
 
 def _split(grads):
+    """(the FP8 part, the rest) of a gradient ``nnx.State``."""
     if hasattr(nnx, "split_state"):
-        return nnx.split_state(grads, Fp8State, ...)
-    return grads.split(Fp8State, ...)
+        return nnx.split_state(grads, _FP8_GRADS, ...)
+    return grads.split(_FP8_GRADS, ...)
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _retyped(tree, cls):
+    """``tree`` (an ``nnx.State``) with each variable as a ``cls`` of the same value."""
+    return jax.tree.map(lambda v: cls(_get(v)) if _is_variable(v) else v, tree,
+                        is_leaf=_is_variable)
+
+
+def _as_states(fp8_grads):
+    """The FP8 part of a gradient, typed as the model's `Fp8State`s (its structure)."""
+    return _retyped(fp8_grads, Fp8State)
 
 
 def fp8_value_and_grad(loss_fn: Callable, has_aux: bool = False, wrt=nnx.Param):
     """``loss_fn(model, *args)`` -> f(model, *args) = ``(loss[, aux]), grads``.
 
     ``grads`` is the ``nnx.State`` of the gradients w.r.t. the ``wrt`` variables and the
-    `Fp8State`s, what `apply_gradients` takes (linen's
-    `jax_fp8.flax.fp8_value_and_grad` returns the same ``(loss[, aux]), grads``).
+    `Fp8State`s, the latter as `Fp8Grad` variables: what `apply_gradients`,
+    `Fp8Optimizer.update` and `update_fp8` take (linen's
+    `jax_fp8.flax.fp8_value_and_grad` returns the same ``(loss[, aux]), grads``). A plain
+    ``nnx.Optimizer`` given these gradients refuses them at trace time (`Fp8Grad`).
     """
     diff = nnx.DiffState(0, nnx.Any(wrt, Fp8State))
-    return nnx.value_and_grad(loss_fn, argnums=diff, has_aux=has_aux)
+    value_and_grad = nnx.value_and_grad(loss_fn, argnums=diff, has_aux=has_aux)
+
+    @functools.wraps(loss_fn)
+    def f(*args, **kwargs):
+        value, grads = value_and_grad(*args, **kwargs)
+        return value, jax.tree.map(
+            lambda v: Fp8Grad(_get(v)) if isinstance(v, Fp8State) else v, grads,
+            is_leaf=_is_variable)
+
+    return f
 
 
 def _is_multi_steps(tx) -> bool:
@@ -508,6 +553,6 @@ def fp8_model(model: nnx.Module, rules=None, *example_args, **example_kwargs):
     return model
 
 
-__all__ = ["Fp8DotGeneral", "Fp8Einsum", "Fp8Linear", "Fp8Optimizer", "Fp8Pending",
-           "Fp8State", "ScalingState", "apply_gradients", "check_fp8_updated", "fp8_model",
-           "fp8_state", "fp8_value_and_grad", "update_fp8"]
+__all__ = ["Fp8DotGeneral", "Fp8Einsum", "Fp8Grad", "Fp8Linear", "Fp8Optimizer",
+           "Fp8Pending", "Fp8State", "ScalingState", "apply_gradients", "check_fp8_updated",
+           "fp8_model", "fp8_state", "fp8_value_and_grad", "update_fp8"]
