@@ -1,6 +1,8 @@
 // XLA FFI handler "jax_fp8_block_gemm" (see block_gemm_cuda.h): decodes and checks the
-// call, then runs cuBLASLt's plan for it (block_gemm_cublaslt.cc) or, where cuBLASLt has
-// no algorithm, the plain kernel of block_gemm_fallback.cu. The workspace is a result
+// call, then runs the CUTLASS configuration the measured table picks for it
+// (block_gemm_cutlass.cc), else cuBLASLt's plan (block_gemm_cublaslt.cc), else, where
+// cuBLASLt has no algorithm, the plain kernel of block_gemm_fallback.cu. The `kernel`
+// attribute can name one of them instead (kKernel* below). The workspace is a result
 // buffer XLA allocates.
 #include "block_gemm_cuda.h"
 
@@ -8,6 +10,7 @@
 #include <vector>
 
 #include "block_gemm_cublaslt.h"
+#include "block_gemm_cutlass.h"
 #include "block_scale_layout.h"
 #include "cuda_handler_util.h"
 
@@ -16,6 +19,11 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr const char* kName = "jax_fp8_block_gemm";
+
+// The `kernel` attribute: the table's choice, cuBLASLt (else the plain kernel), the plain
+// kernel, or CUTLASS configuration i as kKernelCutlass + i.
+constexpr int32_t kKernelAuto = 0, kKernelCublasLt = 1, kKernelFallback = 2,
+                  kKernelCutlass = 100;
 
 ffi::Error Invalid(const std::string& msg) { return InvalidArgument(kName, msg); }
 
@@ -37,7 +45,25 @@ struct Call {
   GemmBatch batch;
   int64_t sa_ld, sb_ld;
   uint32_t align[5];
+  CutlassGemm cg;
+  bool e4m3;  // both operands E4M3
 };
+
+// The CUTLASS configuration this call runs, or -1; an error for a `kernel` attribute
+// naming a configuration that is not compiled or does not compute this GEMM.
+ffi::ErrorOr<int> CutlassChoice(const Call& c, int32_t kernel) {
+  if (kernel == kKernelAuto) return CutlassPick(c.cg, c.e4m3, c.align);
+  if (kernel < kKernelCutlass) return -1;
+  const int i = kernel - kKernelCutlass;
+  if (i >= CutlassConfigCount()) {
+    return ffi::Unexpected(Invalid("kernel names no compiled CUTLASS configuration"));
+  }
+  if (!CutlassTakes(i, c.cg, c.e4m3, c.align)) {
+    return ffi::Unexpected(Invalid(std::string("CUTLASS configuration ") +
+                                   CutlassConfigAt(i).name + " does not take this GEMM"));
+  }
+  return i;
+}
 
 ffi::ErrorOr<Call> Decode(ffi::AnyBuffer a, ffi::AnyBuffer a_scale, ffi::AnyBuffer b,
                           ffi::AnyBuffer b_scale, ffi::Result<ffi::AnyBuffer>& out,
@@ -89,6 +115,11 @@ ffi::ErrorOr<Call> Decode(ffi::AnyBuffer a, ffi::AnyBuffer a_scale, ffi::AnyBuff
   c.align[2] = Alignment(c.g.out, m * n * static_cast<int64_t>(c.batch.out_bytes), batch);
   c.align[3] = Alignment(c.g.a_scale, c.batch.a_scale_size * 4, batch);
   c.align[4] = Alignment(c.g.b_scale, c.batch.b_scale_size * 4, batch);
+  c.cg = CutlassGemm{m, n, k, batch, c.g.a, c.g.b,
+                     static_cast<const float*>(c.g.a_scale), static_cast<const float*>(c.g.b_scale),
+                     c.g.out, sa.ld, sb.ld, c.batch.a_scale_size, c.batch.b_scale_size,
+                     c.g.a_tile, c.g.b_tile, ot == ffi::DataType::BF16};
+  c.e4m3 = c.g.a_type == kR8FE4M3 && c.g.b_type == kR8FE4M3;
   return c;
 }
 
@@ -100,17 +131,27 @@ ffi::Error BlockGemmInitialize(cudaStream_t, int32_t device, ffi::AnyBuffer a,
                                ffi::AnyBuffer a_scale, ffi::AnyBuffer b, ffi::AnyBuffer b_scale,
                                ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::AnyBuffer> workspace, int32_t a_block_rows,
-                               int32_t b_block_rows, bool force_fallback) {
+                               int32_t b_block_rows, int32_t kernel) {
   auto call = Decode(a, a_scale, b, b_scale, out, workspace, a_block_rows, b_block_rows);
   if (!call.has_value()) return call.error();
-  if (!force_fallback && !Empty(*call)) FindPlan(call->g, call->align, device);
+  if (Empty(*call) || kernel == kKernelFallback) return ffi::Error::Success();
+  auto cutlass = CutlassChoice(*call, kernel);
+  if (!cutlass.has_value()) return cutlass.error();
+  if (*cutlass >= 0) {
+    const int err = CutlassConfigAt(*cutlass).prepare(device);
+    if (err != 0) {
+      return ffi::Error::Internal(std::string(kName) + ": CUTLASS setup failed: " +
+                                  cudaGetErrorString(static_cast<cudaError_t>(err)));
+    }
+  }
+  FindPlan(call->g, call->align, device);  // also for CUTLASS: its fallback when it cannot run
   return ffi::Error::Success();
 }
 
 ffi::Error BlockGemmExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
                             ffi::AnyBuffer a_scale, ffi::AnyBuffer b, ffi::AnyBuffer b_scale,
                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
-                            int32_t a_block_rows, int32_t b_block_rows, bool force_fallback) {
+                            int32_t a_block_rows, int32_t b_block_rows, int32_t kernel) {
   auto decoded = Decode(a, a_scale, b, b_scale, out, workspace, a_block_rows, b_block_rows);
   if (!decoded.has_value()) return decoded.error();
   const Call& c = *decoded;
@@ -122,7 +163,23 @@ ffi::Error BlockGemmExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     return err == cudaSuccess ? ffi::Error::Success()
                               : ffi::Error::Internal(cudaGetErrorString(err));
   }
-  Plan* plan = force_fallback ? nullptr : FindPlan(g, c.align, device);
+  if (kernel != kKernelFallback && kernel != kKernelCublasLt) {
+    auto cutlass = CutlassChoice(c, kernel);
+    if (!cutlass.has_value()) return cutlass.error();
+    if (*cutlass >= 0) {
+      const int err = CutlassConfigAt(*cutlass).run(c.cg, device, workspace->untyped_data(),
+                                                    workspace->size_bytes(), stream);
+      if (err > 0) {
+        return ffi::Error::Internal(std::string(kName) + ": CUTLASS kernel failed: " +
+                                    cudaGetErrorString(static_cast<cudaError_t>(err)));
+      }
+      if (err == 0) return ffi::Error::Success();
+      if (kernel != kKernelAuto) {
+        return ffi::Error::Internal(std::string(kName) + ": CUTLASS cannot implement this GEMM");
+      }
+    }
+  }
+  Plan* plan = kernel == kKernelFallback ? nullptr : FindPlan(g, c.align, device);
   if (plan && HasAlgorithm(*plan)) {
     const int status = RunPlan(*plan, device, g, c.batch, workspace->untyped_data(), stream);
     if (status != 0) {
@@ -162,7 +219,7 @@ ffi::Error BlockGemmExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
       .Ret<ffi::AnyBuffer>()                              \
       .Attr<int32_t>("a_block_rows")                      \
       .Attr<int32_t>("b_block_rows")                      \
-      .Attr<bool>("force_fallback")
+      .Attr<int32_t>("kernel")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp8BlockGemmInitializeCuda, BlockGemmInitialize,
                               JAX_FP8_BLOCK_GEMM_BINDING(ffi::ExecutionStage::kInitialize));

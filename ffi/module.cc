@@ -10,6 +10,7 @@
 #if defined(JAX_FP8_CUDA_MODULE)
 #include "block_gemm_cublaslt.h"
 #include "block_gemm_cuda.h"
+#include "block_gemm_cutlass.h"
 #include "block_quantize_cuda_handler.h"
 #include "split_cuda_handler.h"
 #include "transpose_cuda.h"
@@ -111,6 +112,16 @@ NB_MODULE(JAX_FP8_MODULE_NAME, m) {
     std::string error;
     const size_t version = jax_fp8::LoadCublasLt(path, &error);
     return std::make_pair(version, error);
+  });
+  // The CUTLASS configurations of jax_fp8_block_gemm compiled into this module, in the
+  // order of its `kernel` attribute (empty when CUTLASS's headers were not found at build).
+  m.def("cutlass_configs", []() {
+    nb::list out;
+    for (int i = 0; i < jax_fp8::CutlassConfigCount(); ++i) {
+      const jax_fp8::CutlassConfig& c = jax_fp8::CutlassConfigAt(i);
+      out.append(nb::make_tuple(c.name, c.b_tile, c.out_bf16));
+    }
+    return out;
   });
 #endif
 }

@@ -1,7 +1,8 @@
 """The block-scaled FP8 GEMM primitive against the exact (float64) product of the
-dequantized operands, within error bounds derived below; on the GPU the cuBLASLt path
-(SM90, cuBLASLt >= 12.9) and the handler's plain kernel, with block scales that differ by
-powers of two from block to block, so that any mix-up of the scale layouts shows.
+dequantized operands, within error bounds derived below; on the GPU the handler's
+CUTLASS configurations and cuBLASLt path (SM90, cuBLASLt >= 12.9) and its plain kernel,
+with block scales that differ by powers of two from block to block, so that any mix-up of
+the scale layouts shows.
 
 Notation: a_ik = qa_ik * sa(i, k // 128), b_jk = qb_jk * sb(j, k // 128) (sa, sb the
 scale_inv of each operand's block), E_ij = sum_k a_ik b_jk computed in float64 (the
@@ -14,9 +15,11 @@ unit roundoff of the output dtype (2**-24 float32, 2**-8 bfloat16, 2**-11 float1
   whatever the summation order, |dot - E| <= (K + 2) u S (the classic gamma_K bound, with
   the two operand roundings), then one rounding to the output:
   |out - E| <= (K + 4) u S + u_out |E|.
-* cuBLASLt (Hopper): each 128-wide K block is summed by the FP8 tensor cores, whose
-  accumulator keeps about 14 bits (DeepSeek-V3 report, section 3.3.2), then scaled by
-  sa * sb and added in float32 (one promotion per scale block). Each of the four K=32
+* cuBLASLt and the CUTLASS configurations (Hopper): each 128-wide K block is summed by
+  the FP8 tensor cores, whose accumulator keeps about 14 bits (DeepSeek-V3 report,
+  section 3.3.2), then scaled by sa * sb and added in float32 (one promotion per scale
+  block; CUTLASS multiplies the block sum by sa and sb, or by their rounded product,
+  and adds: at most three roundings of relative u per block). Each of the four K=32
   steps of a block aligns its products and the running sum to the largest exponent and
   keeps about 13 bits below it, an error of at most 2**-12 of the block's sum of
   |products| per step (2**-10 for the block; an H200 reached 2**-10.75 on a weight
@@ -366,6 +369,105 @@ def test_gpu_repeated_calls_and_many_shapes_reuse_plans(gpu_device):
             out = helpers.run_on(gpu_device, gemm(1, 128, np.float32), *ops)
             e, s = exact(*ops, 1, 128)
             assert_within(out, e, s, cublas_coef(k), np.float32, f"rep {rep} {(m, n, k)}")
+
+
+# ------------------------------------------------------------------------------ CUTLASS
+
+# (lead, M, N, K): whole and ragged tiles on every side, K not a multiple of 128, tiny,
+# a batch, one long K.
+CUTLASS_SHAPES = [((), 128, 128, 128), ((), 136, 264, 400), ((), 8, 8, 16), ((3,), 64, 192, 384),
+                  ((), 1024, 2048, 4096), ((), 200, 136, 8192)]
+
+
+def test_kernel_names_are_checked():
+    """A kernel name that is neither a path nor a compiled CUTLASS configuration is a
+    ValueError naming the choices, at trace time."""
+    qa, sa = operand(np.random.default_rng(5), (), 8, 128, E4M3, "1d")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        jax.jit(gemm_lib._ffi_gemm, static_argnames=(
+            "a_block_rows", "b_block_rows", "out_dtype", "scale_layout", "kernel")).lower(
+            qa, sa, qa, sa, a_block_rows=1, b_block_rows=1, out_dtype=np.float32,
+            scale_layout="spec", kernel="no_such_kernel")
+
+
+def _cutlass_ready():
+    ok, why = gemm_lib.cutlass_status()
+    if not ok:
+        if not any(str(getattr(d, "compute_capability", "")).startswith("9")
+                   for d in jax.local_devices(backend="gpu")):
+            pytest.skip(why)
+        pytest.fail(why)  # an SM90 GPU, but the module was built without CUTLASS
+    return gemm_lib.cutlass_configs()
+
+
+@pytest.mark.gpu
+def test_gpu_cutlass_is_built():
+    """On SM90 GPUs the CUDA module carries the CUTLASS configurations (the build found
+    nvidia-cutlass's headers), one per GEMM kind and output type at least."""
+    names = _cutlass_ready()
+    module = __import__("jax_fp8._jax_fp8_cuda", fromlist=["cutlass_configs"])
+    kinds = {(b_tile, bf16) for _, b_tile, bf16 in module.cutlass_configs()}
+    assert kinds == {(True, True), (True, False), (False, True), (False, False)}, names
+
+
+def _cutlass_cases():
+    module = None
+    try:
+        module = __import__("jax_fp8._jax_fp8_cuda", fromlist=["cutlass_configs"])
+    except ImportError:
+        pass
+    configs = module.cutlass_configs() if module else []
+    cases = [(name, b_tile, bf16, shape) for name, b_tile, bf16 in configs
+             for shape in CUTLASS_SHAPES]
+    return [pytest.param(*c, id=f"{c[0]}-{c[3]}") for c in cases] or [
+        pytest.param(None, None, None, None, id="no-cutlass")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, b_tile, bf16, shape", _cutlass_cases())
+def test_gpu_cutlass_within_bound(gpu_device, name, b_tile, bf16, shape):
+    """Every compiled CUTLASS configuration, called by name, within cuBLASLt's bound (the
+    same per-128-K promotion), on whole and ragged tiles, a batch and a long K; the same
+    bits on a second call (no race, no accumulation order that varies between runs)."""
+    _cutlass_ready()
+    if name is None:
+        pytest.skip("no CUTLASS configuration compiled")
+    lead, m, n, k = shape
+    if bf16 and n % 8:
+        pytest.skip("bf16 output rows must be 16-byte multiples")
+    out_dtype = jnp.bfloat16 if bf16 else np.float32
+    blocks = ("1d", "2d" if b_tile else "1d")
+    rng = np.random.default_rng(m * 7 + n + k)
+    ops = (*operand(rng, lead, m, k, E4M3, blocks[0], pow2=k != 400),
+           *operand(rng, lead, n, k, E4M3, blocks[1], pow2=k != 400))
+    ra, rb = rows_of(blocks[0]), rows_of(blocks[1])
+    e, s = exact(*ops, ra, rb)
+    fn = jax.jit(lambda qa, sa, qb, sb: gemm_lib._ffi_gemm(
+        qa, sa, qb, sb, a_block_rows=ra, b_block_rows=rb, out_dtype=out_dtype,
+        scale_layout="spec", kernel=name))
+    x = jax.device_put(ops, gpu_device)
+    out = np.asarray(fn(*x))
+    assert_within(out, e, s, cublas_coef(k), out_dtype, f"{name} {shape}")
+    np.testing.assert_array_equal(np.asarray(fn(*x)), out, err_msg="second call")
+
+
+@pytest.mark.gpu
+def test_gpu_cutlass_rejects_what_it_does_not_compute(gpu_device):
+    """A configuration named for a GEMM it does not compute (E5M2 operands, the other
+    block mode) fails with an error naming it, rather than computing something else."""
+    names = _cutlass_ready()
+    module = __import__("jax_fp8._jax_fp8_cuda", fromlist=["cutlass_configs"])
+    name = next(n for n, b_tile, bf16 in module.cutlass_configs() if b_tile and not bf16)
+    rng = np.random.default_rng(6)
+    for fp8, rb in ((E5M2, 128), (E4M3, 1)):
+        ops = (*operand(rng, (), 128, 256, fp8, "1d"),
+               *operand(rng, (), 128, 256, E4M3, "2d" if rb == 128 else "1d"))
+        fn = jax.jit(lambda qa, sa, qb, sb, rb=rb: gemm_lib._ffi_gemm(
+            qa, sa, qb, sb, a_block_rows=1, b_block_rows=rb, out_dtype=np.float32,
+            scale_layout="spec", kernel=name))
+        with pytest.raises(Exception, match=f"{name} does not take this GEMM"):
+            jax.block_until_ready(fn(*jax.device_put(ops, gpu_device)))
+    assert name in names
 
 
 def test_exact_product_helper():

@@ -11,8 +11,10 @@ FP8 dot: then no XLA op runs between the two custom calls.
 
 On CUDA with an SM90 GPU and cuBLASLt >= 12.9 (dlopen'ed from JAX's nvidia-cublas wheel)
 and sizes it takes (`cublas_takes`): one custom call, ffi/block_gemm_cuda.cc, which runs
-cuBLASLt's VEC128 / BLK128x128 matmul (or its own plain kernel, ffi/block_gemm_fallback.cu,
-where cuBLASLt finds no algorithm). Scales in the spec layout are transposed and padded to
+the CUTLASS sm_90a kernel its measured table picks for E4M3 operands with `a` in 1x128
+blocks (ffi/block_gemm_cutlass.cc; `cutlass_status`), else cuBLASLt's VEC128 / BLK128x128
+matmul (or its own plain kernel, ffi/block_gemm_fallback.cu, where cuBLASLt finds no
+algorithm). Scales in the spec layout are transposed and padded to
 cuBLASLt's layout here, in XLA ops on arrays 128 (or 16,384) times smaller than the
 operands. Everywhere else, and with ``implementation="jnp"``, the reference: each operand
 dequantized in float32 (q * scale_inv broadcast over its block), a float32 dot_general
@@ -117,6 +119,36 @@ def cublas_status() -> tuple[bool, str]:
     return True, f"{path} (cuBLASLt {version})"
 
 
+def cutlass_configs() -> tuple[str, ...]:
+    """Names of the CUTLASS configurations compiled into the CUDA module, in the order of
+    the custom call's `kernel` attribute (empty without the CUDA module or CUTLASS)."""
+    if not _registration.HAS_CUDA_KERNEL:
+        return ()
+    module = importlib.import_module("jax_fp8._jax_fp8_cuda")
+    return tuple(name for name, _, _ in module.cutlass_configs())
+
+
+@functools.lru_cache(maxsize=None)
+def cutlass_status() -> tuple[bool, str]:
+    """(whether the CUTLASS kernels can run in this process, why not): compiled in (the
+    build found the nvidia-cutlass package's headers) and SM90 GPUs present."""
+    if not _registration.HAS_CUDA_KERNEL:
+        return False, "the CUDA module was not built"
+    names = cutlass_configs()
+    if not names:
+        return False, ("the CUDA module was built without CUTLASS (nvidia-cutlass's headers "
+                       "were not found, or JAX_FP8_CUTLASS=OFF): block-scaled GEMMs run "
+                       "through cuBLASLt")
+    try:
+        gpus = jax.local_devices(backend="gpu")
+    except RuntimeError:
+        gpus = []
+    caps = {str(getattr(d, "compute_capability", "")) for d in gpus}
+    if not gpus or not all(c.split(".")[0] == "9" for c in caps):
+        return False, f"the CUTLASS kernels are built for sm_90a, found {sorted(caps)}"
+    return True, f"{len(names)} CUTLASS sm_90a configurations: {', '.join(names)}"
+
+
 def cublas_takes(a, b, a_block_rows, b_block_rows, out_dtype) -> bool:
     """Shapes and types cuBLASLt's block-scaled FP8 GEMM takes on Hopper (abstract values):
     E4M3/E5M2 (not both E5M2), at most one operand with 128 x 128 tiles, K % 16 == 0 and
@@ -131,10 +163,29 @@ def cublas_takes(a, b, a_block_rows, b_block_rows, out_dtype) -> bool:
             and (np.dtype(out_dtype) in _KERNEL_OUT or np.dtype(out_dtype) == np.float16))
 
 
+# The custom call's `kernel` attribute (ffi/block_gemm_cuda.cc).
+_KERNEL_CODES = {"auto": 0, "cublaslt": 1, "fallback": 2}
+_KERNEL_CUTLASS = 100
+
+
+def _kernel_code(kernel):
+    if kernel in _KERNEL_CODES:
+        return _KERNEL_CODES[kernel]
+    names = cutlass_configs()
+    if kernel not in names:
+        raise ValueError(f"jax_fp8_block_gemm: kernel must be one of {sorted(_KERNEL_CODES)} or "
+                         f"a compiled CUTLASS configuration {list(names)}, got {kernel!r}")
+    return _KERNEL_CUTLASS + names.index(kernel)
+
+
 def _ffi_gemm(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype, scale_layout,
-              force_fallback=False):
-    """The custom call; ``force_fallback`` runs the handler's plain kernel even where
-    cuBLASLt has an algorithm."""
+              force_fallback=False, kernel="auto"):
+    """The custom call. ``kernel``: "auto" (the handler's measured table: a CUTLASS
+    configuration, else cuBLASLt, else its plain kernel), "cublaslt" (else the plain
+    kernel), "fallback" (the plain kernel; also ``force_fallback=True``) or a name from
+    `cutlass_configs()` (an error at run time where that configuration does not take the
+    GEMM)."""
+    code = _kernel_code("fallback" if force_fallback else kernel)
     m, n = a.shape[-2], b.shape[-2]
     # float16 out: cuBLASLt writes float32, one convert rounds it (as the reference does)
     kernel_dtype = out_dtype if np.dtype(out_dtype) in _KERNEL_OUT else np.dtype(np.float32)
@@ -143,9 +194,10 @@ def _ffi_gemm(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype, 
         b_scale = to_gemm_layout(b_scale, b_block_rows)
     call = jax.ffi.ffi_call(TARGET, (
         jax.ShapeDtypeStruct(a.shape[:-2] + (m, n), kernel_dtype),
-        jax.ShapeDtypeStruct((256 if force_fallback else WORKSPACE_BYTES,), jnp.uint8)))
+        jax.ShapeDtypeStruct((256 if code == _KERNEL_CODES["fallback"] else WORKSPACE_BYTES,),
+                             jnp.uint8)))
     out, _ = call(a, a_scale, b, b_scale, a_block_rows=np.int32(a_block_rows),
-                  b_block_rows=np.int32(b_block_rows), force_fallback=bool(force_fallback))
+                  b_block_rows=np.int32(b_block_rows), kernel=np.int32(code))
     return out.astype(out_dtype)
 
 

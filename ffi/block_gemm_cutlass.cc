@@ -1,0 +1,69 @@
+// The table of compiled CUTLASS configurations and the measured choice among them and
+// cuBLASLt (block_gemm_cutlass.h). Plain C++: the configurations live in their own
+// sm_90a units (block_gemm_sm90_*.cu), present only when CUTLASS's headers were found.
+#include "block_gemm_cutlass.h"
+
+#include <climits>
+
+namespace jax_fp8 {
+
+#if defined(JAX_FP8_HAS_CUTLASS)
+extern const CutlassConfig kTileCoop128x128C1Bf16, kTileCoop128x128C2Bf16, kTilePp64x128C1Bf16,
+    kTileCoop128x128C1F32, kBlockCoop128x128C1F32, kBlockPp64x128C1F32, kBlockCoop128x128C1Bf16;
+namespace {
+const CutlassConfig* const kConfigs[] = {
+    &kTileCoop128x128C1Bf16, &kTileCoop128x128C2Bf16, &kTilePp64x128C1Bf16,
+    &kTileCoop128x128C1F32,  &kBlockCoop128x128C1F32, &kBlockPp64x128C1F32,
+    &kBlockCoop128x128C1Bf16};
+constexpr int kCount = sizeof(kConfigs) / sizeof(kConfigs[0]);
+}  // namespace
+#else
+namespace {
+const CutlassConfig* const kConfigs[] = {nullptr};
+constexpr int kCount = 0;
+}  // namespace
+#endif
+
+int CutlassConfigCount() { return kCount; }
+const CutlassConfig& CutlassConfigAt(int i) { return *kConfigs[i]; }
+
+bool CutlassTakes(int i, const CutlassGemm& g, bool e4m3_operands, const uint32_t (&align)[5]) {
+  if (i < 0 || i >= kCount || !e4m3_operands) return false;
+  const CutlassConfig& c = *kConfigs[i];
+  const int64_t out_vec = c.out_bf16 ? 8 : 4;  // output elements in 16 bytes (TMA store)
+  return !g.a_tile && c.b_tile == g.b_tile && c.out_bf16 == g.out_bf16 && g.m > 0 && g.n > 0 && g.k > 0 &&
+         g.batch > 0 && g.m <= INT_MAX && g.n <= INT_MAX && g.k <= INT_MAX &&
+         g.batch <= INT_MAX && g.a_scale_size <= INT_MAX && g.b_scale_size <= INT_MAX &&
+         g.k % 16 == 0 && g.n % out_vec == 0 && align[0] >= 16 && align[1] >= 16 &&
+         align[2] >= 16 && align[3] >= 16 && align[4] >= 4;
+}
+
+namespace {
+
+int Find(const char* name) {
+  for (int i = 0; i < kCount; ++i) {
+    const char* a = kConfigs[i]->name;
+    const char* b = name;
+    while (*a && *a == *b) ++a, ++b;
+    if (*a == *b) return i;
+  }
+  return -1;
+}
+
+}  // namespace
+
+// The measured table (H200, docs/benchmarks.md "Block-scaled GEMM kernels"): which
+// configuration beats cuBLASLt's block-scaled GEMM for which GEMMs. Where none does,
+// -1 keeps cuBLASLt.
+int CutlassPick(const CutlassGemm& g, bool e4m3_operands, const uint32_t (&align)[5]) {
+  const char* name = nullptr;
+  if (g.b_tile) {
+    name = g.out_bf16 ? "tile_coop_128x128_c1_bf16" : "tile_coop_128x128_c1_f32";
+  } else {
+    name = g.out_bf16 ? "block_coop_128x128_c1_bf16" : "block_coop_128x128_c1_f32";
+  }
+  const int i = Find(name);
+  return CutlassTakes(i, g, e4m3_operands, align) ? i : -1;
+}
+
+}  // namespace jax_fp8
