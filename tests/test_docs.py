@@ -129,9 +129,8 @@ def _broken_site_links(site):
             if path.endswith("/") or dest.is_dir():
                 dest = dest / "index.html"
             where = f"{page.relative_to(site)}: {target}"
-            if not dest.exists():
-                broken.append(where)
-            elif anchor and dest.suffix == ".html" and anchor not in page_ids(dest):
+            if not dest.exists() or (anchor and dest.suffix == ".html"
+                                     and anchor not in page_ids(dest)):
                 broken.append(where)
     return broken
 
