@@ -52,6 +52,8 @@ class _Site:
         self.docs = docs                       # docs_dir, relative to the root
         self.mirrored: dict[str, str] = {}     # repository path -> src_uri on the site
         self.base: dict[str, str] = {}         # src_uri of a page -> its links' folder
+        self.listings: set[str] = set()        # src_uris of the pages made here from a
+                                               # folder or a file that is not Markdown
 
     def page_base(self, src_uri: str) -> str:
         """The repository folder that the page's relative links start from."""
@@ -89,6 +91,7 @@ class _Site:
                 lines.append(f"- [`{name}`]({name})")
                 self.mirror(f"{path}/{entry.name}", files, config, pending)
             files.append(_generated(config, uri, content="\n".join(lines) + "\n"))
+            self.listings.add(uri)
             return
         data = full.read_bytes()
         suffix = full.suffix.lower()
@@ -103,11 +106,14 @@ class _Site:
         else:
             uri = f"{MIRROR}/{path}.md"
             text = data.decode("utf-8", "replace")
+            if not text.endswith("\n"):
+                text += "\n"
             longest = max((len(m) for m in re.findall(r"`{3,}", text)), default=0)
-            fence = "`" * max(3, longest + 1)
-            content = (f"# `{path}`\n\n{fence}{LANGUAGES.get(suffix, 'text')}\n{text}"
-                       f"{'' if text.endswith(chr(10)) else chr(10)}{fence}\n")
+            fence = "`" * max(3, longest + 1)   # longer than any run of backticks inside
+            language = LANGUAGES.get(suffix, "text")
+            content = f"# `{path}`\n\n{fence}{language}\n{text}{fence}\n"
             files.append(_generated(config, uri, content=content))
+            self.listings.add(uri)
         self.mirrored[path] = uri
 
     def rewrite(self, url: str, src_uri: str) -> str:
@@ -123,8 +129,8 @@ class _Site:
         if target is None:
             return url  # not a file of the repository: MkDocs reports it
         rel = posixpath.relpath(target, posixpath.dirname(src_uri) or ".")
-        keeps_anchor = target.endswith(".md") and not (
-            path in self.mirrored and not path.endswith(".md"))
+        # An anchor names a heading of a Markdown page; a listing has none to land on.
+        keeps_anchor = target.endswith(".md") and target not in self.listings
         return rel + (f"#{parts.fragment}" if parts.fragment and keeps_anchor else "")
 
 
