@@ -485,12 +485,18 @@ def fp8_model(model: nn.Module, rules=None, *, methods: Sequence[str] = ("__call
     dot_general_cls=Fp8DotGeneral)``). This covers ``nn.Dense``, ``nn.DenseGeneral``,
     ``nn.Einsum`` (their kernel is the rhs), ``nn.MultiHeadDotProductAttention``'s
     projections (``DenseGeneral``s) and hand-written modules' ``dot_general`` / ``einsum``
-    of an activation and a parameter (the array the module read from its params, the
-    parameter quantized as the kernel, whichever side it is on). The attention scores and
-    weighted values (two activations) stay as they are unless a rule says
-    ``activations=True``. A GEMM that stays in high precision: ``jnp.matmul`` / ``@`` /
-    ``jnp.dot``, an einsum of other than two operands or with a broadcasting ellipsis,
-    a layer given its own ``dot_general`` or ``dot_general_cls``.
+    of an activation and a parameter (the array the module's ``self.param`` returned, a
+    partitioned parameter's under a mesh included; the parameter quantized as the
+    kernel, whichever side it is on). Such a GEMM of the parameter ``w`` gets the state
+    of ``w``, the module ``<module>/w_fp8`` (the variables of an ``Fp8Einsum`` /
+    ``Fp8DotGeneral`` of that name), whatever GEMMs ran before it; every GEMM of ``w`` in
+    a call threads that one state (amaxes by max). The attention scores and weighted
+    values (two activations) stay as they are unless a rule says ``activations=True``
+    (then ``Fp8Einsum_<i>`` / ``Fp8DotGeneral_<i>``, by call order in the module). A GEMM
+    that stays in high precision: ``jnp.matmul`` / ``@`` / ``jnp.dot``, an einsum of
+    other than two operands or with a broadcasting ellipsis, a layer given its own
+    ``dot_general`` or ``dot_general_cls`` (``nn.Dense``, ``nn.DenseGeneral``) and every
+    GEMM inside it, an einsum given its own ``_dot_general``.
 
     Args:
       model: a linen module (unbound), e.g. ``nn.MultiHeadDotProductAttention(4)`` or a
@@ -509,7 +515,8 @@ def fp8_model(model: nn.Module, rules=None, *, methods: Sequence[str] = ("__call
 
     Raises:
       TypeError: ``model`` is not a linen module, or a bad rule; at trace time, a GEMM
-        with a parameter operand in a method where Flax allows no submodule.
+        with a parameter operand in a method where Flax allows no submodule, or a
+        module holding a submodule named ``<parameter>_fp8`` of its own.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fp8_model(model): model must be a flax.linen Module, got "

@@ -503,13 +503,15 @@ def fp8_model(model: nnx.Module, rules=None, *example_args, **example_kwargs):
 
     A matched module's own ``jnp.einsum`` / ``jax.lax.dot_general`` calls in its
     ``__call__`` with one of its ``nnx.Param``s as an operand (the array it holds:
-    ``self.w[...]``) become FP8 too, through a module ``Fp8Einsum_<i>`` /
-    ``Fp8DotGeneral_<i>`` added to it at the first call (the parameter quantized as the
-    kernel); that first call must run outside ``jit``/``grad``/``scan``: pass example
-    inputs, which ``fp8_model`` feeds to the model once. Such calls of a module stacked by
-    ``nnx.vmap`` cannot get states: exclude it. GEMMs of two activations stay as they
-    are unless the rule says ``activations=True`` (then those run during the module's
-    ``__call__``, in the Flax modules it calls included, e.g. the attention scores);
+    ``self.w[...]``) become FP8 too, through the module of that parameter, ``w_fp8`` (an
+    ``Fp8Einsum`` / ``Fp8DotGeneral``), added to it at the first call that multiplies
+    ``w`` (the parameter quantized as the kernel; every GEMM of ``w`` threads that one
+    state, whatever ran before it); that call must run outside ``jit``/``grad``/``scan``:
+    pass example inputs, which ``fp8_model`` feeds to the model once. Such calls of a
+    module stacked by ``nnx.vmap`` cannot get states: exclude it. GEMMs of two
+    activations stay as they are unless the rule says ``activations=True`` (then those
+    run during the module's ``__call__``, in the Flax modules it calls included, e.g. the
+    attention scores, as ``Fp8Einsum_<i>`` / ``Fp8DotGeneral_<i>`` by call order);
     ``x @ w`` and ``jnp.dot`` stay as they are.
 
     Args:
