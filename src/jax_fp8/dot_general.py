@@ -163,6 +163,10 @@ def canonical_dimension_numbers(dimension_numbers, lhs_ndim, rhs_ndim):
     return dn
 
 
+# The name scope of a GEMM that min_fp8_flops keeps in its operands' dtype.
+KEPT_SCOPE = "below_min_fp8_flops"
+
+
 def gemm_flops(lhs_shape, rhs_shape, dimension_numbers) -> int:
     """2 * batch * M * N * K: the FLOPs of ``lax.dot_general`` on these shapes."""
     batch, m, n, k = _gemms.gemm_sizes(lhs_shape, rhs_shape, dimension_numbers)
@@ -236,8 +240,9 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, meta: Fp8Meta, precision=None,
     if check_min_fp8_flops(min_fp8_flops) and \
             gemm_flops(lhs.shape, rhs.shape, dn) < min_fp8_flops:
         dtype = jnp.result_type(lhs, rhs)
-        out = lax.dot_general(lhs.astype(dtype), rhs.astype(dtype), dn, precision=precision,
-                              preferred_element_type=out_dtype)
+        with jax.named_scope(KEPT_SCOPE):   # what jax_fp8.devtools.explain reads
+            out = lax.dot_general(lhs.astype(dtype), rhs.astype(dtype), dn,
+                                  precision=precision, preferred_element_type=out_dtype)
         return out, meta
     # float16 operands and results run as float32 inside, rounded to float16 once at the
     # end (the same bits: the FP8 GEMMs' results are float32 either way); a GEMM of FP8

@@ -5,8 +5,10 @@ every lowering must give), the FFI kernel per platform with the predicate for wh
 applies, and how it batches, differentiates and partitions. `register` turns a Spec into
 a JAX primitive with its eager impl, lowerings, batching, JVP and sharding rules.
 
-Every primitive takes the parameter ``implementation`` (``"auto"`` unless bound with
-another), one of `IMPLEMENTATIONS`:
+Every primitive takes the parameter ``implementation``, one of `IMPLEMENTATIONS`
+(``"auto"`` unless bound with another; the environment variable
+``JAX_FP8_IMPLEMENTATION=jnp``, read when jax_fp8 is imported, makes every ``"auto"`` a
+``"jnp"``: the one switch that runs the reference everywhere):
 
 * ``"auto"``: the platform's kernel where it is built and takes the operands; under a
   jit over several devices, one partitioned call where the Spec says how to partition
@@ -14,8 +16,9 @@ another), one of `IMPLEMENTATIONS`:
   ops XLA's partitioner shards;
 * ``"jnp"``: the reference everywhere.
 
-`choose` is the one decision of which lowering runs; `kernels_on` says which primitives
-have a kernel on a platform in this process.
+`decide` is the one decision of which lowering runs, and why (``choose`` asks it while
+lowering, ``jax_fp8.devtools.explain`` for a whole program); `kernels_on` says which
+primitives have a kernel on a platform in this process.
 
 Two rules every primitive gets from the frame by declaring them:
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Callable, Mapping
 
 import jax
@@ -43,6 +47,12 @@ from jax_fp8 import _registration
 from jax_fp8._primitives import common
 
 IMPLEMENTATIONS = ("auto", "jnp")
+# The one switch that runs the reference everywhere: JAX_FP8_IMPLEMENTATION=jnp in the
+# environment (read at import) is the implementation of every primitive bound without one.
+ENV = "JAX_FP8_IMPLEMENTATION"
+DEFAULT = os.environ.get(ENV, "auto")
+if DEFAULT not in IMPLEMENTATIONS:
+    raise ValueError(f"{ENV} must be one of {IMPLEMENTATIONS}, got {DEFAULT!r}")
 # Inside a partitioned lowering: the kernel on one device's shards, never partitioned again.
 PER_DEVICE = "per_device"
 REFERENCE, KERNEL, PARTITIONED = "reference", "kernel", "partitioned"
@@ -130,47 +140,73 @@ def kernels_on(platform: str) -> tuple[str, ...]:
                  if platform in spec.kernels and _registration.has_kernel(name, platform))
 
 
-def needs_partitioning(ctx) -> bool:
-    """True under a jit over several devices (not inside shard_map or pmap), except when
+def partition_devices(ctx) -> int:
+    """The devices a jit being lowered runs over (1 inside shard_map or pmap, and when
     lowering for ``jax.export``: custom_partitioning runs a Python callback inside XLA's
-    partitioner, which a serialized program cannot carry. There the bare custom call is
-    emitted and XLA's partitioner gathers its (small) operands instead: same bits."""
+    partitioner, which a serialized program cannot carry; there the bare custom call is
+    emitted and XLA's partitioner gathers its (small) operands instead: same bits)."""
     params = getattr(ctx.module_context, "lowering_parameters", None)
     if getattr(params, "for_export", False):
-        return False
-    return getattr(ctx.module_context.axis_context, "num_devices", 1) > 1
+        return 1
+    return getattr(ctx.module_context.axis_context, "num_devices", 1)
+
+
+def needs_partitioning(ctx) -> bool:
+    """True under a jit over several devices (`partition_devices`)."""
+    return partition_devices(ctx) > 1
+
+
+def decide(spec: Spec, platform: str | None, avals, implementation: str, params: dict,
+           num_devices: int = 1) -> tuple[str, str]:
+    """Which lowering of `spec` runs on `platform` (None: one without a kernel) for
+    operands `avals` under a jit over `num_devices` devices, and why: (`KERNEL`,
+    `PARTITIONED` or `REFERENCE`, the reason in words)."""
+    if implementation == "jnp":
+        return REFERENCE, ("implementation='jnp'" + (f" ({ENV}=jnp)" if DEFAULT == "jnp"
+                                                    else ""))
+    kernel = spec.kernels.get(platform)
+    if kernel is None:
+        no_kernel = f"no {platform or 'such'} kernel"
+    elif not _registration.has_kernel(spec.name, platform):
+        kernel, no_kernel = None, f"the {platform} kernel is not built in this process"
+    if implementation != PER_DEVICE and num_devices > 1:
+        part = spec.partitioning
+        if part is None:
+            return REFERENCE, (f"a jit over {num_devices} devices and no partitioning rule: "
+                               "XLA partitions the reference")
+        if kernel is None and part.needs_kernel:
+            return REFERENCE, (f"a jit over {num_devices} devices and {no_kernel}: XLA "
+                               "partitions the reference")
+        if not part.takes(*avals, **params):
+            return REFERENCE, (f"a jit over {num_devices} devices; the partitioning rule "
+                               "does not take these operands: XLA partitions the reference")
+        what = "the kernel" if kernel is not None else "the reference"
+        return PARTITIONED, f"a jit over {num_devices} devices: each runs {what} on its shards"
+    if kernel is None:
+        return REFERENCE, no_kernel
+    if not kernel.takes(*avals, **params):
+        return REFERENCE, f"the {platform} kernel does not take these operands"
+    return KERNEL, f"the {platform} kernel"
 
 
 def choose(spec: Spec, platform: str | None, ctx, implementation: str, params: dict) -> str:
-    """Which lowering of `spec` runs on `platform` (None: one without a kernel):
-    `KERNEL`, `PARTITIONED` or `REFERENCE`."""
-    if implementation == "jnp":
-        return REFERENCE
-    kernel = spec.kernels.get(platform)
-    if kernel is not None and not _registration.has_kernel(spec.name, platform):
-        kernel = None
-    if implementation != PER_DEVICE and needs_partitioning(ctx):
-        part = spec.partitioning
-        if part is not None and (kernel is not None or not part.needs_kernel) \
-                and part.takes(*ctx.avals_in, **params):
-            return PARTITIONED
-        return REFERENCE
-    if kernel is not None and kernel.takes(*ctx.avals_in, **params):
-        return KERNEL
-    return REFERENCE
+    """Which lowering of `spec` runs on `platform` in lowering context `ctx` (`decide`)."""
+    return decide(spec, platform, ctx.avals_in, implementation, params,
+                  partition_devices(ctx))[0]
 
 
 class _Primitive(Primitive):
-    """A primitive whose ``implementation`` parameter defaults to "auto", with the frame's
+    """A primitive whose ``implementation`` parameter defaults to `DEFAULT`, with the frame's
     rules for shard_map's varying axes and Explicit meshes (see the module docstring)."""
 
     def bind(self, *args, **params):
-        params.setdefault("implementation", "auto")
+        if params.get("implementation", "auto") == "auto":
+            params["implementation"] = DEFAULT   # "auto" unless the environment says "jnp"
         spec = SPECS[self.name]
         if spec.same_varying:
             args = common.vary_like(args)
         part = spec.partitioning
-        if (part is not None and part.explicit and params["implementation"] == "auto"
+        if (part is not None and part.explicit and params["implementation"] in IMPLEMENTATIONS
                 and any(common.on_explicit_mesh(a) for a in args)):
             return _explicit_mesh_bind(spec, self, args, params)
         return super().bind(*args, **params)
@@ -189,7 +225,8 @@ def _explicit_mesh_bind(spec: Spec, prim, args, params):
     its Partitioning asks for, then each device's computation (as under
     custom_partitioning) under shard_map, whose results carry the result shardings."""
     part = spec.partitioning
-    params = {k: v for k, v in params.items() if k != "implementation"}
+    params = dict(params)
+    local = PER_DEVICE if params.pop("implementation") == "auto" else "jnp"
     avals = [jax.typeof(a) for a in args]
     mesh = next(a.sharding.mesh for a in avals if common.on_explicit_mesh(a))
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_spec_of(a, mesh)) for a in avals]
@@ -197,7 +234,7 @@ def _explicit_mesh_bind(spec: Spec, prim, args, params):
     args = [jax.sharding.reshard(a, s) for a, s in zip(args, arg_shardings)]
 
     def per_device(*operands):
-        return _per_device(spec, prim, params, mesh, arg_shardings, operands)
+        return _per_device(spec, prim, params, mesh, arg_shardings, operands, local)
 
     specs = lambda shardings: tuple(s.spec for s in shardings)  # noqa: E731
     out_specs = specs(result_shardings) if spec.multiple_results else result_shardings.spec
@@ -212,12 +249,14 @@ def per_device_scope(name: str) -> str:
     return f"{name}_per_device"
 
 
-def _per_device(spec: Spec, prim, params, mesh, arg_shardings, operands):
-    """One device's computation of a partitioned `prim` on the shards it holds."""
+def _per_device(spec: Spec, prim, params, mesh, arg_shardings, operands,
+                implementation=PER_DEVICE):
+    """One device's computation of a partitioned `prim` on the shards it holds (with
+    ``implementation="jnp"``: the reference on them)."""
     part = spec.partitioning
 
     def bind(*ops, **kw):
-        outs = prim.bind(*ops, implementation=PER_DEVICE, **kw)
+        outs = prim.bind(*ops, implementation=implementation, **kw)
         return tuple(outs) if spec.multiple_results else outs
 
     if part.local is not None:

@@ -1,0 +1,158 @@
+"""Which lowering each jax_fp8 primitive of a program gets, and which GEMMs are FP8, and why.
+
+Example::
+
+    from jax_fp8.devtools import explain
+
+    rows = explain.explain(train_step, state, batch)
+    print(explain.table(rows))
+
+`explain` traces ``f`` for the arguments given and walks the program (every nested jit,
+remat, scan, cond, shard_map and custom-derivative body): each jax_fp8 primitive gets the
+decision that lowering it makes (``jax_fp8._primitives.base.decide``: the kernel, one
+partitioned call per device, or the jax.numpy reference) and each ``dot_general`` says
+whether it is an FP8 GEMM. Nothing is compiled or run. To run the reference everywhere,
+set ``JAX_FP8_IMPLEMENTATION=jnp`` in the environment before importing jax_fp8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+
+from jax_fp8._primitives import base
+from jax_fp8.dot_general import KEPT_SCOPE
+
+__all__ = ["Row", "explain", "table"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One decision of a program.
+
+    kind: "primitive" (a jax_fp8 primitive) or "gemm" (a ``dot_general``).
+    name: the primitive's name, or "dot_general".
+    where: the module / name-scope path it is called from, with the transformations
+      around it (e.g. ``"transpose(jvp(Model))/mlp/Fp8DotGeneral_0"``); "" at the top.
+    operands: the operand types, e.g. ``("bfloat16[8192,4096]", "float8_e4m3fn[...]")``.
+    lowering: for a primitive ``"kernel"``, ``"partitioned"`` or ``"reference"``; for a
+      GEMM ``"fp8"`` or the element type it runs in.
+    why: the reason, in words.
+    flops: a GEMM's FLOPs (``2 * batch * M * N * K``), 0 for a primitive.
+    """
+    kind: str
+    name: str
+    where: str
+    operands: tuple
+    lowering: str
+    why: str
+    flops: int = 0
+
+    def __str__(self) -> str:
+        return (f"{self.where or '<top>'}: {self.name}({', '.join(self.operands)}) -> "
+                f"{self.lowering}: {self.why}")
+
+
+def explain(f, *args, platform: str | None = None, num_devices: int | None = None,
+            **kwargs) -> list[Row]:
+    """The decisions of ``jax.jit(f)(*args, **kwargs)``, in program order.
+
+    Args:
+      f: a function of arrays (a train step, a forward pass, ...).
+      *args, **kwargs: its arguments (arrays or ``jax.ShapeDtypeStruct``s).
+      platform: the platform it will be lowered for, "cpu" or "cuda" (default: that of the
+        first argument's devices, else of the default backend).
+      num_devices: the devices the jit runs over (default: the most devices any
+        argument's sharding spans, or the size of the mesh set with ``jax.set_mesh``).
+
+    Returns:
+      One `Row` per jax_fp8 primitive and per ``dot_general``.
+    """
+    leaves = jax.tree.leaves((args, kwargs))
+    platform = platform or _platform(leaves)
+    if num_devices is None:
+        num_devices = _num_devices(leaves)
+    closed = jax.make_jaxpr(f)(*args, **kwargs)
+    rows: list[Row] = []
+    _walk(closed.jaxpr, "", platform, num_devices, rows)
+    return rows
+
+
+def _platform(leaves) -> str:
+    devices = next((d for x in leaves for d in getattr(getattr(x, "sharding", None),
+                                                         "device_set", ())), None)
+    device = devices or jax.devices()[0]
+    if device.platform == "gpu":
+        version = str(getattr(device.client, "platform_version", "")).lower()
+        return "rocm" if "rocm" in version else "cuda"
+    return device.platform
+
+
+def _num_devices(leaves) -> int:
+    counts = [len(getattr(getattr(x, "sharding", None), "device_set", ()) or ()) for x in leaves]
+    mesh = jax.sharding.get_abstract_mesh()
+    return max(counts + [1 if mesh.empty else mesh.size])
+
+
+def _sub_jaxprs(value):
+    if isinstance(value, jax.extend.core.ClosedJaxpr):
+        yield value.jaxpr
+    elif isinstance(value, jax.extend.core.Jaxpr):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _sub_jaxprs(v)
+
+
+def _walk(jaxpr, where: str, platform: str, num_devices: int, rows: list) -> None:
+    for eqn in jaxpr.eqns:
+        here = "/".join(p for p in (where, str(eqn.source_info.name_stack)) if p)
+        name = eqn.primitive.name
+        avals = [v.aval for v in eqn.invars]
+        if name in base.SPECS:
+            params = dict(eqn.params)
+            implementation = params.pop("implementation", "auto")
+            how, why = base.decide(base.SPECS[name], platform, avals, implementation, params,
+                                   num_devices)
+            rows.append(Row("primitive", name, here, tuple(map(_fmt, avals)), how, why))
+        elif name == "dot_general":
+            rows.append(_gemm_row(here, avals, eqn.params["dimension_numbers"]))
+        inner = 1 if name == "shard_map" else num_devices
+        for value in eqn.params.values():
+            for sub in _sub_jaxprs(value):
+                _walk(sub, here, platform, inner, rows)
+
+
+def _gemm_row(where, avals, dimension_numbers) -> Row:
+    (lc, rc), (lb, rb) = dimension_numbers
+    lhs, rhs = avals
+    free = lambda a, c, b: math.prod(d for i, d in enumerate(a.shape)  # noqa: E731
+                                     if i not in c and i not in b)
+    flops = (2 * math.prod(lhs.shape[i] for i in lb) * math.prod(lhs.shape[i] for i in lc)
+             * free(lhs, lc, lb) * free(rhs, rc, rb))
+    fp8 = all(np.dtype(a.dtype).itemsize == 1 and "float8" in np.dtype(a.dtype).name
+              for a in avals)
+    if fp8:
+        lowering, why = "fp8", "FP8 GEMM"
+    elif KEPT_SCOPE in where.split("/"):
+        lowering = str(np.dtype(lhs.dtype))
+        why = "kept in its operands' dtype: fewer FLOPs than the layer's min_fp8_flops"
+    else:
+        lowering, why = str(np.dtype(lhs.dtype)), "not an FP8 GEMM"
+    where = "/".join(p for p in where.split("/") if p != KEPT_SCOPE)
+    return Row("gemm", "dot_general", where, (_fmt(lhs), _fmt(rhs)), lowering, why, flops)
+
+
+def _fmt(aval) -> str:
+    return f"{np.dtype(aval.dtype).name}[{','.join(map(str, aval.shape))}]"
+
+
+def table(rows: list[Row]) -> str:
+    """The rows as a Markdown table."""
+    lines = ["| kind | where | name | operands | lowering | why |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r.kind} | {r.where or '—'} | {r.name} | {', '.join(r.operands)} | "
+              f"{r.lowering} | {r.why} |" for r in rows]
+    return "\n".join(lines)
