@@ -115,7 +115,9 @@ class _Fp8Base(nnx.Module):
         # differentiated has nothing to thread: the variables keep their values.
         if meta.stateless:
             return
-        differentiated = any(meta_lib._ad_trace(x) is not None for x in jax.tree.leaves(meta))
+        # The variables still hold the meta the call read: differentiated or not.
+        differentiated = any(meta_lib._ad_trace(x) is not None
+                             for x in jax.tree.leaves(self.meta))
         for n in _NAMES:
             var = getattr(self, n)
             if not differentiated and not getattr(var, "_can_update", True):
