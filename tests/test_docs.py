@@ -31,7 +31,7 @@ PROVENANCE = re.compile(
 
 # The public modules and their reference pages (docs/reference/<page>.md).
 PUBLIC_MODULES = {"jax_fp8": "jax_fp8", "jax_fp8.flax": "flax", "jax_fp8.flax.nnx": "nnx",
-                  "jax_fp8.flax.convert": "convert"}
+                  "jax_fp8.flax.interop": "interop"}
 
 
 def _import_or_none(name):

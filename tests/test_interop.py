@@ -1,4 +1,4 @@
-"""jax_fp8.flax.convert: Flax fp8_ops variables and Transformer Engine's [L, N] layout."""
+"""jax_fp8.flax.interop: Flax fp8_ops variables and Transformer Engine's [L, N] layout."""
 
 import functools
 
@@ -10,7 +10,7 @@ import pytest
 from flax.linen import fp8_ops
 
 import jax_fp8
-from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, convert
+from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, interop
 
 L = 8
 RECIPE = jax_fp8.DelayedScaling(history_len=L)
@@ -53,7 +53,7 @@ def _flax_trained(steps=3):
     def step(v, x):
         g = jax.grad(lambda v: jnp.sum(model.apply(v, x) ** 2))(v)
         params = jax.tree.map(lambda p, d: p - 1e-3 * d, v["params"], g["params"])
-        return {"params": params, convert.FLAX_COLLECTION: g[convert.FLAX_COLLECTION]}
+        return {"params": params, interop.FLAX_COLLECTION: g[interop.FLAX_COLLECTION]}
 
     for i in range(steps):
         v = step(v, rand(10 + i, (8, 8), 1.0 + i))
@@ -72,12 +72,12 @@ FLAX_TENSORS = (("input", jnp.float8_e4m3fn), ("kernel", jnp.float8_e4m3fn),
 
 def test_from_flax_reproduces_flax_scales_and_outputs():
     flax_model, fv = _flax_trained()
-    ours = convert.from_flax(fv)
+    ours = interop.from_flax(fv)
     assert set(ours) == {"params", FP8_COLLECTION}
     meta = ours[FP8_COLLECTION]["Dense_0"]["Fp8DotGeneral_0"]
     assert meta["grad"].fp8_dtype == jnp.float8_e5m2 and meta["input"].amax_history.shape == (L,)
     for dense in ("Dense_0", "Dense_1"):
-        theirs = fv[convert.FLAX_COLLECTION][dense]["Fp8DirectDotGeneralOp_0"]
+        theirs = fv[interop.FLAX_COLLECTION][dense]["Fp8DirectDotGeneralOp_0"]
         mine = ours[FP8_COLLECTION][dense]["Fp8DotGeneral_0"]
         for (name, dtype), our_name in zip(FLAX_TENSORS, ("input", "kernel", "grad")):
             want = _flax_next_dequant_scale(theirs[f"{name}_amax_history"],
@@ -117,10 +117,10 @@ def _our_trained(steps=3):
 
 def test_to_flax_gives_flax_our_scales_and_outputs():
     model, ours = _our_trained()
-    fv = convert.to_flax(ours)
-    assert set(fv) == {"params", convert.FLAX_COLLECTION}
+    fv = interop.to_flax(ours)
+    assert set(fv) == {"params", interop.FLAX_COLLECTION}
     for dense in ("Dense_0", "Dense_1"):
-        theirs = fv[convert.FLAX_COLLECTION][dense]["Fp8DirectDotGeneralOp_0"]
+        theirs = fv[interop.FLAX_COLLECTION][dense]["Fp8DirectDotGeneralOp_0"]
         mine = ours[FP8_COLLECTION][dense]["Fp8DotGeneral_0"]
         for (name, dtype), our_name in zip(FLAX_TENSORS, ("input", "kernel", "grad")):
             assert theirs[f"{name}_amax_history"].shape == (L,)
@@ -139,7 +139,7 @@ def test_to_flax_gives_flax_our_scales_and_outputs():
 
 def test_roundtrips():
     _, ours = _our_trained()
-    back = convert.from_flax(convert.to_flax(ours))
+    back = interop.from_flax(interop.to_flax(ours))
     for a, b in zip(jax.tree.leaves(ours[FP8_COLLECTION], is_leaf=IS_STATE),
                     jax.tree.leaves(back[FP8_COLLECTION], is_leaf=IS_STATE)):
         assert a.fp8_dtype == b.fp8_dtype
@@ -149,10 +149,10 @@ def test_roundtrips():
     jax.tree.map(np.testing.assert_array_equal, back["params"], ours["params"])
     # Flax -> ours -> Flax: Flax computes the same scales from the result.
     _, fv = _flax_trained()
-    again = convert.to_flax(convert.from_flax(fv))
+    again = interop.to_flax(interop.from_flax(fv))
     for dense in ("Dense_0", "Dense_1"):
-        t0 = fv[convert.FLAX_COLLECTION][dense]["Fp8DirectDotGeneralOp_0"]
-        t1 = again[convert.FLAX_COLLECTION][dense]["Fp8DirectDotGeneralOp_0"]
+        t0 = fv[interop.FLAX_COLLECTION][dense]["Fp8DirectDotGeneralOp_0"]
+        t1 = again[interop.FLAX_COLLECTION][dense]["Fp8DirectDotGeneralOp_0"]
         for name, dtype in FLAX_TENSORS:
             h0, h1 = t0[f"{name}_amax_history"], t1[f"{name}_amax_history"]
             # Newest and the L-2 entries Flax keeps match; slot 1 (dropped next) may not.
@@ -168,29 +168,29 @@ def test_flax_stacked_scan_layout_and_fresh_state():
     h = jnp.abs(rand(0, (n, L)))
     flax_mod = {f"{p}_{s}": (h if s == "amax_history" else jnp.full((n, 1), 0.5))
                 for p in ("input", "kernel", "output_grad") for s in ("amax_history", "scale")}
-    ours = convert.from_flax({"layers": {"Fp8DirectDotGeneralOp_0": flax_mod}})
+    ours = interop.from_flax({"layers": {"Fp8DirectDotGeneralOp_0": flax_mod}})
     st = ours["layers"]["Fp8DotGeneral_0"]["input"]
     assert st.amax_history.shape == (n, L) and st.scale.shape == (n,)
     np.testing.assert_allclose(st.scale, 448.0 / jnp.max(h, axis=-1), rtol=1e-6)
-    back = convert.to_flax(ours)["layers"]["Fp8DirectDotGeneralOp_0"]
+    back = interop.to_flax(ours)["layers"]["Fp8DirectDotGeneralOp_0"]
     assert back["input_scale"].shape == (n, 1)
     # A fresh state (zero history, scale 1) maps to Flax's fresh state and back.
     fresh = {"Fp8DotGeneral_0": {k: v for k, v in zip(
         ("input", "kernel", "grad"), jax.tree.leaves(
             jax_fp8.Fp8Meta.create(RECIPE), is_leaf=IS_STATE))}}
-    f = convert.to_flax(fresh)["Fp8DirectDotGeneralOp_0"]
+    f = interop.to_flax(fresh)["Fp8DirectDotGeneralOp_0"]
     np.testing.assert_array_equal(f["input_amax_history"], np.zeros(L))
     np.testing.assert_array_equal(f["output_grad_scale"], [1.0])
     with pytest.raises(ValueError, match="input_scale"):
         bad = dict(flax_mod, input_scale=jnp.ones((n,)))
-        convert.from_flax({"m": bad})
+        interop.from_flax({"m": bad})
 
 
 def test_transformer_engine_layout_roundtrip():
     tree = {"a": jax_fp8.Fp8Meta.create(RECIPE),
             "stack": jax_fp8.ScalingState.create((2, 3), L, jnp.float8_e5m2)}
     tree = jax.tree.map(lambda x: x + rand(int(x.size), x.shape) ** 2, tree)
-    te = convert.to_te(tree)
+    te = interop.to_te(tree)
     n = 3 + 6
     assert te["amax_history"].shape == (L, n) and te["scale"].shape == (n,)
     # History on axis 0: column i is tensor i's history (tree order).
@@ -198,16 +198,16 @@ def test_transformer_engine_layout_roundtrip():
     np.testing.assert_array_equal(te["amax_history"][:, 3 + 4],
                                   tree["stack"].amax_history[1, 1])
     np.testing.assert_array_equal(te["scale_inv"][3:], tree["stack"].scale_inv.reshape(-1))
-    back = convert.from_te(**te, like=tree)
+    back = interop.from_te(**te, like=tree)
     assert jax.tree.structure(back) == jax.tree.structure(tree)
     jax.tree.map(np.testing.assert_array_equal, back, tree)
-    stacked = convert.from_te(te["amax_history"], te["scale"], fp8_dtype=jnp.float8_e4m3fn)
+    stacked = interop.from_te(te["amax_history"], te["scale"], fp8_dtype=jnp.float8_e4m3fn)
     assert stacked.amax_history.shape == (n, L)
     np.testing.assert_allclose(stacked.scale_inv, 1 / te["scale"], rtol=1e-7)
     # The stacked state updates with one fused call like any other.
     new = jax_fp8.update_states(stacked, jnp.ones((n,)), recipe=RECIPE)
     assert new.amax_history.shape == (n, L)
     with pytest.raises(ValueError, match="history length"):
-        convert.to_te([jax_fp8.ScalingState.create((), 4), jax_fp8.ScalingState.create((), 5)])
+        interop.to_te([jax_fp8.ScalingState.create((), 4), jax_fp8.ScalingState.create((), 5)])
     with pytest.raises(ValueError, match="N = "):
-        convert.from_te(te["amax_history"][:, :4], te["scale"][:4], like=tree)
+        interop.from_te(te["amax_history"][:, :4], te["scale"][:4], like=tree)

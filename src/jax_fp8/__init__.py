@@ -11,7 +11,7 @@ Public API (reference: ``docs/reference/``, built by ``mkdocs build``; the arith
   quantization      quantize, dequantize, compute_amax, quantize_blocks, scale_from_amax
   packing           PackedStates, pack_states, unpack_states
   kernels, export   HAS_CPU_KERNEL, HAS_CUDA_KERNEL, export_disabled_checks
-  Flax              jax_fp8.flax (linen), jax_fp8.flax.nnx, jax_fp8.flax.convert
+  Flax              jax_fp8.flax (linen), jax_fp8.flax.nnx, jax_fp8.flax.interop
 """
 
 from jax_fp8._registration import HAS_CPU_KERNEL, HAS_CUDA_KERNEL, export_disabled_checks

@@ -11,13 +11,13 @@ An existing model in one call (docs/convert.md):
 
 NNX: `jax_fp8.flax.nnx` (Fp8Linear, Fp8DotGeneral, Fp8State, update_fp8, fp8_model, ...).
 Converters to/from Flax's own fp8_ops variables and Transformer Engine's layout:
-`jax_fp8.flax.convert`.
+`jax_fp8.flax.interop`.
 """
 
 from jax_fp8.flax.linen import (FP8_COLLECTION, Fp8DotGeneral, Fp8Einsum, Fp8TrainState,
                                 fp8_value_and_grad, split_fp8)
 from jax_fp8.flax.conversion import Fp8Rule, fp8_model  # noqa: E402
-from jax_fp8.flax import convert  # noqa: E402
+from jax_fp8.flax import interop  # noqa: E402
 from jax_fp8.flax import serialization  # noqa: E402,F401  (msgpack support)
 from jax_fp8.flax import nnx  # noqa: E402
 
