@@ -1,13 +1,14 @@
 // The table of compiled CUTLASS configurations and the measured choice among them and
 // cuBLASLt (block_gemm_cutlass.h). Plain C++: the configurations live in their own
-// sm_90a units (block_gemm_sm90_*.cu), present only when CUTLASS's headers were found.
+// sm_90a units (block_gemm_sm90_*.cu), present only when CUTLASS's headers were found:
+// every one with JAX_FP8_CUTLASS_CONFIGS=all (benchmarks), else those the table runs.
 #include "block_gemm_cutlass.h"
 
 #include <climits>
 
 namespace jax_fp8 {
 
-#if defined(JAX_FP8_HAS_CUTLASS)
+#if defined(JAX_FP8_HAS_CUTLASS) && defined(JAX_FP8_CUTLASS_ALL)
 extern const CutlassConfig kTileCoop128x128C1Bf16, kTileCoop128x128C2Bf16, kTilePp64x128C1Bf16,
     kTileCoop128x128C1F32, kBlockCoop128x128C1F32, kBlockPp64x128C1F32, kBlockCoop128x128C1Bf16;
 namespace {
@@ -15,6 +16,12 @@ const CutlassConfig* const kConfigs[] = {
     &kTileCoop128x128C1Bf16, &kTileCoop128x128C2Bf16, &kTilePp64x128C1Bf16,
     &kTileCoop128x128C1F32,  &kBlockCoop128x128C1F32, &kBlockPp64x128C1F32,
     &kBlockCoop128x128C1Bf16};
+constexpr int kCount = sizeof(kConfigs) / sizeof(kConfigs[0]);
+}  // namespace
+#elif defined(JAX_FP8_HAS_CUTLASS)  // the configurations the table below runs
+extern const CutlassConfig kTileCoop128x128C1Bf16;
+namespace {
+const CutlassConfig* const kConfigs[] = {&kTileCoop128x128C1Bf16};
 constexpr int kCount = sizeof(kConfigs) / sizeof(kConfigs[0]);
 }  // namespace
 #else
@@ -52,17 +59,15 @@ int Find(const char* name) {
 
 }  // namespace
 
-// The measured table (H200, docs/benchmarks.md "Block-scaled GEMM kernels"): which
-// configuration beats cuBLASLt's block-scaled GEMM for which GEMMs. Where none does,
-// -1 keeps cuBLASLt.
+// The measured table (H200, docs/benchmarks.md "Block-scaled GEMM kernels"; bench/
+// bench_block_gemm.py at M = 8192 tokens): the cooperative 128 x 128 configuration beat
+// cuBLASLt's block-scaled GEMM only for forward / data-gradient GEMMs (b in tiles) with a
+// bf16 output, N <= 4096 and K <= 6144, and by 1-2 %; cuBLASLt was faster for the other
+// forward / data-gradient shapes (by up to 9 %) and for every weight-gradient GEMM (by
+// 10-17 %), so it keeps those. -1: cuBLASLt.
 int CutlassPick(const CutlassGemm& g, bool e4m3_operands, const uint32_t (&align)[5]) {
-  const char* name = nullptr;
-  if (g.b_tile) {
-    name = g.out_bf16 ? "tile_coop_128x128_c1_bf16" : "tile_coop_128x128_c1_f32";
-  } else {
-    name = g.out_bf16 ? "block_coop_128x128_c1_bf16" : "block_coop_128x128_c1_f32";
-  }
-  const int i = Find(name);
+  if (!g.b_tile || !g.out_bf16 || g.n > 4096 || g.k > 6144) return -1;
+  const int i = Find("tile_coop_128x128_c1_bf16");
   return CutlassTakes(i, g, e4m3_operands, align) ? i : -1;
 }
 
