@@ -59,12 +59,11 @@ int Find(const char* name) {
 
 }  // namespace
 
-// The measured table (H200, docs/benchmarks.md "Block-scaled GEMM kernels"; bench/
-// bench_block_gemm.py at M = 8192 tokens): the cooperative 128 x 128 configuration beat
-// cuBLASLt's block-scaled GEMM only for forward / data-gradient GEMMs (b in tiles) with a
-// bf16 output, N <= 4096 and K <= 6144, and by 1-2 %; cuBLASLt was faster for the other
-// forward / data-gradient shapes (by up to 9 %) and for every weight-gradient GEMM (by
-// 10-17 %), so it keeps those. -1: cuBLASLt.
+// The measured table (docs/benchmarks.md, "Block-scaled GEMM kernels", bench/
+// bench_block_gemm.py): the cooperative 128 x 128 configuration for forward / data-gradient
+// GEMMs (b in tiles) with a bf16 output, N <= 4096 and K <= 6144, where it was at least as
+// fast as cuBLASLt's block-scaled GEMM; cuBLASLt (-1) for the other shapes and for every
+// weight-gradient GEMM, where it was faster.
 int CutlassPick(const CutlassGemm& g, bool e4m3_operands, const uint32_t (&align)[5]) {
   if (!g.b_tile || !g.out_bf16 || g.n > 4096 || g.k > 6144) return -1;
   const int i = Find("tile_coop_128x128_c1_bf16");
