@@ -213,7 +213,8 @@ def worker(args):
 # The plan: one worker process per size and variant.
 # --------------------------------------------------------------------------------------
 
-WORKER_OPTIONS = ("steps", "warmup", "history_len", "lr", "seed", "top_kernels", "attention")
+WORKER_OPTIONS = ("steps", "warmup", "history_len", "lr", "seed", "top_kernels", "attention",
+                  "min_fp8_flops")
 WORKER_FLAGS = ("scan", "fp8_lm_head", "no_rope", "gemms_alone")
 
 
@@ -284,6 +285,10 @@ def save_plot(data, outdir):
 # Command line.
 # --------------------------------------------------------------------------------------
 
+def _flops_or_auto(text):
+    return text if text == "auto" else float(text)
+
+
 def build_parser():
     p = common.arg_parser("A Llama-style decoder's training step: bf16, Flax FP8 and jax_fp8's "
                           "recipes side by side, one process each (bench/README.md).", __doc__)
@@ -314,6 +319,9 @@ def build_parser():
     p.add_argument("--fp8-lm-head", action="store_true",
                    help="the LM head with the variant's FP8 dot_general too (default bf16)")
     p.add_argument("--no-rope", action="store_true", help="no rotary position embedding")
+    p.add_argument("--min-fp8-flops", type=_flops_or_auto, default="auto",
+                   help="Fp8Rule.min_fp8_flops for the architectures converted by fp8_model "
+                        "(default auto: the recipe's threshold; 0: every GEMM in FP8)")
     p.add_argument("--gemms-alone", action="store_true",
                    help="also time each FP8 GEMM shape of the step on its own, with both "
                         "accumulations (GPU)")
@@ -352,6 +360,7 @@ def run(argv=None):
                          "warmup": args.warmup, "history_len": args.history_len, "lr": args.lr,
                          "seed": args.seed, "attention": args.attention, "scan": args.scan,
                          "fp8_lm_head": args.fp8_lm_head, "rope": not args.no_rope,
+                         "min_fp8_flops": args.min_fp8_flops,
                          "timeout_per_variant": args.timeout_per_variant,
                          "budget": args.budget},
             "floor_definition": FLOOR_NOTE, "family_definition": FAMILY_NOTE,

@@ -509,7 +509,8 @@ def make_model(variant, size, args):
                          "to the Llama-style decoder only")
     model = ARCHS[size.arch](size, layers.attention)
     if variant.kind == "jax_fp8":
-        model = fp8_model(model, Fp8Rule(recipe=variant.recipe(args)))
+        model = fp8_model(model, Fp8Rule(recipe=variant.recipe(args),
+                                          min_fp8_flops=args.min_fp8_flops))
     return model
 
 

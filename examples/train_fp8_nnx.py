@@ -5,7 +5,7 @@ The model is written with Flax's own NNX layers only (``nnx.Embed``,
 ``nnx.vmap`` and run by ``nnx.scan``. One call,
 
     jax_fp8.flax.nnx.fp8_model(model, [Fp8Rule(path="lm_head", recipe=None),
-                                       Fp8Rule(recipe=recipe)])
+                                       Fp8Rule(recipe=recipe, min_fp8_flops=0)])
 
 makes every projection of the attention and of the MLP an FP8 GEMM (the LM head and the
 attention scores stay in float32) and gives each layer its FP8 state. The train step
@@ -122,7 +122,9 @@ def build(args, vocab: int):
     model = CharLM(vocab, args.d_model, args.layers, args.heads, args.seq_len,
                    rngs=nnx.Rngs(args.seed))
     rules = [Fp8Rule(path="lm_head", recipe=None),       # the LM head stays in float32
-             Fp8Rule(recipe=recipe)]                      # every other GEMM of a weight
+             # every other GEMM of a weight, however small (by default, min_fp8_flops
+             # "auto" would keep this small model's GEMMs out of FP8, where it does not pay)
+             Fp8Rule(recipe=recipe, min_fp8_flops=0)]
     model = fnnx.fp8_model(model, rules)
     tx = optax.chain(optax.clip_by_global_norm(1.0),
                      optax.adamw(optax.warmup_cosine_decay_schedule(

@@ -343,7 +343,7 @@ def test_a_converted_architecture_trains_with_fp8_projections(size_name):
     """gemma3 / qwen3 are written without FP8 and converted by fp8_model: the same
     parameters as bf16, one FP8 state per projection (delayed), FP8 GEMMs in the compiled
     step, and one fused update; the LM head (tied in gemma3) stays bf16."""
-    args = bench_llm.build_parser().parse_args(["--attention", "xla"])
+    args = bench_llm.build_parser().parse_args(["--attention", "xla", "--min-fp8-flops", "0"])
     size = llm_models.SIZES[size_name]
     tokens = jnp.zeros((size.batch, size.seq), jnp.int32)
     with jax.default_device(jax.devices("cpu")[0]):
@@ -468,3 +468,35 @@ def test_gemm_table_falls_back_to_program_order():
     assert table["rows"] == [] and table["attributed_by"] is None
     assert table["unattributed_ms"] == 0.8
     assert llm_kernels.gemm_table(events[:-1], gemms, steps=2)["rows"] == []   # counts differ
+
+
+# The shapes measured (bench/llm_models.py SIZES, two layers of each): which projections
+# the default rules (min_fp8_flops="auto") keep out of FP8, forward GEMMs, per recipe.
+AUTO_FP8 = {
+    ("gemma3_1b", "jax_fp8_delayed"): {"gating_einsum", "mlp_out/proj"},
+    ("gemma3_1b", "jax_fp8_block"): {"gating_einsum"},
+    ("qwen3_1.7b", "jax_fp8_delayed"): {"q_proj", "o_proj", "gate_proj", "up_proj",
+                                        "mlp_out/proj"},
+    ("qwen3_1.7b", "jax_fp8_block"): {"gate_proj", "up_proj", "mlp_out/proj"},
+}
+
+
+@pytest.mark.parametrize("size_name, variant", sorted(AUTO_FP8))
+def test_default_rules_convert_the_gemms_that_pay(size_name, variant):
+    """Traced only (jax_fp8.devtools.explain of the forward pass on abstract arguments):
+    the projections with at least the recipe's AUTO_MIN_FP8_FLOPS are FP8, the rest kept."""
+    from jax_fp8.devtools import explain
+    args = bench_llm.build_parser().parse_args(["--attention", "xla"])
+    size = dataclasses.replace(llm_models.SIZES[size_name], layers=2)
+    model = llm_models.make_model(llm_models.VARIANTS[variant], size, args)
+    tokens = jax.ShapeDtypeStruct((size.batch, size.seq), jnp.int32)
+    variables = jax.eval_shape(model.init, jax.random.key(0), tokens)
+    rows = explain.explain(model.apply, variables, tokens)
+    block = variant == "jax_fp8_block"
+    fp8 = {r.where for r in rows if (r.name == "jax_fp8_block_gemm" if block
+                                     else r.kind == "gemm" and r.lowering == "fp8")}
+    kept = {r.where for r in rows if r.kind == "gemm" and "min_fp8_flops" in r.why}
+    layer = lambda where: where.split("/layer_0/", 1)[1].rsplit("/", 1)[0]  # noqa: E731
+    assert {layer(w) for w in fp8 if "/layer_0/" in w} == AUTO_FP8[size_name, variant]
+    assert kept and not {layer(w) for w in kept if "/layer_0/" in w} & AUTO_FP8[size_name,
+                                                                                  variant]

@@ -26,7 +26,7 @@ from jax_fp8.flax import nnx as fnnx
 
 KEY = jax.random.key(0)
 RECIPE = jax_fp8.DelayedScaling(history_len=4)
-RULE = Fp8Rule(recipe=RECIPE)
+RULE = Fp8Rule(recipe=RECIPE, min_fp8_flops=0)
 IS_STATE = lambda x: isinstance(x, jax_fp8.ScalingState)  # noqa: E731
 
 
@@ -179,7 +179,7 @@ class _HighestModule(nn.Module):
 @pytest.mark.parametrize("activations", [False, True], ids=["weights", "activations"])
 def test_linen_a_layer_with_its_own_dot_general_stays_as_it_is(layer, activations):
     x = jax.random.normal(jax.random.key(1), (4, 16)) * 10
-    model = fp8_model(layer, Fp8Rule(recipe=RECIPE, activations=activations))
+    model = fp8_model(layer, Fp8Rule(recipe=RECIPE, activations=activations, min_fp8_flops=0))
     v = model.init(KEY, x)
     assert FP8_COLLECTION not in v
     _equal(v, layer.init(KEY, x))

@@ -349,7 +349,11 @@ def check_fp8_updated(fp8_states, name: str = "fp8_states") -> None:
         raise ValueError(
             f"{name}: none of its {len(state_lib.states_info(fp8_states))} delayed-scaling "
             "states was ever updated (zero amax histories, scale 1): the training loop does "
-            "not pass the FP8 gradients to the update, and trains with unit scales. " + fix)
+            "not pass the FP8 gradients to the update, and trains with unit scales, or "
+            "every GEMM of these layers ran out of FP8, below its min_fp8_flops (fp8_model's "
+            "default min_fp8_flops='auto' keeps GEMMs too small for FP8 to pay; "
+            "`jax_fp8.devtools.explain` lists them; Fp8Rule(min_fp8_flops=0) converts "
+            "every GEMM). " + fix)
 
 
 def combine_fp8_grads(*fp8_grads):

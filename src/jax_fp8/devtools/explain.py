@@ -121,6 +121,17 @@ def _walk(jaxpr, where: str, platform: str, num_devices: int, rows: list) -> Non
         elif name == "dot_general":
             rows.append(_gemm_row(here, avals, eqn.params["dimension_numbers"]))
         inner = 1 if name == "shard_map" else num_devices
+        if name == "cond":
+            # Branches that decide the same (e.g. lax.platform_dependent's, one per
+            # platform, of which one runs) are listed once.
+            branches = []
+            for sub in _sub_jaxprs(eqn.params["branches"]):
+                branches.append([])
+                _walk(sub, here, platform, inner, branches[-1])
+            key = lambda rs: [(r.kind, r.name, r.operands, r.lowering) for r in rs]  # noqa: E731
+            same = all(key(b) == key(branches[0]) for b in branches)
+            rows.extend(r for b in (branches[:1] if same else branches) for r in b)
+            continue
         for value in eqn.params.values():
             for sub in _sub_jaxprs(value):
                 _walk(sub, here, platform, inner, rows)

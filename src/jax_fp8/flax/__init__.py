@@ -22,4 +22,4 @@ from jax_fp8.flax import serialization  # noqa: E402,F401  (msgpack support)
 from jax_fp8.flax import nnx  # noqa: E402
 
 __all__ = ["FP8_COLLECTION", "Fp8DotGeneral", "Fp8Einsum", "Fp8Rule", "Fp8TrainState",
-           "convert", "fp8_model", "fp8_value_and_grad", "nnx", "split_fp8"]
+           "fp8_model", "interop", "fp8_value_and_grad", "nnx", "split_fp8"]

@@ -32,10 +32,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_fp8 import recipe as recipe_lib
-from jax_fp8.recipe import DelayedScaling
+from jax_fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 from jax_fp8.dot_general import check_min_fp8_flops
 
-__all__ = ["Fp8Rule", "fp8_model"]
+__all__ = ["AUTO_MIN_FP8_FLOPS", "Fp8Rule", "fp8_model"]
+
+
+# Per recipe, the forward FLOPs below which a converted GEMM stays in the operands' dtype
+# (Fp8Rule's min_fp8_flops="auto"): above each recipe's measured break-even, where one
+# layer's FP8 casts, amaxes and transposes cost as much as its faster GEMMs save
+# (docs/benchmarks.md, "One Dense layer: where FP8 starts to pay").
+AUTO_MIN_FP8_FLOPS = {DelayedScaling: 2.0 ** 36, Float8CurrentScaling: 2.0 ** 37,
+                      Float8BlockScaling: 2.0 ** 37}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +60,13 @@ class Fp8Rule:
       recipe: ``DelayedScaling()`` (the default), ``Float8CurrentScaling()`` or
         ``Float8BlockScaling()``: the recipe of the FP8 layers the rule creates. None
         keeps the matched GEMMs as they are (an exclusion, e.g. for an LM head).
-      min_fp8_flops: GEMMs with fewer FLOPs (``2 * batch * M * N * K``) run in the
-        operands' dtype (the FP8 layers' attribute of that name); 0: all in FP8.
+      min_fp8_flops: GEMMs with fewer FLOPs (``2 * batch * M * N * K`` of the forward
+        product, known at trace time) run in the operands' dtype (the FP8 layers'
+        attribute of that name); 0: all in FP8. ``"auto"`` (the default): the recipe's
+        `AUTO_MIN_FP8_FLOPS`, below which FP8 does not pay (the casts, amaxes and
+        transposes cost more than the faster GEMMs save), so that converting a model
+        does not make it slower. ``jax_fp8.devtools.explain`` lists which GEMMs
+        of a converted model run in FP8 and which were kept.
       activations: False (the default): only GEMMs with a parameter operand become FP8
         (a layer's kernel; in a hand-written module, an array the module read from its
         own ``params``). True: every GEMM of the matched modules, the attention scores
@@ -65,7 +78,7 @@ class Fp8Rule:
 
     path: str = ".*"
     recipe: Any = DelayedScaling()
-    min_fp8_flops: float = 0
+    min_fp8_flops: float | str = "auto"
     activations: bool = False
 
     def __post_init__(self):
@@ -79,8 +92,14 @@ class Fp8Rule:
                              f"{err}") from None
         if self.recipe is not None:
             recipe_lib.check_recipe(self.recipe, "Fp8Rule.recipe")
+        flops = self.min_fp8_flops
+        if isinstance(flops, str):
+            if flops != "auto":
+                raise ValueError(f"Fp8Rule.min_fp8_flops must be a number of FLOPs or "
+                                 f"'auto', got {flops!r}")
+            flops = 0 if self.recipe is None else AUTO_MIN_FP8_FLOPS[type(self.recipe)]
         object.__setattr__(self, "min_fp8_flops",
-                           check_min_fp8_flops(self.min_fp8_flops, "Fp8Rule.min_fp8_flops"))
+                           check_min_fp8_flops(flops, "Fp8Rule.min_fp8_flops"))
         if not isinstance(self.activations, bool):
             raise TypeError(f"Fp8Rule.activations must be True or False, got "
                             f"{self.activations!r}")
