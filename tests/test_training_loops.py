@@ -476,3 +476,18 @@ def test_nnx_decoder_samples_under_every_loop_without_writing_fp8_state(recipe, 
     got = SAMPLERS[sampler](model, tok)
     np.testing.assert_array_equal(got, jnp.stack(want))
     assert_trees_equal(nnx.state(model), before)
+
+
+# ------------------------------------------------------- one accumulation, linen and NNX
+
+TWO_ACCUMULATIONS = r"holds 2 optax.MultiSteps; the FP8 state can follow one accumulation"
+
+
+def test_linen_and_nnx_refuse_two_multi_steps_alike():
+    """An optimizer with two MultiSteps: the FP8 state cannot follow both; linen's train
+    state and NNX's optimizer say so when they are built (one rule, flax/multi_steps.py)."""
+    tx = optax.chain(optax.MultiSteps(optax.adam(1e-2), 2), optax.MultiSteps(optax.sgd(1e-2), 3))
+    with pytest.raises(ValueError, match=TWO_ACCUMULATIONS):
+        _linen(DELAYED, tx)
+    with pytest.raises(ValueError, match=TWO_ACCUMULATIONS):
+        fnnx.Fp8Optimizer(Net(DELAYED, nnx.Rngs(0)), tx, wrt=nnx.Param, recipe=DELAYED)

@@ -78,6 +78,9 @@ class Fp8Meta:
     input: ScalingState | None = None
     kernel: ScalingState | None = None
     grad: ScalingState | None = None
+
+    # The names of its three states (the FP8 layers' variables are named so).
+    STATES = ("input", "kernel", "grad")
     recipe: recipe_lib.Float8CurrentScaling | recipe_lib.Float8BlockScaling | None = None
 
     @classmethod

@@ -50,7 +50,6 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 from flax import struct
 from flax.training import train_state
 
@@ -59,13 +58,12 @@ from jax_fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScal
 from jax_fp8 import state as state_lib
 from jax_fp8.dot_general import fp8_dot_general
 from jax_fp8.einsum import fp8_einsum
-from jax_fp8.meta import Fp8Meta, amax_cotangents, new_fp8_state, scales_frozen
+from jax_fp8.flax import multi_steps
+from jax_fp8.meta import Fp8Meta, new_fp8_state, scales_frozen
 from jax_fp8.packing import PackedStates, pack_states, unpack_states
 from jax_fp8.state import ScalingState
-from jax_fp8.update import update_states
 
 FP8_COLLECTION = "fp8_meta"
-_NAMES = ("input", "kernel", "grad")
 
 
 _MISSING = ("{op} at {where}: {why} Flax would raise ScopeCollectionNotFound. {fix}")
@@ -82,7 +80,7 @@ _LIFT_FIX = ("Add it, e.g. nn.scan(..., variable_axes={{'params': 0, {c!r}: 0}})
 
 
 def _check_collection_reaches(module: nn.Module, collection: str, op: str) -> None:
-    if module.has_variable(collection, _NAMES[0]) or \
+    if module.has_variable(collection, Fp8Meta.STATES[0]) or \
             module.is_mutable_collection(collection):
         return
     where = module.scope.path_text if module.scope is not None else "?"
@@ -103,7 +101,7 @@ def _meta_variables(module: nn.Module, recipe, collection, op: str | None = None
     fwd, bwd = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
     dtypes = {"input": fwd, "kernel": fwd, "grad": bwd}
     return [module.variable(collection, name, ScalingState.create, (), recipe.history_len,
-                            dtypes[name]) for name in _NAMES]
+                            dtypes[name]) for name in Fp8Meta.STATES]
 
 
 # A module applied with its FP8 collection immutable cannot write the threaded meta back;
@@ -171,7 +169,7 @@ def _write(module: nn.Module, vs, meta: Fp8Meta, collection):
             # add a dependence on the data (which nn.scan refuses for a broadcast
             # collection), and init is never differentiated.
             return
-        for v, name in zip(vs, _NAMES):
+        for v, name in zip(vs, Fp8Meta.STATES):
             v.value = getattr(meta, name)
         return
     _threaded(module)[(collection, module.scope.path)] = (vs[0].value.amax_history, meta)
@@ -273,23 +271,6 @@ def split_fp8(variables, collection: str = FP8_COLLECTION):
     return variables, fp8
 
 
-def _multi_steps(opt_state):
-    """The ``optax.MultiStepsState`` inside ``opt_state``, or None."""
-    found = [x for x in jax.tree.leaves(
-        opt_state, is_leaf=lambda x: isinstance(x, optax.MultiStepsState))
-        if isinstance(x, optax.MultiStepsState)]
-    if len(found) > 1:
-        raise ValueError("Fp8TrainState: the optimizer holds several optax.MultiSteps; the "
-                         "FP8 state can follow one accumulation only")
-    return found[0] if found else None
-
-
-def _zero_amaxes(fp8) -> list:
-    # A flat list of the staged amaxes (tree order of `amax_cotangents`): it checkpoints
-    # as plain arrays whatever container (e.g. PackedStates) holds the states.
-    return [jnp.zeros_like(a) for a in jax.tree.leaves(amax_cotangents(fp8))]
-
-
 def _is_combined(grads, params, collection) -> bool:
     """True for the gradient of `fp8_value_and_grad`: {"params": ..., collection: ...}."""
     return (isinstance(grads, Mapping) and set(grads) == {"params", collection}
@@ -368,8 +349,9 @@ class Fp8TrainState(train_state.TrainState):
         new = super().create(apply_fn=apply_fn, params=params, tx=tx, fp8=fp8,
                              fp8_formats=formats, recipe=recipe,
                              fp8_collection=fp8_collection, **kwargs)
-        if counts and _multi_steps(new.opt_state) is not None:
-            new = new.replace(fp8_pending=_zero_amaxes(fp8))
+        if counts:
+            new = new.replace(fp8_pending=multi_steps.zero_pending(fp8, new.opt_state,
+                                                                   "Fp8TrainState"))
         return new
 
     def variables(self, params=None, fp8=None) -> dict:
@@ -447,15 +429,10 @@ class Fp8TrainState(train_state.TrainState):
         state_lib.check_states_follow(self.recipe, self.fp8, "fp8")
         if scales_frozen():
             return new  # the FP8 state and its pending amaxes stay as they are
-        staged = jax.tree.leaves(amax_cotangents(fp8_grads))
-        pending = [jnp.fmax(p, a) for p, a in zip(self.fp8_pending, staged, strict=True)]
-        amaxes = jax.tree.unflatten(jax.tree.structure(amax_cotangents(self.fp8)), pending)
-        applied = _multi_steps(new.opt_state).gradient_step != \
-            _multi_steps(self.opt_state).gradient_step
-        fp8 = jax.lax.cond(applied,
-                           lambda: update_states(self.fp8, amaxes, recipe=self.recipe),
-                           lambda: self.fp8)
-        pending = [jnp.where(applied, jnp.zeros_like(p), p) for p in pending]
+        applied = (multi_steps.gradient_step(new.opt_state, "Fp8TrainState")
+                   != multi_steps.gradient_step(self.opt_state, "Fp8TrainState"))
+        fp8, pending = multi_steps.accumulate(self.fp8, fp8_grads, self.fp8_pending, applied,
+                                              self.recipe)
         return new.replace(fp8=fp8, fp8_pending=pending)
 
 

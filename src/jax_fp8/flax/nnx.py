@@ -35,21 +35,18 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from jax_fp8 import meta as meta_lib
 from jax_fp8 import recipe as recipe_lib
 from jax_fp8 import state as state_lib
-from jax_fp8.flax import conversion
+from jax_fp8.flax import conversion, multi_steps
 from jax_fp8.dot_general import check_min_fp8_flops, fp8_dot_general
 from jax_fp8.einsum import fp8_einsum
 from jax_fp8.meta import Fp8Meta, new_fp8_state
 from jax_fp8.recipe import check_recipe
 from jax_fp8.state import ScalingState
-from jax_fp8.update import update_states
 
-_NAMES = ("input", "kernel", "grad")
 
 
 class Fp8State(nnx.Variable):
@@ -105,7 +102,7 @@ class _Fp8Base(nnx.Module):
     def meta(self) -> Fp8Meta:
         if self.stateless_recipe is not None:
             return Fp8Meta(recipe=self.stateless_recipe)
-        return Fp8Meta(*(_get(getattr(self, n)) for n in _NAMES))
+        return Fp8Meta(*(_get(getattr(self, n)) for n in Fp8Meta.STATES))
 
     def _thread(self, meta: Fp8Meta):
         # The returned meta carries the same values as the one read; it is written back
@@ -118,7 +115,7 @@ class _Fp8Base(nnx.Module):
         # The variables still hold the meta the call read: differentiated or not.
         differentiated = any(meta_lib._ad_trace(x) is not None
                              for x in jax.tree.leaves(self.meta))
-        for n in _NAMES:
+        for n in Fp8Meta.STATES:
             var = getattr(self, n)
             if not differentiated and not getattr(var, "_can_update", True):
                 continue
@@ -243,11 +240,6 @@ def fp8_value_and_grad(loss_fn: Callable, has_aux: bool = False, wrt=nnx.Param):
     return f
 
 
-def _is_multi_steps(tx) -> bool:
-    return isinstance(tx, optax.MultiSteps) or \
-        isinstance(getattr(getattr(tx, "update", None), "__self__", None), optax.MultiSteps)
-
-
 def apply_gradients(model, optimizer, grads, recipe=None, **kwargs):
     """``optimizer.update(model, <param gradients>)`` and `update_fp8` with the FP8 ones.
 
@@ -282,7 +274,8 @@ def _step(model, optimizer, grads, recipe, optimizer_update, kwargs):
             "(or nnx.value_and_grad with argnums=nnx.DiffState(0, nnx.Any(nnx.Param, "
             "Fp8State))). To keep the scales frozen on purpose, call it inside "
             "`with jax_fp8.frozen_scales():`.")
-    if held and not meta_lib.scales_frozen() and _is_multi_steps(getattr(optimizer, "tx", None)):
+    if held and not meta_lib.scales_frozen() and \
+            multi_steps.find(getattr(optimizer, "opt_state", None), "apply_gradients") is not None:
         raise ValueError(
             "apply_gradients: the optimizer wraps optax.MultiSteps, which applies once per "
             "k calls, but the FP8 state would be updated at every call. Use "
@@ -299,24 +292,6 @@ def _step(model, optimizer, grads, recipe, optimizer_update, kwargs):
 class Fp8Pending(nnx.Variable):
     """Under ``optax.MultiSteps``: the max of the staged amaxes since the optimizer last
     applied (a list of float32 arrays, one per FP8 state in tree order)."""
-
-
-def _multi_steps_state(opt_state):
-    """The ``optax.MultiStepsState`` in ``opt_state`` (searched through tuples), or None."""
-    if isinstance(opt_state, optax.MultiStepsState):
-        return opt_state
-    if isinstance(opt_state, (tuple, list)):
-        found = [f for f in map(_multi_steps_state, opt_state) if f is not None]
-        return found[0] if len(found) == 1 else None
-    return None
-
-
-def _pending(states, opt_state):
-    """Zero pending amaxes for the states under MultiSteps, else None."""
-    if not state_lib.states_info(states) or _multi_steps_state(opt_state) is None:
-        return None
-    return Fp8Pending([jnp.zeros_like(a)
-                       for a in jax.tree.leaves(meta_lib.amax_cotangents(states))])
 
 
 class Fp8Optimizer(nnx.Optimizer):
@@ -337,7 +312,8 @@ class Fp8Optimizer(nnx.Optimizer):
     def __init__(self, model, tx, *, wrt=nnx.Param, recipe=None, **kwargs):
         super().__init__(model, tx, wrt=wrt, **kwargs)
         self.fp8_recipe = None if recipe is None else check_recipe(recipe)
-        self.fp8_pending = _pending(fp8_state(model), self.opt_state)
+        pending = multi_steps.zero_pending(fp8_state(model), self.opt_state, "Fp8Optimizer")
+        self.fp8_pending = None if pending is None else Fp8Pending(pending)
 
     def update(self, model, grads, /, **kwargs):
         """The optimizer step on the ``wrt`` gradients and `update_fp8` on the FP8 ones
@@ -355,18 +331,14 @@ class Fp8Optimizer(nnx.Optimizer):
         if not state_lib.states_info(fp8_grads):
             _step(model, self, grads, self.fp8_recipe, nnx.Optimizer.update, kwargs)
             return  # (raises)
-        before = _multi_steps_state(self.opt_state).gradient_step[...]
+        before = multi_steps.gradient_step(self.opt_state, "Fp8Optimizer")
         nnx.Optimizer.update(self, model, param_grads, **kwargs)
-        applied = _multi_steps_state(self.opt_state).gradient_step[...] != before
-        staged = jax.tree.leaves(meta_lib.amax_cotangents(fp8_grads))
-        pending = [jnp.fmax(p, a) for p, a in zip(_get(self.fp8_pending), staged, strict=True)]
+        applied = multi_steps.gradient_step(self.opt_state, "Fp8Optimizer") != before
         pure = nnx.as_pure(states) if hasattr(nnx, "as_pure") else states
-        amaxes = jax.tree.unflatten(jax.tree.structure(meta_lib.amax_cotangents(pure)),
-                                    pending)
-        new = jax.lax.cond(applied, lambda: update_states(pure, amaxes, recipe=recipe),
-                           lambda: pure)
+        new, pending = multi_steps.accumulate(pure, fp8_grads, _get(self.fp8_pending), applied,
+                                              recipe)
         nnx.update(model, new)
-        _set(self.fp8_pending, [jnp.where(applied, jnp.zeros_like(p), p) for p in pending])
+        _set(self.fp8_pending, pending)
 
 
 def check_fp8_updated(model) -> None:
