@@ -426,8 +426,17 @@ class SetupRaw(nn.Module):
 
 
 def test_linen_errors():
-    with pytest.raises(TypeError, match="jax_fp8.flax.nnx.fp8_model"):
-        fp8_model(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    # One fp8_model for both kinds of model: an NNX module is converted in place.
+    linear = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    assert fp8_model(linear, RULE) is linear and isinstance(linear.dot_general,
+                                                           fnnx.Fp8DotGeneral)
+    assert fnnx.fp8_model is fp8_model
+    with pytest.raises(TypeError, match="flax.linen or flax.nnx Module"):
+        fp8_model(object())
+    with pytest.raises(TypeError, match="example inputs are for NNX models"):
+        fp8_model(Raw(), RULE, jnp.ones((2, 8)))
+    with pytest.raises(TypeError, match="methods=.*is for linen models"):
+        fp8_model(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), RULE, methods=("encode",))
     with pytest.raises(TypeError, match="methods"):
         fp8_model(Raw(), methods="__call__")
     x, _ = _data()
@@ -514,8 +523,7 @@ def test_nnx_rules():
     assert _n_states(fnnx.fp8_state(model)) == 2 * 3     # up and general
     assert isinstance(model.head.einsum_op, fnnx.Fp8Einsum)
     assert model.attention.query.dot_general is None            # excluded: as it was
-    with pytest.raises(TypeError, match="jax_fp8.flax.fp8_model"):
-        fnnx.fp8_model(Raw())
+    assert isinstance(fnnx.fp8_model(Raw()), Raw)      # a linen model: a converted copy
 
 
 class NnxMlp(nnx.Module):

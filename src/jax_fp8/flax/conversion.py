@@ -492,11 +492,13 @@ def _converting_method(method, rules):
     return converting
 
 
-def fp8_model(model: nn.Module, rules=None, *, methods: Sequence[str] = ("__call__",)):
-    """A copy of the linen ``model`` whose GEMMs are FP8, the model's code unchanged.
+def fp8_model(model, rules=None, *example_args, methods: Sequence[str] = ("__call__",),
+              **example_kwargs):
+    """The ``model`` (linen or NNX) with its GEMMs in FP8, the model's code unchanged.
 
-    Every ``jax.lax.dot_general`` / ``jax.numpy.einsum`` call made while one of the
-    model's ``methods`` runs (the model's own and its submodules', under ``nn.scan``,
+    **Linen** (``model`` a ``flax.linen.Module``; returns a converted copy): every
+    ``jax.lax.dot_general`` / ``jax.numpy.einsum`` call made while one of the model's
+    ``methods`` runs (the model's own and its submodules', under ``nn.scan``,
     ``nn.remat``, ``nn.vmap`` and the like) is handed, when a rule matches the calling
     module and one operand is a parameter, to a `jax_fp8.flax.Fp8DotGeneral` /
     `jax_fp8.flax.Fp8Einsum` created in that module: exactly the module, the variables
@@ -517,30 +519,67 @@ def fp8_model(model: nn.Module, rules=None, *, methods: Sequence[str] = ("__call
     ``dot_general`` or ``dot_general_cls`` (``nn.Dense``, ``nn.DenseGeneral``) and every
     GEMM inside it, an einsum given its own ``_dot_general``.
 
+    **NNX** (``model`` an ``flax.nnx.Module``; converted in place): every ``nnx.Linear``,
+    ``nnx.LinearGeneral`` and ``nnx.Einsum`` whose path (attribute names joined by ``/``,
+    e.g. ``"blocks/0/mlp/up"``) a rule matches gets the FP8 GEMM of that rule:
+    ``dot_general=jax_fp8.flax.nnx.Fp8DotGeneral(recipe, min_fp8_flops=...)`` (an
+    ``einsum_op`` for ``nnx.Einsum``), exactly the layer, the ``Fp8State`` variables and
+    the numbers of the model written with ``Fp8Linear``. Layers stacked by ``nnx.vmap``
+    (for ``nnx.scan`` over layers) get stacked FP8 states, one per layer. A matched
+    module's own ``jnp.einsum`` / ``jax.lax.dot_general`` of one of its ``nnx.Param``s
+    (``self.w[...]``) goes through ``w_fp8``, an FP8 module added to it at the first call
+    that multiplies ``w``; that call must run outside ``jit`` / ``grad`` / ``scan``: pass
+    example inputs, which ``fp8_model`` feeds to the model once. Such calls of a module
+    stacked by ``nnx.vmap`` cannot get states: exclude it. Activation GEMMs, and the
+    layers and GEMMs that stay as they are, as for linen.
+
+    In both, the first matching rule decides, a rule with ``recipe=None`` keeps its
+    layers as they are, and by default (``Fp8Rule.min_fp8_flops="auto"``) a GEMM too
+    small for FP8 to pay runs in its dtype (``jax_fp8.devtools.explain`` lists them).
+
     Args:
       model: a linen module (unbound), e.g. ``nn.MultiHeadDotProductAttention(4)`` or a
-        model class from another package.
+        model class from another package; or an NNX module.
       rules: an `Fp8Rule`, a sequence of them (the first matching rule decides), or None
         (``Fp8Rule()``: every GEMM with a parameter operand, delayed scaling).
-      methods: the methods through which the model is applied (``model.apply(...,
-        method=...)``); GEMMs run outside them stay as they are.
+      *example_args, **example_kwargs: NNX only: inputs of ``model(...)``, called once
+        (eagerly) to add the FP8 modules of the modules' own GEMMs; none: they are added
+        at the first eager call.
+      methods: linen only: the methods through which the model is applied
+        (``model.apply(..., method=...)``); GEMMs run outside them stay as they are.
 
     Returns:
-      A module of a subclass of ``type(model)`` with the same name and fields. Its
+      Linen: a module of a subclass of ``type(model)`` with the same name and fields. Its
       ``init`` adds the FP8 collection (``"fp8_meta"``, delayed scaling) to the
       variables; ``params`` are those of ``model`` (same paths, shapes and initial
       values), so a checkpoint of ``model``'s params loads into it. Train with
-      `Fp8TrainState` as a hand-written FP8 model.
+      `Fp8TrainState` as a hand-written FP8 model. NNX: ``model`` itself, its
+      ``nnx.Param``s unchanged; train it with ``jax_fp8.flax.nnx.fp8_value_and_grad`` and
+      ``Fp8Optimizer`` as a hand-written FP8 model.
 
     Raises:
-      TypeError: ``model`` is not a linen module, or a bad rule; at trace time, a GEMM
-        with a parameter operand in a method where Flax allows no submodule, or a
-        module holding a submodule named ``<parameter>_fp8`` of its own.
+      TypeError: ``model`` is neither a linen nor an NNX module, an argument of the other
+        kind of model (example inputs for linen, ``methods`` for NNX), or a bad rule; at
+        trace time (linen), a GEMM with a parameter operand in a method where Flax allows
+        no submodule, or a module holding a submodule named ``<parameter>_fp8`` of its own.
+      ValueError: at trace time (NNX), a module's own GEMM with a parameter operand, not
+        seen by an eager call, runs inside a transformation.
     """
+    from flax import nnx  # NNX is optional for linen users; its converter imports it too
+
+    if isinstance(model, nnx.Module):
+        if tuple(methods) != ("__call__",):
+            raise TypeError("fp8_model(methods=...) is for linen models; an NNX model is "
+                            "converted in place, every method")
+        from jax_fp8.flax import nnx_conversion
+
+        return nnx_conversion.convert(model, as_rules(rules), *example_args, **example_kwargs)
     if not isinstance(model, nn.Module):
-        raise TypeError(f"fp8_model(model): model must be a flax.linen Module, got "
-                        f"{type(model).__name__} (for an NNX model use "
-                        f"jax_fp8.flax.nnx.fp8_model)")
+        raise TypeError(f"fp8_model(model): model must be a flax.linen or flax.nnx Module, "
+                        f"got {type(model).__name__}")
+    if example_args or example_kwargs:
+        raise TypeError("fp8_model: example inputs are for NNX models (a linen model gets "
+                        "its FP8 modules at init)")
     rules = as_rules(rules)
     if isinstance(methods, str) or not all(isinstance(m, str) for m in methods):
         raise TypeError(f"fp8_model(methods=...): a sequence of method names, got "

@@ -1,0 +1,148 @@
+"""`fp8_model` for NNX models: each ``nnx.Linear`` / ``LinearGeneral`` / ``Einsum`` given jax_fp8's FP8 GEMM in place, and a module's own GEMMs of its parameters through FP8 modules it is given (the rules: flax/conversion.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_fp8.dot_general import fp8_dot_general
+from jax_fp8.einsum import fp8_einsum
+from jax_fp8.flax import conversion
+from jax_fp8.flax.nnx import Fp8DotGeneral, Fp8Einsum, _Fp8Base, _get
+
+__all__ = ["convert"]
+
+
+def _stacked(layer, lead: tuple):
+    """``layer`` with its FP8 states broadcast to the leading axes ``lead`` of a stacked
+    (``nnx.vmap``-created) layer's kernel: the states ``nnx.vmap`` would have made."""
+    if lead:
+        for name in ("input", "kernel", "grad"):
+            var = getattr(layer, name, None)
+            if var is not None:
+                var.set_value(jax.tree.map(
+                    lambda x: jnp.array(jnp.broadcast_to(x, lead + x.shape)), _get(var)))
+    return layer
+
+
+def _convert(module, rule) -> bool:
+    """Gives one ``nnx.Linear`` / ``LinearGeneral`` / ``Einsum`` an FP8 GEMM of ``rule``;
+    False where the module keeps its own (a custom ``dot_general`` / ``einsum_op``)."""
+    kernel = _get(module.kernel)
+    if isinstance(module, nnx.Linear):
+        if module.dot_general is not conversion.ORIGINAL["dot_general"]:
+            return False
+        layer, lead, attr = Fp8DotGeneral, kernel.shape[:-2], "dot_general"
+    elif isinstance(module, nnx.LinearGeneral):
+        if module.dot_general is not None or module.dot_general_cls is not None:
+            return False
+        n = len(module.batch_axis) + len(module.in_features) + len(module.out_features)
+        layer, lead, attr = Fp8DotGeneral, kernel.shape[:kernel.ndim - n], "dot_general"
+    elif isinstance(module, nnx.Einsum):
+        if module.einsum_op is not conversion.ORIGINAL["einsum"]:
+            return False
+        n = len(module.kernel_shape)
+        layer, lead, attr = Fp8Einsum, kernel.shape[:kernel.ndim - n], "einsum_op"
+    else:
+        return False
+    # nnx.data: the attribute, a function before, now holds a module (as in Fp8Linear).
+    setattr(module, attr, nnx.data(_stacked(
+        layer(rule.recipe, min_fp8_flops=rule.min_fp8_flops), tuple(lead))))
+    return True
+
+
+_LAYERS = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
+
+
+def _own_params(module) -> tuple:
+    """(attribute name, array) of the module's own ``nnx.Param``s."""
+    return tuple((name, _get(v)) for name, v in vars(module).items()
+                 if isinstance(v, nnx.Param))
+
+
+def _raw_convert(module, rule, counts, kind, args, precision, preferred_element_type,
+                 weight=None):
+    """A module's own GEMM through an FP8 module of ``module``, created at the first
+    eager call: ``<weight>_fp8`` for a GEMM of its parameter ``<weight>`` (every GEMM of
+    that weight shares and threads its state), else (two activations)
+    ``Fp8DotGeneral_<i>`` / ``Fp8Einsum_<i>``, the i-th of its kind in the call."""
+    cls = Fp8DotGeneral if kind == "dot_general" else Fp8Einsum
+    if weight is not None:
+        name = f"{weight}_fp8"
+    else:
+        name = f"{cls.__name__}_{counts[kind]}"
+        counts[kind] += 1
+    layer = getattr(module, name, None)
+    if layer is None:
+        if any(isinstance(x, jax.core.Tracer) for x in args[:3]):
+            raise ValueError(
+                f"jax_fp8.flax.nnx.fp8_model: {type(module).__name__} calls a {kind} with a "
+                f"parameter operand that the conversion has not seen yet, inside a "
+                f"transformation (jit, grad, scan, ...), where no FP8 state can be added. "
+                f"Convert with example inputs, fp8_model(model, rules, *inputs), which calls "
+                f"the model once to create them, or exclude the module with "
+                f"Fp8Rule(path=..., recipe=None) before the other rules")
+        layer = cls(rule.recipe, min_fp8_flops=rule.min_fp8_flops)
+        setattr(module, name, nnx.data(layer))
+    elif not isinstance(layer, _Fp8Base):
+        raise TypeError(
+            f"jax_fp8.flax.nnx.fp8_model: {type(module).__name__} has an attribute {name!r}, "
+            f"the name of the FP8 state of its parameter {weight!r}. Rename it, or exclude "
+            f"the module with Fp8Rule(path=..., recipe=None) before the other rules")
+    if isinstance(layer, cls):
+        return layer(*args, precision=precision, preferred_element_type=preferred_element_type)
+    # The weight's state was made by a GEMM of the other kind: the same state, threaded.
+    if kind == "dot_general":
+        out, meta = fp8_dot_general(*args, layer.meta, precision, preferred_element_type,
+                                    min_fp8_flops=layer.min_fp8_flops)
+    else:
+        out, meta = fp8_einsum(*args, layer.meta, preferred_element_type=preferred_element_type,
+                               min_fp8_flops=layer.min_fp8_flops)
+    layer._thread(meta)  # noqa: SLF001
+    return out
+
+
+def _converting_call(method, rule):
+    @functools.wraps(method)
+    def converting(self, *args, **kwargs):
+        if rule is None:   # an unmatched module: its GEMMs stay as they are
+            with conversion.running(None):
+                return method(self, *args, **kwargs)
+        counts = {"dot_general": 0, "einsum": 0}
+        site = conversion.Site(rule, functools.partial(_raw_convert, self, rule, counts),
+                               weights=_own_params(self))
+        with conversion.patched(), conversion.running(site):
+            return method(self, *args, **kwargs)
+    return converting
+
+
+@functools.lru_cache(maxsize=None)
+def _converting_class(cls, rule):
+    new = type(cls.__name__, (cls,), {"__call__": _converting_call(cls.__call__, rule),
+                                      "_fp8_unconverted": cls})
+    new.__qualname__, new.__module__ = cls.__qualname__, cls.__module__
+    return new
+
+
+def convert(model: nnx.Module, rules=None, *example_args, **example_kwargs):
+    """`jax_fp8.flax.fp8_model` for an NNX ``model``: converted in place and returned."""
+    rules = conversion.as_rules(rules)
+    for path, module in list(nnx.iter_modules(model)):
+        rule = conversion.rule_for(rules, "/".join(str(p) for p in path))
+        if isinstance(module, (Fp8DotGeneral, Fp8Einsum)):
+            continue
+        if isinstance(module, _LAYERS):
+            if rule is not None:
+                _convert(module, rule)
+        else:   # its __call__ converts its own GEMMs (rule None: marks them unconverted)
+            cls = getattr(type(module), "_fp8_unconverted", type(module))
+            # Flax's own modules have no GEMM of a parameter but those of their layers.
+            if not cls.__module__.startswith("flax.") and \
+                    any("__call__" in vars(k) for k in cls.__mro__[:-1]):
+                module.__class__ = _converting_class(cls, rule)
+    if example_args or example_kwargs:
+        model(*example_args, **example_kwargs)
+    return model
