@@ -43,12 +43,13 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from llm_models import SIZES  # noqa: E402
-
 from jax_fp8 import _gemms  # noqa: E402
-from jax_fp8._primitives import block_gemm as bg  # noqa: E402
-from jax_fp8._primitives import block_quantize as bq  # noqa: E402
+from jax_fp8._primitives import (
+    block_gemm as bg,  # noqa: E402
+    block_quantize as bq,  # noqa: E402
+)
 from jax_fp8.devtools import trace  # noqa: E402
+from llm_models import SIZES  # noqa: E402
 
 E4M3 = jnp.float8_e4m3fn
 NT = (((1,), (1,)), ((), ()))

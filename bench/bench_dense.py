@@ -20,7 +20,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jax_fp8
 from jax_fp8.devtools import trace

@@ -23,7 +23,6 @@ it runs (the kernels lower to XLA's ops there) but the times mean nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import jax

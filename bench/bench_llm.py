@@ -89,10 +89,25 @@ import optax
 import common
 import jax_fp8
 from jax_fp8.devtools import compilation, hlo, trace
-from llm_kernels import (FAMILIES, FAMILY_NOTE, FLOOR_NOTE, analyze, gemm_table,
-                         split_by_family, time_fp8_gemm_alone)
-from llm_models import (DEFAULT_SIZES, DEFAULT_VARIANTS, SIZES, VARIANTS, attention_impl,
-                        hand_to_xla, make_state, step_function)
+from llm_kernels import (
+    FAMILIES,
+    FAMILY_NOTE,
+    FLOOR_NOTE,
+    analyze,
+    gemm_table,
+    split_by_family,
+    time_fp8_gemm_alone,
+)
+from llm_models import (
+    DEFAULT_SIZES,
+    DEFAULT_VARIANTS,
+    SIZES,
+    VARIANTS,
+    attention_impl,
+    hand_to_xla,
+    make_state,
+    step_function,
+)
 from llm_report import TIMES, derive, markdown, plot
 
 # --------------------------------------------------------------------------------------

@@ -62,15 +62,13 @@ import subprocess
 import sys
 import time
 import warnings
-from typing import Callable
-
-import numpy as np
-
-import jax
-import jax.numpy as jnp
+from collections.abc import Callable
 
 import flax
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 from flax.linen import fp8_ops as flax_fp8_ops
 from flax.training import train_state

@@ -38,10 +38,9 @@ import time
 import traceback
 import warnings
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import common
 import jax_fp8

@@ -6,7 +6,8 @@ import dataclasses
 import functools
 import importlib
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -365,7 +366,7 @@ class Layers:
     attention: str | None = None
     stacked_collections: tuple = ()
 
-    def resolved(self) -> "Layers":
+    def resolved(self) -> Layers:
         return dataclasses.replace(self, norm_dense=self.norm_dense or NormDense,
                                    act_dense=self.act_dense or SwiGLUDown)
 

@@ -99,13 +99,35 @@ try:
 except ImportError:  # progress lines instead of a bar
     tqdm = None
 
-from convergence_report import (DOC_BEGIN, DOC_END, doc_block, load_results, markdown_tables,
-                                plot_summary, result_of, result_path, source_commit,
-                                summarize, update_doc, write_json)
-from convergence_setup import (GPT, PRESETS, PROTOCOL_RUNS, RUNS, ByteData, Config, Run, Skip,
-                               count_params, flops_per_token, log, probed_layers,
-                               tracked_tensors)
-
+from convergence_report import (
+    DOC_BEGIN,
+    DOC_END,
+    doc_block,
+    load_results,
+    markdown_tables,
+    plot_summary,
+    result_of,
+    result_path,
+    source_commit,
+    summarize,
+    update_doc,
+    write_json,
+)
+from convergence_setup import (
+    GPT,
+    PRESETS,
+    PROTOCOL_RUNS,
+    RUNS,
+    ByteData,
+    Config,
+    Run,
+    Skip,
+    count_params,
+    flops_per_token,
+    log,
+    probed_layers,
+    tracked_tensors,
+)
 
 # ----------------------------------------------------------------------------- progress
 

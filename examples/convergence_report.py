@@ -10,11 +10,8 @@ import shutil
 import subprocess
 import tempfile
 
-
 import numpy as np
 import scipy.stats
-
-
 
 from convergence_setup import RUNS, Config, log
 

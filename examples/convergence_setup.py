@@ -10,8 +10,8 @@ import platform
 import sys
 import sysconfig
 import time
-from typing import Any, Callable
-
+from collections.abc import Callable
+from typing import Any
 
 import flax
 import flax.linen as nn
@@ -24,7 +24,6 @@ from flax.training import train_state
 
 import jax_fp8
 from jax_fp8.flax import Fp8DotGeneral, Fp8TrainState
-
 
 FP8_COLLECTION = "fp8_meta"
 FLAX_OWG = getattr(flax_fp8_ops, "OVERWRITE_WITH_GRADIENT", "_overwrite_with_gradient")

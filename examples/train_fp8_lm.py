@@ -36,11 +36,11 @@ import sys
 import tempfile
 import time
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import flax.linen as nn
 
 import jax_fp8
 from jax_fp8.flax import Fp8DotGeneral, Fp8TrainState

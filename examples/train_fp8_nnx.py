@@ -38,8 +38,7 @@ from flax import nnx
 
 import jax_fp8
 from jax_fp8.devtools import hlo
-from jax_fp8.flax import Fp8Rule
-from jax_fp8.flax import nnx as fnnx
+from jax_fp8.flax import Fp8Rule, nnx as fnnx
 
 DEFAULT_CORPUS = pathlib.Path(__file__).resolve().parent / "data" / "corpus.txt"
 RECIPES = {"delayed": lambda a: jax_fp8.DelayedScaling(history_len=a.history_len),

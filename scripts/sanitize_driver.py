@@ -23,9 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fp8
+from buffers import (  # tests/buffers.py: sanitize.sh puts tests/ on the path
+    buffer_span,
+    put_far_from,
+)
 from jax_fp8._primitives import layout
-from buffers import buffer_span, put_far_from  # tests/buffers.py: sanitize.sh puts tests/ on the path
-
 
 rng = np.random.default_rng(0)
 

@@ -9,7 +9,6 @@ against its bound."""
 import collections
 import json
 import os
-import re
 
 # Bit comparisons against the one-device step need XLA to round every bf16 intermediate
 # in both programs (as tests/fsdp_worker.py).
@@ -22,9 +21,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_fp8
 from jax_fp8 import blockwise
-from jax_fp8._primitives import base
-from jax_fp8._primitives import block_gemm as gemm_lib
-from jax_fp8._primitives import block_quantize as bq
+from jax_fp8._primitives import base, block_gemm as gemm_lib, block_quantize as bq
 from jax_fp8.devtools import compilation, hlo
 
 assert jax.device_count() == 8

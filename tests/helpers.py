@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jax_fp8
+
 # Buffer placement for the 64-bit-offset launch (re-exported for the tests).
 from buffers import WIDE_SPAN_BYTES, buffer_span, put_far_from  # noqa: F401
 

@@ -21,11 +21,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import block_reference as ref  # noqa: E402
 import helpers  # noqa: E402
-import test_block_gemm as tg  # noqa: E402
-from test_scaled_dot import expected  # noqa: E402
 import jax_fp8  # noqa: E402
+import test_block_gemm as tg  # noqa: E402
 from jax_fp8 import blockwise  # noqa: E402
 from jax_fp8.scaled_dot import scaled_dot_general  # noqa: E402
+from test_scaled_dot import expected  # noqa: E402
 
 RESULTS: dict[str, str] = {}
 assert jax.device_count() == 8, jax.devices()

@@ -12,12 +12,12 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 import jax
 import jax.numpy as jnp
-import jax_fp8
 import numpy as np
+import pytest
+
+import jax_fp8
 from jax_fp8.devtools import hlo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -17,6 +17,7 @@ import jax_fp8
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import xla_log  # noqa: E402
+
 MEASURED = ("bf16", "flax_fp8", "jax_fp8", "jax_fp8_unpacked", "jax_fp8_min_flops")
 RECIPES = ("jax_fp8_current", "jax_fp8_blockwise")
 

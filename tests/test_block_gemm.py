@@ -50,8 +50,7 @@ import numpy as np
 import pytest
 
 import helpers
-from jax_fp8._primitives import block_gemm as gemm_lib
-from jax_fp8._primitives import block_quantize as bq
+from jax_fp8._primitives import block_gemm as gemm_lib, block_quantize as bq
 
 F32 = np.float32
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2

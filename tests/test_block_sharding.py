@@ -129,8 +129,9 @@ def test_gpu_partitioned_block_step_runs_the_kernels():
     """On >= 2 GPUs, data-parallel: each device runs the quantization kernel and the
     block GEMM's custom call on its rows (no dot in the program), with one device's
     forward bits."""
-    import jax_fp8
     from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jax_fp8
     from jax_fp8.devtools import hlo
 
     gpus = helpers.GPU_DEVICES

@@ -23,8 +23,7 @@ import block_reference as ref
 import helpers
 import jax_fp8
 from jax_fp8 import blockwise
-from jax_fp8._primitives import block_quantize as bq
-from jax_fp8._primitives import quotient
+from jax_fp8._primitives import block_quantize as bq, quotient
 
 F32 = np.float32
 FP8 = [jnp.float8_e4m3fn, jnp.float8_e5m2]

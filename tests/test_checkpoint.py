@@ -13,8 +13,7 @@ from flax import nnx
 
 import helpers
 import jax_fp8
-from jax_fp8.flax import Fp8DotGeneral, Fp8TrainState
-from jax_fp8.flax import nnx as fnnx
+from jax_fp8.flax import Fp8DotGeneral, Fp8TrainState, nnx as fnnx
 
 RECIPE = jax_fp8.DelayedScaling(history_len=8)
 IS_STATE = lambda x: isinstance(x, jax_fp8.ScalingState)  # noqa: E731

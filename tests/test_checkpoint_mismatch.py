@@ -25,8 +25,7 @@ import pytest
 from flax import nnx, serialization
 
 import jax_fp8
-from jax_fp8.flax import Fp8DotGeneral, Fp8TrainState
-from jax_fp8.flax import nnx as fnnx
+from jax_fp8.flax import Fp8DotGeneral, Fp8TrainState, nnx as fnnx
 
 RECIPE = jax_fp8.DelayedScaling(history_len=8)
 IS_STATE = lambda x: isinstance(x, jax_fp8.ScalingState)  # noqa: E731
@@ -84,7 +83,7 @@ MODELS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fp8_of(model_name):
     """The model's FP8 collection, every state filled with distinct values."""
     variables = MODELS[model_name].init(jax.random.key(0), jnp.ones((4, 8)))

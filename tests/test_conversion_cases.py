@@ -20,9 +20,15 @@ import pytest
 from flax import nnx, serialization
 
 import jax_fp8
-from jax_fp8.flax import (FP8_COLLECTION, Fp8DotGeneral, Fp8Einsum, Fp8Rule, Fp8TrainState,
-                          fp8_model)
-from jax_fp8.flax import nnx as fnnx
+from jax_fp8.flax import (
+    FP8_COLLECTION,
+    Fp8DotGeneral,
+    Fp8Einsum,
+    Fp8Rule,
+    Fp8TrainState,
+    fp8_model,
+    nnx as fnnx,
+)
 
 KEY = jax.random.key(0)
 RECIPE = jax_fp8.DelayedScaling(history_len=4)

@@ -45,7 +45,7 @@ def _import_or_none(name):
 
 # ------------------------------------------------------------------- the site (mkdocs)
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _built_site():
     """(returncode, output, site folder) of `mkdocs build --strict`, built once."""
     site = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / f"jax_fp8_site_{os.getpid()}"
@@ -409,7 +409,7 @@ def _naming_sources():
             if p.exists() and not p.relative_to(ROOT).as_posix().startswith(DOCS_NOT_OWNED)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _file_names():
     names = set()
     for base in ("src", "ffi", "tests", "bench", "docs", "examples", "scripts"):
@@ -426,7 +426,7 @@ def _path_exists(path, label):
     return any(c.exists() for c in candidates)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _extension_modules():
     """The compiled modules CMakeLists.txt builds (present only where they were built)."""
     text = (ROOT / "CMakeLists.txt").read_text(encoding="utf-8")

@@ -11,8 +11,7 @@ import pytest
 from flax import nnx
 
 import jax_fp8
-from jax_fp8.flax import Fp8DotGeneral, Fp8TrainState
-from jax_fp8.flax import nnx as fnnx
+from jax_fp8.flax import Fp8DotGeneral, Fp8TrainState, nnx as fnnx
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,6 @@
 
 import functools
 import importlib.util
-import json
 import pathlib
 import sys
 

@@ -18,8 +18,7 @@ from flax import nnx, serialization
 from flax.training import train_state
 
 import jax_fp8
-from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8TrainState
-from jax_fp8.flax import nnx as fnnx
+from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8TrainState, nnx as fnnx
 
 RECIPE = jax_fp8.DelayedScaling(history_len=4)
 DG = functools.partial(Fp8DotGeneral, recipe=RECIPE)

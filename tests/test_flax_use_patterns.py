@@ -14,8 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import jax_fp8
 from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral

@@ -43,7 +43,7 @@ class MLP(nn.Module):
         return nn.Dense(4, dot_general_cls=self.dot_general_cls)(x)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _flax_trained(steps=3):
     """Variables of Flax's own FP8 model after a few steps (overwrite-with-gradient)."""
     model = MLP(FLAX_DG)
@@ -94,7 +94,7 @@ def test_from_flax_reproduces_flax_scales_and_outputs():
     assert float(jnp.linalg.norm(our_out - flax_out) / jnp.linalg.norm(flax_out)) < 1e-2
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _our_trained(steps=3):
     model = MLP(OUR_DG)
     v = jax.jit(model.init)(jax.random.key(0), rand(0, (8, 8)))

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import helpers
-from jax_fp8._primitives import layout
 import jax_fp8
 from jax_fp8 import Fp8Meta
+from jax_fp8._primitives import layout
 from jax_fp8.state import ScalingState
 
 TARGET = 'custom_call_target="jax_fp8_transpose_bytes"'

@@ -6,8 +6,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_fp8._primitives import (amax, base, block_gemm, block_quantize, layout, quotient, split,
-                                  update)
+from jax_fp8._primitives import (
+    amax,
+    base,
+    block_gemm,
+    block_quantize,
+    layout,
+    quotient,
+    split,
+    update,
+)
 
 NINE = {"jax_fp8_update", "jax_fp8_amax", "jax_fp8_amax_for_state", "jax_fp8_transpose_bytes",
         "jax_fp8_quantize_transpose", "jax_fp8_split_rows", "jax_fp8_block_quantize",

@@ -13,8 +13,7 @@ import functools
 import jax
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import helpers
 import ieee_reference as ref
@@ -55,7 +54,7 @@ def cases(draw):
     return h, s, a, opts
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(with_amax, opts_items):
     opts = dict(opts_items)
     if with_amax:

@@ -13,8 +13,7 @@ from flax import nnx
 
 import helpers
 import jax_fp8
-from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8Einsum, Fp8TrainState
-from jax_fp8.flax import nnx as fnnx
+from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8Einsum, Fp8TrainState, nnx as fnnx
 
 RECIPES = {
     "delayed": jax_fp8.DelayedScaling(history_len=4),

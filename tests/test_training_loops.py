@@ -16,8 +16,7 @@ from flax import nnx
 from flax.training import train_state
 
 import jax_fp8
-from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8TrainState
-from jax_fp8.flax import nnx as fnnx
+from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8TrainState, nnx as fnnx
 from jax_fp8.state import is_state
 
 DELAYED = jax_fp8.DelayedScaling(history_len=4)

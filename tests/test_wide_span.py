@@ -5,6 +5,7 @@ bit for bit and the call is ONE launch, not one per state. (The planning itself 
 checked on the host by test_launch_plan.py.)"""
 
 import re
+
 import jax
 import numpy as np
 import pytest

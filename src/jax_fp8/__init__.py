@@ -15,17 +15,29 @@ Public API (reference: ``docs/reference/``, built by ``mkdocs build``; the arith
 """
 
 from jax_fp8._registration import HAS_CPU_KERNEL, HAS_CUDA_KERNEL, export_disabled_checks
-from jax_fp8.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format,
-                            fp8_max, scaled_max)
-from jax_fp8.state import ScalingState
-from jax_fp8.update import amax_and_scale_update, reduce_amaxes, update_states
-from jax_fp8.quantization import compute_amax, dequantize, quantize
 from jax_fp8.blockwise import quantize_blocks, scale_from_amax
-from jax_fp8.meta import (Fp8Meta, amax_cotangents, check_fp8_updated, combine_fp8_grads,
-                          frozen_scales, new_fp8_state)
 from jax_fp8.dot_general import fp8_dot_general
 from jax_fp8.einsum import fp8_einsum
+from jax_fp8.meta import (
+    Fp8Meta,
+    amax_cotangents,
+    check_fp8_updated,
+    combine_fp8_grads,
+    frozen_scales,
+    new_fp8_state,
+)
 from jax_fp8.packing import PackedStates, pack_states, unpack_states
+from jax_fp8.quantization import compute_amax, dequantize, quantize
+from jax_fp8.recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    fp8_max,
+    scaled_max,
+)
+from jax_fp8.state import ScalingState
+from jax_fp8.update import amax_and_scale_update, reduce_amaxes, update_states
 
 __version__ = "0.2.0"
 

@@ -21,6 +21,7 @@ from jax import lax
 from jax_fp8 import recipe as recipe_lib
 from jax_fp8._primitives import layout
 
+
 def remaining(original, *removed_lists):
     removed = set()
     for r in removed_lists:

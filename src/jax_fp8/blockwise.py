@@ -15,10 +15,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fp8._primitives import block_gemm as gemm_lib
-from jax_fp8._primitives import block_quantize as bq
-from jax_fp8.current import (_operand, _options, quantize_current, scale_from_amax,  # noqa: F401
-                             scale_inverse)
+from jax_fp8._primitives import block_gemm as gemm_lib, block_quantize as bq
+from jax_fp8.current import _operand, _options, quantize_current, scale_from_amax, scale_inverse  # noqa: F401
 
 __all__ = ["dequantize_blocks", "quantize_blocks", "quantize_blocks_both",
            "quantize_blocks_transposed", "quantize_current", "scale_from_amax", "scale_inverse"]

@@ -15,8 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fp8 import quantization
-from jax_fp8 import recipe as recipe_lib
+from jax_fp8 import quantization, recipe as recipe_lib
 from jax_fp8._primitives import block_quantize as bq
 
 __all__ = ["quantize_current", "scale_from_amax", "scale_inverse"]
@@ -78,7 +77,7 @@ def quantize_current(x, fp8_dtype=jnp.float8_e4m3fn, *, power_of_2_scale=False,
         return _cast_current(tuple(sorted(opts.items())))(x, amax)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cast_current(opts):
     opts = dict(opts)
 

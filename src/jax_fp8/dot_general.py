@@ -16,11 +16,8 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from jax_fp8 import _ad, _gemms
-from jax_fp8 import meta as meta_lib
-from jax_fp8 import recipe as recipe_lib
-from jax_fp8._primitives import amax as amax_lib
-from jax_fp8._primitives import layout
+from jax_fp8 import _ad, _gemms, meta as meta_lib, recipe as recipe_lib
+from jax_fp8._primitives import amax as amax_lib, layout
 from jax_fp8.meta import Fp8Meta
 from jax_fp8.quantization import compute_amax, quantize
 from jax_fp8.scaled_dot import scaled_dot_general

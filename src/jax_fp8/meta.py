@@ -36,8 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from jax_fp8 import recipe as recipe_lib
-from jax_fp8 import state as state_lib
+from jax_fp8 import recipe as recipe_lib, state as state_lib
 from jax_fp8._primitives import amax as amax_lib
 from jax_fp8.state import ScalingState, is_state
 from jax_fp8.update import update_states
@@ -84,7 +83,7 @@ class Fp8Meta:
     recipe: recipe_lib.Float8CurrentScaling | recipe_lib.Float8BlockScaling | None = None
 
     @classmethod
-    def create(cls, recipe=None, shape=(), history_len: int | None = None) -> "Fp8Meta":
+    def create(cls, recipe=None, shape=(), history_len: int | None = None) -> Fp8Meta:
         """Fresh states for one GEMM (``shape``: leading axes, e.g. stacked layers), or the
         stateless meta of a current/blockwise recipe."""
         recipe = recipe_lib.DelayedScaling() if recipe is None else recipe
@@ -102,7 +101,7 @@ class Fp8Meta:
         """True for the current and blockwise recipes (no state to update)."""
         return self.recipe is not None
 
-    def replace(self, **changes) -> "Fp8Meta":
+    def replace(self, **changes) -> Fp8Meta:
         """A copy with the given fields replaced (as ``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
 

@@ -114,7 +114,7 @@ class DelayedScaling:
             scaled_max(dtype, self.margin)  # validates margin
         _check_bool(self, "power_of_2_scale", "skip_unused")
 
-    def replace(self, **changes) -> "DelayedScaling":
+    def replace(self, **changes) -> DelayedScaling:
         """A copy with the given fields replaced (as ``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
 
@@ -155,7 +155,7 @@ class Float8CurrentScaling:
         _check_bool(self, "power_of_2_scale")
         _check_epsilon(self.amax_epsilon)
 
-    def replace(self, **changes) -> "Float8CurrentScaling":
+    def replace(self, **changes) -> Float8CurrentScaling:
         """A copy with the given fields replaced (as ``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
 
@@ -207,7 +207,7 @@ class Float8BlockScaling:
         dim = getattr(self, f"{role}_block_scaling_dim")
         return (1, 128) if dim == 1 else (128, 128)
 
-    def replace(self, **changes) -> "Float8BlockScaling":
+    def replace(self, **changes) -> Float8BlockScaling:
         """A copy with the given fields replaced (as ``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
 

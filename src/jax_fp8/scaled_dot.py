@@ -40,11 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_fp8 import _ad, _gemms, current
-from jax_fp8 import recipe as recipe_lib
-from jax_fp8._primitives import block_gemm as gemm_lib
-from jax_fp8._primitives import block_quantize as bq
-from jax_fp8._primitives import common, layout
+from jax_fp8 import _ad, _gemms, current, recipe as recipe_lib
+from jax_fp8._primitives import block_gemm as gemm_lib, block_quantize as bq, common, layout
 
 __all__ = ["scaled_dot_general"]
 

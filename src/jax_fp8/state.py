@@ -13,7 +13,6 @@ from jax import export as jax_export
 
 from jax_fp8 import recipe as recipe_lib
 
-
 _CANONICAL: dict = {}  # fp8_dtype as given -> np.dtype (only valid FP8 dtypes are stored)
 
 
@@ -50,7 +49,7 @@ class ScalingState:
 
     @classmethod
     def create(cls, shape=(), history_len: int = 1024, fp8_dtype=jnp.float8_e4m3fn,
-               ) -> "ScalingState":
+               ) -> ScalingState:
         """A fresh state: zero history, scale = scale_inv = 1."""
         if isinstance(history_len, bool) or int(history_len) != history_len or history_len < 1:
             raise ValueError(f"history_len must be an integer >= 1, got {history_len!r}")
@@ -66,7 +65,7 @@ class ScalingState:
     def history_len(self) -> int:
         return self.amax_history.shape[-1]
 
-    def replace(self, **changes) -> "ScalingState":
+    def replace(self, **changes) -> ScalingState:
         """A copy with the given fields replaced (as ``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
 

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_fp8 import recipe as recipe_lib
-from jax_fp8.recipe import DelayedScaling
 from jax_fp8._primitives import common
 from jax_fp8._primitives.update import ALGOS, IMPLEMENTATIONS, fp8_update_p
+from jax_fp8.recipe import DelayedScaling
 from jax_fp8.state import ScalingState, is_state
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 from jax.experimental.custom_partitioning import custom_partitioning
@@ -344,12 +344,12 @@ class _Rules:
             return mlir.lower_fun(lambda *ops: list(fn(*ops)), multiple_results=True)
         return mlir.lower_fun(fn, multiple_results=False)
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def _reference(self, static):
         fn = functools.partial(self.spec.reference, **dict(static))
         return jax.jit(fn) if self.spec.cache_reference else fn
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def _partitioned(self):
         part = self.spec.partitioning
 

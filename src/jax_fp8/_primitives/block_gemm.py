@@ -39,8 +39,13 @@ from jax.interpreters import mlir
 
 from jax_fp8 import _registration
 from jax_fp8._primitives import base, partition
-from jax_fp8._primitives.block_quantize import (BLOCK, SCALE_LAYOUTS, from_gemm_layout,
-                                                scale_shape, to_gemm_layout)
+from jax_fp8._primitives.block_quantize import (
+    BLOCK,
+    SCALE_LAYOUTS,
+    from_gemm_layout,
+    scale_shape,
+    to_gemm_layout,
+)
 from jax_fp8._primitives.exact import up_scaled
 
 TARGET = "jax_fp8_block_gemm"
@@ -98,7 +103,7 @@ def reference(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype,
     return out.astype(out_dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cublas_status() -> tuple[bool, str]:
     """(whether the cuBLASLt path can run in this process, why not). Loads libcublasLt."""
     if not _registration.HAS_CUDA_KERNEL:
@@ -128,7 +133,7 @@ def cutlass_configs() -> tuple[str, ...]:
     return tuple(name for name, _, _ in module.cutlass_configs())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cutlass_status() -> tuple[bool, str]:
     """(whether the CUTLASS kernels can run in this process, why not): compiled in (the
     build found the nvidia-cutlass package's headers) and SM90 GPUs present."""

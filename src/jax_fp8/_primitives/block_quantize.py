@@ -33,8 +33,17 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_fp8 import recipe as recipe_lib
 from jax_fp8._primitives import base, common
-from jax_fp8._primitives.exact import (F32, U32, abs_bits, cast_scaled, from_bits,
-                                       pow2_inverse, scale_from_amax_f32, scale_inverse, widen)
+from jax_fp8._primitives.exact import (
+    F32,
+    U32,
+    abs_bits,
+    cast_scaled,
+    from_bits,
+    pow2_inverse,
+    scale_from_amax_f32,
+    scale_inverse,
+    widen,
+)
 
 BLOCK = 128
 INPUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))

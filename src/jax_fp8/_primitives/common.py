@@ -11,7 +11,7 @@ def eager_impl(prim):
     """An impl rule that runs `prim` as a compiled one-primitive program, also under
     ``jax.disable_jit()`` (which would otherwise turn the jit back into this impl)."""
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def compiled(params):
         return jax.jit(functools.partial(prim.bind, **dict(params)))
 

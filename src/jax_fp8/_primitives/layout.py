@@ -26,10 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_fp8 import _registration
-from jax_fp8 import recipe as recipe_lib
-from jax_fp8._primitives import amax as amax_lib
-from jax_fp8._primitives import base, common
+from jax_fp8 import _registration, recipe as recipe_lib
+from jax_fp8._primitives import amax as amax_lib, base, common
 
 _KERNEL_IN = {np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)}
 _KERNEL_FP8 = {np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)}

@@ -22,8 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_fp8._primitives import base, common
-from jax_fp8._primitives import block_quantize as bq
+from jax_fp8._primitives import base, block_quantize as bq, common
 from jax_fp8._primitives.common import padded_spec as _padded_spec
 
 

@@ -23,7 +23,8 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from jax_fp8 import _registration
 from jax_fp8.devtools.hlo import kernel_name

@@ -14,12 +14,20 @@ Converters to/from Flax's own fp8_ops variables and Transformer Engine's layout:
 `jax_fp8.flax.interop`.
 """
 
-from jax_fp8.flax.linen import (FP8_COLLECTION, Fp8DotGeneral, Fp8Einsum, Fp8TrainState,
-                                fp8_value_and_grad, split_fp8)
-from jax_fp8.flax.conversion import Fp8Rule, fp8_model  # noqa: E402
-from jax_fp8.flax import interop  # noqa: E402
-from jax_fp8.flax import serialization  # noqa: E402,F401  (msgpack support)
-from jax_fp8.flax import nnx  # noqa: E402
+from jax_fp8.flax import (
+    interop,
+    nnx,
+    serialization,  # noqa: F401  (msgpack support)
+)
+from jax_fp8.flax.conversion import Fp8Rule, fp8_model
+from jax_fp8.flax.linen import (
+    FP8_COLLECTION,
+    Fp8DotGeneral,
+    Fp8Einsum,
+    Fp8TrainState,
+    fp8_value_and_grad,
+    split_fp8,
+)
 
 __all__ = ["FP8_COLLECTION", "Fp8DotGeneral", "Fp8Einsum", "Fp8Rule", "Fp8TrainState",
            "fp8_model", "interop", "fp8_value_and_grad", "nnx", "split_fp8"]

@@ -44,8 +44,8 @@ One recipe: the layers create their states from their ``recipe`` (default
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -53,14 +53,13 @@ import jax.numpy as jnp
 from flax import struct
 from flax.training import train_state
 
-from jax_fp8 import recipe as recipe_lib
-from jax_fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
-from jax_fp8 import state as state_lib
+from jax_fp8 import recipe as recipe_lib, state as state_lib
 from jax_fp8.dot_general import fp8_dot_general
 from jax_fp8.einsum import fp8_einsum
 from jax_fp8.flax import multi_steps
 from jax_fp8.meta import Fp8Meta, new_fp8_state, scales_frozen
 from jax_fp8.packing import PackedStates, pack_states, unpack_states
+from jax_fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 from jax_fp8.state import ScalingState
 
 FP8_COLLECTION = "fp8_meta"
