@@ -7,7 +7,7 @@
 
 #include <cuda_runtime.h>
 
-#include "transpose_cuda.h"  // InType, Fp8Type
+#include "element_types.h"
 
 namespace jax_fp8 {
 

@@ -6,7 +6,7 @@
 #include <cuda_runtime.h>
 
 #include "handler_util.h"
-#include "transpose_cuda.h"  // InType, Fp8Type
+#include "element_types.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_fp8 {

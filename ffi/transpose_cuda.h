@@ -5,6 +5,8 @@
 
 #include <cuda_runtime.h>
 
+#include "element_types.h"
+
 namespace jax_fp8 {
 
 // Whether the kernels below take these sizes: rows and cols multiples of 4 (whole
@@ -16,9 +18,6 @@ bool TransposeBytesSupports(int64_t batch, int64_t rows, int64_t cols);
 // out[b, c, r] = in[b, r, c] for 1-byte elements.
 cudaError_t LaunchTransposeBytes(cudaStream_t stream, const void* in, void* out,
                                  int64_t batch, int64_t rows, int64_t cols);
-
-enum class InType { kF32, kBF16, kF16 };
-enum class Fp8Type { kE4M3FN, kE5M2 };
 
 // For x [rows, cols] of `in_type` and the float32 scalar *scale, in one pass:
 //   q   [rows, cols] = saturate_cast<fp8>(float32(x) * scale)   (NaN stays NaN)

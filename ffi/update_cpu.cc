@@ -9,7 +9,7 @@
 #include <xmmintrin.h>
 #endif
 
-#include "ffi_decode.h"
+#include "update_decode.h"
 #include "scaling_math.h"
 
 namespace jax_fp8 {

@@ -5,7 +5,7 @@
 #include <string>
 
 #include "cuda_handler_util.h"
-#include "ffi_decode.h"
+#include "update_decode.h"
 #include "update_cuda.h"
 
 namespace jax_fp8 {
