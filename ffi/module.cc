@@ -11,6 +11,7 @@
 #include "block_gemm_cublaslt.h"
 #include "block_gemm_cuda.h"
 #include "block_gemm_cutlass.h"
+#include "block_quantize_cuda.h"
 #include "block_quantize_cuda_handler.h"
 #include "split_cuda_handler.h"
 #include "transpose_cuda.h"
@@ -106,6 +107,9 @@ NB_MODULE(JAX_FP8_MODULE_NAME, m) {
 #if defined(JAX_FP8_CUDA_MODULE)
   // The sizes the transpose kernels take (one source: the launcher's own check).
   m.def("transpose_bytes_supports", &jax_fp8::TransposeBytesSupports, nb::arg("batch"),
+        nb::arg("rows"), nb::arg("cols"));
+  // The sizes the block-quantization kernel takes (one source: its launcher's check).
+  m.def("block_quantize_supports", &jax_fp8::BlockQuantizeSupports, nb::arg("batch"),
         nb::arg("rows"), nb::arg("cols"));
   // dlopen()s libcublasLt (never linked) for jax_fp8_block_gemm: (version, error).
   m.def("load_cublaslt", [](const std::string& path) {

@@ -1,4 +1,5 @@
-"""The `jax_fp8_block_quantize` primitive: each 1x128 block or 128x128 tile of x quantized from its own amax.
+"""The `jax_fp8_block_quantize` primitive: each 1x128 block or 128x128 tile of x quantized from its
+own amax.
 
 x [..., M, K] -> the row-wise copy (q [..., M, K], scale_inv
 [..., M or ceil(M/128), ceil(K/128)]), the column-wise copy (the same for x with its last two
@@ -31,6 +32,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jax_fp8 import _registration
 from jax_fp8 import recipe as recipe_lib
 from jax_fp8._primitives import base, common
 from jax_fp8._primitives.exact import (
@@ -161,12 +163,15 @@ def _reference(x, *, block_rows, fp8_dtype, power_of_2_scale, amax_epsilon, roww
 
 
 def kernel_takes(shape, dtype, fp8_dtype) -> bool:
-    """Whether the CUDA kernel takes x (as ffi/block_quantize_cuda.cu's BlockQuantizeSupports:
-    at most 2**31 - 1 tiles of 128 rows and of 128 columns)."""
+    """Whether the CUDA kernel takes x: an input and FP8 type it reads and writes, and sizes
+    its launcher takes (ffi/block_quantize_cuda.cu's BlockQuantizeSupports, asked of the
+    CUDA module itself)."""
     *lead, m, k = shape
-    return (np.dtype(dtype) in INPUT_DTYPES and np.dtype(fp8_dtype) in KERNEL_FP8
-            and m > 0 and k > 0 and math.prod(lead) > 0 and -(-k // BLOCK) < 2 ** 31
-            and math.prod(lead) * -(-m // BLOCK) < 2 ** 31)
+    batch = math.prod(lead)
+    module = _registration.CUDA_MODULE
+    return (module is not None and np.dtype(dtype) in INPUT_DTYPES
+            and np.dtype(fp8_dtype) in KERNEL_FP8 and 0 < batch < 2 ** 63
+            and module.block_quantize_supports(batch, int(m), int(k)))
 
 
 def _kernel_lowering(ctx, x, *, block_rows, fp8_dtype, power_of_2_scale, amax_epsilon, rowwise,
@@ -189,9 +194,11 @@ def _kept_axes(params, shape, spec, mesh):
     # Per axis: (whole 128-blocks per shard needed, scale counts along a padded GEMM axis)
     m_whole = colwise or (rowwise and rows == BLOCK)
     k_whole = rowwise or (colwise and rows == BLOCK)
-    m_padded = [c for c, on in ((m, rowwise and rows == 1), (-(-m // BLOCK), colwise and rows == BLOCK))
+    m_padded = [c for c, on in ((m, rowwise and rows == 1),
+                                (-(-m // BLOCK), colwise and rows == BLOCK))
                 if gemm and on]
-    k_padded = [c for c, on in ((-(-k // BLOCK), rowwise and rows == BLOCK), (k, colwise and rows == 1))
+    k_padded = [c for c, on in ((-(-k // BLOCK), rowwise and rows == BLOCK),
+                                (k, colwise and rows == 1))
                 if gemm and on]
     rules = [(False, [])] * len(lead) + [(m_whole, m_padded), (k_whole, k_padded)]
     kept = []
