@@ -17,9 +17,9 @@ Each block-scaled kernel's output is compared with cuBLASLt's (``max |x - y| / m
 a sanity check; tests/test_block_gemm.py holds the error bound).
 
 ``--sanitize``: instead, every configuration once on small ragged GEMMs, for
-compute-sanitizer. ``--clocks``: instead, one per-tensor FP8 GEMM in a 10-call burst, then a sustained loop
-(``--sustain`` seconds), timed in chunks while ``nvidia-smi`` samples the SM clock, power
-and temperature every 100 ms: whether the clock drops under sustained load.
+compute-sanitizer. ``--clocks``: instead, one per-tensor FP8 GEMM in a 10-call burst, then a
+sustained loop (``--sustain`` seconds), timed in chunks while ``nvidia-smi`` samples the SM
+clock, power and temperature every 100 ms: whether the clock drops under sustained load.
 
 Writes ``block_gemm.json`` and ``block_gemm.md`` (or ``clocks.json`` / ``clocks.md``)
 under ``--outdir``.
@@ -168,7 +168,7 @@ def table(rows, configs):
         block = [v for c, v in t.items() if c not in ("auto", "per_tensor_fast",
                                                       "per_tensor_f32acc") and v]
         best = max(block) if block else None
-        ratio = lambda x: f"{best / x:.2f}" if best and x else ""  # noqa: E731
+        ratio = lambda x, best=best: f"{best / x:.2f}" if best and x else ""  # noqa: E731
         lines.append(f"| {r['size']} | {r['layer']} | {r['role']} | {r['m']} | {r['n']} | "
                      f"{r['k']} | " + " | ".join(cells)
                      + f" | {ratio(t.get('cublaslt'))} | {ratio(t.get('per_tensor_f32acc'))} |")

@@ -45,8 +45,8 @@ Each variant runs in its own process (this script with --worker), so its compile
 cold one and no variant sees another's autotuning. Per size and variant: device time per
 step (the sum of the GPU kernel durations in a profiler trace of --steps steps / steps),
 split by kernel family (FP8 GEMM, bf16 GEMM, attention, norm+quantize, act+quantize,
-quantize/transpose, amax, jax_fp8 kernels, other; FAMILY_NOTE below); pipelined wall time (--steps steps
-dispatched back to back, one block at the end) and blocked wall time (the median of
+quantize/transpose, amax, jax_fp8 kernels, other; FAMILY_NOTE below); pipelined wall time
+(--steps steps dispatched back to back, one block at the end) and blocked wall time (the median of
 --steps steps each followed by block_until_ready), after --warmup steps; tokens/s; lower
 + compile time; ``compiled.memory_analysis().temp_size_in_bytes``; the speed-ups vs bf16
 and vs Flax FP8; and each FP8 variant's floor: its own GEMM time + bf16's attention time +
@@ -270,7 +270,8 @@ def run_worker(size, variant, args, timeout):
             proc.kill()
             proc.wait()
             reader.join(5)
-            raise RuntimeError(f"timed out after {timeout:.0f} s (--timeout-per-variant)")
+            raise RuntimeError(
+                f"timed out after {timeout:.0f} s (--timeout-per-variant)") from None
         reader.join(5)
         if rc != 0 or not os.path.exists(result):
             raise RuntimeError(f"worker exited {rc}: {_last_error(tail)}")

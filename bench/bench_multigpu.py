@@ -525,7 +525,7 @@ def measure(mode, mesh, variant, args, host_xy, progress):
     del text, part_text
 
     def step(s):
-        return compiled(s, x, y)
+        return compiled(s, x, y)  # noqa: F821 (bound above; deleted only at the end)
 
     progress.status(f"{tag}: timing")
     state, times, losses = common.time_steps(step, state, args)

@@ -348,7 +348,7 @@ def measure(variant, size, args, x, y, platform, progress):
         return r
 
     def step(s):
-        return compiled(s, x, y)
+        return compiled(s, x, y)  # noqa: F821 (bound above; deleted only on an earlier return)
 
     progress.status(f"{tag}: timing")
     state, times, losses = common.time_steps(step, state, args)

@@ -1,4 +1,5 @@
-"""Kernel families of a compiled step (HLO and profiler events), its GEMMs by shape, and one FP8 GEMM timed alone."""
+"""Kernel families of a compiled step (HLO and profiler events), its GEMMs by shape, and one FP8
+GEMM timed alone."""
 
 from __future__ import annotations
 
@@ -223,9 +224,9 @@ def split_by_family(events, families, steps, top, kernel_bytes=None):
 
 def gemm_info(mod, gemms) -> dict[str, dict]:
     """{kernel name: {"fp8", "kind", "role", "dtypes", "batch", "m", "n", "k"}} of the step's
-    GEMMs (`hlo.gemms`, `hlo.gemm_sizes`; kind: `hlo.Gemm`'s); role "backward" where the GEMM's op_name is under a
-    ``transpose(`` (JAX's name for the backward pass), else "forward"; dtypes: its two
-    operands' element types (e.g. ``["f8e5m2", "f8e4m3fn"]``)."""
+    GEMMs (`hlo.gemms`, `hlo.gemm_sizes`; kind: `hlo.Gemm`'s); role "backward" where the
+    GEMM's op_name is under a ``transpose(`` (JAX's name for the backward pass), else
+    "forward"; dtypes: its two operands' element types (e.g. ``["f8e5m2", "f8e4m3fn"]``)."""
     kernels = {i.name: i for i in hlo.kernel_instructions(mod)}
     shapes = {i.name: i.shape for comp in mod.computations.values() for i in comp}
     sizes = hlo.gemm_sizes(mod)
@@ -284,8 +285,8 @@ def gemm_table(events, gemms, steps) -> dict:
     for (fp8, kind, role, batch, m, n, k, dtypes), (count, us) in sorted(
             groups.items(), key=lambda kv: -kv[1][1]):
         flops = 2 * batch * m * n * k if None not in (batch, m, n, k) else None
-        rows.append({"fp8": fp8, "kind": kind, "role": role, "dtypes": list(dtypes), "batch": batch, "m": m,
-                     "n": n, "k": k,
+        rows.append({"fp8": fp8, "kind": kind, "role": role, "dtypes": list(dtypes),
+                     "batch": batch, "m": m, "n": n, "k": k,
                      "per_step": count / steps, "ms_per_step": round(us / steps / 1e3, 5),
                      "tflops": flops * count / (us * 1e-6) / 1e12 if flops and us else None})
     return {"rows": rows, "unattributed_ms": round(unattributed / steps / 1e3, 5),
@@ -342,7 +343,7 @@ def time_fp8_gemm_alone(g, steps, seed=0) -> dict:
                                          scale_inv_a=one, scale_inv_b=one,
                                          out_dtype=jnp.bfloat16, precision=precision))
         jax.block_until_ready(gemm(a, b))
-        _, events = trace.capture(lambda c: (c[0], c[1], gemm(c[0], c[1])),
+        _, events = trace.capture(lambda c: (c[0], c[1], gemm(c[0], c[1])),  # noqa: B023 (run here)
                                   (a, b, gemm(a, b)), steps=steps)
         kernels = [e for e in trace.device_events(events, platform="gpu")
                    if _GEMM_NAME.search(str(e.get("name", "")))]

@@ -1,4 +1,5 @@
-"""Derived figures (speed-ups, floors, FP8 overhead), the markdown report and the plot of bench_llm's results."""
+"""Derived figures (speed-ups, floors, FP8 overhead), the markdown report and the plot of
+bench_llm's results."""
 
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ def _gemms_table(rows):
     lines = ["", f"GEMMs by shape ({what} of the kernels each GEMM of the compiled step "
                  "launches, found by the HLO op a kernel's trace event names or, where none "
                  "does (command buffers), by the program's order; B × M × N × K: `batch` "
-                 "products of [M, K] × [K, N]; TFLOP/s = 2 B M N K per call / its time; backward: under JAX's `transpose(` in the "
+                 "products of [M, K] × [K, N]; TFLOP/s = 2 B M N K per call / its time; "
+                 "backward: under JAX's `transpose(` in the "
                  "op name; alone (--gemms-alone): the same FP8 GEMM timed on its own, with "
                  "the step's accumulation (fast in the forward, float32 in the backward) "
                  "and with the other):", "",

@@ -1,4 +1,5 @@
-"""Where an XLA compile's time goes, read from XLA's own log: pass by pass, and in XLA:GPU's autotuning.
+"""Where an XLA compile's time goes, read from XLA's own log: pass by pass, and in XLA:GPU's
+autotuning.
 
 A compile run with ``LOG_ENV`` in its environment logs, for every HLO pass, a line
 ``HLO pass: NAME time: ... (N us)`` (XLA's scoped timer in hlo_pass_pipeline.cc), and for
@@ -124,7 +125,7 @@ def autotuning(lines: list[Line], thread: int | None = None) -> dict | None:
     out = {"passes": sorted({name for name, *_ in runs}), "s": 0.0, "compile_s": 0.0,
            "after_s": 0.0, "fusions": 0}
     start_index = 0
-    for name, t0, t1, end_index in runs:
+    for _name, t0, t1, end_index in runs:
         workers = [ln for ln in lines[start_index:end_index]
                    if ln.thread != thread and t0 <= ln.t <= t1]
         modules = {re.sub(r"_computation$", "", m[1]) for ln in workers

@@ -389,7 +389,8 @@ def _int_list(text: str) -> list[int]:
     try:
         vals = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from None
     if not vals or any(v < 0 for v in vals) or len(set(vals)) != len(vals):
         raise argparse.ArgumentTypeError(f"expected distinct integers >= 0, got {text!r}")
     return vals

@@ -1,4 +1,5 @@
-"""The convergence study's results: per-run files, statistics over seeds, Markdown tables, plots and the docs block (examples/convergence.py)."""
+"""The convergence study's results: per-run files, statistics over seeds, Markdown tables, plots and
+the docs block (examples/convergence.py)."""
 
 from __future__ import annotations
 
@@ -262,12 +263,12 @@ def markdown_tables(summary: dict) -> str:
     for name, e in runs.items():
         vs = e.get("vs_bf16_pct")
         def paired(key):
-            if vs is None:
+            if vs is None:  # noqa: B023 (called in this iteration)
                 return "—"
-            st = vs[key]
+            st = vs[key]  # noqa: B023
             return f"{_pm(st, '+.2f', ' %')} (n={st['n']})" if st["n"] else "no bf16 seed"
         def interval(key):
-            st = (vs or {}).get(key)
+            st = (vs or {}).get(key)  # noqa: B023
             if not st or st["ci95"] is None:
                 return "—"
             lo, hi = st["mean"] - st["ci95"], st["mean"] + st["ci95"]
@@ -276,7 +277,8 @@ def markdown_tables(summary: dict) -> str:
         tok_text = f"{tok['mean'] / 1e3:.1f}k" if tok["n"] else "—"
         lines.append(f"| `{name}` | {len(e['seeds'])} | {_pm(e['final_val_loss'])} | "
                      f"{_pm(e['tail_val_loss'])} | {paired('final_val_loss')} | "
-                     f"{interval('final_val_loss')} | {paired('tail_val_loss')} | {_pm(e['tail_train_loss'])} | "
+                     f"{interval('final_val_loss')} | {paired('tail_val_loss')} | "
+                     f"{_pm(e['tail_train_loss'])} | "
                      f"{_pm(e['tail_val_change'], '+.4f')} | {tok_text} |")
     seeds = sorted({s for e in runs.values() for s in e["seeds"]})
     val_steps = next(iter(runs.values()))["curves"]["val_steps"]

@@ -1,4 +1,5 @@
-"""The convergence study's configuration, runs, model, data and one run's train state and step (examples/convergence.py)."""
+"""The convergence study's configuration, runs, model, data and one run's train state and step
+(examples/convergence.py)."""
 
 from __future__ import annotations
 

@@ -328,7 +328,7 @@ def plot(out, metrics, args):
 def _plot(plt, out, metrics, args):
     written = []
 
-    def smooth(v, k=max(1, args.steps // 50)):
+    def smooth(v, k=max(1, args.steps // 50)):  # noqa: B008 (an int, fixed for this plot)
         v = np.asarray(v)
         if k <= 1 or len(v) < k:
             return np.arange(len(v)), v

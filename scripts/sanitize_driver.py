@@ -144,7 +144,8 @@ tree = [jax_fp8.ScalingState(jax.device_put(rng.random((i % 3, L), np.float32)),
 amaxes = [jax.device_put(rng.random(st.scale.shape, np.float32)) for st in tree]
 for skip in (False, True):
     recipe = jax_fp8.DelayedScaling(skip_unused=skip)
-    step = jax.jit(lambda t, a: jax_fp8.update_states(t, a, recipe=recipe), donate_argnums=0)
+    step = jax.jit(lambda t, a: jax_fp8.update_states(t, a, recipe=recipe),  # noqa: B023 (run here)
+                   donate_argnums=0)
     for _ in range(3):
         tree = step(tree, amaxes)
 

@@ -80,7 +80,8 @@ def assert_bits_equal(actual, expected, what="", context=None):
                 for name, arr in context.items():
                     arr = np.asarray(arr)
                     sub = arr[idx[:arr.ndim]] if arr.ndim else arr
-                    lines.append(f"    {name}{idx[:arr.ndim]} = {np.array2string(np.asarray(sub), threshold=20)}")
+                    sub_text = np.array2string(np.asarray(sub), threshold=20)
+                    lines.append(f"    {name}{idx[:arr.ndim]} = {sub_text}")
         np.testing.assert_array_equal(a, e, err_msg="\n".join(lines))
 
 

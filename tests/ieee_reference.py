@@ -18,7 +18,8 @@ FLT_MAX = F32(np.finfo(np.float32).max)
 FLT_MIN = F32(np.finfo(np.float32).tiny)  # smallest normal
 POW2_MASK = np.uint32(0xFF800000)
 
-# the contract's (docs/semantics.md) fp8_max table, written out (not taken from ml_dtypes or jax_fp8).
+# the contract's (docs/semantics.md) fp8_max table, written out (not taken from ml_dtypes or
+# jax_fp8).
 FP8_MAX = {
     "float8_e4m3fn": 448.0,
     "float8_e5m2": 57344.0,
@@ -77,7 +78,8 @@ def fmax_num(a, b) -> np.ndarray:
 
 def update(history, scale, amax=None, *, fp8_dtype="float8_e4m3fn", margin=0.0,
            amax_compute_algo="max", power_of_2_scale=False, skip_unused=False, smax=None):
-    """the contract's (docs/semantics.md) update of history [..., L], scale [...], amax [...] or None.
+    """the contract's (docs/semantics.md) update of history [..., L], scale [...], amax [...] or
+    None.
 
     Returns (history', scale', scale_inv') as new float32 arrays; inputs untouched.
     `smax` overrides scaled_max(fp8_dtype, margin) (for per-tensor maxima).

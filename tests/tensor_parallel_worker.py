@@ -53,7 +53,8 @@ one = jax.devices()[0]
 _, want_fp8 = jax.jit(step)(*jax.device_put((ws, fp8, x), one))
 same = all(np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
            for a, b in zip(jax.tree.leaves(new_fp8), jax.tree.leaves(want_fp8)))
-staged = [float(np.asarray(st.amax_history)[-1]) for m in new_fp8 for st in (m.input, m.kernel, m.grad)]
+staged = [float(np.asarray(st.amax_history)[-1])
+          for m in new_fp8 for st in (m.input, m.kernel, m.grad)]
 print("RESULTS " + json.dumps({"all_reduces": all_reduce_kinds(hlo),
                                "updates": hlo.count('custom_call_target="jax_fp8_update"'),
                                "fp8_state_equals_one_device": bool(same),

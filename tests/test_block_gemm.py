@@ -114,7 +114,8 @@ def assert_within(out, e, s, coef, out_dtype, what):
     err = np.abs(out - e)
     bad = err > tol
     assert not bad.any(), (f"{what}: {bad.sum()} of {bad.size} outside the bound; worst "
-                           f"err/S {np.max(err / np.maximum(s, 1e-300)):.3g} (bound coef {coef:.3g})")
+                           f"err/S {np.max(err / np.maximum(s, 1e-300)):.3g} "
+                           f"(bound coef {coef:.3g})")
 
 
 def reference_coef(k):

@@ -417,8 +417,9 @@ def test_gemm_scale_layout_is_the_spec_layout_transposed_and_padded(backend, dev
                          bq.block_quantize(x, scale_layout="gemm", **opts)))
         return outs
 
-    for x, (shape, b), (spec, gemm) in zip(xs, LAYOUT_CASES, run(device, fn, xs, check_device=False)):
-        for name, i, operand in (("row-wise", 0, shape), ("column-wise", 2, shape[:-2] + shape[:-3:-1])):
+    for (shape, b), (spec, gemm) in zip(LAYOUT_CASES, run(device, fn, xs, check_device=False)):
+        for name, i, operand in (("row-wise", 0, shape),
+                                 ("column-wise", 2, shape[:-2] + shape[:-3:-1])):
             what = f"{shape} {b} {name}"
             assert_fp8_equal(gemm[i], spec[i], f"{what} data")
             assert gemm[i + 1].shape == bq.gemm_scale_shape(operand, b[0]), what
@@ -463,7 +464,8 @@ def test_gpu_kernel_bits_equal_reference_on_gpu(gpu_device, shape, dtype, fp8, b
 
     names = (["row data", "row scale_inv"] if layouts[0] else []) + \
             (["col data", "col scale_inv"] if layouts[1] else [])
-    operands = ([x.shape] if layouts[0] else []) + ([np.swapaxes(x, -1, -2).shape] if layouts[1] else [])
+    operands = (([x.shape] if layouts[0] else [])
+                + ([np.swapaxes(x, -1, -2).shape] if layouts[1] else []))
     for a, which, (kernel, gemm, xla) in zip((x, clean), ("as generated", "without NaN"),
                                              run(gpu_device, fn, x, clean)):
         for i, (name, k, g, r) in enumerate(zip(names, kernel, gemm, xla)):
@@ -505,7 +507,8 @@ def test_gpu_kernel_more_tiles_than_grid_y(gpu_device):
         got = run(gpu_device, lambda x: _impl(x, "auto", block, FP8[0], True, True), x)
         want = run(gpu_device, lambda x: _impl(x, "jnp", block, FP8[0], True, True), x)
         for g, w in zip(got, want):
-            np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+            np.testing.assert_array_equal(np.asarray(g).view(np.uint8),
+                                          np.asarray(w).view(np.uint8))
 
 
 # NaN bit patterns: quiet and signalling, both signs, other payloads.
@@ -637,7 +640,8 @@ def test_gpu_kernel_is_near_memory_bound(gpu_device, shape, block, layouts):
     jax.block_until_ready(carry)
     steps = 20
     _, events = trace.capture(lambda c: (c[0], quant(c[0])), carry, steps=steps)
-    kernels = [e for e in trace.device_events(events) if "BlockQuantizeKernel" in str(e.get("name"))]
+    kernels = [e for e in trace.device_events(events)
+               if "BlockQuantizeKernel" in str(e.get("name"))]
     assert len(kernels) == steps, f"{len(kernels)} BlockQuantizeKernel events for {steps} calls"
     us = trace.total_us(kernels) / steps
     n = shape[0] * shape[1]

@@ -17,10 +17,16 @@ from flax import nnx
 
 import jax_fp8
 from jax_fp8.devtools import hlo
-from jax_fp8.flax import (FP8_COLLECTION, Fp8DotGeneral, Fp8Einsum, Fp8Rule, Fp8TrainState,
-                          fp8_model)
-from jax_fp8.flax import conversion
-from jax_fp8.flax import nnx as fnnx
+from jax_fp8.flax import (
+    FP8_COLLECTION,
+    Fp8DotGeneral,
+    Fp8Einsum,
+    Fp8Rule,
+    Fp8TrainState,
+    conversion,
+    fp8_model,
+    nnx as fnnx,
+)
 
 KEY = jax.random.key(0)
 RECIPE = jax_fp8.DelayedScaling(history_len=4)
@@ -226,7 +232,8 @@ def test_linen_attention_projections_convert_and_scores_do_not():
     x, y = _data((4, 8))
     _check_same_as_by_hand(fp8_model(Pool(mha), RULE), Pool(by_hand), x, y, n_states=4 * 3)
     # activations=True: q @ k and p @ v in FP8 too (two more FP8 GEMMs of two activations).
-    v = jax.jit(fp8_model(Pool(mha), Fp8Rule(recipe=RECIPE, activations=True, min_fp8_flops=0)).init)(KEY, x)
+    rule = Fp8Rule(recipe=RECIPE, activations=True, min_fp8_flops=0)
+    v = jax.jit(fp8_model(Pool(mha), rule).init)(KEY, x)
     assert _n_states(v[FP8_COLLECTION]) == 6 * 3
 
 
@@ -316,7 +323,7 @@ def test_linen_rules_select_layers_and_recipes():
     rules = [Fp8Rule(path="Dense_0", recipe=None),                  # stays as it is
              Fp8Rule(path="Einsum_0", recipe=jax_fp8.Float8CurrentScaling(), min_fp8_flops=0),
              Fp8Rule(path="DenseGeneral_0", recipe=RECIPE, min_fp8_flops=1e12),
-             Fp8Rule(path="", recipe=RECIPE, min_fp8_flops=0)]                       # the root: w1, w2
+             Fp8Rule(path="", recipe=RECIPE, min_fp8_flops=0)]             # the root: w1, w2
     v = jax.jit(fp8_model(Raw(), rules).init)(KEY, x)
     assert set(v[FP8_COLLECTION]) == {"DenseGeneral_0", "w1_fp8", "w2_fp8"}
     # Unmatched: a model whose rules match nothing is the original model.
@@ -519,7 +526,8 @@ def test_nnx_layers_equal_the_hand_written_model():
 def test_nnx_rules():
     model = fnnx.fp8_model(NnxModel(nnx.Rngs(0)),
                            [Fp8Rule(path="attention/.*", recipe=None),
-                            Fp8Rule(path="head", recipe=jax_fp8.Float8BlockScaling(), min_fp8_flops=0), RULE])
+                            Fp8Rule(path="head", recipe=jax_fp8.Float8BlockScaling(),
+                                    min_fp8_flops=0), RULE])
     assert _n_states(fnnx.fp8_state(model)) == 2 * 3     # up and general
     assert isinstance(model.head.einsum_op, fnnx.Fp8Einsum)
     assert model.attention.query.dot_general is None            # excluded: as it was
@@ -539,7 +547,8 @@ class NnxMlp(nnx.Module):
 def test_nnx_train_step_has_fp8_gemms():
     x, y = _data((16, 16), classes=16)
     model = fnnx.fp8_model(NnxMlp(16, nnx.Rngs(0)),
-                           [Fp8Rule(path="head", recipe=jax_fp8.Float8CurrentScaling(), min_fp8_flops=0),
+                           [Fp8Rule(path="head", recipe=jax_fp8.Float8CurrentScaling(),
+                                    min_fp8_flops=0),
                             RULE])
 
     def grads(state):

@@ -394,7 +394,7 @@ def test_snippet_runner_fails_on_a_missing_name(tmp_path):
 # (docstrings and comments).
 NAMING_PAGES = ("README.md", "examples/README.md", "bench/README.md")
 TOP_DIRS = ("src", "docs", "bench", "ffi", "tests", "examples", "scripts")
-_PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./-]*[\w/])" % "|".join(TOP_DIRS))
+_PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(TOP_DIRS) + r")/[\w./-]*[\w/])")
 _SRC_PATH = re.compile(r"(?<![\w./-])((?:_primitives|flax|devtools)/\w+\.py)\b")
 _BARE_FILE = re.compile(r"(?<![\w./-])([A-Za-z_][\w-]*\.(?:py|md|cc|cu|h|sh|toml|yml))\b")
 _DOTTED = re.compile(r"(?<![\w.])(jax_fp8(?:\.[A-Za-z_]\w*)+)")

@@ -77,7 +77,7 @@ STACK_CASES = [
                          ids=[c[0] for c in STACK_CASES])
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 def test_amax_and_scale_update_rejects(arrays, kw, exc, pattern, mode):
-    f = (lambda *a: _call(*a, **kw))
+    f = (lambda *a: _call(*a, **kw))  # noqa: E731
     if mode == "jit":
         f = jax.jit(f)
     with pytest.raises(exc, match=pattern):
@@ -149,7 +149,7 @@ TREE_CASES = _tree_cases()
                          ids=[c[0] for c in TREE_CASES])
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 def test_update_states_rejects(tree, amaxes, kw, exc, pattern, mode):
-    f = lambda t, a: jax_fp8.update_states(t, a, **kw)
+    f = lambda t, a: jax_fp8.update_states(t, a, **kw)  # noqa: E731
     if mode == "jit":
         f = jax.jit(f)
     with pytest.raises(exc, match=pattern):

@@ -248,8 +248,9 @@ def test_convergence_summary_statistics():
     along = cur["vs_bf16_val_along_pct"]
     assert along["steps"] == [8]      # every fraction of the run maps to the last evaluation
     assert along["stats"][0]["per_seed"] == paired["per_seed"]
-    assert sys.modules["convergence_report"].along_steps([0, 250, 500, 750, 1000], 1000) == [250, 500, 750, 1000]
-    assert sys.modules["convergence_report"].along_steps([0, 300, 600, 900, 1000], 1000) == [300, 600, 900, 1000]
+    along_steps = sys.modules["convergence_report"].along_steps
+    assert along_steps([0, 250, 500, 750, 1000], 1000) == [250, 500, 750, 1000]
+    assert along_steps([0, 300, 600, 900, 1000], 1000) == [300, 600, 900, 1000]
     tail = cur["vs_bf16_pct"]["tail_val_loss"]["per_seed"]
     assert tail == {"0": 0.0, "1": pytest.approx(-20.0)}
     table = conv.markdown_tables(s)
@@ -281,7 +282,8 @@ def test_convergence_schedule_and_last_part():
     # The last part: the values after step 80.
     steps, vals = [0, 80, 90, 95, 100], [5.0, 3.0, 2.0, 1.5, 1.0]
     assert sys.modules["convergence_report"].tail_mean(steps, vals, cfg) == 1.5
-    assert sys.modules["convergence_report"].tail_change(steps, vals, cfg) == pytest.approx(-2.0)   # -0.1 per step x 20
+    # -0.1 per step x 20
+    assert sys.modules["convergence_report"].tail_change(steps, vals, cfg) == pytest.approx(-2.0)
     assert sys.modules["convergence_report"].tail_change(steps[:3], vals[:3], cfg) is None
 
 
@@ -305,7 +307,8 @@ def test_convergence_skips_a_recipe_the_library_refuses(tmp_path, monkeypatch):
     conv = _load("convergence.py")
     # A recipe that this jax_fp8 does not have, and an object its layers refuse as one.
     monkeypatch.setitem(conv.RUNS, "missing", sys.modules["convergence_setup"].RunSpec(
-        "jax_fp8", "not in jax_fp8", sys.modules["convergence_setup"]._recipe("Float8NoSuchScaling")))
+        "jax_fp8", "not in jax_fp8",
+        sys.modules["convergence_setup"]._recipe("Float8NoSuchScaling")))
     monkeypatch.setitem(conv.RUNS, "refused", sys.modules["convergence_setup"].RunSpec(
         "jax_fp8", "not a recipe", lambda: object()))
     out = tmp_path / "out"

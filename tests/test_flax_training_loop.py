@@ -65,7 +65,7 @@ class Scanned(nn.Module):
         return stack(name="stack")(x, None)[0]
 
 
-def make_state(model, x, tx=optax.sgd(0.1), **kw):
+def make_state(model, x, tx=optax.sgd(0.1), **kw):  # noqa: B008 (immutable, never changed)
     v = jax.jit(model.init)(jax.random.key(0), x)
     return Fp8TrainState.create(apply_fn=model.apply, variables=v, tx=tx, recipe=RECIPE,
                                 **kw)

@@ -162,14 +162,15 @@ def test_jnp_matches_reference_except_subnormals(backend, ci):
 
 @pytest.mark.gpu
 @pytest.mark.xfail(strict=True, reason="XLA's float32 division on GPU is not correctly "
-                   "rounded, so the jnp fallback's scale can be 1-2 ulp off docs/semantics.md there")
+                   "rounded, so the jnp fallback's scale can be 1-2 ulp off docs/semantics.md "
+                   "there")
 def test_jnp_gpu_division_is_exact(gpu_device):
     """Documents the GPU jnp fallback's deviation from docs/semantics.md (strict xfail: if
     XLA or the fallback starts dividing exactly, this XPASSes and fails, so the
     2-ulp allowance above can be removed)."""
     h = np.array([[126.96296], [846.7693], [273.2087], [542.0671]], np.float32)
     s = np.ones(4, np.float32)
-    f = lambda h, s: jax_fp8.amax_and_scale_update(h, s, implementation="jnp")
+    f = lambda h, s: jax_fp8.amax_and_scale_update(h, s, implementation="jnp")  # noqa: E731
     got = run_on(gpu_device, f, h, s)
     want = ref.update(h, s)
     assert_bits_equal(got[1], want[1], "jnp scale on GPU")
@@ -352,7 +353,8 @@ def test_fmax_reference_semantics():
         assert_bits_equal(ref.fmax_num(np.float32(a), np.float32(b)), np.float32(want), f"{a},{b}")
     assert np.isnan(ref.fmax_num(nan, nan))
     # Both NaN: the second operand's bits.
-    assert helpers.bits(ref.fmax_num(helpers.NANS[2], helpers.NANS[1])) == helpers.bits(helpers.NANS[1])
+    assert (helpers.bits(ref.fmax_num(helpers.NANS[2], helpers.NANS[1]))
+            == helpers.bits(helpers.NANS[1]))
 
 
 def test_max_ignores_nan_and_starts_from_zero(backend):
@@ -427,7 +429,8 @@ def test_power_of_2_rounds_down(backend):
     h = np.array([[3.5], [448.0], [448 / 3.0], [1e-37], [500.0]], np.float32)
     s = np.ones(5, np.float32)
     _, got, got_inv = run_on(helpers.backend_device(backend),
-                             lambda h, s: jax_fp8.amax_and_scale_update(h, s, power_of_2_scale=True),
+                             lambda h, s: jax_fp8.amax_and_scale_update(
+                                 h, s, power_of_2_scale=True),
                              h, s)
     # 128, 1, 3 -> 2, FLT_MAX -> 2**127, 0.896 -> 0.5
     assert_bits_equal(got, np.array([128.0, 1.0, 2.0, 2.0 ** 127, 0.5], np.float32), "scale")
@@ -543,7 +546,7 @@ def test_cpu_and_gpu_kernels_give_identical_bits(gpu_device):
         h, s, a = helpers.make_cases(rng, lead, L, True, special_p=0.5)
         for kw in (dict(), dict(amax_compute_algo="most_recent", power_of_2_scale=True),
                    dict(skip_unused=True, margin=2.5)):
-            f = lambda h, s, a: jax_fp8.amax_and_scale_update(h, s, a, **kw)
+            f = lambda h, s, a: jax_fp8.amax_and_scale_update(h, s, a, **kw)  # noqa: E731
             on_cpu = run_on(cpu, f, h, s, a)
             on_gpu = run_on(gpu_device, f, h, s, a)
             helpers.assert_update_equal(on_gpu, on_cpu, f"GPU vs CPU, L={L}, {kw}:")

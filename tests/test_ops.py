@@ -184,7 +184,8 @@ def test_dot_general_dtypes():
     @jax.jit
     def run(x, w):
         out, _ = jax_fp8.fp8_dot_general(x, w, DN, meta_with())
-        out32, _ = jax_fp8.fp8_dot_general(x, w, DN, meta_with(), preferred_element_type=jnp.float32)
+        out32, _ = jax_fp8.fp8_dot_general(x, w, DN, meta_with(),
+                                           preferred_element_type=jnp.float32)
         grads = jax.grad(lambda x, w: jnp.sum(jax_fp8.fp8_dot_general(
             x, w, DN, meta_with())[0].astype(jnp.float32)), argnums=(0, 1))(x, w)
         return out, out32, grads
@@ -311,7 +312,8 @@ def test_microbatch_accumulation_combines_by_max():
     zero_m = jax.tree.map(jnp.zeros_like, meta)
     (gw_acc, gm_acc), _ = jax.lax.scan(micro, (jnp.zeros_like(w), zero_m), x.reshape(4, 8, 16))
     np.testing.assert_array_equal(staged(gm_acc), staged(g_full))
-    per_micro = [staged(jax.jit(jax.grad(loss, argnums=2))(xb, w, meta)) for xb in x.reshape(4, 8, 16)]
+    per_micro = [staged(jax.jit(jax.grad(loss, argnums=2))(xb, w, meta))
+                 for xb in x.reshape(4, 8, 16)]
     assert not np.allclose(staged(gm_acc), np.sum(per_micro, axis=0))
 
 

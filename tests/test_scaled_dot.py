@@ -188,13 +188,13 @@ def _flat_heads(a):
 # Dense operands x [M, K], w [K, N], c [M, N] of batch element `i` with how dx, dw map back.
 BATCHED = {
     "leading": ((3, 32, 128), (3, 128, 48), (((2,), (1,)), ((0,), (0,))),
-                lambda f: jax.vmap(lambda l, r: f(l, r, DENSE))),
+                lambda f: jax.vmap(lambda a, b: f(a, b, DENSE))),
     "attention": ((2, 32, 3, 128), (2, 48, 3, 128), (((3,), (3,)), ((0, 2), (0, 2))),
-                  lambda f: lambda l, r: jax.vmap(
-                      lambda l, r: f(l, r, (((1,), (1,)), ((), ()))))(
-                      _flat_heads(l), _flat_heads(r)).reshape(2, 3, 32, 48)),
+                  lambda f: lambda a, b: jax.vmap(
+                      lambda a, b: f(a, b, (((1,), (1,)), ((), ()))))(
+                      _flat_heads(a), _flat_heads(b)).reshape(2, 3, 32, 48)),
     "inner": ((32, 3, 128), (128, 48, 3), (((2,), (0,)), ((1,), (2,))),
-              lambda f: jax.vmap(lambda l, r: f(l, r, DENSE), in_axes=(1, 2))),
+              lambda f: jax.vmap(lambda a, b: f(a, b, DENSE), in_axes=(1, 2))),
 }
 
 

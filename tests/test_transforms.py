@@ -103,7 +103,7 @@ def test_nested_vmap_and_vmap_of_update_states(device):
     h, s, a = _cases(4, (3, 4, 5), 2)
 
     def f(h, s, a):
-        g = lambda h, s, a: jax_fp8.amax_and_scale_update(h, s, a, **UPD)
+        g = lambda h, s, a: jax_fp8.amax_and_scale_update(h, s, a, **UPD)  # noqa: E731
         return jax.vmap(jax.vmap(g, in_axes=(1, 1, 1)))(h, s, a)
 
     out = run_on(device, f, h, s, a)
@@ -178,7 +178,7 @@ def test_scan_over_update_states(device):
 
 def test_checkpoint(device):
     h, s, a = _cases(6, (8,), 16)
-    f = lambda h, s, a: jax_fp8.amax_and_scale_update(h, s, a, **UPD)
+    f = lambda h, s, a: jax_fp8.amax_and_scale_update(h, s, a, **UPD)  # noqa: E731
     out = run_on(device, jax.checkpoint(f), h, s, a)
     _assert_update(out, h, s, a, "checkpoint", **UPD)
 

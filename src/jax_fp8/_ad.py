@@ -1,4 +1,5 @@
-"""AD plumbing shared by the FP8 custom VJPs: residuals that remat cannot alter, and a guard against differentiating them twice.
+"""AD plumbing shared by the FP8 custom VJPs: residuals that remat cannot alter, and a guard against
+differentiating them twice.
 
 Residuals. Under ``jax.checkpoint`` / ``nn.remat`` / ``nnx.remat`` with a policy that saves
 them, JAX passes every saved floating residual through ``lax.reduce_precision`` to its own

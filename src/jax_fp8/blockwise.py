@@ -1,4 +1,5 @@
-"""Blockwise FP8 quantization (docs/semantics.md): each 1x128 block or 128x128 tile of a tensor scaled from its own amax.
+"""Blockwise FP8 quantization (docs/semantics.md): each 1x128 block or 128x128 tile of a tensor
+scaled from its own amax.
 
 The numbers (docs/semantics.md, "Current and blockwise scaling"): a block's amax is
 ``fmaxf(0, |x_1|, ..., |x_n|)`` (NaN ignored), its scale Transformer Engine's

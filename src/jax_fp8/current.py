@@ -1,4 +1,5 @@
-"""Per-tensor current scaling: one scale per tensor from its own amax, and the scale arithmetic (Transformer Engine's ``compute_scale_from_amax``) that blockwise scaling shares.
+"""Per-tensor current scaling: one scale per tensor from its own amax, and the scale arithmetic
+(Transformer Engine's ``compute_scale_from_amax``) that blockwise scaling shares.
 
 ``quantize_current`` takes its amax from ``jax_fp8.compute_amax``: one max over all
 devices under a multi-device jit, XLA's own max elsewhere. Unlike a block's, that amax

@@ -1,4 +1,5 @@
-"""FP8 formats and the scaling recipes: delayed, current and blockwise (Transformer Engine's names)."""
+"""FP8 formats and the scaling recipes: delayed, current and blockwise (Transformer Engine's
+names)."""
 
 from __future__ import annotations
 
@@ -104,8 +105,9 @@ class DelayedScaling:
     skip_unused: bool = False
 
     def __post_init__(self):
-        if isinstance(self.history_len, bool) or not isinstance(self.history_len, (int, np.integer)) \
-                or self.history_len < 1:
+        if (isinstance(self.history_len, bool)
+                or not isinstance(self.history_len, (int, np.integer))
+                or self.history_len < 1):
             raise ValueError(f"history_len must be an integer >= 1, got {self.history_len!r}")
         check_algorithm(self.amax_compute_algo)
         if not isinstance(self.fp8_format, Format):

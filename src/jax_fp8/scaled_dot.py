@@ -1,4 +1,5 @@
-"""FP8 dot_general for the current and blockwise recipes: operands quantized from their own amaxes, forward and backward GEMMs in FP8 under one custom VJP.
+"""FP8 dot_general for the current and blockwise recipes: operands quantized from their own amaxes,
+forward and backward GEMMs in FP8 under one custom VJP.
 
 ``scaled_dot_general(lhs, rhs, dimension_numbers, recipe)`` brings the operands into the
 Dense form x [M, K] . w [K, N] (lhs's free axes flattened into M, the contracting axes
@@ -107,7 +108,7 @@ def scaled_dot_general(lhs, rhs, dimension_numbers, recipe, preferred_element_ty
     rhs_b = _permute(rhs, list(rb) + rr).reshape((-1,) + tuple(rhs.shape[a] for a in rr))
     inner_lc = tuple(lr.index(a) for a in lc)
     inner_rc = tuple(rr.index(a) for a in rc)
-    out = jax.vmap(lambda l, r: _unbatched(l, r, inner_lc, inner_rc, recipe, out_dtype))(
+    out = jax.vmap(lambda a, b: _unbatched(a, b, inner_lc, inner_rc, recipe, out_dtype))(
         lhs_b, rhs_b)
     return out.reshape(batch_shape + out.shape[1:])
 

@@ -344,12 +344,12 @@ class _Rules:
             return mlir.lower_fun(lambda *ops: list(fn(*ops)), multiple_results=True)
         return mlir.lower_fun(fn, multiple_results=False)
 
-    @functools.cache
+    @functools.cache  # noqa: B019 (one _Rules per primitive, alive as long as the process)
     def _reference(self, static):
         fn = functools.partial(self.spec.reference, **dict(static))
         return jax.jit(fn) if self.spec.cache_reference else fn
 
-    @functools.cache
+    @functools.cache  # noqa: B019
     def _partitioned(self):
         part = self.spec.partitioning
 

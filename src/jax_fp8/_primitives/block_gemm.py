@@ -1,4 +1,5 @@
-"""The block-scaled FP8 GEMM primitive `jax_fp8_block_gemm`: out = (a * scale_a) . (b * scale_b)^T, each operand scaled per 1x128 block or 128x128 tile.
+"""The block-scaled FP8 GEMM primitive `jax_fp8_block_gemm`: out = (a * scale_a) . (b * scale_b)^T,
+each operand scaled per 1x128 block or 128x128 tile.
 
 Shapes (row-major, both operands contracting over their last axis, cuBLASLt's "TN"):
 a [..., M, K] and b [..., N, K] FP8, their scale_inv [..., M or ceil(M/128), ceil(K/128)]

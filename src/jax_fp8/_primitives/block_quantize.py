@@ -32,8 +32,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_fp8 import _registration
-from jax_fp8 import recipe as recipe_lib
+from jax_fp8 import _registration, recipe as recipe_lib
 from jax_fp8._primitives import base, common
 from jax_fp8._primitives.exact import (
     F32,

@@ -1,4 +1,5 @@
-"""Helpers shared by the primitives: eager execution, shard_map's varying manual axes, Explicit meshes, partition specs."""
+"""Helpers shared by the primitives: eager execution, shard_map's varying manual axes, Explicit
+meshes, partition specs."""
 
 from __future__ import annotations
 
@@ -56,8 +57,9 @@ def check_same_varying(name, avals):
     public wrappers make them so with `vary_like`)."""
     sets = {varying_axes(a) for a in avals}
     if len(sets) > 1:
-        raise ValueError(f"{name}: operands vary over different manual axes {sorted(map(sorted, sets))}; "
-                         "use the public jax_fp8 functions, which align them")
+        raise ValueError(f"{name}: operands vary over different manual axes "
+                         f"{sorted(map(sorted, sets))}; use the public jax_fp8 functions, "
+                         "which align them")
 
 
 def on_explicit_mesh(x) -> bool:

@@ -23,7 +23,8 @@ from jax_fp8._primitives.quotient import divide_rn, quotient_bits
 F32 = np.float32
 U32 = np.uint32
 _SIGN, _MAG, _INF = U32(0x80000000), U32(0x7FFFFFFF), U32(0x7F800000)
-_MIN_NORMAL, _FLT_MAX, _ONE, _POW2 = U32(0x00800000), U32(0x7F7FFFFF), U32(0x3F800000), U32(0xFF800000)
+_MIN_NORMAL, _FLT_MAX = U32(0x00800000), U32(0x7F7FFFFF)
+_ONE, _POW2 = U32(0x3F800000), U32(0xFF800000)
 
 
 def to_bits(x):

@@ -1,4 +1,5 @@
-"""Checks of programs, compiled programs and profiler traces: ``explain``, ``hlo``, ``compilation``, ``trace``.
+"""Checks of programs, compiled programs and profiler traces: ``explain``, ``hlo``, ``compilation``,
+``trace``.
 
 For verifying what a jitted program really runs, e.g. that a train step updates its
 FP8 state in ONE custom call, that its GEMMs are FP8, which collectives it issues, and

@@ -1,4 +1,5 @@
-"""What a compile reports besides its HLO text: memory and aliasing, and the program right after XLA's SPMD partitioner.
+"""What a compile reports besides its HLO text: memory and aliasing, and the program right after
+XLA's SPMD partitioner.
 
 Example::
 

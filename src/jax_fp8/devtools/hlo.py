@@ -461,13 +461,15 @@ def gemm_sizes(program) -> dict[str, GemmSize]:
 
 
 def fp8_gemms(program) -> dict[str, int]:
-    """FP8 GEMMs by kind, e.g. ``{'__cublas$lt$matmul$f8': 240, '__triton_nested_gemm_fusion': 48}``."""
+    """FP8 GEMMs by kind, e.g.
+    ``{'__cublas$lt$matmul$f8': 240, '__triton_nested_gemm_fusion': 48}``."""
     return dict(sorted(collections.Counter(g.kind for g in gemms(program) if g.fp8).items()))
 
 
 def collectives(program) -> list[Collective]:
     """Every collective of the module, in order (async pairs once, with the ``-done``'s
-    result as theirs), e.g. ``[Collective('all-reduce.3', 'all-reduce', ('f32',), 4096, 'add')]``."""
+    result as theirs), e.g.
+    ``[Collective('all-reduce.3', 'all-reduce', ('f32',), 4096, 'add')]``."""
     mod = parse(program)
     out = []
     for comp in mod.computations.values():

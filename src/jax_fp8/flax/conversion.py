@@ -26,14 +26,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
-from flax import errors as flax_errors
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import errors as flax_errors
 
 from jax_fp8 import recipe as recipe_lib
-from jax_fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 from jax_fp8.dot_general import check_min_fp8_flops
+from jax_fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 __all__ = ["AUTO_MIN_FP8_FLOPS", "Fp8Rule", "fp8_model"]
 
@@ -459,7 +459,7 @@ def _raw_method(cls, name: str):
     return method
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _converted_class(cls, rules: tuple[Fp8Rule, ...], methods: tuple[str, ...]):
     fields = {"_fp8_unconverted": cls, "_fp8_rules": rules}
     for name in methods:

@@ -30,10 +30,10 @@ so ``nn.Dense(..., dot_general_cls=...)`` trees line up; ``Fp8Einsum_<n>`` keeps
 Transformer Engine
 ------------------
 TE (PyTorch ``fp8_meta``) stores a group of N tensors as ``amax_history [L, N]`` (history
-on axis 0), ``scale [N]`` and ``scale_inv [N]``, with the same convention as docs/semantics.md. `to_te`
-stacks every ScalingState of a pytree (leading axes flattened, tree order) into that
-layout; `from_te` splits it back, into the structure of a template tree or into one
-stacked ScalingState.
+on axis 0), ``scale [N]`` and ``scale_inv [N]``, with the same convention as
+docs/semantics.md. `to_te` stacks every ScalingState of a pytree (leading axes flattened,
+tree order) into that layout; `from_te` splits it back, into the structure of a template tree
+or into one stacked ScalingState.
 """
 
 from __future__ import annotations

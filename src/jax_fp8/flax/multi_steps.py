@@ -1,4 +1,5 @@
-"""The FP8 state under ``optax.MultiSteps``, one logic for linen's `Fp8TrainState` and NNX's `Fp8Optimizer`.
+"""The FP8 state under ``optax.MultiSteps``, one logic for linen's `Fp8TrainState` and NNX's
+`Fp8Optimizer`.
 
 Under gradient accumulation the optimizer applies once every k calls. The FP8 state
 follows it: the amaxes each call observes are combined by max into *pending* amaxes

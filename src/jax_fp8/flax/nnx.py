@@ -31,21 +31,18 @@ layer uses its own slice, and `update_fp8` updates the ``[n, L]`` stacks in one 
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 from flax import nnx
 
-from jax_fp8 import meta as meta_lib
-from jax_fp8 import recipe as recipe_lib
-from jax_fp8 import state as state_lib
-from jax_fp8.flax import multi_steps
+from jax_fp8 import meta as meta_lib, recipe as recipe_lib, state as state_lib
 from jax_fp8.dot_general import check_min_fp8_flops, fp8_dot_general
 from jax_fp8.einsum import fp8_einsum
+from jax_fp8.flax import multi_steps
 from jax_fp8.meta import Fp8Meta, new_fp8_state
 from jax_fp8.recipe import check_recipe
 from jax_fp8.state import ScalingState
-
 
 
 class Fp8State(nnx.Variable):

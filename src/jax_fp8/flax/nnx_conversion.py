@@ -1,4 +1,6 @@
-"""`fp8_model` for NNX models: each ``nnx.Linear`` / ``LinearGeneral`` / ``Einsum`` given jax_fp8's FP8 GEMM in place, and a module's own GEMMs of its parameters through FP8 modules it is given (the rules: flax/conversion.py)."""
+"""`fp8_model` for NNX models: each ``nnx.Linear`` / ``LinearGeneral`` / ``Einsum`` given jax_fp8's
+FP8 GEMM in place, and a module's own GEMMs of its parameters through FP8 modules it is given (the
+rules: flax/conversion.py)."""
 
 from __future__ import annotations
 
@@ -119,7 +121,7 @@ def _converting_call(method, rule):
     return converting
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _converting_class(cls, rule):
     new = type(cls.__name__, (cls,), {"__call__": _converting_call(cls.__call__, rule),
                                       "_fp8_unconverted": cls})
