@@ -37,6 +37,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from jax_fp8 import recipe as recipe_lib, state as state_lib
+from jax_fp8 import _compat
 from jax_fp8._primitives import amax as amax_lib
 from jax_fp8.state import ScalingState, is_state
 from jax_fp8.update import update_states
@@ -44,15 +45,8 @@ from jax_fp8.update import update_states
 __all__ = ["Fp8Meta", "amax_cotangents", "check_fp8_updated", "combine_fp8_grads",
            "frozen_scales", "new_fp8_state", "scales_frozen"]
 
-try:  # the trace a value belongs to (jax >= 0.4.36 stackless tracing); no public API
-    from jax._src import core as _jax_core
-    _current_trace = lambda: _jax_core.trace_ctx.trace  # noqa: E731
-except (ImportError, AttributeError):  # pragma: no cover
-    _current_trace = lambda: None  # noqa: E731
-
 _LOOPS = ("scan", "fori_loop", "while_body", "while_cond", "while_loop")
 _BRANCHES = ("cond", "switch")
-_AD_TRACES = ("JVPTrace", "LinearizeTrace")
 # Tracers already handed to an FP8 op as (part of) a meta: id -> (tracer, trace under it).
 _consumed: dict = {}
 
@@ -156,18 +150,13 @@ def amax_cotangent(ct: ScalingState, amax, primal: ScalingState) -> ScalingState
                         fp8_dtype=primal.fp8_dtype)
 
 
-def _traced_for(trace):
-    return getattr(getattr(getattr(trace, "frame", None), "debug_info", None), "traced_for",
-                   None)
-
-
 def _chain(leaf):
     """The traces between the current one and `leaf`'s own, innermost first (None when
     `leaf`'s trace is not an ancestor of the current one)."""
-    t, chain, own = _current_trace(), [], getattr(leaf, "_trace", None)
+    t, chain, own = _compat.current_trace(), [], _compat.trace_of(leaf)
     while t is not None and t is not own:
         chain.append(t)
-        t = getattr(t, "parent_trace", None)
+        t = _compat.parent_trace(t)
     return chain if t is not None else None
 
 
@@ -232,8 +221,8 @@ def scales_frozen() -> bool:
 
 def _ad_trace(x):
     """The differentiation (JVP / linearize) trace `x` is a tracer of, else None."""
-    trace = getattr(x, "_trace", None) if isinstance(x, jax.core.Tracer) else None
-    return trace if type(trace).__name__ in _AD_TRACES else None
+    trace = _compat.trace_of(x)
+    return trace if _compat.is_differentiation_trace(trace) else None
 
 
 def claim(meta, op: str, operands=()) -> None:
@@ -262,15 +251,15 @@ def claim(meta, op: str, operands=()) -> None:
         if _ad_trace(leaf) is None:
             continue
         chain = _chain(leaf) or []
-        loop = next((_traced_for(t) for t in chain if _traced_for(t) in _LOOPS), None)
+        loop = next((_compat.traced_for(t) for t in chain if _compat.traced_for(t) in _LOOPS), None)
         if loop is not None:
             raise ValueError(_LOOP.format(op=op, loop=loop))
         top = chain[-1] if chain else None
         seen = _consumed.get(id(leaf))
         if seen is not None and seen[0]() is leaf:
             prev_top = seen[1]() if seen[1] is not None else None
-            both_branches = (_traced_for(top) in _BRANCHES and
-                             _traced_for(prev_top) in _BRANCHES)
+            both_branches = (_compat.traced_for(top) in _BRANCHES and
+                             _compat.traced_for(prev_top) in _BRANCHES)
             if not both_branches:  # the two branches of a cond never both run
                 raise ValueError(_REUSE.format(op=op))
         key = id(leaf)

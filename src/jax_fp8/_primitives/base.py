@@ -43,7 +43,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_fp8 import _registration
+from jax_fp8 import _compat, _registration
 from jax_fp8._primitives import common
 
 IMPLEMENTATIONS = ("auto", "jnp")
@@ -288,16 +288,8 @@ def register(spec: Spec) -> Primitive:
         ad.primitive_jvps[prim] = {"zero": rules.jvp_zero,
                                    "reference": rules.jvp_reference}[spec.jvp]
     if spec.partitioning is not None:
-        _require_devices_during_lowering(prim)
+        _compat.require_devices_during_lowering(prim)
     return prim
-
-
-def _require_devices_during_lowering(prim) -> None:
-    """custom_partitioning needs the device assignment when it is lowered; JAX only
-    provides it for primitives in this (internal) set, as custom_partitioning's own."""
-    from jax._src import dispatch  # no public equivalent as of jax 0.11
-
-    dispatch.prim_requires_devices_during_lowering.add(prim)
 
 
 def _static(params: dict) -> tuple:

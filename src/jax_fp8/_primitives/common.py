@@ -7,6 +7,8 @@ import functools
 
 import jax
 
+from jax_fp8 import _compat
+
 
 def eager_impl(prim):
     """An impl rule that runs `prim` as a compiled one-primitive program, also under
@@ -42,14 +44,8 @@ def vary_like(arrays):
     out = []
     for a in arrays:
         missing = tuple(sorted(union - varying_axes(a)))
-        out.append(_pvary(a, missing) if missing else a)
+        out.append(_compat.pvary(a, missing) if missing else a)
     return out
-
-
-def _pvary(x, axes):
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(x, axes, to="varying")
-    return jax.lax.pvary(x, axes)
 
 
 def check_same_varying(name, avals):
@@ -69,8 +65,8 @@ def on_explicit_mesh(x) -> bool:
     mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
     if mesh is None or getattr(mesh, "empty", True):
         return False
-    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
-    return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()))
+    return _compat.EXPLICIT is not None and _compat.EXPLICIT in tuple(getattr(mesh, "axis_types",
+                                                                               ()))
 
 
 def check_not_explicit(name, aval):

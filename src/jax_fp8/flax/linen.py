@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from flax import struct
 from flax.training import train_state
 
-from jax_fp8 import recipe as recipe_lib, state as state_lib
+from jax_fp8 import _compat, recipe as recipe_lib, state as state_lib
 from jax_fp8.dot_general import fp8_dot_general
 from jax_fp8.einsum import fp8_einsum
 from jax_fp8.flax import multi_steps
@@ -111,18 +111,12 @@ def _meta_variables(module: nn.Module, recipe, collection, op: str | None = None
 _THREADED = "_jax_fp8_threaded"
 
 
-def _live_traces() -> set | None:
-    """ids of the current trace and of every trace it is nested in; None where JAX does
-    not tell (then a traced meta is never reused)."""
-    try:
-        from jax._src import core as jax_core  # no public API for the current trace
-        trace = jax_core.trace_ctx.trace
-    except (ImportError, AttributeError):  # pragma: no cover
-        return None
-    ids = set()
+def _live_traces() -> set:
+    """ids of the current trace and of every trace it is nested in."""
+    ids, trace = set(), _compat.current_trace()
     while trace is not None:
         ids.add(id(trace))
-        trace = getattr(trace, "parent_trace", None)
+        trace = _compat.parent_trace(trace)
     return ids
 
 
@@ -133,7 +127,7 @@ def _usable(meta: Fp8Meta) -> bool:
     if not tracers:
         return True
     live = _live_traces()
-    return live is not None and all(id(getattr(t, "_trace", None)) in live for t in tracers)
+    return all(id(_compat.trace_of(t)) in live for t in tracers)
 
 
 def _threaded(module: nn.Module) -> dict:

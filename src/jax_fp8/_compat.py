@@ -1,0 +1,93 @@
+"""Every JAX name jax_fp8 reads that JAX does not make public, and the shims across JAX versions, in one place.
+
+The guards that stop a training loop from silently skipping the FP8 update read JAX's
+traces: which trace a tracer belongs to, whether it differentiates, and which
+transformation (a loop body, a branch) it traces for. JAX has no public API for these.
+They are read here only, each behind a capability check: `check()` runs at import and
+raises ImportError when one is missing, and tests/test_compat.py checks that each still
+behaves (a JAX upgrade that renames one fails loudly instead of disarming a guard).
+"""
+
+from __future__ import annotations
+
+import jax
+
+__all__ = ["EXPLICIT", "check", "current_trace", "is_differentiation_trace", "parent_trace",
+           "pvary", "require_devices_during_lowering", "traced_for", "trace_of"]
+
+_MISSING = ("jax_fp8 needs {what} of this jax ({version}), which it no longer has; the "
+            "trace-time guards of the FP8 training loops depend on it. Install a jax "
+            "version jax_fp8 supports (see its README), or report it.")
+
+
+def _load():
+    from jax._src import core, dispatch
+    from jax._src.interpreters import ad
+    return core, dispatch, ad
+
+
+try:
+    _core, _dispatch, _ad = _load()
+except ImportError as err:  # pragma: no cover - a JAX that moved these modules
+    raise ImportError(_MISSING.format(what=f"jax._src ({err})", version=jax.__version__)) from err
+
+# The differentiation traces: forward-mode JVP, and linearize (jax.grad / jax.vjp).
+_AD_TRACE_TYPES = tuple(getattr(_ad, name) for name in ("JVPTrace", "LinearizeTrace")
+                        if hasattr(_ad, name))
+
+# Meshes with Explicit axes (sharding in types); None on a jax without them.
+EXPLICIT = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+
+
+def check() -> None:
+    """Raises ImportError when a private JAX name the guards read is missing."""
+    needs = {"jax._src.core.trace_ctx": hasattr(_core, "trace_ctx"),
+             "jax._src.interpreters.ad.JVPTrace": hasattr(_ad, "JVPTrace"),
+             "jax._src.interpreters.ad.LinearizeTrace": hasattr(_ad, "LinearizeTrace"),
+             "jax._src.dispatch.prim_requires_devices_during_lowering":
+                 hasattr(_dispatch, "prim_requires_devices_during_lowering")}
+    missing = [name for name, ok in needs.items() if not ok]
+    if missing:
+        raise ImportError(_MISSING.format(what=", ".join(missing), version=jax.__version__))
+
+
+check()
+
+
+def current_trace():
+    """The trace JAX is tracing under now (the evaluation trace outside any transformation)."""
+    return _core.trace_ctx.trace
+
+
+def parent_trace(trace):
+    """The trace `trace` is nested in, or None."""
+    return getattr(trace, "parent_trace", None)
+
+
+def trace_of(x):
+    """The trace a tracer belongs to; None for a concrete array."""
+    return getattr(x, "_trace", None) if isinstance(x, jax.core.Tracer) else None
+
+
+def is_differentiation_trace(trace) -> bool:
+    """Whether `trace` differentiates (``jax.jvp``, ``jax.grad``, ``jax.vjp``, ``linearize``)."""
+    return isinstance(trace, _AD_TRACE_TYPES)
+
+
+def traced_for(trace) -> str | None:
+    """What a staging trace traces for (e.g. "scan", "while_body", "cond", "jit"), else None."""
+    return getattr(getattr(getattr(trace, "frame", None), "debug_info", None), "traced_for",
+                   None)
+
+
+def pvary(x, axes):
+    """``x`` made to vary over the manual mesh axes `axes` (inside shard_map)."""
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, axes, to="varying")
+    return jax.lax.pvary(x, axes)
+
+
+def require_devices_during_lowering(prim) -> None:
+    """custom_partitioning needs the device assignment when it is lowered; JAX provides it
+    only for the primitives in this (internal) set, as for custom_partitioning's own."""
+    _dispatch.prim_requires_devices_during_lowering.add(prim)

@@ -1,0 +1,68 @@
+"""jax_fp8._compat: each private JAX name the training-loop guards read still exists and
+behaves on the installed jax (a JAX upgrade that renames or changes one fails here, not
+silently in a guard that stops raising)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+from jax_fp8 import _compat
+
+
+def test_every_name_is_there():
+    _compat.check()
+
+
+def test_differentiation_traces_are_recognised():
+    seen = {}
+
+    def f(x):
+        seen["grad"] = _compat.is_differentiation_trace(_compat.trace_of(x))
+        return jnp.sum(x * x)
+
+    jax.grad(f)(jnp.ones(3))
+    jax.jvp(lambda x: seen.setdefault("jvp", _compat.is_differentiation_trace(
+        _compat.trace_of(x))) and x, (jnp.ones(3),), (jnp.ones(3),))
+    jax.jit(lambda x: seen.setdefault("jit", _compat.is_differentiation_trace(
+        _compat.trace_of(x))) or x)(jnp.ones(3))
+    assert seen == {"grad": True, "jvp": True, "jit": False}
+    assert _compat.trace_of(jnp.ones(3)) is None
+
+
+@pytest.mark.parametrize("loop, run", [
+    ("scan", lambda body: lax.scan(lambda c, _: (body(c), None), jnp.ones(3), None, length=2)),
+    ("while_body", lambda body: lax.while_loop(lambda c: c[0] < 5, body, jnp.ones(3))),
+    ("cond", lambda body: lax.cond(True, body, lambda c: c, jnp.ones(3))),
+])
+def test_what_a_trace_traces_for(loop, run):
+    """The loop and branch names the guards look for (meta.py's _LOOPS, _BRANCHES)."""
+    names = []
+
+    def body(c):
+        t = _compat.current_trace()
+        while t is not None:
+            names.append(_compat.traced_for(t))
+            t = _compat.parent_trace(t)
+        return c + 1
+
+    jax.jit(lambda: run(body))()
+    assert loop in names, names
+
+
+def test_current_trace_nests_in_its_parents():
+    depth = {}
+
+    def f(x):
+        chain, t = [], _compat.current_trace()
+        while t is not None:
+            chain.append(t)
+            t = _compat.parent_trace(t)
+        depth["n"] = len(chain)
+        assert _compat.trace_of(x) in chain
+        return x
+
+    jax.jit(jax.grad(lambda x: jnp.sum(f(x))))(jnp.ones(2))
+    assert depth["n"] >= 3        # the grad's trace, jit's, the evaluation trace at the root
