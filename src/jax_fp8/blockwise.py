@@ -13,8 +13,10 @@ sign (0x7F/0xFF for E4M3, 0x7E/0xFE for E5M2). Per-tensor current scaling
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
 
 from jax_fp8._primitives import block_gemm as gemm_lib, block_quantize as bq
 from jax_fp8.current import _operand, _options, quantize_current, scale_from_amax, scale_inverse  # noqa: F401
@@ -40,8 +42,9 @@ def _block_rows(block_shape) -> int:
     return int(block_shape[0])
 
 
-def quantize_blocks(x, block_shape=(1, 128), fp8_dtype=jnp.float8_e4m3fn, *,
-                    power_of_2_scale=True, amax_epsilon=0.0):
+def quantize_blocks(x: ArrayLike, block_shape: tuple[int, int] = (1, 128),
+                    fp8_dtype: DTypeLike = jnp.float8_e4m3fn, *, power_of_2_scale: bool = True,
+                    amax_epsilon: float = 0.0) -> tuple[jax.Array, jax.Array]:
     """Blockwise quantization of x laid out as ``[..., M, K]`` (K the contraction axis).
 
     Shapes: x [..., M, K] (float32/bfloat16/float16) -> (x_fp8 [..., M, K],

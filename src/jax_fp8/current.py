@@ -15,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
 
 from jax_fp8 import quantization, recipe as recipe_lib
 from jax_fp8._primitives import block_quantize as bq
@@ -40,8 +41,8 @@ def _operand(x, min_ndim=2):
     return x
 
 
-def scale_from_amax(amax, fp8_dtype=jnp.float8_e4m3fn, *, power_of_2_scale=False,
-                    amax_epsilon=0.0) -> jax.Array:
+def scale_from_amax(amax: ArrayLike, fp8_dtype: DTypeLike = jnp.float8_e4m3fn, *,
+                    power_of_2_scale: bool = False, amax_epsilon: float = 0.0) -> jax.Array:
     """The quantization scale ``s`` (``x_fp8 = saturate_cast(x * s)``) from an amax.
 
     docs/semantics.md / TE's ``compute_scale_from_amax``, elementwise over a float32 amax of any

@@ -246,8 +246,9 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, meta: Fp8Meta, precision=None,
     # values scaled up to fp8_max can exceed float16's range before its scaling.
     f16, f32 = np.dtype(np.float16), np.dtype(np.float32)
     if f16 in (np.dtype(lhs.dtype), np.dtype(rhs.dtype), out_dtype):
-        wide = [x.astype(f32) if np.dtype(x.dtype) == f16 else x for x in (lhs, rhs)]
-        out, meta = fp8_dot_general(*wide, dn, meta,
+        wide_lhs, wide_rhs = (x.astype(f32) if np.dtype(x.dtype) == f16 else x
+                              for x in (lhs, rhs))
+        out, meta = fp8_dot_general(wide_lhs, wide_rhs, dn, meta,
                                     preferred_element_type=f32 if out_dtype == f16 else out_dtype)
         return out.astype(out_dtype), meta
     if meta.stateless:  # current / blockwise: scales from the operands themselves

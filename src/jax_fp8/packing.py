@@ -35,6 +35,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_fp8._primitives import split as split_lib
 from jax_fp8.state import HoldsStates, ScalingState
@@ -92,7 +93,7 @@ class _Layout:
     @functools.cached_property
     def rows(self) -> tuple:
         """Per group: its states' (path text, lead shape), in row order."""
-        out = [[] for _ in self.groups]
+        out: list[list] = [[] for _ in self.groups]
         for slot, path in zip(self.slots, self.paths):
             if slot is not None:
                 out[slot[0]].append((path, slot[2]))
@@ -125,7 +126,7 @@ class PackedStates(HoldsStates):
     others: tuple
     layout: _Layout
 
-    def unpack(self):
+    def unpack(self) -> Any:
         """The original pytree of ScalingStates (row slices of the packed groups)."""
         pieces = []  # per group: its states' (history, scale, scale_inv), in row order
         for g, group in enumerate(self.groups):
@@ -149,7 +150,7 @@ class PackedStates(HoldsStates):
     def num_arrays(self) -> int:
         return len(jax.tree.leaves(self))
 
-    def slot_info(self):
+    def slot_info(self) -> list[tuple[Any, np.dtype, int]]:
         """(path in the unpacked tree, fp8_dtype, history_len) for each packed state."""
         n = len(self.layout.slots)
         paths = jax.tree_util.tree_flatten_with_path(
@@ -203,7 +204,7 @@ jax.tree_util.register_pytree_with_keys(
     flatten_func=lambda p: ([*p.groups, *p.others], p.layout))
 
 
-def pack_states(tree) -> PackedStates:
+def pack_states(tree: Any) -> PackedStates:
     """Packs every ScalingState of ``tree`` into one stacked state per (dtype, L).
 
     Args:
@@ -214,7 +215,11 @@ def pack_states(tree) -> PackedStates:
       states once (concatenation); call it outside the train step, once.
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_state)
-    keys, rows_of, parts, slots, others = [], {}, {}, [], []
+    keys: list = []
+    rows_of: dict = {}
+    parts: dict = {}
+    slots: list = []
+    others: list = []
     for _, leaf in flat:
         if not _is_state(leaf):
             slots.append(None)
@@ -243,7 +248,7 @@ def pack_states(tree) -> PackedStates:
                         _Layout(treedef, tuple(slots), tuple(keys), paths))
 
 
-def unpack_states(tree):
+def unpack_states(tree: Any) -> Any:
     """``tree.unpack()`` for a PackedStates, any other tree unchanged."""
     return tree.unpack() if isinstance(tree, PackedStates) else tree
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
 
 from jax_fp8 import recipe as recipe_lib
 from jax_fp8._primitives import amax as amax_lib
@@ -17,7 +18,7 @@ from jax_fp8.state import ScalingState
 __all__ = ["compute_amax", "dequantize", "quantize"]
 
 
-def compute_amax(x) -> jax.Array:
+def compute_amax(x: ArrayLike) -> jax.Array:
     """``max |x|`` over the whole tensor as a float32 scalar (0 for an empty tensor).
 
     NaN propagates on the GPU (XLA's vectorized CPU max can drop a NaN among many
@@ -38,7 +39,7 @@ def broadcast_to_leading(s, ndim):
     return s.reshape(s.shape + (1,) * (ndim - s.ndim))
 
 
-def quantize(x, state: ScalingState) -> jax.Array:
+def quantize(x: ArrayLike, state: ScalingState) -> jax.Array:
     """Saturating cast of ``x * state.scale`` to ``state.fp8_dtype``.
 
     Computed in float32: ``clip(x * scale, -fp8_max, fp8_max).astype(fp8_dtype)``. Values
@@ -60,7 +61,7 @@ def quantize(x, state: ScalingState) -> jax.Array:
     return jnp.clip(y, -fmax, fmax).astype(dtype)
 
 
-def dequantize(q, state: ScalingState, dtype=jnp.float32) -> jax.Array:
+def dequantize(q: ArrayLike, state: ScalingState, dtype: DTypeLike = jnp.float32) -> jax.Array:
     """``q * state.scale_inv`` in float32, cast to ``dtype``."""
     q = jnp.asarray(q)
     y = q.astype(jnp.float32) * broadcast_to_leading(state.scale_inv.astype(jnp.float32),

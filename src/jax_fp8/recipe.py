@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 ALGORITHMS = ("max", "most_recent")
 
@@ -31,7 +33,7 @@ def canonical_fp8_dtype(fp8_dtype, name: str = "fp8_dtype") -> np.dtype:
     return dtype
 
 
-def fp8_max(fp8_dtype) -> float:
+def fp8_max(fp8_dtype: DTypeLike) -> float:
     """Largest finite value of an FP8 dtype: 448 for e4m3fn, 57344 for e5m2, ..."""
     return float(jnp.finfo(canonical_fp8_dtype(fp8_dtype)).max)
 
@@ -44,7 +46,7 @@ def check_margin(margin) -> float:
     return float(margin)
 
 
-def scaled_max(fp8_dtype, margin) -> float:
+def scaled_max(fp8_dtype: DTypeLike, margin: float) -> float:
     """float32(fp8_max) * float32(2 ** -margin), computed once in float32 (docs/semantics.md).
 
     Returned as the Python float equal to that float32 value.
@@ -116,7 +118,7 @@ class DelayedScaling:
             scaled_max(dtype, self.margin)  # validates margin
         _check_bool(self, "power_of_2_scale", "skip_unused")
 
-    def replace(self, **changes) -> DelayedScaling:
+    def replace(self, **changes: Any) -> DelayedScaling:
         """A copy with the given fields replaced (as ``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
 
@@ -157,7 +159,7 @@ class Float8CurrentScaling:
         _check_bool(self, "power_of_2_scale")
         _check_epsilon(self.amax_epsilon)
 
-    def replace(self, **changes) -> Float8CurrentScaling:
+    def replace(self, **changes: Any) -> Float8CurrentScaling:
         """A copy with the given fields replaced (as ``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
 
@@ -209,7 +211,7 @@ class Float8BlockScaling:
         dim = getattr(self, f"{role}_block_scaling_dim")
         return (1, 128) if dim == 1 else (128, 128)
 
-    def replace(self, **changes) -> Float8BlockScaling:
+    def replace(self, **changes: Any) -> Float8BlockScaling:
         """A copy with the given fields replaced (as ``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import export as jax_export
+from jax.typing import DTypeLike
 
 from jax_fp8 import recipe as recipe_lib
 
@@ -48,8 +50,8 @@ class ScalingState:
         object.__setattr__(self, "fp8_dtype", dtype)
 
     @classmethod
-    def create(cls, shape=(), history_len: int = 1024, fp8_dtype=jnp.float8_e4m3fn,
-               ) -> ScalingState:
+    def create(cls, shape: Sequence[int] = (), history_len: int = 1024,
+               fp8_dtype: DTypeLike = jnp.float8_e4m3fn) -> ScalingState:
         """A fresh state: zero history, scale = scale_inv = 1."""
         if isinstance(history_len, bool) or int(history_len) != history_len or history_len < 1:
             raise ValueError(f"history_len must be an integer >= 1, got {history_len!r}")
@@ -65,7 +67,7 @@ class ScalingState:
     def history_len(self) -> int:
         return self.amax_history.shape[-1]
 
-    def replace(self, **changes) -> ScalingState:
+    def replace(self, **changes: Any) -> ScalingState:
         """A copy with the given fields replaced (as ``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
 
@@ -133,10 +135,13 @@ def _flatten_with_keys(st: ScalingState):
     return tuple(zip(keys, (st.amax_history, st.scale, st.scale_inv))), st.fp8_dtype
 
 
+def _unflatten(fp8_dtype, arrays) -> ScalingState:
+    amax_history, scale, scale_inv = arrays
+    return ScalingState(amax_history, scale, scale_inv, fp8_dtype=fp8_dtype)
+
+
 jax.tree_util.register_pytree_with_keys(
-    ScalingState, _flatten_with_keys,
-    lambda fp8_dtype, arrays: ScalingState(*arrays, fp8_dtype=fp8_dtype),
-    flatten_func=_flatten)
+    ScalingState, _flatten_with_keys, _unflatten, flatten_func=_flatten)
 
 # jax.export: a serialized function taking or returning states names them
 # "jax_fp8.ScalingState" (deserializing it needs `import jax_fp8`).
@@ -189,7 +194,9 @@ def check_states_follow(recipe, tree, name: str = "tree") -> None:
     fwd, bwd = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
     for path, fp8_dtype, history_len in states_info(tree):
         role = _role(path)
-        want = {"input": (fwd,), "kernel": (fwd,), "grad": (bwd,)}.get(role, (fwd, bwd))
+        by_role: dict[str | None, tuple[np.dtype, ...]] = {
+            "input": (fwd,), "kernel": (fwd,), "grad": (bwd,)}
+        want = by_role.get(role, (fwd, bwd))
         where = f"{name}{jax.tree_util.keystr(path)}"
         problems = []
         if history_len != recipe.history_len:

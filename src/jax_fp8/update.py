@@ -6,15 +6,22 @@ Both validate at trace time (errors name the argument) and bind the
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+from typing import Any, TypeAlias
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from jax_fp8 import recipe as recipe_lib
 from jax_fp8._primitives import common
 from jax_fp8._primitives.update import ALGOS, IMPLEMENTATIONS, fp8_update_p
 from jax_fp8.recipe import DelayedScaling
 from jax_fp8.state import ScalingState, is_state
+
+# A mesh axis name, or a tuple of them (as lax.pmax takes).
+AxisName: TypeAlias = Hashable
 
 
 def _check_array(x, name):
@@ -68,9 +75,12 @@ def _bind(histories, scales, scale_invs, amaxes, scaled_maxes, amax_compute_algo
     return outs[:g], outs[g:2 * g], outs[2 * g:]
 
 
-def amax_and_scale_update(amax_history, scale, amax=None, *, fp8_dtype=jnp.float8_e4m3fn,
-                          margin=0.0, amax_compute_algo="max", power_of_2_scale=False,
-                          skip_unused=False, implementation="auto"):
+def amax_and_scale_update(amax_history: jax.Array, scale: jax.Array,
+                          amax: jax.Array | None = None, *,
+                          fp8_dtype: DTypeLike = jnp.float8_e4m3fn, margin: float = 0.0,
+                          amax_compute_algo: str = "max", power_of_2_scale: bool = False,
+                          skip_unused: bool = False, implementation: str = "auto",
+                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Delayed-scaling update of one FP8 tensor or a stack of them (docs/semantics.md).
 
     Args:
@@ -102,7 +112,7 @@ def amax_and_scale_update(amax_history, scale, amax=None, *, fp8_dtype=jnp.float
     return h, s, si
 
 
-def reduce_amaxes(amaxes, axis_name):
+def reduce_amaxes(amaxes: Any, axis_name: AxisName) -> Any:
     """Global max of a pytree of amaxes over `axis_name`, as ONE collective.
 
     Every leaf is flattened into one float32 vector, reduced with a single
@@ -137,8 +147,9 @@ def _where(paths, i, tree):
     return paths[0][i]
 
 
-def update_states(tree, amaxes=None, *, recipe=DelayedScaling(),
-                  axis_name=None, implementation="auto", in_place=None):
+def update_states(tree: Any, amaxes: Any = None, *, recipe: DelayedScaling = DelayedScaling(),
+                  axis_name: AxisName | None = None, implementation: str = "auto",
+                  in_place: bool | None = None) -> Any:
     """Updates every ScalingState leaf of `tree` with one fused op.
 
     Args:
@@ -181,7 +192,8 @@ def update_states(tree, amaxes=None, *, recipe=DelayedScaling(),
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_state)
     if amaxes is not None:
         try:
-            amax_leaves = treedef.flatten_up_to(amaxes)
+            # PyTreeDef.flatten_up_to exists; jax's type stubs do not declare it.
+            amax_leaves = treedef.flatten_up_to(amaxes)  # type: ignore[attr-defined]
         except (ValueError, TypeError) as err:
             raise ValueError(f"amaxes must have the structure of tree, with one array per "
                              f"ScalingState: {err}") from None

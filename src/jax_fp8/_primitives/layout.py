@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import Primitive
 
 from jax_fp8 import _registration, recipe as recipe_lib
 from jax_fp8._primitives import amax as amax_lib, base, common
@@ -51,7 +52,7 @@ def _swap(x):
 
 
 # A transpose is linear: its tangent is transposed the same way, its cotangent back.
-transpose_bytes_p = base.register(base.Spec(
+transpose_bytes_p: Primitive = base.register(base.Spec(
     "jax_fp8_transpose_bytes", _abstract_eval, _swap, batch="reference", jvp="linear",
     transpose=lambda ct, x, **params: [transpose_bytes_p.bind(ct, **params)],
     kernels={"cuda": base.Kernel(

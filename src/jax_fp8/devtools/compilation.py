@@ -14,11 +14,15 @@ from __future__ import annotations
 import glob
 import os
 import tempfile
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jax.stages import Compiled, Lowered
 
 __all__ = ["alias_bytes", "compile_partitioned", "memory", "partitioned"]
 
 
-def memory(compiled) -> dict[str, int]:
+def memory(compiled: Compiled) -> dict[str, int]:
     """``compiled.memory_analysis()`` as a dict of byte counts (argument, output, alias,
     temp, generated code); empty where the backend does not report it."""
     try:
@@ -30,12 +34,12 @@ def memory(compiled) -> dict[str, int]:
     return {k: int(getattr(stats, k)) for k in keys if getattr(stats, k, None) is not None}
 
 
-def alias_bytes(compiled) -> int | None:
+def alias_bytes(compiled: Compiled) -> int | None:
     """Bytes of the outputs that reuse (alias) donated inputs; None where not reported."""
     return memory(compiled).get("alias_size_in_bytes")
 
 
-def compile_partitioned(lowered):
+def compile_partitioned(lowered: Lowered) -> tuple[Compiled, str]:
     """``(compiled, text)``: ``lowered.compile()`` and, from the same compile, the HLO text
     right after XLA's SPMD partitioner (see `partitioned`), dumped into a temporary
     directory. Raises ValueError for a program that is not partitioned (one device)."""
@@ -49,7 +53,7 @@ def compile_partitioned(lowered):
             return compiled, f.read()
 
 
-def partitioned(lowered) -> str:
+def partitioned(lowered: Lowered) -> str:
     """The HLO text of ``lowered`` (a ``jax.jit(f).lower(...)``) right after XLA's SPMD
     partitioner, before the backend's own passes: the collectives the partitioner inserted,
     with the element types the program gives them (e.g. an FP8 weight's all-gather), which

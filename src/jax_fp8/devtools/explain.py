@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -56,8 +58,8 @@ class Row:
                 f"{self.lowering}: {self.why}")
 
 
-def explain(f, *args, platform: str | None = None, num_devices: int | None = None,
-            **kwargs) -> list[Row]:
+def explain(f: Callable[..., Any], *args: Any, platform: str | None = None,
+            num_devices: int | None = None, **kwargs: Any) -> list[Row]:
     """The decisions of ``jax.jit(f)(*args, **kwargs)``, in program order.
 
     Args:
@@ -124,7 +126,7 @@ def _walk(jaxpr, where: str, platform: str, num_devices: int, rows: list) -> Non
         if name == "cond":
             # Branches that decide the same (e.g. lax.platform_dependent's, one per
             # platform, of which one runs) are listed once.
-            branches = []
+            branches: list[list[Row]] = []
             for sub in _sub_jaxprs(eqn.params["branches"]):
                 branches.append([])
                 _walk(sub, here, platform, inner, branches[-1])

@@ -16,7 +16,10 @@ import collections
 import functools
 import math
 import re
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypeAlias, cast
+
+if TYPE_CHECKING:
+    from jax.stages import Compiled, Lowered
 
 __all__ = [
     "Collective", "Gemm", "GemmSize", "Instruction", "Module", "all_reduce_kinds",
@@ -103,8 +106,12 @@ _BITS = {"pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16":
          "f16": 16, "bf16": 16, "s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64,
          "f64": 64, "c64": 64, "c128": 128, "token": 0}
 
+# What the functions below read: HLO text, a jax Lowered or Compiled (its ``as_text()``),
+# or a `Module` parsed from one.
+Program: TypeAlias = "str | Compiled | Lowered | Module"
 
-def text_of(program) -> str:
+
+def text_of(program: str | Compiled | Lowered) -> str:
     """The HLO text of ``program``: a str as is, else ``program.as_text()`` (a ``Compiled``)."""
     if isinstance(program, str):
         return program
@@ -154,7 +161,7 @@ def _parse_text(text: str) -> Module:
     return Module({k: tuple(v) for k, v in comps.items()}, entry)
 
 
-def parse(program) -> Module:
+def parse(program: Program) -> Module:
     """Parses HLO text into its computations; e.g. ``parse(text).computations["main.1"][0]``."""
     return program if isinstance(program, Module) else _parse_text(text_of(program))
 
@@ -172,7 +179,9 @@ def operands(ins: Instruction) -> list[str]:
     start = ins.line.find(ins.opcode + "(", ins.line.find("="))
     if start < 0:
         return []
-    i, depth, cur, out = start + len(ins.opcode) + 1, 1, [], []
+    i, depth = start + len(ins.opcode) + 1, 1
+    cur: list[str] = []
+    out: list[str] = []
     while i < len(ins.line) and depth:
         ch = ins.line[i]
         depth += (ch in "([{") - (ch in ")]}")
@@ -212,7 +221,9 @@ def tuple_elements(shape: str) -> list[str]:
     text = shape.strip()
     if not text.startswith("("):
         return [text]
-    out, depth, cur = [], 0, []
+    out: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in text[1:-1]:
         depth += (ch in "([{") - (ch in ")]}")
         if ch == "," and depth == 0:
@@ -224,7 +235,7 @@ def tuple_elements(shape: str) -> list[str]:
     return out + [tail] if tail else out
 
 
-def kernel_bytes(program) -> dict[str, int]:
+def kernel_bytes(program: Program) -> dict[str, int]:
     """{kernel name (`kernel_name`): bytes} for every kernel-level instruction
     (`kernel_instructions`): the bytes of its result plus those of its distinct operands,
     i.e. what it moves if it reads each operand and writes its result once. A kernel that
@@ -246,7 +257,7 @@ def kernel_bytes(program) -> dict[str, int]:
     return out
 
 
-def kernel_instructions(program) -> list[Instruction]:
+def kernel_instructions(program: Program) -> list[Instruction]:
     """The instructions that launch work: the entry's, looking into calls (command
     buffers), async wrappers, while bodies and conditionals; not into fusions, whose
     bodies are one kernel each. Parameters, tuples, bitcasts and the like are left out.
@@ -274,7 +285,7 @@ def _walk(mod: Module) -> list[tuple[str, Instruction]]:
     return out
 
 
-def count_kernels(program) -> dict[str, int]:
+def count_kernels(program: Program) -> dict[str, int]:
     """Kernel-level instructions by opcode, e.g. ``{'copy': 3, 'custom-call': 1, 'fusion': 2}``."""
     return dict(sorted(collections.Counter(i.opcode for i in kernel_instructions(program)).items()))
 
@@ -284,7 +295,7 @@ def _target(ins: Instruction) -> str:
     return m.group(1) if m else "?"
 
 
-def custom_calls(program) -> dict[str, int]:
+def custom_calls(program: Program) -> dict[str, int]:
     """Custom calls anywhere in the module by target, e.g. ``{'jax_fp8_update': 1,
     '__cublas$lt$matmul$f8': 72}`` (cuBLAS GEMMs, FFI kernels, ...)."""
     mod = parse(program)
@@ -293,12 +304,12 @@ def custom_calls(program) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def count_custom_calls(program, target: str) -> int:
+def count_custom_calls(program: Program, target: str) -> int:
     """How many custom calls to ``target`` the module has (e.g. ``"jax_fp8_update"``)."""
     return custom_calls(program).get(target, 0)
 
 
-def computations_calling(program, target: str) -> list[str]:
+def computations_calling(program: Program, target: str) -> list[str]:
     """Names of the computations holding a custom call to ``target`` (e.g. a command buffer)."""
     return [name for name, comp in parse(program).computations.items()
             if any(i.opcode == "custom-call" and _target(i) == target for i in comp)]
@@ -309,7 +320,7 @@ def _fusion_kind(ins: Instruction) -> str:
     return m.group(1) if m else "?"
 
 
-def fusion_kinds(program) -> dict[str, int]:
+def fusion_kinds(program: Program) -> dict[str, int]:
     """Kernel-level fusions by kind: ``kLoop``, ``kInput``, or a backend kind such as
     ``__triton_gemm``."""
     counts = collections.Counter(_fusion_kind(i) for i in kernel_instructions(program)
@@ -334,7 +345,7 @@ def _dots(mod: Module, name: str, seen: set) -> list[bool]:
     return found
 
 
-def gemms(program) -> list[Gemm]:
+def gemms(program: Program) -> list[Gemm]:
     """The kernel-level GEMMs: GEMM library custom calls (target with "gemm"/"matmul"),
     fusions whose body has a dot (e.g. Triton GEMMs) and bare dots."""
     mod = parse(program)
@@ -400,7 +411,7 @@ def _gemm_size(mod: Module, comp: str, ins: Instruction) -> GemmSize | None:
     shapes = [_dims(types.get(op.partition("#")[0], "")) for op in gemm_operands(ins)]
     if len(shapes) < 2 or None in shapes:
         return None
-    lhs, rhs = shapes
+    lhs, rhs = cast("list[list[int]]", shapes)
     if block:
         return _size(lhs, rhs, (len(lhs) - 1,), tuple(range(len(lhs) - 2)))
     patterns = _DOT_DIMS if ins.opcode in _DOTS else _GEMM_CONFIG_DIMS
@@ -435,7 +446,7 @@ def _first_dot(mod: Module, name: str, seen: set):
     return None
 
 
-def gemm_sizes(program) -> dict[str, GemmSize]:
+def gemm_sizes(program: Program) -> dict[str, GemmSize]:
     """{instruction name: `GemmSize`} for every kernel-level GEMM of `gemms` whose sizes
     the HLO gives (a fusion's are those of the first dot in its body), e.g.
     ``{'custom-call.3': GemmSize(batch=1, m=8192, n=4096, k=14336)}``; ``.flops`` counts
@@ -466,7 +477,7 @@ def fp8_gemms(program) -> dict[str, int]:
     return dict(sorted(collections.Counter(g.kind for g in gemms(program) if g.fp8).items()))
 
 
-def collectives(program) -> list[Collective]:
+def collectives(program: Program) -> list[Collective]:
     """Every collective of the module, in order (async pairs once, with the ``-done``'s
     result as theirs), e.g.
     ``[Collective('all-reduce.3', 'all-reduce', ('f32',), 4096, 'add')]``."""
@@ -494,12 +505,12 @@ def collectives(program) -> list[Collective]:
     return out
 
 
-def count_collectives(program) -> dict[str, int]:
+def count_collectives(program: Program) -> dict[str, int]:
     """Collectives by opcode, e.g. ``{'all-gather': 8, 'all-reduce': 2}``."""
     return dict(sorted(collections.Counter(c.opcode for c in collectives(program)).items()))
 
 
-def all_reduce_kinds(program) -> dict[str, int]:
+def all_reduce_kinds(program: Program) -> dict[str, int]:
     """All-reduces by reduction, e.g. ``{'add': 1, 'maximum': 1}`` (gradients and amaxes)."""
     counts = collections.Counter(c.reduction or "unknown" for c in collectives(program)
                                  if c.opcode == "all-reduce")
@@ -516,7 +527,7 @@ _FUSION_FAMILIES = {"kLoop": "loop fusion", "kInput": "input fusion",
                     "kOutput": "output fusion", "__triton": "triton fusion"}
 
 
-def op_families(program) -> dict[str, str]:
+def op_families(program: Program) -> dict[str, str]:
     """The family of each kernel-level instruction, by `kernel_name`, for `trace.by_family`:
     ``"fp8 gemm"``/``"gemm"`` for GEMMs, ``"custom-call:<target>"``,
     ``"collective:<opcode>"``, ``"loop fusion"``/``"input fusion"``/``"triton fusion"``
@@ -536,7 +547,7 @@ def op_families(program) -> dict[str, str]:
     return out
 
 
-def source_ops(program) -> dict[str, str]:
+def source_ops(program: Program) -> dict[str, str]:
     """The JAX op behind each kernel, by `kernel_name`: the instruction's ``op_name``
     metadata, else that of the first instruction of its fused computation, e.g.
     ``{'loop_add_fusion_3': 'jit(step)/jvp(Model)/block0/add'}``."""

@@ -84,7 +84,7 @@ def capture(step: Callable[[Any], Any], carry: Any, steps: int = 1,
     """
     import jax
     tmp = logdir is None
-    logdir = tempfile.mkdtemp(prefix="jax_fp8_trace_") if tmp else logdir
+    logdir = tempfile.mkdtemp(prefix="jax_fp8_trace_") if logdir is None else logdir
     try:
         jax.block_until_ready(carry)
         _start(logdir)

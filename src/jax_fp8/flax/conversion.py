@@ -23,7 +23,7 @@ import re
 import string
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import flax.linen as nn
 import jax
@@ -408,7 +408,9 @@ def _weight_layer(module, rule: Fp8Rule, weight: str, kind: str):
             f"parameter {weight!r}. Rename it, or exclude the module with "
             f"Fp8Rule(path={_linen_path(module)!r}, recipe=None) before the other rules")
     try:
-        return fp8_linen._WeightFp8(recipe=rule.recipe, min_fp8_flops=rule.min_fp8_flops,  # noqa: SLF001
+        # Fp8Rule.__post_init__ made min_fp8_flops a number.
+        return fp8_linen._WeightFp8(recipe=rule.recipe,  # noqa: SLF001
+                                    min_fp8_flops=cast(float, rule.min_fp8_flops),
                                     name=name)
     except flax_errors.AssignSubModuleError:
         raise _no_submodule_here(module, kind) from None
@@ -421,7 +423,8 @@ def _linen_convert(module, rule: Fp8Rule, kind, args, precision, preferred_eleme
         layer = _weight_layer(module, rule, weight, kind)
         return layer(kind, args, precision, preferred_element_type)
     # A layer's kernel (one GEMM per call), or two activations: by call order.
-    cls = fp8_linen.Fp8DotGeneral if kind == "dot_general" else fp8_linen.Fp8Einsum
+    # Either layer, called with its own arguments (`args`).
+    cls: Any = fp8_linen.Fp8DotGeneral if kind == "dot_general" else fp8_linen.Fp8Einsum
     try:
         layer = cls(recipe=rule.recipe, min_fp8_flops=rule.min_fp8_flops)
     except flax_errors.AssignSubModuleError:
@@ -584,7 +587,7 @@ def fp8_model(model, rules=None, *example_args, methods: Sequence[str] = ("__cal
     if isinstance(methods, str) or not all(isinstance(m, str) for m in methods):
         raise TypeError(f"fp8_model(methods=...): a sequence of method names, got "
                         f"{methods!r}")
-    cls = getattr(type(model), "_fp8_unconverted", type(model))
+    cls: type = getattr(type(model), "_fp8_unconverted", type(model))
     new_cls = _converted_class(cls, rules, tuple(methods))
     fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
               if f.init and f.name not in ("parent", "name")}

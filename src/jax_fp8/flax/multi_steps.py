@@ -42,7 +42,12 @@ def find(opt_state, owner: str) -> optax.MultiStepsState | None:
 
 def gradient_step(opt_state, owner: str) -> jax.Array:
     """The accumulation's count of applied steps (`find`'s ``gradient_step``)."""
-    step = find(opt_state, owner).gradient_step
+    found = find(opt_state, owner)
+    if found is None:
+        raise ValueError(f"{owner}: the optimizer state holds no optax.MultiSteps, but the FP8 "
+                         "state keeps pending amaxes for one (build it with the optimizer "
+                         "it is used with)")
+    step = found.gradient_step
     return step[...] if hasattr(step, "get_value") else step
 
 

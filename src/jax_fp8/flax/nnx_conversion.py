@@ -34,6 +34,7 @@ def _convert(module, rule) -> bool:
     """Gives one ``nnx.Linear`` / ``LinearGeneral`` / ``Einsum`` an FP8 GEMM of ``rule``;
     False where the module keeps its own (a custom ``dot_general`` / ``einsum_op``)."""
     kernel = _get(module.kernel)
+    layer: type[Fp8DotGeneral | Fp8Einsum]
     if isinstance(module, nnx.Linear):
         if module.dot_general is not conversion.ORIGINAL["dot_general"]:
             return False

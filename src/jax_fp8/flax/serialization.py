@@ -64,8 +64,9 @@ def _from_state_dict(target: ScalingState, state: dict) -> ScalingState:
                 f"restoring the ScalingState at {_where()}: its {f} was saved with shape "
                 f"{have}, the target's has {want} (another history length or number of "
                 f"stacked layers). {_FIX}")
-    return ScalingState(*(serialization.from_state_dict(getattr(target, f), state[f])
-                          for f in FIELDS), fp8_dtype=target.fp8_dtype)
+    history, scale, scale_inv = (serialization.from_state_dict(getattr(target, f), state[f])
+                                 for f in FIELDS)
+    return ScalingState(history, scale, scale_inv, fp8_dtype=target.fp8_dtype)
 
 
 def _describe(rows) -> dict:
