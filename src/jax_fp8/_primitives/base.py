@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 from jax.experimental.custom_partitioning import custom_partitioning
@@ -164,7 +165,7 @@ def decide(spec: Spec, platform: str | None, avals, implementation: str, params:
     if implementation == "jnp":
         return REFERENCE, ("implementation='jnp'" + (f" ({ENV}=jnp)" if DEFAULT == "jnp"
                                                     else ""))
-    kernel = spec.kernels.get(platform)
+    kernel = None if platform is None else spec.kernels.get(platform)
     if kernel is None:
         no_kernel = f"no {platform or 'such'} kernel"
     elif not _registration.has_kernel(spec.name, platform):
@@ -214,7 +215,7 @@ class _Primitive(Primitive):
 
 def _spec_of(aval, mesh) -> NamedSharding:
     """aval's sharding on `mesh` (replicated where its type names no mesh)."""
-    sharding = getattr(aval, "sharding", None)
+    sharding: Any = getattr(aval, "sharding", None)
     if getattr(getattr(sharding, "mesh", None), "empty", True):
         return NamedSharding(mesh, PartitionSpec())
     return NamedSharding(mesh, sharding.spec)
@@ -225,6 +226,7 @@ def _explicit_mesh_bind(spec: Spec, prim, args, params):
     its Partitioning asks for, then each device's computation (as under
     custom_partitioning) under shard_map, whose results carry the result shardings."""
     part = spec.partitioning
+    assert part is not None, "bound here only for a partitioned spec"
     params = dict(params)
     local = PER_DEVICE if params.pop("implementation") == "auto" else "jnp"
     avals = [jax.typeof(a) for a in args]
@@ -254,6 +256,7 @@ def _per_device(spec: Spec, prim, params, mesh, arg_shardings, operands,
     """One device's computation of a partitioned `prim` on the shards it holds (with
     ``implementation="jnp"``: the reference on them)."""
     part = spec.partitioning
+    assert part is not None, "called only for a partitioned spec"
 
     def bind(*ops, **kw):
         outs = prim.bind(*ops, implementation=implementation, **kw)
@@ -281,7 +284,8 @@ def register(spec: Spec) -> Primitive:
             mlir.register_lowering(prim, functools.partial(rules.lowering, platform=platform),
                                    platform=platform)
     batch = {"front": rules.batch_front, "reference": rules.batch_reference}
-    batching.primitive_batchers[prim] = batch.get(spec.batch, spec.batch)
+    batching.primitive_batchers[prim] = (batch[spec.batch] if isinstance(spec.batch, str)
+                                         else spec.batch)
     if spec.jvp == "linear":
         ad.deflinear2(prim, spec.transpose)
     else:
