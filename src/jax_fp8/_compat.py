@@ -1,4 +1,5 @@
-"""Every JAX name jax_fp8 reads that JAX does not make public, and the shims across JAX versions, in one place.
+"""Every JAX name jax_fp8 reads that JAX does not make public, and the shims across JAX versions,
+in one place.
 
 The guards that stop a training loop from silently skipping the FP8 update read JAX's
 traces: which trace a tracer belongs to, whether it differentiates, and which

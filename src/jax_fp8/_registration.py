@@ -51,7 +51,8 @@ FFI_TARGETS = tuple(TARGETS)
 def has_kernel(name: str, platform: str | None) -> bool:
     """Whether this process registered a handler of target `name` for `platform` ("cpu"
     or "cuda"): a module built from older sources may lack one."""
-    return name in {"cpu": CPU_TARGETS, "cuda": CUDA_TARGETS}.get(platform, frozenset())
+    return platform is not None and name in {"cpu": CPU_TARGETS,
+                                             "cuda": CUDA_TARGETS}.get(platform, frozenset())
 
 
 def export_disabled_checks() -> list:

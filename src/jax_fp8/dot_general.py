@@ -9,12 +9,14 @@ amaxes observed on the way leave as the meta's cotangent (``meta.py``).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
+from jax.typing import ArrayLike, DTypeLike
 
 from jax_fp8 import _ad, _gemms, meta as meta_lib, recipe as recipe_lib
 from jax_fp8._primitives import amax as amax_lib, layout
@@ -178,9 +180,10 @@ def check_min_fp8_flops(value, name: str = "min_fp8_flops") -> float:
     return float(value)
 
 
-def fp8_dot_general(lhs, rhs, dimension_numbers, meta: Fp8Meta, precision=None,
-                    preferred_element_type=None, *, min_fp8_flops: float = 0,
-                    **unused_kwargs):
+def fp8_dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: Any, meta: Fp8Meta,
+                    precision: Any = None, preferred_element_type: DTypeLike | None = None, *,
+                    min_fp8_flops: float = 0, **unused_kwargs: Any,
+                    ) -> tuple[jax.Array, Fp8Meta]:
     """FP8 ``lax.dot_general``; returns ``(out, meta)``.
 
     Shapes are those of ``lax.dot_general(lhs, rhs, dimension_numbers)``; lhs is the

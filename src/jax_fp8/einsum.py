@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike, DTypeLike
 
 from jax_fp8.dot_general import fp8_dot_general
 from jax_fp8.meta import Fp8Meta
@@ -10,8 +12,9 @@ from jax_fp8.meta import Fp8Meta
 __all__ = ["fp8_einsum"]
 
 
-def fp8_einsum(eqn: str, lhs, rhs, meta: Fp8Meta, preferred_element_type=None, *,
-               min_fp8_flops: float = 0):
+def fp8_einsum(eqn: str, lhs: ArrayLike, rhs: ArrayLike, meta: Fp8Meta,
+               preferred_element_type: DTypeLike | None = None, *,
+               min_fp8_flops: float = 0) -> tuple[jax.Array, Fp8Meta]:
     """Two-operand einsum (``"...,...->..."``) as one `fp8_dot_general`; returns (out, meta).
 
     Letters in both operands and the output are batch axes, in both operands only are

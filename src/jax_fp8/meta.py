@@ -29,6 +29,8 @@ import functools
 import json
 import threading
 import weakref
+from collections.abc import Hashable, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.export  # noqa: F401  (register_pytree_node_serialization)
@@ -36,8 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from jax_fp8 import recipe as recipe_lib, state as state_lib
-from jax_fp8 import _compat
+from jax_fp8 import _compat, recipe as recipe_lib, state as state_lib
 from jax_fp8._primitives import amax as amax_lib
 from jax_fp8.state import ScalingState, is_state
 from jax_fp8.update import update_states
@@ -77,7 +78,8 @@ class Fp8Meta:
     recipe: recipe_lib.Float8CurrentScaling | recipe_lib.Float8BlockScaling | None = None
 
     @classmethod
-    def create(cls, recipe=None, shape=(), history_len: int | None = None) -> Fp8Meta:
+    def create(cls, recipe: recipe_lib.Recipe | None = None, shape: Sequence[int] = (),
+               history_len: int | None = None) -> Fp8Meta:
         """Fresh states for one GEMM (``shape``: leading axes, e.g. stacked layers), or the
         stateless meta of a current/blockwise recipe."""
         recipe = recipe_lib.DelayedScaling() if recipe is None else recipe
@@ -95,7 +97,7 @@ class Fp8Meta:
         """True for the current and blockwise recipes (no state to update)."""
         return self.recipe is not None
 
-    def replace(self, **changes) -> Fp8Meta:
+    def replace(self, **changes: Any) -> Fp8Meta:
         """A copy with the given fields replaced (as ``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
 
@@ -184,7 +186,7 @@ _frozen = threading.local()
 
 
 @contextlib.contextmanager
-def frozen_scales():
+def frozen_scales() -> Iterator[None]:
     """Context in which no delayed-scaling state changes: the scales are frozen.
 
     Everything traced inside it keeps the FP8 state as it is, whatever the loop:
@@ -263,17 +265,19 @@ def claim(meta, op: str, operands=()) -> None:
             if not both_branches:  # the two branches of a cond never both run
                 raise ValueError(_REUSE.format(op=op))
         key = id(leaf)
-        _consumed[key] = (weakref.ref(leaf, lambda _, k=key, d=_consumed: d.pop(k, None)),
-                          None if top is None else weakref.ref(top))
+        def forget(_: weakref.ref, k: int = key) -> None:
+            _consumed.pop(k, None)
+
+        _consumed[key] = (weakref.ref(leaf, forget), None if top is None else weakref.ref(top))
 
 
-def amax_cotangents(fp8_grads):
+def amax_cotangents(fp8_grads: Any) -> Any:
     """The observed amaxes carried by FP8 gradients: each ScalingState -> its staging slot."""
     return jax.tree.map(lambda g: g.amax_history[..., 0], fp8_grads, is_leaf=is_state)
 
 
-def new_fp8_state(fp8_states, fp8_grads, recipe=None, *, axis_name=None,
-                  implementation: str = "auto"):
+def new_fp8_state(fp8_states: Any, fp8_grads: Any, recipe: recipe_lib.Recipe | None = None, *,
+                  axis_name: Hashable | None = None, implementation: str = "auto") -> Any:
     """The step's new FP8 state: ONE `update_states` call for every state of the model.
 
     Args:
@@ -300,7 +304,7 @@ def new_fp8_state(fp8_states, fp8_grads, recipe=None, *, axis_name=None,
                          axis_name=axis_name, implementation=implementation)
 
 
-def check_fp8_updated(fp8_states, name: str = "fp8_states") -> None:
+def check_fp8_updated(fp8_states: Any, name: str = "fp8_states") -> None:
     """Raises ValueError when the delayed-scaling states in ``fp8_states`` show a training
     loop that does not update them through the FP8 update:
 
@@ -347,7 +351,7 @@ def check_fp8_updated(fp8_states, name: str = "fp8_states") -> None:
             "every GEMM). " + fix)
 
 
-def combine_fp8_grads(*fp8_grads):
+def combine_fp8_grads(*fp8_grads: Any) -> Any:
     """Combines the FP8 gradients of several microbatches (or steps) by max, never sum."""
     if not fp8_grads:
         raise ValueError("combine_fp8_grads needs at least one gradient tree")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Any
+from typing import Any, TypeAlias
 
 import jax.numpy as jnp
 import numpy as np
@@ -217,6 +217,8 @@ class Float8BlockScaling:
 
 
 RECIPES = (DelayedScaling, Float8CurrentScaling, Float8BlockScaling)
+# Any of the three recipes, for type hints.
+Recipe: TypeAlias = "DelayedScaling | Float8CurrentScaling | Float8BlockScaling"
 
 
 def check_recipe(recipe, name: str = "recipe"):

@@ -495,8 +495,8 @@ def _converting_method(method, rules):
     return converting
 
 
-def fp8_model(model, rules=None, *example_args, methods: Sequence[str] = ("__call__",),
-              **example_kwargs):
+def fp8_model(model: Any, rules: Fp8Rule | Sequence[Fp8Rule] | None = None, *example_args: Any,
+              methods: Sequence[str] = ("__call__",), **example_kwargs: Any) -> Any:
     """The ``model`` (linen or NNX) with its GEMMs in FP8, the model's code unchanged.
 
     **Linen** (``model`` a ``flax.linen.Module``; returns a converted copy): every

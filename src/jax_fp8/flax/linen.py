@@ -44,7 +44,7 @@ One recipe: the layers create their states from their ``recipe`` (default
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -130,8 +130,14 @@ def _usable(meta: Fp8Meta) -> bool:
     return all(id(_compat.trace_of(t)) in live for t in tracers)
 
 
+def _scope(module: nn.Module) -> Any:
+    scope = module.scope
+    assert scope is not None, "a module being called is bound"
+    return scope
+
+
 def _threaded(module: nn.Module) -> dict:
-    root = module.scope.root
+    root = _scope(module).root
     store = getattr(root, _THREADED, None)
     if store is None:
         store = {}
@@ -145,8 +151,9 @@ def _read(module: nn.Module, vs, recipe, collection) -> Fp8Meta:
     meta = Fp8Meta(*(v.value for v in vs))
     if module.is_mutable_collection(collection):
         return meta
-    entry = _threaded(module).get((collection, module.scope.path))
-    if entry is not None and entry[0] is meta.input.amax_history and _usable(entry[1]):
+    entry = _threaded(module).get((collection, _scope(module).path))
+    if (entry is not None and meta.input is not None and entry[0] is meta.input.amax_history
+            and _usable(entry[1])):
         return entry[1]
     return meta
 
@@ -165,7 +172,7 @@ def _write(module: nn.Module, vs, meta: Fp8Meta, collection):
         for v, name in zip(vs, Fp8Meta.STATES):
             v.value = getattr(meta, name)
         return
-    _threaded(module)[(collection, module.scope.path)] = (vs[0].value.amax_history, meta)
+    _threaded(module)[(collection, _scope(module).path)] = (vs[0].value.amax_history, meta)
 
 
 class Fp8DotGeneral(nn.Module):
@@ -189,8 +196,9 @@ class Fp8DotGeneral(nn.Module):
     min_fp8_flops: float = 0
 
     @nn.compact
-    def __call__(self, lhs=None, rhs=None, dimension_numbers=None, precision=None,
-                 preferred_element_type=None, **kwargs):
+    def __call__(self, lhs: jax.Array | None = None, rhs: Any = None,
+                 dimension_numbers: Any = None, precision: Any = None,
+                 preferred_element_type: Any = None, **kwargs: Any) -> jax.Array:
         del kwargs  # e.g. out_sharding
         if lhs is None:  # nn.Dense calls dot_general_cls() to make the dot_general
             raise TypeError(
@@ -215,7 +223,8 @@ class Fp8Einsum(nn.Module):
     min_fp8_flops: float = 0
 
     @nn.compact
-    def __call__(self, eqn, lhs, rhs, precision=None, preferred_element_type=None):
+    def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array, precision: Any = None,
+                 preferred_element_type: Any = None) -> jax.Array:
         del precision
         vs = _meta_variables(self, self.recipe, self.collection)
         used = _read(self, vs, self.recipe, self.collection)
@@ -257,7 +266,8 @@ class _WeightFp8(nn.Module):
         return out
 
 
-def split_fp8(variables, collection: str = FP8_COLLECTION):
+def split_fp8(variables: Mapping[str, Any], collection: str = FP8_COLLECTION,
+              ) -> tuple[dict[str, Any], Any]:
     """``{"params": p, "fp8_meta": f, ...}`` -> (everything but the FP8 collection, f)."""
     variables = dict(variables)
     fp8 = variables.pop(collection, {})
@@ -267,7 +277,8 @@ def split_fp8(variables, collection: str = FP8_COLLECTION):
 def _is_combined(grads, params, collection) -> bool:
     """True for the gradient of `fp8_value_and_grad`: {"params": ..., collection: ...}."""
     return (isinstance(grads, Mapping) and set(grads) == {"params", collection}
-            and jax.tree.structure(grads["params"]) == jax.tree.structure(params))
+            # PyTreeDef compares with ==; jax's type stubs cannot resolve its class.
+            and jax.tree.structure(grads["params"]) == jax.tree.structure(params))  # type: ignore[operator]
 
 
 class Fp8TrainState(train_state.TrainState):
@@ -291,9 +302,10 @@ class Fp8TrainState(train_state.TrainState):
     fp8_collection: str = struct.field(pytree_node=False, default=FP8_COLLECTION)
 
     @classmethod
-    def create(cls, *, apply_fn, tx, variables=None, params=None, fp8=None,
-               recipe=None, fp8_collection: str = FP8_COLLECTION, pack_fp8: bool = True,
-               **kwargs):
+    def create(cls, *, apply_fn: Callable[..., Any], tx: Any, variables: Any = None,
+               params: Any = None, fp8: Any = None, recipe: recipe_lib.Recipe | None = None,
+               fp8_collection: str = FP8_COLLECTION, pack_fp8: bool = True,
+               **kwargs: Any) -> Fp8TrainState:
         """From ``variables`` (as returned by ``model.init``), or ``params`` and ``fp8``.
 
         Args:
@@ -347,13 +359,14 @@ class Fp8TrainState(train_state.TrainState):
                                                                    "Fp8TrainState"))
         return new
 
-    def variables(self, params=None, fp8=None) -> dict:
+    def variables(self, params: Any = None, fp8: Any = None) -> dict:
         """The model's variables; a packed FP8 state is handed to the layers unpacked."""
         fp8 = self.fp8 if fp8 is None else fp8
         return {"params": self.params if params is None else params,
                 self.fp8_collection: unpack_states(fp8)}
 
-    def apply_model(self, params, fp8, *args, mutable=(), **kwargs):
+    def apply_model(self, params: Any, fp8: Any, *args: Any,
+                    mutable: str | Sequence[str] = (), **kwargs: Any) -> Any:
         """``apply_fn`` with the FP8 collection mutable (so reused modules thread their state).
 
         For training (inside the loss) and evaluation alike:
@@ -369,7 +382,8 @@ class Fp8TrainState(train_state.TrainState):
             return out, updates
         return out
 
-    def value_and_grad(self, loss_fn: Callable, has_aux: bool = False):
+    def value_and_grad(self, loss_fn: Callable, has_aux: bool = False,
+                       ) -> Callable[..., tuple[Any, dict]]:
         """``loss_fn(params, fp8, *args)`` -> f(*args) = ``(loss[, aux]), grads``.
 
         The gradient is w.r.t. ``self.params`` and ``self.fp8``: ``grads`` is
@@ -380,7 +394,8 @@ class Fp8TrainState(train_state.TrainState):
         vg = fp8_value_and_grad(loss_fn, has_aux, collection=self.fp8_collection)
         return functools.partial(vg, self.params, self.fp8)
 
-    def apply_gradients(self, *, grads, fp8_grads=None, **kwargs):
+    def apply_gradients(self, *, grads: Any, fp8_grads: Any = None,
+                        **kwargs: Any) -> Fp8TrainState:
         """The optimizer step on ``params``, and the FP8 state from ONE ``update_states``.
 
         Args:
@@ -430,7 +445,7 @@ class Fp8TrainState(train_state.TrainState):
 
 
 def fp8_value_and_grad(loss_fn: Callable, has_aux: bool = False,
-                       collection: str = FP8_COLLECTION):
+                       collection: str = FP8_COLLECTION) -> Callable[..., tuple[Any, dict]]:
     """``loss_fn(params, fp8, *args)`` -> f(params, fp8, *args) = ``(loss[, aux]), grads``.
 
     ``grads`` is ``{"params": <gradient w.r.t. params>, collection: <w.r.t. fp8>}``, what

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 from flax import nnx
@@ -125,8 +126,9 @@ class Fp8DotGeneral(_Fp8Base):
     fewer FLOPs run in the operands' dtype (`jax_fp8.fp8_dot_general`).
     """
 
-    def __call__(self, lhs, rhs, dimension_numbers, precision=None,
-                 preferred_element_type=None, **kwargs):
+    def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
+                 precision: Any = None, preferred_element_type: Any = None,
+                 **kwargs: Any) -> jax.Array:
         del kwargs  # out_sharding, ...
         out, meta = fp8_dot_general(lhs, rhs, dimension_numbers, self.meta, precision,
                                     preferred_element_type, min_fp8_flops=self.min_fp8_flops)
@@ -138,8 +140,8 @@ class Fp8Einsum(_Fp8Base):
     """A stateful two-operand FP8 einsum: ``Fp8Einsum()("bsd,dh->bsh", x, kernel)``; an
     instance serves as ``nnx.Einsum(einsum_op=...)``."""
 
-    def __call__(self, eqn, lhs, rhs, precision=None, preferred_element_type=None,
-                 **kwargs):
+    def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array, precision: Any = None,
+                 preferred_element_type: Any = None, **kwargs: Any) -> jax.Array:
         del precision, kwargs  # out_sharding (nnx.Einsum passes it to its einsum_op), ...
         out, meta = fp8_einsum(eqn, lhs, rhs, self.meta,
                                preferred_element_type=preferred_element_type,
@@ -160,7 +162,7 @@ class Fp8Linear(nnx.Linear):
                          **kwargs)
 
 
-def fp8_state(model) -> nnx.State:
+def fp8_state(model: nnx.Module | nnx.State) -> nnx.State:
     """The model's FP8 state (every `Fp8State`), as an ``nnx.State``; of a gradient
     ``nnx.State``, its FP8 part (its `Fp8Grad`s as `Fp8State`s, the structure of the
     model's FP8 state)."""
@@ -169,7 +171,8 @@ def fp8_state(model) -> nnx.State:
     return _as_states(nnx.state(model, _FP8_GRADS))
 
 
-def update_fp8(model, fp8_grads, recipe=None):
+def update_fp8(model: nnx.Module, fp8_grads: Any, recipe: recipe_lib.Recipe | None = None,
+               ) -> None:
     """Replaces every `Fp8State` of ``model`` with ONE fused ``update_states`` call.
 
     Args:
@@ -214,7 +217,8 @@ def _as_states(fp8_grads):
     return _retyped(fp8_grads, Fp8State)
 
 
-def fp8_value_and_grad(loss_fn: Callable, has_aux: bool = False, wrt=nnx.Param):
+def fp8_value_and_grad(loss_fn: Callable, has_aux: bool = False, wrt: Any = nnx.Param,
+                       ) -> Callable[..., tuple[Any, nnx.State]]:
     """``loss_fn(model, *args)`` -> f(model, *args) = ``(loss[, aux]), grads``.
 
     ``grads`` is the ``nnx.State`` of the gradients w.r.t. the ``wrt`` variables and the
@@ -236,7 +240,8 @@ def fp8_value_and_grad(loss_fn: Callable, has_aux: bool = False, wrt=nnx.Param):
     return f
 
 
-def apply_gradients(model, optimizer, grads, recipe=None, **kwargs):
+def apply_gradients(model: nnx.Module, optimizer: nnx.Optimizer, grads: nnx.State,
+                    recipe: recipe_lib.Recipe | None = None, **kwargs: Any) -> None:
     """``optimizer.update(model, <param gradients>)`` and `update_fp8` with the FP8 ones.
 
     Args:
@@ -311,7 +316,7 @@ class Fp8Optimizer(nnx.Optimizer):
         pending = multi_steps.zero_pending(fp8_state(model), self.opt_state, "Fp8Optimizer")
         self.fp8_pending = None if pending is None else Fp8Pending(pending)
 
-    def update(self, model, grads, /, **kwargs):
+    def update(self, model: nnx.Module, grads: nnx.State, /, **kwargs: Any) -> None:
         """The optimizer step on the ``wrt`` gradients and `update_fp8` on the FP8 ones
         (errors as `apply_gradients`; under MultiSteps, see the class)."""
         if self.fp8_pending is None:
@@ -337,7 +342,7 @@ class Fp8Optimizer(nnx.Optimizer):
         _set(self.fp8_pending, pending)
 
 
-def check_fp8_updated(model) -> None:
+def check_fp8_updated(model: nnx.Module) -> None:
     """Raises ValueError when ``model`` holds delayed-scaling states and none was ever
     updated (`jax_fp8.check_fp8_updated`): call it outside ``jit`` after a few steps."""
     meta_lib.check_fp8_updated(fp8_state(model), type(model).__name__)
