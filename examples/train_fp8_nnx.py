@@ -4,7 +4,7 @@ The model is written with Flax's own NNX layers only (``nnx.Embed``,
 ``nnx.MultiHeadAttention``, ``nnx.Linear``, ``nnx.LayerNorm``), its blocks stacked by
 ``nnx.vmap`` and run by ``nnx.scan``. One call,
 
-    jax_fp8.flax.nnx.fp8_model(model, [Fp8Rule(path="lm_head", recipe=None),
+    jax_fp8.flax.fp8_model(model, [Fp8Rule(path="lm_head", recipe=None),
                                        Fp8Rule(recipe=recipe, min_fp8_flops=0)])
 
 makes every projection of the attention and of the MLP an FP8 GEMM (the LM head and the
@@ -38,7 +38,7 @@ from flax import nnx
 
 import jax_fp8
 from jax_fp8.devtools import hlo
-from jax_fp8.flax import Fp8Rule, nnx as fnnx
+from jax_fp8.flax import Fp8Rule, fp8_model, nnx as fnnx
 
 DEFAULT_CORPUS = pathlib.Path(__file__).resolve().parent / "data" / "corpus.txt"
 RECIPES = {"delayed": lambda a: jax_fp8.DelayedScaling(history_len=a.history_len),
@@ -124,7 +124,7 @@ def build(args, vocab: int):
              # every other GEMM of a weight, however small (by default, min_fp8_flops
              # "auto" would keep this small model's GEMMs out of FP8, where it does not pay)
              Fp8Rule(recipe=recipe, min_fp8_flops=0)]
-    model = fnnx.fp8_model(model, rules)
+    model = fp8_model(model, rules)
     tx = optax.chain(optax.clip_by_global_norm(1.0),
                      optax.adamw(optax.warmup_cosine_decay_schedule(
                          0.0, args.lr, min(20, args.steps // 2), args.steps),

@@ -23,9 +23,9 @@ from jax_fp8.flax import (
     Fp8Einsum,
     Fp8Rule,
     Fp8TrainState,
-    conversion,
     fp8_model,
     nnx as fnnx,
+    rules as rules_lib,
 )
 
 KEY = jax.random.key(0)
@@ -58,20 +58,20 @@ def test_rule_checks_its_fields():
     with pytest.raises(TypeError, match="Fp8Rule.activations"):
         Fp8Rule(activations=1)
     with pytest.raises(TypeError, match=r"rules\[1\]"):
-        conversion.as_rules([Fp8Rule(), "Dense_0"])
+        rules_lib.as_rules([Fp8Rule(), "Dense_0"])
     with pytest.raises(TypeError, match="rules must be an Fp8Rule"):
-        conversion.as_rules("Dense_0")
-    assert conversion.as_rules(None) == (Fp8Rule(),)
+        rules_lib.as_rules("Dense_0")
+    assert rules_lib.as_rules(None) == (Fp8Rule(),)
 
 
 def test_first_matching_rule_decides():
-    rules = conversion.as_rules([Fp8Rule(path=".*head", recipe=None),
+    rules = rules_lib.as_rules([Fp8Rule(path=".*head", recipe=None),
                                  Fp8Rule(path="blocks/.*", recipe=jax_fp8.Float8BlockScaling()),
                                  Fp8Rule()])
-    assert conversion.rule_for(rules, "blocks/0/head") is None          # excluded
-    assert conversion.rule_for(rules, "blocks/0/up") is rules[1]
-    assert conversion.rule_for(rules, "embed") is rules[2]
-    assert conversion.rule_for(rules[1:2], "embed") is None             # no rule: as is
+    assert rules_lib.rule_for(rules, "blocks/0/head") is None          # excluded
+    assert rules_lib.rule_for(rules, "blocks/0/up") is rules[1]
+    assert rules_lib.rule_for(rules, "embed") is rules[2]
+    assert rules_lib.rule_for(rules[1:2], "embed") is None             # no rule: as is
     assert not Fp8Rule(path="Dense_1").matches("Dense_10")              # a full match
 
 
@@ -85,7 +85,7 @@ def test_first_matching_rule_decides():
     ("ab,bc,cd->ad", ((2, 2), (2, 2)), None),
 ])
 def test_explicit_einsum(spec, shapes, expected):
-    assert conversion.explicit_einsum(spec, *shapes) == expected
+    assert rules_lib.explicit_einsum(spec, *shapes) == expected
 
 
 # ------------------------------------------------------------------- linen models
@@ -437,7 +437,6 @@ def test_linen_errors():
     linear = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
     assert fp8_model(linear, RULE) is linear and isinstance(linear.dot_general,
                                                            fnnx.Fp8DotGeneral)
-    assert fnnx.fp8_model is fp8_model
     with pytest.raises(TypeError, match="flax.linen or flax.nnx Module"):
         fp8_model(object())
     with pytest.raises(TypeError, match="example inputs are for NNX models"):
@@ -458,12 +457,12 @@ def test_linen_conversion_leaves_jax_as_it_was():
     x, _ = _data()
     model = fp8_model(Raw(), RULE)
     v = model.init(KEY, x)
-    assert jax.lax.dot_general is conversion.ORIGINAL["dot_general"]
-    assert jnp.einsum is conversion.ORIGINAL["einsum"]
+    assert jax.lax.dot_general is rules_lib.ORIGINAL["dot_general"]
+    assert jnp.einsum is rules_lib.ORIGINAL["einsum"]
     with pytest.raises(flax.errors.ScopeParamShapeError):
         model.apply(v, x[:, :3])   # a failing apply restores them too
-    assert jax.lax.dot_general is conversion.ORIGINAL["dot_general"]
-    assert jnp.einsum is conversion.ORIGINAL["einsum"]
+    assert jax.lax.dot_general is rules_lib.ORIGINAL["dot_general"]
+    assert jnp.einsum is rules_lib.ORIGINAL["einsum"]
     # The model converted twice is converted once (its class is not stacked).
     assert type(fp8_model(model, RULE)).__mro__[1] is Raw
     assert type(model).__name__ == "Raw"
@@ -513,7 +512,7 @@ def _nnx_train(model, x, y, steps=3):
 
 def test_nnx_layers_equal_the_hand_written_model():
     x, y = _data()
-    model = fnnx.fp8_model(NnxModel(nnx.Rngs(0)), RULE)
+    model = fp8_model(NnxModel(nnx.Rngs(0)), RULE)
     by_hand = _nnx_by_hand(nnx.Rngs(0))
     _equal(nnx.state(model, nnx.Param), nnx.state(by_hand, nnx.Param))
     _equal(fnnx.fp8_state(model), fnnx.fp8_state(by_hand))
@@ -524,14 +523,14 @@ def test_nnx_layers_equal_the_hand_written_model():
 
 
 def test_nnx_rules():
-    model = fnnx.fp8_model(NnxModel(nnx.Rngs(0)),
+    model = fp8_model(NnxModel(nnx.Rngs(0)),
                            [Fp8Rule(path="attention/.*", recipe=None),
                             Fp8Rule(path="head", recipe=jax_fp8.Float8BlockScaling(),
                                     min_fp8_flops=0), RULE])
     assert _n_states(fnnx.fp8_state(model)) == 2 * 3     # up and general
     assert isinstance(model.head.einsum_op, fnnx.Fp8Einsum)
     assert model.attention.query.dot_general is None            # excluded: as it was
-    assert isinstance(fnnx.fp8_model(Raw()), Raw)      # a linen model: a converted copy
+    assert isinstance(fp8_model(Raw()), Raw)           # a linen model: a converted copy
 
 
 class NnxMlp(nnx.Module):
@@ -546,7 +545,7 @@ class NnxMlp(nnx.Module):
 
 def test_nnx_train_step_has_fp8_gemms():
     x, y = _data((16, 16), classes=16)
-    model = fnnx.fp8_model(NnxMlp(16, nnx.Rngs(0)),
+    model = fp8_model(NnxMlp(16, nnx.Rngs(0)),
                            [Fp8Rule(path="head", recipe=jax_fp8.Float8CurrentScaling(),
                                     min_fp8_flops=0),
                             RULE])
@@ -592,7 +591,7 @@ class NnxStack(nnx.Module):
 
 def test_nnx_scan_over_vmap_stacked_layers_equals_the_hand_written_model():
     x, y = _data()
-    model = fnnx.fp8_model(NnxStack(nnx.Rngs(0)), [Fp8Rule(path="head", recipe=None), RULE])
+    model = fp8_model(NnxStack(nnx.Rngs(0)), [Fp8Rule(path="head", recipe=None), RULE])
     by_hand = NnxStack(nnx.Rngs(0), fp8=True)
     _equal(nnx.state(model), nnx.state(by_hand))
     np.testing.assert_array_equal(_nnx_train(model, x, y), _nnx_train(by_hand, x, y))
@@ -627,7 +626,7 @@ class NnxRaw(nnx.Module):
 
 def test_nnx_own_gemms_equal_the_hand_written_model():
     x, y = _data()
-    model = fnnx.fp8_model(NnxRaw(nnx.Rngs(0)), RULE, x)      # one eager call adds them
+    model = fp8_model(NnxRaw(nnx.Rngs(0)), RULE, x)      # one eager call adds them
     by_hand = NnxRaw(nnx.Rngs(0), fp8=True)
     assert _n_states(fnnx.fp8_state(model)) == 2 * 3
     _equal(nnx.state(model), nnx.state(by_hand))
@@ -635,16 +634,16 @@ def test_nnx_own_gemms_equal_the_hand_written_model():
     np.testing.assert_array_equal(_nnx_train(model, x, y), _nnx_train(by_hand, x, y))
     _equal(nnx.state(model), nnx.state(by_hand))
     assert type(model).__name__ == "NnxRaw" and isinstance(model, NnxRaw)
-    assert jax.lax.dot_general is conversion.ORIGINAL["dot_general"]
+    assert jax.lax.dot_general is rules_lib.ORIGINAL["dot_general"]
 
 
 def test_nnx_own_gemms_unseen_inside_jit_are_an_error():
     x, y = _data()
-    model = fnnx.fp8_model(NnxRaw(nnx.Rngs(0)), RULE)         # no example inputs
+    model = fp8_model(NnxRaw(nnx.Rngs(0)), RULE)         # no example inputs
     with pytest.raises(ValueError, match="example inputs"):
         _nnx_train(model, x, y, steps=1)
     # Excluded, the module's own GEMMs stay as they are (and nothing is added).
-    model = fnnx.fp8_model(NnxRaw(nnx.Rngs(0)), Fp8Rule(recipe=None), x)
+    model = fp8_model(NnxRaw(nnx.Rngs(0)), Fp8Rule(recipe=None), x)
     assert _n_states(fnnx.fp8_state(model)) == 0
     np.testing.assert_array_equal(model(x), NnxRaw(nnx.Rngs(0))(x))
 
@@ -661,7 +660,7 @@ class NnxParent(nnx.Module):
 def test_nnx_rules_apply_to_each_module_own_gemms():
     x, _ = _data()
     # The parent converts its activation GEMM; the unmatched child keeps all of its own.
-    model = fnnx.fp8_model(NnxParent(nnx.Rngs(0)),
+    model = fp8_model(NnxParent(nnx.Rngs(0)),
                            [Fp8Rule(path="", recipe=RECIPE, activations=True, min_fp8_flops=0)], x)
     assert hasattr(model, "Fp8Einsum_0") and not hasattr(model.child, "w1_fp8")
     assert _n_states(fnnx.fp8_state(model)) == 1 * 3

@@ -206,7 +206,7 @@ class _NnxOwn(nnx.Module):
 
 def test_nnx_a_layer_with_its_own_dot_general_stays_as_it_is():
     x = jax.random.normal(jax.random.key(1), (4, 16)) * 10
-    model = fnnx.fp8_model(_NnxOwn(nnx.Rngs(0)), RULE, x)
+    model = fp8_model(_NnxOwn(nnx.Rngs(0)), RULE, x)
     assert not jax.tree.leaves(fnnx.fp8_state(model))
     np.testing.assert_array_equal(model(x), _NnxOwn(nnx.Rngs(0))(x))
 
@@ -350,7 +350,7 @@ def _nnx_train(model, x, use_b, steps=3):
 
 def test_nnx_own_gemms_take_the_state_of_their_weight_across_branches():
     x = jax.random.normal(jax.random.key(1), (4, 8))
-    model = fnnx.fp8_model(_NnxBranchy(nnx.Rngs(0)), RULE, x, False)   # wb unseen
+    model = fp8_model(_NnxBranchy(nnx.Rngs(0)), RULE, x, False)   # wb unseen
     by_hand = _NnxBranchy(nnx.Rngs(0), by_hand=True)
     assert hasattr(model, "wa_fp8") and not hasattr(model, "wb_fp8")
     _nnx_train(model, x, False)
@@ -377,7 +377,7 @@ class _NnxTwice(nnx.Module):
 
 def test_nnx_one_weight_multiplied_twice_has_one_state_and_the_max_amax():
     x = jax.random.normal(jax.random.key(1), (4, 8))
-    model = fnnx.fp8_model(_NnxTwice(nnx.Rngs(0)), RULE, x)
+    model = fp8_model(_NnxTwice(nnx.Rngs(0)), RULE, x)
     assert isinstance(model.w_fp8, fnnx.Fp8Einsum) and len(
         jax.tree.leaves(fnnx.fp8_state(model), is_leaf=IS_STATE)) == 3
     _, grads = fnnx.fp8_value_and_grad(lambda m: jnp.sum(m(x)))(model)

@@ -349,8 +349,6 @@ def check_fp8_updated(model: nnx.Module) -> None:
 
 
 
-from jax_fp8.flax.conversion import fp8_model  # noqa: E402 - one fp8_model for linen and NNX
-
 __all__ = ["Fp8DotGeneral", "Fp8Einsum", "Fp8Grad", "Fp8Linear", "Fp8Optimizer",
            "Fp8Pending", "Fp8State", "ScalingState", "apply_gradients", "check_fp8_updated",
-           "fp8_model", "fp8_state", "fp8_value_and_grad", "update_fp8"]
+           "fp8_state", "fp8_value_and_grad", "update_fp8"]

@@ -1,6 +1,6 @@
 """`fp8_model` for NNX models: each ``nnx.Linear`` / ``LinearGeneral`` / ``Einsum`` given jax_fp8's
 FP8 GEMM in place, and a module's own GEMMs of its parameters through FP8 modules it is given (the
-rules: flax/conversion.py)."""
+rules: flax/rules.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from flax import nnx
 
 from jax_fp8.dot_general import fp8_dot_general
 from jax_fp8.einsum import fp8_einsum
-from jax_fp8.flax import conversion
+from jax_fp8.flax import rules as rules_lib
 from jax_fp8.flax.nnx import Fp8DotGeneral, Fp8Einsum, _Fp8Base, _get
 
 __all__ = ["convert"]
@@ -36,7 +36,7 @@ def _convert(module, rule) -> bool:
     kernel = _get(module.kernel)
     layer: type[Fp8DotGeneral | Fp8Einsum]
     if isinstance(module, nnx.Linear):
-        if module.dot_general is not conversion.ORIGINAL["dot_general"]:
+        if module.dot_general is not rules_lib.ORIGINAL["dot_general"]:
             return False
         layer, lead, attr = Fp8DotGeneral, kernel.shape[:-2], "dot_general"
     elif isinstance(module, nnx.LinearGeneral):
@@ -45,7 +45,7 @@ def _convert(module, rule) -> bool:
         n = len(module.batch_axis) + len(module.in_features) + len(module.out_features)
         layer, lead, attr = Fp8DotGeneral, kernel.shape[:kernel.ndim - n], "dot_general"
     elif isinstance(module, nnx.Einsum):
-        if module.einsum_op is not conversion.ORIGINAL["einsum"]:
+        if module.einsum_op is not rules_lib.ORIGINAL["einsum"]:
             return False
         n = len(module.kernel_shape)
         layer, lead, attr = Fp8Einsum, kernel.shape[:kernel.ndim - n], "einsum_op"
@@ -82,7 +82,7 @@ def _raw_convert(module, rule, counts, kind, args, precision, preferred_element_
     if layer is None:
         if any(isinstance(x, jax.core.Tracer) for x in args[:3]):
             raise ValueError(
-                f"jax_fp8.flax.nnx.fp8_model: {type(module).__name__} calls a {kind} with a "
+                f"jax_fp8.flax.fp8_model: {type(module).__name__} calls a {kind} with a "
                 f"parameter operand that the conversion has not seen yet, inside a "
                 f"transformation (jit, grad, scan, ...), where no FP8 state can be added. "
                 f"Convert with example inputs, fp8_model(model, rules, *inputs), which calls "
@@ -92,7 +92,7 @@ def _raw_convert(module, rule, counts, kind, args, precision, preferred_element_
         setattr(module, name, nnx.data(layer))
     elif not isinstance(layer, _Fp8Base):
         raise TypeError(
-            f"jax_fp8.flax.nnx.fp8_model: {type(module).__name__} has an attribute {name!r}, "
+            f"jax_fp8.flax.fp8_model: {type(module).__name__} has an attribute {name!r}, "
             f"the name of the FP8 state of its parameter {weight!r}. Rename it, or exclude "
             f"the module with Fp8Rule(path=..., recipe=None) before the other rules")
     if isinstance(layer, cls):
@@ -112,12 +112,12 @@ def _converting_call(method, rule):
     @functools.wraps(method)
     def converting(self, *args, **kwargs):
         if rule is None:   # an unmatched module: its GEMMs stay as they are
-            with conversion.running(None):
+            with rules_lib.running(None):
                 return method(self, *args, **kwargs)
         counts = {"dot_general": 0, "einsum": 0}
-        site = conversion.Site(rule, functools.partial(_raw_convert, self, rule, counts),
+        site = rules_lib.Site(rule, functools.partial(_raw_convert, self, rule, counts),
                                weights=_own_params(self))
-        with conversion.patched(), conversion.running(site):
+        with rules_lib.patched(), rules_lib.running(site):
             return method(self, *args, **kwargs)
     return converting
 
@@ -132,9 +132,9 @@ def _converting_class(cls, rule):
 
 def convert(model: nnx.Module, rules=None, *example_args, **example_kwargs):
     """`jax_fp8.flax.fp8_model` for an NNX ``model``: converted in place and returned."""
-    rules = conversion.as_rules(rules)
+    rules = rules_lib.as_rules(rules)
     for path, module in list(nnx.iter_modules(model)):
-        rule = conversion.rule_for(rules, "/".join(str(p) for p in path))
+        rule = rules_lib.rule_for(rules, "/".join(str(p) for p in path))
         if isinstance(module, (Fp8DotGeneral, Fp8Einsum)):
             continue
         if isinstance(module, _LAYERS):
