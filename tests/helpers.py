@@ -247,3 +247,13 @@ def run_8_device_worker(script: str, *args: str, timeout: int = 300) -> dict:
     return json.loads(lines[-1][len("RESULTS "):])
 
 
+def rand(key, shape, scale=1.0):
+    """A float32 array of standard normals from NumPy's generator seeded with `key`."""
+    return jnp.asarray(np.random.default_rng(key).standard_normal(shape).astype(np.float32)
+                       * scale)
+
+
+def assert_trees_equal(a, b):
+    """The same tree structure and every leaf equal, bit for bit."""
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    jax.tree.map(np.testing.assert_array_equal, a, b)

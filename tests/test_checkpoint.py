@@ -13,15 +13,11 @@ from flax import nnx
 
 import helpers
 import jax_fp8
+from helpers import rand
 from jax_fp8.flax import Fp8DotGeneral, Fp8TrainState, nnx as fnnx
 
 RECIPE = jax_fp8.DelayedScaling(history_len=8)
 IS_STATE = lambda x: isinstance(x, jax_fp8.ScalingState)  # noqa: E731
-
-
-def rand(key, shape, scale=1.0):
-    return jnp.asarray(np.random.default_rng(key).standard_normal(shape).astype(np.float32)
-                       * scale)
 
 
 def _save_restore(path, tree, target):

@@ -14,6 +14,7 @@ import pytest
 from flax.training import train_state
 
 import jax_fp8
+from helpers import rand
 from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8Einsum, Fp8TrainState
 
 RECIPE = jax_fp8.DelayedScaling(history_len=8)
@@ -21,11 +22,6 @@ DG = functools.partial(Fp8DotGeneral, recipe=RECIPE)
 # Gradient clipping and weight decay: neither may touch the FP8 state.
 TX = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-2, weight_decay=0.1))
 IS_STATE = lambda x: isinstance(x, jax_fp8.ScalingState)  # noqa: E731
-
-
-def rand(key, shape, scale=1.0):
-    return jnp.asarray(np.random.default_rng(key).standard_normal(shape).astype(np.float32)
-                       * scale)
 
 
 def staged(fp8_grads):

@@ -8,14 +8,10 @@ import pytest
 from flax import nnx
 
 import jax_fp8
+from helpers import rand
 from jax_fp8.flax import nnx as fnnx
 
 RECIPE = jax_fp8.DelayedScaling(history_len=8)
-
-
-def rand(key, shape, scale=1.0):
-    return jnp.asarray(np.random.default_rng(key).standard_normal(shape).astype(np.float32)
-                       * scale)
 
 
 class Net(nnx.Module):

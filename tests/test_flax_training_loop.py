@@ -18,6 +18,7 @@ from flax import nnx, serialization
 from flax.training import train_state
 
 import jax_fp8
+from helpers import assert_trees_equal, rand
 from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8TrainState, nnx as fnnx
 
 RECIPE = jax_fp8.DelayedScaling(history_len=4)
@@ -29,16 +30,6 @@ D = 8
 def on_cpu():
     with jax.default_device(jax.devices("cpu")[0]):
         yield
-
-
-def rand(key, shape, scale=1.0):
-    return jnp.asarray(np.random.default_rng(key).standard_normal(shape).astype(np.float32)
-                       * scale)
-
-
-def assert_trees_equal(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
 class MLP(nn.Module):

@@ -10,6 +10,7 @@ import pytest
 from flax.linen import fp8_ops
 
 import jax_fp8
+from helpers import rand
 from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, interop
 
 L = 8
@@ -27,11 +28,6 @@ def _on_cpu():
     steps; realistic widths, multiples of 16, train fine there.)"""
     with jax.default_device(jax.devices("cpu")[0]):
         yield
-
-
-def rand(key, shape, scale=1.0):
-    return jnp.asarray(np.random.default_rng(key).standard_normal(shape).astype(np.float32)
-                       * scale)
 
 
 class MLP(nn.Module):

@@ -16,6 +16,7 @@ from flax import nnx
 from flax.training import train_state
 
 import jax_fp8
+from helpers import assert_trees_equal, rand
 from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8TrainState, nnx as fnnx
 from jax_fp8.state import is_state
 
@@ -30,15 +31,6 @@ REFUSED = r"optax was given jax_fp8 FP8 scaling states"
 def on_cpu():
     with jax.default_device(jax.devices("cpu")[0]):
         yield
-
-
-def rand(key, shape, scale=1.0):
-    return jnp.asarray(np.random.default_rng(key).standard_normal(shape).astype(np.float32)
-                       * scale)
-
-
-def assert_trees_equal(a, b):
-    jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
 def states_of(tree):
