@@ -451,7 +451,7 @@ XLA_PIECES = {
                         lambda q_rhs, dimension_numbers: (q_rhs, dimension_numbers)),
     # Neither layout kernel takes any size: every FP8 transpose, and the gradient's
     # quantize + transpose + amax, lower to XLA's own ops.
-    "layout_kernels": ("jax_fp8._primitives.layout", "kernel_takes", lambda rows, cols: False),
+    "layout_kernels": ("jax_fp8._primitives.layout", "kernel_supports", lambda rows, cols: False),
 }
 
 

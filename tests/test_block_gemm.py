@@ -239,7 +239,7 @@ def test_bad_operands_are_rejected():
 
 def test_cuda_conditions_are_cublas_shapes():
     aval = lambda *s, t=E4M3: jax.ShapeDtypeStruct(s, t)  # noqa: E731
-    ok = gemm_lib.cublas_takes
+    ok = gemm_lib.cublas_supports
     assert ok(aval(64, 256), aval(128, 256), 1, 128, jnp.bfloat16)
     assert not ok(aval(64, 256), aval(128, 256), 128, 128, jnp.bfloat16)   # two tile operands
     assert not ok(aval(64, 250), aval(128, 250), 1, 1, jnp.bfloat16)       # K % 16

@@ -44,7 +44,7 @@ amax_p = base.register(base.Spec(
     _local_amax, batch="reference", jvp="reference",
     partitioning=base.Partitioning(
         _shardings, _sharding_rule, combine=lambda m, mesh: jax.lax.pmax(m, mesh.axis_names),
-        takes=lambda x: x.ndim > 0, needs_kernel=False)))
+        supports=lambda x: x.ndim > 0, needs_kernel=False)))
 
 varying_axes = common.varying_axes
 

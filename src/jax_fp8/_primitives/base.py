@@ -67,9 +67,9 @@ def _always(*avals, **params) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Kernel:
     """A custom-call lowering on one platform: ``lower(ctx, *operands, **params)`` emits
-    it; ``takes(*avals, **params)`` says whether it applies (else the reference runs)."""
+    it; ``supports(*avals, **params)`` says whether it applies (else the reference runs)."""
     lower: Callable
-    takes: Callable = _always
+    supports: Callable = _always
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +83,7 @@ class Partitioning:
     ``local(bind, operands, *, mesh, shardings, params)``: instead of bind + combine,
     each device's whole computation, given ``bind(*operands, **params)`` (the primitive
     on one device) and the operand shardings `shardings` returned;
-    ``takes(*avals, **params)``: whether to partition these operands; ``needs_kernel``:
+    ``supports(*avals, **params)``: whether to partition these operands; ``needs_kernel``:
     partition only on platforms with the kernel (elsewhere XLA shards the reference);
     ``explicit``: on meshes with Explicit axes run per device under shard_map with the
     same shardings (else the primitive sees the Explicit-typed operands itself).
@@ -91,7 +91,7 @@ class Partitioning:
     shardings: Callable
     rule: Callable
     combine: Callable | None = None
-    takes: Callable = _always
+    supports: Callable = _always
     needs_kernel: bool = True
     local: Callable | None = None
     explicit: bool = False
@@ -107,7 +107,7 @@ class Spec:
     reference_lowering(ctx, *operands, **params): an MLIR rule standing for the reference
       where there is none in jax.numpy.
     kernels: {platform ("cpu", "cuda"): Kernel}.
-    batch: "front" (move the batched axis of every operand to the front and bind once:
+    batch: "leading_axes" (move the batched axis of every operand to the front and bind once:
       for primitives whose leading axes are independent tensors), "reference" (vmap the
       reference) or a batching rule ``(args, dims, **params)``.
     jvp: "zero" (results are not differentiated), "reference" (differentiate the
@@ -124,7 +124,7 @@ class Spec:
     reference_lowering: Callable | None = None
     kernels: Mapping[str, Kernel] = dataclasses.field(default_factory=dict)
     multiple_results: bool = False
-    batch: str | Callable = "front"
+    batch: str | Callable = "leading_axes"
     jvp: str = "zero"
     transpose: Callable | None = None
     partitioning: Partitioning | None = None
@@ -178,14 +178,14 @@ def decide(spec: Spec, platform: str | None, avals, implementation: str, params:
         if kernel is None and part.needs_kernel:
             return REFERENCE, (f"a jit over {num_devices} devices and {no_kernel}: XLA "
                                "partitions the reference")
-        if not part.takes(*avals, **params):
+        if not part.supports(*avals, **params):
             return REFERENCE, (f"a jit over {num_devices} devices; the partitioning rule "
                                "does not take these operands: XLA partitions the reference")
         what = "the kernel" if kernel is not None else "the reference"
         return PARTITIONED, f"a jit over {num_devices} devices: each runs {what} on its shards"
     if kernel is None:
         return REFERENCE, no_kernel
-    if not kernel.takes(*avals, **params):
+    if not kernel.supports(*avals, **params):
         return REFERENCE, f"the {platform} kernel does not take these operands"
     return KERNEL, f"the {platform} kernel"
 
@@ -283,7 +283,7 @@ def register(spec: Spec) -> Primitive:
         if _registration.has_kernel(spec.name, platform):
             mlir.register_lowering(prim, functools.partial(rules.lowering, platform=platform),
                                    platform=platform)
-    batch = {"front": rules.batch_front, "reference": rules.batch_reference}
+    batch = {"leading_axes": rules.batch_leading_axes, "reference": rules.batch_reference}
     batching.primitive_batchers[prim] = (batch[spec.batch] if isinstance(spec.batch, str)
                                          else spec.batch)
     if spec.jvp == "linear":
@@ -377,7 +377,7 @@ class _Rules:
 
     # ----------------------------------------------------------------------- batching
 
-    def batch_front(self, args, dims, **params):
+    def batch_leading_axes(self, args, dims, **params):
         size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
         args = [batching.bdim_at_front(a, d, size) for a, d in zip(args, dims)]
         outs = self.prim.bind(*args, **params)

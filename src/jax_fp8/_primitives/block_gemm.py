@@ -11,7 +11,7 @@ With ``scale_layout="gemm"`` the scales come in cuBLASLt's layout instead
 FP8 dot: then no XLA op runs between the two custom calls.
 
 On CUDA with an SM90 GPU and cuBLASLt >= 12.9 (dlopen'ed from JAX's nvidia-cublas wheel)
-and sizes it takes (`cublas_takes`): one custom call, ffi/block_gemm_cuda.cc, which runs
+and sizes it takes (`cublas_supports`): one custom call, ffi/block_gemm_cuda.cc, which runs
 the CUTLASS sm_90a kernel its measured table picks for E4M3 operands with `a` in 1x128
 blocks (ffi/block_gemm_cutlass.cc; `cutlass_status`), else cuBLASLt's VEC128 / BLK128x128
 matmul (or its own plain kernel, ffi/block_gemm_fallback.cu, where cuBLASLt finds no
@@ -155,7 +155,7 @@ def cutlass_status() -> tuple[bool, str]:
     return True, f"{len(names)} CUTLASS sm_90a configurations: {', '.join(names)}"
 
 
-def cublas_takes(a, b, a_block_rows, b_block_rows, out_dtype) -> bool:
+def cublas_supports(a, b, a_block_rows, b_block_rows, out_dtype) -> bool:
     """Shapes and types cuBLASLt's block-scaled FP8 GEMM takes on Hopper (abstract values):
     E4M3/E5M2 (not both E5M2), at most one operand with 128 x 128 tiles, K % 16 == 0 and
     M, N % 8 == 0 (the leading dimensions' 16-byte alignment), bf16/f32/f16 output."""
@@ -212,15 +212,15 @@ def _kernel_lowering(ctx, *operands, **params):
         ctx, *operands)
 
 
-def _kernel_takes(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype, **_):
+def _kernel_supports(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype, **_):
     del a_scale, b_scale
-    return cublas_takes(a, b, a_block_rows, b_block_rows, out_dtype) and cublas_status()[0]
+    return cublas_supports(a, b, a_block_rows, b_block_rows, out_dtype) and cublas_status()[0]
 
 
 # Differentiated as the reference; batched in front (leading axes are independent GEMMs).
 block_gemm_p = base.register(base.Spec(
     TARGET, _abstract_eval, reference, cache_reference=True, jvp="reference",
-    kernels={"cuda": base.Kernel(_kernel_lowering, _kernel_takes)},
+    kernels={"cuda": base.Kernel(_kernel_lowering, _kernel_supports)},
     partitioning=partition.BLOCK_GEMM, same_varying=True))
 
 

@@ -161,7 +161,7 @@ def _reference(x, *, block_rows, fp8_dtype, power_of_2_scale, amax_epsilon, roww
     return outs
 
 
-def kernel_takes(shape, dtype, fp8_dtype) -> bool:
+def kernel_supports(shape, dtype, fp8_dtype) -> bool:
     """Whether the CUDA kernel takes x: an input and FP8 type it reads and writes, and sizes
     its launcher takes (ffi/block_quantize_cuda.cu's BlockQuantizeSupports, asked of the
     CUDA module itself)."""
@@ -268,7 +268,7 @@ block_quantize_p = base.register(base.Spec(
     TARGET, _abstract_eval, _reference, multiple_results=True, cache_reference=True,
     kernels={"cuda": base.Kernel(
         _kernel_lowering,
-        takes=lambda x, *, fp8_dtype, **_: kernel_takes(x.shape, x.dtype, fp8_dtype))},
+        supports=lambda x, *, fp8_dtype, **_: kernel_supports(x.shape, x.dtype, fp8_dtype))},
     partitioning=PARTITIONING))
 
 

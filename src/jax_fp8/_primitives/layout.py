@@ -34,7 +34,7 @@ _KERNEL_IN = {np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16
 _KERNEL_FP8 = {np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)}
 
 
-def kernel_takes(rows: int, cols: int) -> bool:
+def kernel_supports(rows: int, cols: int) -> bool:
     """Sizes the CUDA kernels take (ffi/transpose_cuda.cu's TransposeBytesSupports)."""
     module = _registration.CUDA_MODULE
     return module is not None and module.transpose_bytes_supports(1, int(rows), int(cols))
@@ -57,7 +57,7 @@ transpose_bytes_p: Primitive = base.register(base.Spec(
     transpose=lambda ct, x, **params: [transpose_bytes_p.bind(ct, **params)],
     kernels={"cuda": base.Kernel(
         lambda ctx, x: jax.ffi.ffi_lowering("jax_fp8_transpose_bytes")(ctx, x),
-        takes=lambda x: kernel_takes(*x.shape))}))
+        supports=lambda x: kernel_supports(*x.shape))}))
 
 
 def rotate_axes(x, k: int):
@@ -101,7 +101,7 @@ def _qt_reference(x, scale, *, fp8_dtype):
 
 def _qt_takes(x, scale, *, fp8_dtype):
     del scale
-    return (kernel_takes(*x.shape) and np.dtype(x.dtype) in _KERNEL_IN
+    return (kernel_supports(*x.shape) and np.dtype(x.dtype) in _KERNEL_IN
             and np.dtype(fp8_dtype) in _KERNEL_FP8)
 
 
