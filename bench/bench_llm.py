@@ -48,7 +48,8 @@ split by kernel family (FP8 GEMM, bf16 GEMM, attention, norm+quantize, act+quant
 quantize/transpose, amax, jax_fp8 kernels, other; FAMILY_NOTE below); pipelined wall time
 (--steps steps dispatched back to back, one block at the end) and blocked wall time (the median of
 --steps steps each followed by block_until_ready), after --warmup steps; tokens/s; lower
-+ compile time; ``compiled.memory_analysis().temp_size_in_bytes``; the speed-ups vs bf16
++ compile time; ``compiled.memory_analysis().temp_size_in_bytes``; the device's peak memory
+in use (``memory_stats()``, where the backend reports it); the speed-ups vs bf16
 and vs Flax FP8; and each FP8 variant's floor: its own GEMM time + bf16's attention time +
 bf16's other (non-GEMM, non-attention) time, i.e. the step if FP8 added nothing but its
 GEMMs. On a CPU there are no GPU kernels: device time is reported unavailable, the XLA:CPU
@@ -206,6 +207,10 @@ def measure(variant, size, args, progress=log):
     del events
     row["trace_s"] = time.perf_counter() - t0
     row["device_ms"] = row.get("device_ms")
+    # Peak device memory of this process (one variant per process): the state, the compiled
+    # step's buffers and the profiler's, as the allocator saw them.
+    stats = jax.devices()[0].memory_stats() or {}
+    row["peak_bytes"] = stats.get("peak_bytes_in_use")
     row["loss_first"], row["loss_last"] = losses[0], losses[-1]
     row["loss_finite"] = all(math.isfinite(v) for v in losses)
     if not row["loss_finite"]:

@@ -130,7 +130,7 @@ def markdown(data):
              "pipelined: wall time per step of steps dispatched back to back; blocked: median "
              "wall time of steps each followed by block_until_ready; × > 1 is faster; compile: "
              "lower + compile in a fresh process; temp: the compiled step's temporary "
-             "buffers.", "", FLOOR_NOTE, "", FAMILY_NOTE]
+             "buffers; peak: the device's peak memory in use in the variant's process.", "", FLOOR_NOTE, "", FAMILY_NOTE]
     gib = 2.0 ** 30
     for key, per in data["derived"].items():
         rows = [r for r in data["results"] if r["size"] == key]
@@ -140,10 +140,10 @@ def markdown(data):
                       f"vocab {c['vocab']}",
                   "", "| variant | device ms | × bf16 | × Flax FP8 | pipelined ms | × bf16 | "
                       "× Flax FP8 | pipelined / device | blocked ms | tokens/s | compile s | "
-                      "temp GiB |", "|---|" + "---:|" * 11]
+                      "temp GiB | peak GiB |", "|---|" + "---:|" * 12]
         for r in rows:
             e = per.get(r["variant"], {})
-            temp = r.get("temp_bytes")
+            temp, peak = r.get("temp_bytes"), r.get("peak_bytes")
             lines.append("| " + " | ".join([
                 r["label"], _f(r.get("device_ms")), _f(e.get("device_ms:vs_bf16"), "{:.3f}"),
                 _f(e.get("device_ms:vs_flax"), "{:.3f}"), _f(r.get("pipelined_ms")),
@@ -151,7 +151,8 @@ def markdown(data):
                 _f(e.get("pipelined_ms:vs_flax"), "{:.3f}"),
                 _f(e.get("pipelined_over_device"), "{:.3f}"), _f(r.get("blocked_ms")),
                 _f(r.get("tokens_per_s"), "{:,.0f}"), _f(r.get("lower_compile_s"), "{:.1f}"),
-                _f(None if temp is None else temp / gib)]) + " |")
+                _f(None if temp is None else temp / gib),
+                _f(None if peak is None else peak / gib)]) + " |")
         fam_rows = [r for r in rows if r.get("families_ms")]
         if fam_rows:
             lines += ["", "Device ms per step by kernel family:", "",
