@@ -234,7 +234,7 @@ def worker(args):
 # --------------------------------------------------------------------------------------
 
 WORKER_OPTIONS = ("steps", "warmup", "history_len", "lr", "seed", "top_kernels", "attention",
-                  "min_fp8_flops")
+                  "min_fp8_flops", "keep_bf16")
 WORKER_FLAGS = ("scan", "fp8_lm_head", "no_rope", "gemms_alone")
 
 
@@ -256,7 +256,8 @@ def run_worker(size, variant, args, timeout):
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--result", result,
                "--sizes", size.name, "--variants", variant.name]
         for opt in WORKER_OPTIONS:
-            cmd += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
+            if getattr(args, opt) is not None:
+                cmd += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
         cmd += [f"--{f.replace('_', '-')}" for f in WORKER_FLAGS if getattr(args, f)]
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, env=worker_env(), stdout=subprocess.PIPE,
@@ -343,6 +344,10 @@ def build_parser():
     p.add_argument("--min-fp8-flops", type=_flops_or_auto, default="auto",
                    help="Fp8Rule.min_fp8_flops for the architectures converted by fp8_model "
                         "(default auto: the recipe's threshold; 0: every GEMM in FP8)")
+    p.add_argument("--keep-bf16", default=None, metavar="REGEX",
+                   help="for the architectures converted by fp8_model: modules whose path "
+                        "matches stay bf16 (a first Fp8Rule(path=REGEX, recipe=None)), e.g. "
+                        "lm_head")
     p.add_argument("--gemms-alone", action="store_true",
                    help="also time each FP8 GEMM shape of the step on its own, with both "
                         "accumulations (GPU)")
@@ -381,7 +386,7 @@ def run(argv=None):
                          "warmup": args.warmup, "history_len": args.history_len, "lr": args.lr,
                          "seed": args.seed, "attention": args.attention, "scan": args.scan,
                          "fp8_lm_head": args.fp8_lm_head, "rope": not args.no_rope,
-                         "min_fp8_flops": args.min_fp8_flops,
+                         "min_fp8_flops": args.min_fp8_flops, "keep_bf16": args.keep_bf16,
                          "timeout_per_variant": args.timeout_per_variant,
                          "budget": args.budget},
             "floor_definition": FLOOR_NOTE, "family_definition": FAMILY_NOTE,

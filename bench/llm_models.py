@@ -510,8 +510,10 @@ def make_model(variant, size, args):
                          "to the Llama-style decoder only")
     model = ARCHS[size.arch](size, layers.attention)
     if variant.kind == "jax_fp8":
-        model = fp8_model(model, Fp8Rule(recipe=variant.recipe(args),
-                                          min_fp8_flops=args.min_fp8_flops))
+        rules = [Fp8Rule(recipe=variant.recipe(args), min_fp8_flops=args.min_fp8_flops)]
+        if args.keep_bf16:
+            rules.insert(0, Fp8Rule(path=args.keep_bf16, recipe=None))
+        model = fp8_model(model, rules)
     return model
 
 

@@ -118,19 +118,23 @@ def _pieces_table(rows, per):
 def markdown(data):
     meta, s = data["meta"], data["meta"]["settings"]
     env = meta.get("environment") or {}
-    lines = [f"# Llama-style decoder train step — {env.get('device', '?')}", "",
+    lines = [f"# Decoder train step — {env.get('device', '?')}", "",
              f"jax {env.get('jax_version', '?')}, flax {env.get('flax_version', '?')}, "
              f"jax_fp8 {env.get('jax_fp8_version', '?')}; git {meta.get('git_commit')}; "
              f"{meta.get('date')}. Each variant in its own process; {s['warmup']} warm-up "
              f"steps, then {s['steps']} blocked, {s['steps']} pipelined and {s['steps']} "
-             f"traced steps; amax history {s['history_len']}; LM head "
-             f"{'FP8' if s['fp8_lm_head'] else 'bf16'}; blocks "
-             f"{'scanned' if s['scan'] else 'unrolled'}.", "",
+             f"traced steps; amax history {s['history_len']}; Llama-style decoder: LM head "
+             f"{'FP8' if s['fp8_lm_head'] else 'bf16'}, blocks "
+             f"{'scanned' if s['scan'] else 'unrolled'}; converted architectures: "
+             f"fp8_model, min_fp8_flops {s.get('min_fp8_flops', 'auto')}"
+             + (f", modules matching {s['keep_bf16']!r} kept bf16" if s.get("keep_bf16")
+                else "") + ".", "",
              "device: the sum of the GPU kernel durations per step (profiler trace); "
              "pipelined: wall time per step of steps dispatched back to back; blocked: median "
              "wall time of steps each followed by block_until_ready; × > 1 is faster; compile: "
              "lower + compile in a fresh process; temp: the compiled step's temporary "
-             "buffers; peak: the device's peak memory in use in the variant's process.", "", FLOOR_NOTE, "", FAMILY_NOTE]
+             "buffers; peak: the device's peak memory in use in the variant's process.", "",
+             FLOOR_NOTE, "", FAMILY_NOTE]
     gib = 2.0 ** 30
     for key, per in data["derived"].items():
         rows = [r for r in data["results"] if r["size"] == key]
