@@ -7,6 +7,8 @@
 //
 // Operands (row-major): a [..., M, K], b [..., N, K] (FP8), out [..., M, N] = a . b^T.
 // Scales in the layout cuBLASLt reads (block_scale_layout.h), one array per GEMM of the batch.
+// jax_fp8 emits the call for the GEMMs cuBLASLt takes (block_gemm_limits.h); the handler
+// also computes others (a forced `kernel`), with its plain kernel where cuBLASLt has none.
 #include <cstddef>
 #include <cstdint>
 

@@ -7,6 +7,10 @@
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 
+#include <string>
+
+#include "block_gemm_limits.h"
+
 #if defined(JAX_FP8_CUDA_MODULE)
 #include "block_gemm_cublaslt.h"
 #include "block_gemm_cuda.h"
@@ -69,6 +73,17 @@ const Target kTargets[] = {
 
 nb::capsule Capsule(void* fn) { return nb::capsule(fn); }
 
+// An element type by its NumPy name (numpy.dtype(t).name); INVALID for the others.
+xla::ffi::DataType DataTypeNamed(const std::string& name) {
+  using xla::ffi::DataType;
+  if (name == "float8_e4m3fn") return DataType::F8E4M3FN;
+  if (name == "float8_e5m2") return DataType::F8E5M2;
+  if (name == "bfloat16") return DataType::BF16;
+  if (name == "float16") return DataType::F16;
+  if (name == "float32") return DataType::F32;
+  return DataType::INVALID;
+}
+
 }  // namespace
 
 NB_MODULE(JAX_FP8_MODULE_NAME, m) {
@@ -104,6 +119,18 @@ NB_MODULE(JAX_FP8_MODULE_NAME, m) {
     }
     return d;
   });
+  // The GEMMs jax_fp8_block_gemm's custom call takes (block_gemm_limits.h), types by their
+  // NumPy names; in both modules, as the limits need no CUDA.
+  m.def(
+      "block_gemm_supports",
+      [](const std::string& a_type, const std::string& b_type, const std::string& out_type,
+         bool a_tile, bool b_tile, int64_t batch, int64_t m, int64_t n, int64_t k) {
+        return jax_fp8::BlockGemmSupports(DataTypeNamed(a_type), DataTypeNamed(b_type),
+                                          DataTypeNamed(out_type), a_tile, b_tile, batch, m, n,
+                                          k);
+      },
+      nb::arg("a_type"), nb::arg("b_type"), nb::arg("out_type"), nb::arg("a_tile"),
+      nb::arg("b_tile"), nb::arg("batch"), nb::arg("m"), nb::arg("n"), nb::arg("k"));
 #if defined(JAX_FP8_CUDA_MODULE)
   // The sizes the transpose kernels take (one source: the launcher's own check).
   m.def("transpose_bytes_supports", &jax_fp8::TransposeBytesSupports, nb::arg("batch"),

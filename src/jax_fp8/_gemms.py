@@ -10,7 +10,6 @@ Shardings of the results follow the primal operands' (Explicit meshes need them)
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -19,7 +18,7 @@ import numpy as np
 from jax import lax
 
 from jax_fp8 import recipe as recipe_lib
-from jax_fp8._primitives import layout
+from jax_fp8._primitives import base, layout
 
 
 def remaining(original, *removed_lists):
@@ -160,11 +159,6 @@ def gemm(q_a, q_b, dimension_numbers, scale_inv_a, scale_inv_b, out_dtype, preci
     if not (_is_fp8(q_a) and _is_fp8(q_b)):   # widened by keep_fp8
         return _scaled_product(q_a, q_b, factor, dimension_numbers, precision, out_dtype,
                                out_sharding)
-    platform = _platform_of(q_a)
-    if platform is not None:   # concrete operands (jit disabled): their device decides
-        return _scaled_product(q_a, q_b, factor, dimension_numbers,
-                               fp8_algorithm(precision) if platform == "cuda" else precision,
-                               out_dtype, out_sharding)
     return _fp8_product(q_a, q_b, factor, dimension_numbers=dimension_numbers,
                         precision=precision, out_dtype=out_dtype, out_sharding=out_sharding)
 
@@ -220,40 +214,26 @@ def fp8_algorithm(precision):
             else lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM)
 
 
-@functools.partial(jax.jit, static_argnames=("dimension_numbers", "precision", "out_dtype",
-                                             "out_sharding"))
-def _fp8_product(q_a, q_b, factor, *, dimension_numbers, precision, out_dtype, out_sharding):
-    """`_scaled_product` of two FP8 operands, on CUDA with the accumulation named as a dot
-    algorithm (`fp8_algorithm`), elsewhere with ``precision`` (XLA:CPU takes no FP8
-    algorithm).
-
-    Why: for the same Precision XLA:GPU runs the same cuBLASLt FP8 GEMMs, but it also
-    autotunes Triton FP8 kernels against them, which accumulate differently (without
-    cuBLASLt's float32 promotion): its autotuner checks each candidate's output against
-    the others' and describes every disagreeing element on the host, at a cost in
-    compile time; and at HIGHEST it could pick a Triton kernel with the coarser
-    accumulation. With the algorithm only cuBLASLt's GEMMs are candidates.
-
-    A function of its own, jitted: the platform is chosen where it is lowered, which for
-    operands outside a jit (eagerly, under vmap or grad) is their device's.
-    """
-    product = functools.partial(_scaled_product, dimension_numbers=dimension_numbers,
-                                out_dtype=out_dtype, out_sharding=out_sharding)
-    return lax.platform_dependent(
-        q_a, q_b, factor,
-        cuda=functools.partial(product, precision=fp8_algorithm(precision)),
-        default=functools.partial(product, precision=precision))
+def _cuda_fp8_product(q_a, q_b, factor, *, precision, **params):
+    """`_scaled_product` with the accumulation `precision` asks for named as a dot
+    algorithm (`fp8_algorithm`)."""
+    return _scaled_product(q_a, q_b, factor, precision=fp8_algorithm(precision), **params)
 
 
-def _platform_of(x):
-    """"cuda", or another platform name, for a concrete array (as jit-disabled code has);
-    None for a tracer."""
-    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
-        return None
-    device = next(iter(x.devices()))
-    if device.platform == "gpu" and "cuda" in device.client.platform_version.lower():
-        return "cuda"
-    return device.platform
+# The product of two FP8 operands: `_scaled_product` with ``precision`` (XLA:CPU takes no
+# FP8 algorithm), on CUDA with the accumulation named as a dot algorithm. Why: for the
+# same Precision XLA:GPU runs the same cuBLASLt FP8 GEMMs, but it also autotunes Triton
+# FP8 kernels against them, which accumulate differently (without cuBLASLt's float32
+# promotion): its autotuner checks each candidate's output against the others' and
+# describes every disagreeing element on the host, at a cost in compile time; and at
+# HIGHEST it could pick a Triton kernel with the coarser accumulation. With the algorithm
+# only cuBLASLt's GEMMs are candidates. The frame picks the version where the GEMM is
+# lowered (base.by_platform: for operands outside a jit, eagerly, under vmap or grad, their
+# device's).
+_fp8_product = base.by_platform(base.ByPlatform(
+    "jax_fp8_fp8_gemm", _scaled_product,
+    {"cuda": base.Variant(_cuda_fp8_product, "the accumulation named as a dot algorithm, "
+                                             "so only cuBLASLt's FP8 GEMMs are autotuned")}))
 
 
 def kernel_grad_layout(dimension_numbers, lhs_ndim):

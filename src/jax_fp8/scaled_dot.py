@@ -42,7 +42,7 @@ import numpy as np
 from jax import lax
 
 from jax_fp8 import _ad, _gemms, current, recipe as recipe_lib
-from jax_fp8._primitives import block_gemm as gemm_lib, block_quantize as bq, common, layout
+from jax_fp8._primitives import axis_types, block_gemm as gemm_lib, block_quantize as bq, layout
 
 __all__ = ["scaled_dot_general"]
 
@@ -122,7 +122,7 @@ def _unbatched(lhs, rhs, lc, rc, recipe, out_dtype):
     n = math.prod(rhs.shape[a] for a in rf)
     x = _permute(lhs, lf + list(lc)).reshape(m, k)
     w = _permute(rhs, list(rc) + rf).reshape(k, n)
-    x, w = common.vary_like([x, w])
+    x, w = axis_types.vary_like([x, w])
     out = _fp8_matmul(x, w, recipe, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
     return out.reshape(tuple(lhs.shape[a] for a in lf) + tuple(rhs.shape[a] for a in rf))
 
@@ -212,7 +212,7 @@ class _Types:
 
 
 def _explicit_type(a):
-    return jax.typeof(a).sharding if common.on_explicit_mesh(a) else None
+    return jax.typeof(a).sharding if axis_types.on_explicit_mesh(a) else None
 
 
 def _typed(grad, sharding):

@@ -15,7 +15,6 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from jax_fp8 import recipe as recipe_lib
-from jax_fp8._primitives import common
 from jax_fp8._primitives.update import ALGOS, IMPLEMENTATIONS, fp8_update_p
 from jax_fp8.recipe import DelayedScaling
 from jax_fp8.state import ScalingState, is_state
@@ -63,8 +62,7 @@ def _check_options(amax_compute_algo, power_of_2_scale, skip_unused, implementat
 
 def _bind(histories, scales, scale_invs, amaxes, scaled_maxes, amax_compute_algo,
           power_of_2_scale, skip_unused, implementation, in_place=True):
-    # Inside shard_map the results vary over every manual axis any operand varies over.
-    operands = common.vary_like([*histories, *scales, *(scale_invs or ()), *(amaxes or ())])
+    operands = [*histories, *scales, *(scale_invs or ()), *(amaxes or ())]
     g = len(histories)
     outs = fp8_update_p.bind(
         *operands, scaled_max=tuple(scaled_maxes),

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_fp8._primitives import base, common
+from jax_fp8._primitives import axis_types, base
 
 
 def _local_amax(x):
@@ -46,12 +46,12 @@ amax_p = base.register(base.Spec(
         _shardings, _sharding_rule, combine=lambda m, mesh: jax.lax.pmax(m, mesh.axis_names),
         supports=lambda x: x.ndim > 0, needs_kernel=False)))
 
-varying_axes = common.varying_axes
+varying_axes = axis_types.varying_axes
 
 
 def amax(x) -> jax.Array:
     """max |x| over the whole tensor as a float32 scalar (NaN propagates)."""
-    if varying_axes(x) or common.on_explicit_mesh(x):
+    if varying_axes(x) or axis_types.on_explicit_mesh(x):
         # Inside shard_map a per-device value: plain jnp keeps its manual-axis type
         # (the user, or fp8_dot_general's backward, reduces it across devices). On a
         # mesh with Explicit axes JAX types the max itself (replicated result, its own

@@ -20,6 +20,12 @@ Every primitive takes the parameter ``implementation``, one of `IMPLEMENTATIONS`
 lowering, ``jax_fp8.devtools.explain`` for a whole program); `kernels_on` says which
 primitives have a kernel on a platform in this process.
 
+A computation in XLA ops with a version per platform and no kernel (the FP8 GEMM's
+accumulation, named as a dot algorithm only on CUDA) is a `ByPlatform`: `by_platform`
+makes it a function whose version is chosen where it is lowered, `decide_platform` says
+which and why (explain reports it too), and ``JAX_FP8_IMPLEMENTATION=jnp`` makes it the
+reference.
+
 Two rules every primitive gets from the frame by declaring them:
 
 * ``Spec.same_varying``: inside shard_map, the operands are made to vary over the union
@@ -39,13 +45,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_fp8 import _compat, _registration
-from jax_fp8._primitives import common
+from jax_fp8._primitives import axis_types
 
 IMPLEMENTATIONS = ("auto", "jnp")
 # The one switch that runs the reference everywhere: JAX_FP8_IMPLEMENTATION=jnp in the
@@ -163,8 +170,7 @@ def decide(spec: Spec, platform: str | None, avals, implementation: str, params:
     operands `avals` under a jit over `num_devices` devices, and why: (`KERNEL`,
     `PARTITIONED` or `REFERENCE`, the reason in words)."""
     if implementation == "jnp":
-        return REFERENCE, ("implementation='jnp'" + (f" ({ENV}=jnp)" if DEFAULT == "jnp"
-                                                    else ""))
+        return REFERENCE, _jnp_reason()
     kernel = None if platform is None else spec.kernels.get(platform)
     if kernel is None:
         no_kernel = f"no {platform or 'such'} kernel"
@@ -190,6 +196,10 @@ def decide(spec: Spec, platform: str | None, avals, implementation: str, params:
     return KERNEL, f"the {platform} kernel"
 
 
+def _jnp_reason() -> str:
+    return "implementation='jnp'" + (f" ({ENV}=jnp)" if DEFAULT == "jnp" else "")
+
+
 def choose(spec: Spec, platform: str | None, ctx, implementation: str, params: dict) -> str:
     """Which lowering of `spec` runs on `platform` in lowering context `ctx` (`decide`)."""
     return decide(spec, platform, ctx.avals_in, implementation, params,
@@ -205,10 +215,10 @@ class _Primitive(Primitive):
             params["implementation"] = DEFAULT   # "auto" unless the environment says "jnp"
         spec = SPECS[self.name]
         if spec.same_varying:
-            args = common.vary_like(args)
+            args = axis_types.vary_like(args)
         part = spec.partitioning
         if (part is not None and part.explicit and params["implementation"] in IMPLEMENTATIONS
-                and any(common.on_explicit_mesh(a) for a in args)):
+                and any(axis_types.on_explicit_mesh(a) for a in args)):
             return _explicit_mesh_bind(spec, self, args, params)
         return super().bind(*args, **params)
 
@@ -230,7 +240,7 @@ def _explicit_mesh_bind(spec: Spec, prim, args, params):
     params = dict(params)
     local = PER_DEVICE if params.pop("implementation") == "auto" else "jnp"
     avals = [jax.typeof(a) for a in args]
-    mesh = next(a.sharding.mesh for a in avals if common.on_explicit_mesh(a))
+    mesh = next(a.sharding.mesh for a in avals if axis_types.on_explicit_mesh(a))
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_spec_of(a, mesh)) for a in avals]
     arg_shardings, result_shardings = part.shardings(params, mesh, shapes)
     args = [jax.sharding.reshard(a, s) for a, s in zip(args, arg_shardings)]
@@ -277,7 +287,7 @@ def register(spec: Spec) -> Primitive:
     prim.multiple_results = spec.multiple_results
     rules = _Rules(spec, prim)
     prim.def_abstract_eval(rules.abstract_eval)
-    prim.def_impl(common.eager_impl(prim))
+    prim.def_impl(eager_impl(prim))
     mlir.register_lowering(prim, functools.partial(rules.lowering, platform=None))
     for platform in spec.kernels:
         if _registration.has_kernel(spec.name, platform):
@@ -294,6 +304,21 @@ def register(spec: Spec) -> Primitive:
     if spec.partitioning is not None:
         _compat.require_devices_during_lowering(prim)
     return prim
+
+
+def eager_impl(prim):
+    """An impl rule that runs `prim` as a compiled one-primitive program, also under
+    ``jax.disable_jit()`` (which would otherwise turn the jit back into this impl)."""
+
+    @functools.cache
+    def compiled(params):
+        return jax.jit(functools.partial(prim.bind, **dict(params)))
+
+    def impl(*args, **params):
+        with jax.disable_jit(False):
+            return compiled(_static(params))(*args)
+
+    return impl
 
 
 def _static(params: dict) -> tuple:
@@ -314,7 +339,7 @@ class _Rules:
             raise ValueError(f"{self.spec.name}: implementation must be one of "
                              f"{IMPLEMENTATIONS}, got {implementation!r}")
         if self.spec.same_varying:
-            common.check_same_varying(self.spec.name, avals)
+            axis_types.check_same_varying(self.spec.name, avals)
         return self.spec.abstract_eval(*avals, **params)
 
     # ----------------------------------------------------------------------- lowering
@@ -403,3 +428,109 @@ class _Rules:
         tangents = [ad.instantiate_zeros(t) for t in tangents]
         return jax.jvp(functools.partial(self.spec.reference, **params), tuple(primals),
                        tuple(tangents))
+
+
+# ------------------------------------------------------------------------ platform versions
+
+VARIANT = "variant"
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One platform's version of a `ByPlatform` computation: ``fn(*operands, **params)``,
+    with the same results (shapes, types) as the reference, and what it does differently,
+    in words."""
+    fn: Callable
+    what: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ByPlatform:
+    """A computation in XLA ops (no kernel, so XLA partitions it under any jit) with a
+    version per platform.
+
+    name: its name, also that of the jit it runs in (explain finds it by that name).
+    reference(*operands, **params): the version of every platform not in `variants`, and
+      of every platform under ``JAX_FP8_IMPLEMENTATION=jnp``.
+    variants: {platform ("cuda", ...): Variant}.
+    """
+    name: str
+    reference: Callable
+    variants: Mapping[str, Variant] = dataclasses.field(default_factory=dict)
+
+
+BY_PLATFORM: dict[str, ByPlatform] = {}
+
+
+def decide_platform(choice: ByPlatform, platform: str | None,
+                    implementation: str | None = None) -> tuple[str, str]:
+    """Which version of `choice` runs on `platform` (None: one of no variant) with
+    `implementation` (default `DEFAULT`), and why: (`VARIANT` or `REFERENCE`, the reason
+    in words)."""
+    if (implementation or DEFAULT) == "jnp":
+        return REFERENCE, _jnp_reason()
+    variant = None if platform is None else choice.variants.get(platform)
+    if variant is None:
+        return REFERENCE, f"no {platform or 'such'} variant"
+    return VARIANT, f"the {platform} variant: {variant.what}"
+
+
+def device_platform(device) -> str:
+    """The platform name lowering uses for `device`: "cuda" or "rocm" for a GPU, else
+    its platform ("cpu", "tpu")."""
+    if device.platform == "gpu":
+        version = str(getattr(device.client, "platform_version", "")).lower()
+        return "rocm" if "rocm" in version else "cuda"
+    return device.platform
+
+
+def _concrete_platform(x) -> str | None:
+    """The platform of a concrete array's device (as code run with jit disabled has);
+    None for a tracer or a non-array."""
+    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+        return None
+    return device_platform(next(iter(x.devices())))
+
+
+def by_platform(choice: ByPlatform) -> Callable:
+    """`choice` as a function ``run(*operands, **params)``: the version `decide_platform`
+    picks for the platform it runs on. `params` are static (hashable); operands may be
+    pytrees of arrays.
+
+    Traced operands (in a jit, or under vmap or grad) go through one jit named
+    ``choice.name`` whose version is picked where it is lowered (``lax.platform_dependent``):
+    in a jit, for the platform that jit is lowered for (each of several, lowered for
+    several); for operands outside a jit, their device's. Concrete operands (jit disabled,
+    which would run that jit op by op on the default backend) take their device's version
+    directly, decided by the first operand.
+
+    Raises:
+      ValueError: where a primitive or another ByPlatform has that name.
+    """
+    if choice.name in BY_PLATFORM or choice.name in SPECS:
+        raise ValueError(f"{choice.name} is already registered")
+    BY_PLATFORM[choice.name] = choice
+
+    @functools.cache
+    def staged(static):
+        params = dict(static)
+        reference = functools.partial(choice.reference, **params)
+        variants = {p: functools.partial(v.fn, **params) for p, v in choice.variants.items()}
+
+        def run(*operands):
+            if DEFAULT == "jnp":
+                return reference(*operands)
+            return lax.platform_dependent(*operands, default=reference, **variants)
+
+        run.__name__ = run.__qualname__ = choice.name
+        return jax.jit(run)
+
+    def call(*operands, **params):
+        platform = _concrete_platform(operands[0])
+        if platform is None:
+            return staged(_static(params))(*operands)
+        how, _ = decide_platform(choice, platform)
+        fn = choice.variants[platform].fn if how == VARIANT else choice.reference
+        return fn(*operands, **params)
+
+    return call

@@ -11,19 +11,22 @@ With ``scale_layout="gemm"`` the scales come in cuBLASLt's layout instead
 FP8 dot: then no XLA op runs between the two custom calls.
 
 On CUDA with an SM90 GPU and cuBLASLt >= 12.9 (dlopen'ed from JAX's nvidia-cublas wheel)
-and sizes it takes (`cublas_supports`): one custom call, ffi/block_gemm_cuda.cc, which runs
-the CUTLASS sm_90a kernel its measured table picks for E4M3 operands with `a` in 1x128
-blocks (ffi/block_gemm_cutlass.cc; `cutlass_status`), else cuBLASLt's VEC128 / BLK128x128
-matmul (or its own plain kernel, ffi/block_gemm_fallback.cu, where cuBLASLt finds no
-algorithm). Scales in the spec layout are transposed and padded to
-cuBLASLt's layout here, in XLA ops on arrays 128 (or 16,384) times smaller than the
-operands. Everywhere else, and with ``implementation="jnp"``, the reference: each operand
-dequantized in float32 (q * scale_inv broadcast over its block), a float32 dot_general
-at HIGHEST precision, cast to out_dtype (a float16 output is the float32 result rounded
-once: beyond 65504 it is +-inf).
+and sizes it takes (`cublas_supports`: ffi/block_gemm_limits.h): one custom call,
+ffi/block_gemm_cuda.cc, which runs the CUTLASS sm_90a kernel its measured table picks for
+E4M3 operands with `a` in 1x128 blocks (ffi/block_gemm_cutlass.cc; `cutlass_status`), else
+cuBLASLt's VEC128 / BLK128x128 matmul (or its own plain kernel,
+ffi/block_gemm_fallback.cu, where cuBLASLt finds no algorithm). Scales in the spec layout
+are transposed and padded to cuBLASLt's layout here, in XLA ops on arrays 128 (or 16,384)
+times smaller than the operands. Everywhere else, and with ``implementation="jnp"``, the
+reference: each operand dequantized in float32 (q * scale_inv broadcast over its block), a
+float32 dot_general at HIGHEST precision, cast to out_dtype (a float16 output is the
+float32 result rounded once: beyond 65504 it is +-inf).
 
 Under a jit over several devices, and on meshes with Explicit axes, each device runs
-this GEMM on the shards it holds (`partition.BLOCK_GEMM`).
+this GEMM on the shards it holds (`PARTITIONING`): its batch and M axes as a's, N as b's,
+K sharded only where both operands' shards hold whole 128-blocks along it (then each
+device's float32 product is summed over the K shards); everything else is gathered, as
+FP8 with its scales (1 byte a value, plus one float32 per block), before the GEMM.
 """
 
 from __future__ import annotations
@@ -37,9 +40,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.interpreters import mlir
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_fp8 import _registration
-from jax_fp8._primitives import base, partition
+from jax_fp8._primitives import base, partition_specs as specs
 from jax_fp8._primitives.block_quantize import (
     BLOCK,
     SCALE_LAYOUTS,
@@ -52,7 +56,6 @@ from jax_fp8._primitives.exact import up_scaled
 TARGET = "jax_fp8_block_gemm"
 WORKSPACE_BYTES = 32 * 1024 * 1024  # cuBLASLt's recommendation for Hopper
 MIN_CUBLASLT_VERSION = 120900
-_FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 _KERNEL_OUT = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
 
 
@@ -156,17 +159,21 @@ def cutlass_status() -> tuple[bool, str]:
 
 
 def cublas_supports(a, b, a_block_rows, b_block_rows, out_dtype) -> bool:
-    """Shapes and types cuBLASLt's block-scaled FP8 GEMM takes on Hopper (abstract values):
-    E4M3/E5M2 (not both E5M2), at most one operand with 128 x 128 tiles, K % 16 == 0 and
-    M, N % 8 == 0 (the leading dimensions' 16-byte alignment), bf16/f32/f16 output."""
+    """Whether cuBLASLt's block-scaled FP8 GEMM takes a [..., M, K] . b [..., N, K] (abstract
+    values, or anything with shape and dtype) into `out_dtype` (a float16 result is the
+    custom call's float32, converted). The limits are ffi/block_gemm_limits.h's
+    BlockGemmSupports, asked of the built module (the CUDA module, else the CPU module:
+    both carry them); False where neither is built."""
+    module = _registration.CUDA_MODULE or _registration.CPU_MODULE
+    batch = math.prod(a.shape[:-2])
+    if module is None or not 0 <= batch < 2 ** 63:
+        return False
     m, k = a.shape[-2:]
-    n = b.shape[-2]
-    types = {np.dtype(a.dtype), np.dtype(b.dtype)}
-    return (types <= set(_FP8) and types != {np.dtype(jnp.float8_e5m2)}
-            and not (a_block_rows == b_block_rows == BLOCK)
-            and m > 0 and n > 0 and k > 0 and math.prod(a.shape[:-2]) > 0
-            and k % 16 == 0 and m % 8 == 0 and n % 8 == 0
-            and (np.dtype(out_dtype) in _KERNEL_OUT or np.dtype(out_dtype) == np.float16))
+    call_out = np.float32 if np.dtype(out_dtype) == np.float16 else out_dtype
+    return module.block_gemm_supports(
+        np.dtype(a.dtype).name, np.dtype(b.dtype).name, np.dtype(call_out).name,
+        a_block_rows == BLOCK, b_block_rows == BLOCK, int(batch), int(m), int(b.shape[-2]),
+        int(k))
 
 
 # The custom call's `kernel` attribute (ffi/block_gemm_cuda.cc).
@@ -217,11 +224,103 @@ def _kernel_supports(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_
     return cublas_supports(a, b, a_block_rows, b_block_rows, out_dtype) and cublas_status()[0]
 
 
+# ----------------------------------------------------------------------- partitioning
+
+def _gemm_fits(n, shards, whole, padded) -> bool:
+    """n values in `shards` equal pieces, each of whole 128-blocks where `whole`, and
+    `padded` (a count of scales along the GEMM layout's padded axis, or None) needing no
+    padding inside the array."""
+    return (n % shards == 0 and not (whole and (n // shards) % BLOCK)
+            and (padded is None or padded % 4 == 0))
+
+
+def _gemm_specs(params, mesh, a_shape, a_spec, b_shape, b_spec):
+    """(lead, m, n, k) PartitionSpec entries for the GEMM a [..., M, K] . b [..., N, K]:
+    a's batch and M axes, b's N axis, and K as a's (else b's), each kept where its shards
+    hold whole blocks (and the GEMM layout's scales need no padding) and its mesh axes
+    are not taken by an earlier one."""
+    ra, rb, gemm = params["a_block_rows"], params["b_block_rows"], params["scale_layout"] == "gemm"
+    *lead_shape, m, k = a_shape
+    n = b_shape[-2]
+    kb = -(-k // BLOCK)
+    used: set = set()
+
+    def take(entry, size, whole, padded):
+        axes = specs.spec_axes(entry)
+        if not axes or used & set(axes):
+            return None
+        if not _gemm_fits(size, specs.axes_size(mesh, axes), whole, padded):
+            return None
+        used.update(axes)
+        return entry
+
+    lead = tuple(take(e, d, False, None) for e, d in zip(a_spec[:-2], lead_shape))
+    m_entry = take(a_spec[-2], m, ra == BLOCK, m if gemm and ra == 1 else None)
+    n_entry = take(b_spec[-2], n, rb == BLOCK, n if gemm and rb == 1 else None)
+    k_padded = kb if gemm and BLOCK in (ra, rb) else None
+    k_entry = take(a_spec[-1], k, True, k_padded) or take(b_spec[-1], k, True, k_padded)
+    return lead, m_entry, n_entry, k_entry
+
+
+def _scale_spec(lead, rows_entry, k_entry, block_rows, gemm):
+    # GEMM layout: 1x128 scales [..., kb, R], 128x128 [..., rb, kb]; spec layout [..., R, kb]
+    return lead + ((k_entry, rows_entry) if gemm and block_rows == 1 else (rows_entry, k_entry))
+
+
+def _gemm_shardings(params, mesh, arg_shapes):
+    a, _, b, _ = arg_shapes
+    lead, m, n, k = _gemm_specs(params, mesh, a.shape, specs.padded_spec(a.sharding, a.ndim),
+                                b.shape, specs.padded_spec(b.sharding, b.ndim))
+    gemm = params["scale_layout"] == "gemm"
+    operand_specs = (lead + (m, k), _scale_spec(lead, m, k, params["a_block_rows"], gemm),
+                     lead + (n, k), _scale_spec(lead, n, k, params["b_block_rows"], gemm))
+    named = lambda spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
+    return tuple(named(s) for s in operand_specs), named(lead + (m, n))
+
+
+def _gemm_local(bind, operands, *, mesh, shardings, params):
+    """One device's GEMM on its shards. With K sharded: the float32 GEMM of its K-shard,
+    summed over the devices holding the other K-shards (psum), then rounded once to
+    out_dtype. That is the one-device GEMM's sum of float32 block products in another
+    order (a summation tree of the same terms), so within the same bound
+    (tests/kernels/test_block_gemm.py: the bounds hold whatever the order of the float32
+    sum). GEMM-layout scales of a shard are padded (with 1.0) as the kernel reads them."""
+    del mesh
+    a, sa, b, sb = operands
+    if params["scale_layout"] == "gemm":
+        sa = _pad4(sa)
+        sb = _pad4(sb)
+    k_axes = specs.spec_axes(specs.padded_spec(shardings[0], a.ndim)[-1])
+    if not k_axes:
+        return bind(a, sa, b, sb, **params)
+    partial = bind(a, sa, b, sb, **dict(params, out_dtype=np.dtype(np.float32)))
+    return jax.lax.psum(partial, k_axes).astype(params["out_dtype"])
+
+
+def _pad4(s):
+    pad = -s.shape[-1] % 4
+    if not pad:
+        return s
+    return jnp.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, pad)], constant_values=1.0)
+
+
+def _gemm_rule(params, operand_types):
+    lead = tuple(f"b{i}" for i in range(len(operand_types[0].shape) - 2))
+    gemm = params["scale_layout"] == "gemm"
+    factors = (lead + ("m", "k"), _scale_spec(lead, "m", "k", params["a_block_rows"], gemm),
+               lead + ("n", "k"), _scale_spec(lead, "n", "k", params["b_block_rows"], gemm))
+    return (", ".join(" ".join(f) for f in factors) + " -> " + " ".join(lead + ("m", "n")),
+            {"reduction_factors": ("k",)})
+
+
+PARTITIONING = base.Partitioning(_gemm_shardings, _gemm_rule, local=_gemm_local,
+                                 needs_kernel=False, explicit=True)
+
 # Differentiated as the reference; batched in front (leading axes are independent GEMMs).
 block_gemm_p = base.register(base.Spec(
     TARGET, _abstract_eval, reference, cache_reference=True, jvp="reference",
     kernels={"cuda": base.Kernel(_kernel_lowering, _kernel_supports)},
-    partitioning=partition.BLOCK_GEMM, same_varying=True))
+    partitioning=PARTITIONING, same_varying=True))
 
 
 def block_gemm(a, a_scale_inv, b, b_scale_inv, *, a_block_rows, b_block_rows, out_dtype,

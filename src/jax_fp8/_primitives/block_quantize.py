@@ -33,7 +33,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_fp8 import _registration, recipe as recipe_lib
-from jax_fp8._primitives import base, common
+from jax_fp8._primitives import base, partition_specs as specs
 from jax_fp8._primitives.exact import (
     F32,
     U32,
@@ -202,7 +202,7 @@ def _kept_axes(params, shape, spec, mesh):
     rules = [(False, [])] * len(lead) + [(m_whole, m_padded), (k_whole, k_padded)]
     kept = []
     for n, entry, (whole, padded) in zip(shape, spec, rules):
-        shards = common.axes_size(mesh, common.spec_axes(entry))
+        shards = specs.axes_size(mesh, specs.spec_axes(entry))
         fits = (n % shards == 0 and not (whole and (n // shards) % BLOCK)
                 and all(c % 4 == 0 for c in padded))
         kept.append(entry if fits or shards == 1 else None)
@@ -224,7 +224,7 @@ def _result_specs(params, kept):
 
 def _shardings(params, mesh, arg_shapes):
     (x,) = arg_shapes
-    kept = _kept_axes(params, x.shape, common.padded_spec(x.sharding, x.ndim), mesh)
+    kept = _kept_axes(params, x.shape, specs.padded_spec(x.sharding, x.ndim), mesh)
     named = lambda spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
     return (named(kept),), tuple(named(spec) for spec in _result_specs(params, kept))
 
@@ -238,7 +238,7 @@ def _local(bind, operands, *, mesh, shardings, params):
     outs = list(bind(x, **params))
     if params["scale_layout"] != "gemm":
         return tuple(outs)
-    *_, m_entry, k_entry = common.padded_spec(shardings[0], x.ndim)
+    *_, m_entry, k_entry = specs.padded_spec(shardings[0], x.ndim)
     m, k = x.shape[-2:]
     rows = params["block_rows"]
     # (the padded axis is sharded, this device's count of scales along it) per copy

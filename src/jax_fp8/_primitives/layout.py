@@ -28,7 +28,7 @@ from jax import lax
 from jax.extend.core import Primitive
 
 from jax_fp8 import _registration, recipe as recipe_lib
-from jax_fp8._primitives import amax as amax_lib, base, common
+from jax_fp8._primitives import amax as amax_lib, axis_types, base
 
 _KERNEL_IN = {np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)}
 _KERNEL_FP8 = {np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)}
@@ -68,7 +68,7 @@ def rotate_axes(x, k: int):
     perm = tuple(range(k, n)) + tuple(range(k))
     if k in (0, n):
         return x
-    if np.dtype(x.dtype).itemsize != 1 or common.on_explicit_mesh(x):
+    if np.dtype(x.dtype).itemsize != 1 or axis_types.on_explicit_mesh(x):
         # (On a mesh with Explicit axes the reshapes would need sharding rules of their own.)
         return lax.transpose(x, perm)
     lead, trail = x.shape[:k], x.shape[k:]
@@ -123,7 +123,7 @@ def quantize_rotate_applies(x, fp8_dtype) -> bool:
     scalar). Elsewhere callers quantize, take the amax and rotate_axes separately."""
     return (x.ndim >= 2 and np.dtype(x.dtype) in _KERNEL_IN
             and np.dtype(fp8_dtype) in _KERNEL_FP8
-            and not common.varying_axes(x) and not common.on_explicit_mesh(x))
+            and not axis_types.varying_axes(x) and not axis_types.on_explicit_mesh(x))
 
 
 def quantize_rotate(x, k: int, scale, fp8_dtype):

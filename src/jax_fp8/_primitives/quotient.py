@@ -26,7 +26,7 @@ import numpy as np
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from jax_fp8._primitives import base, common
+from jax_fp8._primitives import base
 
 
 def quotient_bits(a, b, *, subnormal=True):
@@ -36,7 +36,6 @@ def quotient_bits(a, b, *, subnormal=True):
     operations, for quotients known to be normal or to overflow (others unspecified).
     Shapes: a, b [...] float32 (broadcast against each other) -> [...] uint32."""
     a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-    a, b = common.vary_like([a, b])
     return quotient_bits_p.bind(a, b, subnormal=bool(subnormal))
 
 
@@ -48,7 +47,6 @@ def divide_rn(a, b):
 
 def _abstract_eval(a, b, *, subnormal):
     del subnormal
-    common.check_same_varying("quotient_bits", (a, b))
     return a.update(dtype=np.dtype(np.uint32), weak_type=False)
 
 
@@ -99,4 +97,4 @@ def _lowering(ctx, a, b, *, subnormal):
 # Integer bits: zero (float0) tangents; the float32 arithmetic around them is piecewise
 # constant.
 quotient_bits_p = base.register(base.Spec(
-    "jax_fp8_quotient_bits", _abstract_eval, reference_lowering=_lowering))
+    "jax_fp8_quotient_bits", _abstract_eval, reference_lowering=_lowering, same_varying=True))

@@ -7,16 +7,23 @@ delayed-scaling update"). With ``in_place`` the state results alias their operan
 updated in place; without, the results are new buffers.
 
 The kernel (ffi/update_cpu.cc, ffi/update_cuda.cu) where built, partitioned per device
-under a jit over several devices (partition.UPDATE); the jax.numpy reference
-(jnp_update.py) elsewhere and for ``implementation="jnp"``.
+under a jit over several devices (`PARTITIONING`); the jax.numpy reference (jnp_update.py)
+elsewhere and for ``implementation="jnp"``.
+
+Sharded states: each device updates the shards it holds, with no all-gather. Every leading
+(non-history) axis of a state indexes independent tensors, so the update partitions
+trivially along them; only the history axis must be whole on a device. `PARTITIONING` says
+exactly that to custom_partitioning (base.Partitioning): each state gets its own leading
+factors (passed through to its results) and a history factor that needs replication.
 """
 
 from __future__ import annotations
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_fp8._primitives import base, common, jnp_update, partition
+from jax_fp8._primitives import base, jnp_update, partition_specs as specs
 
 ALGOS = {"max": 0, "most_recent": 1}
 IMPLEMENTATIONS = base.IMPLEMENTATIONS
@@ -59,7 +66,6 @@ def _abstract_eval(*avals, scaled_max, amax_compute_algo, power_of_2_scale, skip
             if aval.shape != h.shape[:-1]:
                 raise ValueError(f"jax_fp8_update: state {i}: {name} shape {aval.shape} "
                                  f"must equal amax_history.shape[:-1] = {h.shape[:-1]}")
-    common.check_same_varying("jax_fp8_update", avals)
     return [a.update(weak_type=False) for a in histories + scales + scales]
 
 
@@ -99,7 +105,48 @@ def _kernel_lowering(ctx, *operands, scaled_max, amax_compute_algo, power_of_2_s
                                                   has_scale_inv, has_amax, in_place))
 
 
+# ----------------------------------------------------------------------- partitioning
+
+def _layout(params):
+    """(num_states, operand kinds) of a flat operand list."""
+    g = len(params["scaled_max"])
+    kinds = ["history"] * g + ["scale"] * g
+    kinds += ["scale_inv"] * g if params["has_scale_inv"] else []
+    kinds += ["amax"] * g if params["has_amax"] else []
+    return g, kinds
+
+
+def _sharding_rule(params, operand_types):
+    g, kinds = _layout(params)
+    factors, need_replication = [], []
+    for i in range(g):
+        lead = [f"s{i}d{d}" for d in range(len(operand_types[i].shape) - 1)]
+        factors.append(lead)
+        need_replication.append(f"s{i}h")
+    operands = []
+    for k, kind in enumerate(kinds):
+        i = k % g
+        operands.append(" ".join(factors[i] + ([need_replication[i]] if kind == "history" else [])))
+    results = operands[:g] + operands[g:2 * g] + operands[g:2 * g]
+    rule = ", ".join(operands) + " -> " + ", ".join(results)
+    return rule, {"need_replication_factors": tuple(need_replication)}
+
+
+def _shardings(params, mesh, arg_shapes):
+    """Per-operand and per-result shardings: each state's history's leading spec."""
+    g, kinds = _layout(params)
+    lead = [specs.padded_spec(arg_shapes[i].sharding, arg_shapes[i].ndim)[:-1]
+            for i in range(g)]
+    hist = [NamedSharding(mesh, PartitionSpec(*lead[i], None)) for i in range(g)]
+    small = [NamedSharding(mesh, PartitionSpec(*lead[i])) for i in range(g)]
+    args = [hist[k % g] if kind == "history" else small[k % g] for k, kind in enumerate(kinds)]
+    return tuple(args), tuple(hist + small + small)
+
+
+PARTITIONING = base.Partitioning(shardings=_shardings, rule=_sharding_rule)
+
 _KERNEL = base.Kernel(_kernel_lowering)
+# Inside shard_map the results vary over every manual axis any operand varies over.
 fp8_update_p = base.register(base.Spec(
     TARGET, _abstract_eval, _reference, kernels={"cpu": _KERNEL, "cuda": _KERNEL},
-    multiple_results=True, partitioning=partition.UPDATE))
+    multiple_results=True, partitioning=PARTITIONING, same_varying=True))

@@ -10,9 +10,12 @@ Example::
 `explain` traces ``f`` for the arguments given and walks the program (every nested jit,
 remat, scan, cond, shard_map and custom-derivative body): each jax_fp8 primitive gets the
 decision that lowering it makes (``jax_fp8._primitives.base.decide``: the kernel, one
-partitioned call per device, or the jax.numpy reference) and each ``dot_general`` says
-whether it is an FP8 GEMM. Nothing is compiled or run. To run the reference everywhere,
-set ``JAX_FP8_IMPLEMENTATION=jnp`` in the environment before importing jax_fp8.
+partitioned call per device, or the jax.numpy reference), each jax_fp8 computation with a
+version per platform the version that lowers (``base.decide_platform``), and each
+``dot_general`` says whether it is an FP8 GEMM. Of a ``lax.platform_dependent``, only the
+branch of the platform is walked (the others are never lowered). Nothing is compiled or
+run. To run the reference everywhere, set ``JAX_FP8_IMPLEMENTATION=jnp`` in the
+environment before importing jax_fp8.
 """
 
 from __future__ import annotations
@@ -35,13 +38,15 @@ __all__ = ["Row", "explain", "table"]
 class Row:
     """One decision of a program.
 
-    kind: "primitive" (a jax_fp8 primitive) or "gemm" (a ``dot_general``).
-    name: the primitive's name, or "dot_general".
+    kind: "primitive" (a jax_fp8 primitive), "platform" (a jax_fp8 computation with a
+      version per platform) or "gemm" (a ``dot_general``).
+    name: the primitive's or the computation's name, or "dot_general".
     where: the module / name-scope path it is called from, with the transformations
       around it (e.g. ``"transpose(jvp(Model))/mlp/Fp8DotGeneral_0"``); "" at the top.
     operands: the operand types, e.g. ``("bfloat16[8192,4096]", "float8_e4m3fn[...]")``.
     lowering: for a primitive ``"kernel"``, ``"partitioned"`` or ``"reference"``; for a
-      GEMM ``"fp8"`` or the element type it runs in.
+      computation with a version per platform ``"variant"`` (its platform's) or
+      ``"reference"``; for a GEMM ``"fp8"`` or the element type it runs in.
     why: the reason, in words.
     flops: a GEMM's FLOPs (``2 * batch * M * N * K``), 0 for a primitive.
     """
@@ -86,11 +91,7 @@ def explain(f: Callable[..., Any], *args: Any, platform: str | None = None,
 def _platform(leaves) -> str:
     devices = next((d for x in leaves for d in getattr(getattr(x, "sharding", None),
                                                          "device_set", ())), None)
-    device = devices or jax.devices()[0]
-    if device.platform == "gpu":
-        version = str(getattr(device.client, "platform_version", "")).lower()
-        return "rocm" if "rocm" in version else "cuda"
-    return device.platform
+    return base.device_platform(devices or jax.devices()[0])
 
 
 def _num_devices(leaves) -> int:
@@ -122,12 +123,20 @@ def _walk(jaxpr, where: str, platform: str, num_devices: int, rows: list) -> Non
             rows.append(Row("primitive", name, here, tuple(map(_fmt, avals)), how, why))
         elif name == "dot_general":
             rows.append(_gemm_row(here, avals, eqn.params["dimension_numbers"]))
+        elif "jaxpr" in eqn.params and eqn.params.get("name") in base.BY_PLATFORM:
+            how, why = base.decide_platform(base.BY_PLATFORM[eqn.params["name"]], platform)
+            rows.append(Row("platform", eqn.params["name"], here, tuple(map(_fmt, avals)),
+                            how, why))
         inner = 1 if name == "shard_map" else num_devices
         if name == "cond":
-            # Branches that decide the same (e.g. lax.platform_dependent's, one per
-            # platform, of which one runs) are listed once.
+            subs = list(_sub_jaxprs(eqn.params["branches"]))
+            lowered = _platform_branch(eqn.params.get("branches_platforms"), platform)
+            if lowered is not None:   # lax.platform_dependent: only this branch lowers
+                _walk(subs[lowered], here, platform, inner, rows)
+                continue
+            # Branches that decide the same are listed once.
             branches: list[list[Row]] = []
-            for sub in _sub_jaxprs(eqn.params["branches"]):
+            for sub in subs:
                 branches.append([])
                 _walk(sub, here, platform, inner, branches[-1])
             key = lambda rs: [(r.kind, r.name, r.operands, r.lowering) for r in rs]  # noqa: E731
@@ -137,6 +146,17 @@ def _walk(jaxpr, where: str, platform: str, num_devices: int, rows: list) -> Non
         for value in eqn.params.values():
             for sub in _sub_jaxprs(value):
                 _walk(sub, here, platform, inner, rows)
+
+
+def _platform_branch(branches_platforms, platform: str) -> int | None:
+    """The branch of a ``lax.platform_dependent`` cond that lowers on `platform` (its
+    platforms', else the default's), or None for another cond or no such branch."""
+    if branches_platforms is None:
+        return None
+    for i, platforms in enumerate(branches_platforms):
+        if platforms is not None and platform in platforms:
+            return i
+    return next((i for i, p in enumerate(branches_platforms) if p is None), None)
 
 
 def _gemm_row(where, avals, dimension_numbers) -> Row:
