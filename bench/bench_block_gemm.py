@@ -14,7 +14,7 @@ FP8 is ``jax_fp8._gemms.gemm`` (cuBLASLt through XLA, autotuned) with fast accum
 
 Times: the sum of the GPU kernels' durations in a profiler trace of ``--steps`` calls.
 Each block-scaled kernel's output is compared with cuBLASLt's (``max |x - y| / max |y|``,
-a sanity check; tests/test_block_gemm.py holds the error bound).
+a sanity check; tests/kernels/test_block_gemm.py holds the error bound).
 
 ``--sanitize``: instead, every configuration once on small ragged GEMMs, for
 compute-sanitizer. ``--clocks``: instead, one per-tensor FP8 GEMM in a 10-call burst, then a

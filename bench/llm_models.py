@@ -435,7 +435,7 @@ class Variant:
 # The pieces of jax_fp8's layout work a variant can hand back to XLA's own ops: each is
 # (module, private function, replacement), replaced in the worker process. The library needs
 # no switch for them: the kernels compute the bits of the XLA ops they stand for
-# (tests/test_layout_kernels.py). The whole step may still differ in its last bits: XLA
+# (tests/kernels/test_layout_kernels.py). The whole step may still differ in its last bits: XLA
 # picks its own fusions and GEMM algorithms for the other program, and fused into the
 # kernel that produces the gradient its cast may read the gradient's unrounded float32
 # value (its default --xla_allow_excess_precision).

@@ -128,7 +128,7 @@ if sys.argv[1:] in (["block"], ["block_kernels"]):
                                      a_block_rows=a_rows, b_block_rows=b_rows,
                                      out_dtype=jnp.float32)
                 got, want = np.asarray(got), np.asarray(want)
-                # Loose: this is a memory check; tests/test_block_gemm.py holds the bound.
+                # Loose: this is a memory check; tests/kernels/test_block_gemm.py holds the bound.
                 assert np.allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max()), (
                     m, nn, k, a_rows, b_rows, impl)
                 n += 1
@@ -164,7 +164,7 @@ big = jax.jit(jax_fp8.update_states, donate_argnums=0)(big)
 stacked = host_state((64,), 1024)
 stacked = jax.jit(jax_fp8.update_states, donate_argnums=0)(stacked)
 # The wide path: amaxes > 2^32 floats from the states -> 64-bit offsets, 300 states in
-# one launch (the host-side plan is checked by tests/test_launch_plan.py).
+# one launch (the host-side plan is checked by tests/kernels/test_launch_plan.py).
 wide = [host_state((), 64) for _ in range(300)]
 wide_amaxes, keep_alive = put_far_from(
     wide, [np.float32(rng.random() * 4) for _ in wide], jax.devices()[0])

@@ -1,5 +1,10 @@
 """Shared fixtures: which backends the kernel tests run on, and a guard that the
-NumPy reference keeps IEEE subnormals for the whole session.
+NumPy reference keeps IEEE subnormals for the whole session; the import path.
+
+The tests are grouped in folders by area (kernels/, recipes/, flax_models/, sharding/, tools/);
+the modules they share (helpers, buffers, the NumPy references) are here. Every folder is
+put on sys.path (helpers.TEST_DIRS), so any module under tests/ imports another by its
+basename, whether pytest runs tests/ or one file; basenames are unique across tests/.
 
 Kernel tests take the `backend` fixture (or `device`), parametrized over "cpu"
 (always) and "gpu" (marked `gpu`; it runs when jax has a GPU device *and* the
@@ -11,11 +16,16 @@ runs there (see helpers.run_on).
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
 import helpers
 import ieee_reference
+
+# pytest put this folder on sys.path to import this file; the others go on here, before
+# any test module is imported.
+sys.path[:0] = [d for d in helpers.TEST_DIRS if d not in sys.path]
 
 
 def pytest_addoption(parser):

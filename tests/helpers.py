@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,39 @@ from buffers import WIDE_SPAN_BYTES, buffer_span, put_far_from  # noqa: F401
 
 F32 = np.float32
 FLT_MAX = F32(np.finfo(np.float32).max)
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _test_dirs() -> list[str]:
+    """tests/, then each folder directly under it that holds Python files, sorted."""
+    subs = [e.path for e in os.scandir(TESTS_DIR)
+            if e.is_dir() and any(n.endswith(".py") for n in os.listdir(e.path))]
+    return [TESTS_DIR, *sorted(subs)]
+
+
+# Every module under tests/ is imported by its basename, from any folder: the shared
+# modules here, a test module that another reuses (test_block_gemm's bounds), a worker
+# script. conftest.py puts these folders on sys.path and with_test_path on a subprocess's
+# PYTHONPATH; basenames are therefore unique across tests/ (pytest refuses duplicates).
+TEST_DIRS = _test_dirs()
+
+
+def with_test_path(env: dict[str, str]) -> dict[str, str]:
+    """A copy of the environment `env` with TEST_DIRS before its PYTHONPATH, so that a
+    Python subprocess imports the modules under tests/ by basename as the tests do."""
+    rest = [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []
+    return dict(env, PYTHONPATH=os.pathsep.join([*TEST_DIRS, *rest]))
+
+
+def find_test_file(name: str) -> str:
+    """The absolute path of the file `name` (a basename such as "fsdp_worker.py") in
+    TEST_DIRS. Raises FileNotFoundError naming the folders searched when there is none."""
+    for d in TEST_DIRS:
+        path = os.path.join(d, name)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(f"{name!r} is in none of the test folders {TEST_DIRS}")
 
 
 def _gpu_devices():
@@ -229,18 +264,18 @@ def recorder(results: dict):
 
 
 def run_8_device_worker(script: str, *args: str, timeout: int = 300) -> dict:
-    """Runs tests/<script> in a fresh process with 8 host CPU devices and returns the
-    dict it printed on its "RESULTS <json>" line (the pytest process may already hold a
-    1-device jax, so multi-device checks run in a subprocess)."""
+    """Runs the worker `script` (a basename, found by find_test_file) in a fresh process
+    with 8 host CPU devices, in the script's folder with the test folders on its path, and
+    returns the dict it printed on its "RESULTS <json>" line (the pytest process may
+    already hold a 1-device jax, so multi-device checks run in a subprocess)."""
     import json
-    import os
     import subprocess
     import sys
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    path = find_test_file(script)
+    env = with_test_path(dict(os.environ, JAX_PLATFORMS="cpu"))
     env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    proc = subprocess.run([sys.executable, os.path.join(here, script), *args], cwd=here, env=env,
+    proc = subprocess.run([sys.executable, path, *args], cwd=os.path.dirname(path), env=env,
                           capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]

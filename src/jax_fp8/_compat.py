@@ -5,7 +5,7 @@ The guards that stop a training loop from silently skipping the FP8 update read 
 traces: which trace a tracer belongs to, whether it differentiates, and which
 transformation (a loop body, a branch) it traces for. JAX has no public API for these.
 They are read here only, each behind a capability check: `check()` runs at import and
-raises ImportError when one is missing, and tests/test_compat.py checks that each still
+raises ImportError when one is missing, and tests/recipes/test_compat.py checks that each still
 behaves (a JAX upgrade that renames one fails loudly instead of disarming a guard).
 """
 

@@ -14,7 +14,7 @@ import pytest
 
 import jax_fp8
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the repository
 MODES, VARIANTS = ("dp", "fsdp", "tp"), ("bf16", "jax_fp8")
 FP8 = {"f8e4m3fn", "f8e5m2"}
 

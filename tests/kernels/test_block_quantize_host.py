@@ -1,5 +1,5 @@
 """The block-quantization kernel's own source (ffi/block_quantize_cuda.cu), compiled for the
-host with g++ against tests/cuda/host_cuda.h (CUDA's intrinsics, barriers and warp
+host with g++ against tests/kernels/cuda/host_cuda.h (CUDA's intrinsics, barriers and warp
 reductions on std::threads, the packed FP8 conversions as the PTX ISA specifies them), run
 on tiles that hold NaN and on the GPU tests' data and compared bit for bit with the
 jax.numpy reference: the kernel's logic (both layouts, the NaN patching path, the
@@ -24,7 +24,7 @@ import test_blockwise as tb
 from jax_fp8._primitives import block_quantize as bq
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FFI = os.path.join(os.path.dirname(HERE), "ffi")
+FFI = os.path.join(os.path.dirname(os.path.dirname(HERE)), "ffi")  # the repository's ffi/
 IN_TYPE = {np.dtype(np.float32): 0, np.dtype(ml_dtypes.bfloat16): 1, np.dtype(np.float16): 2}
 FP8_TYPE = {np.dtype(jnp.float8_e4m3fn): 0, np.dtype(jnp.float8_e5m2): 1}
 CXX = shutil.which("g++")

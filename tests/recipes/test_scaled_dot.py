@@ -1,7 +1,7 @@
 """scaled_dot_general with Float8BlockScaling and Float8CurrentScaling: forward and both
 gradients against the exact (float64) products of the operands the recipe prescribes,
 quantized by the NumPy oracle (tests/block_reference.py), within the GEMM error bounds
-derived in tests/test_block_gemm.py; general dimension_numbers, dtypes, finite
+derived in tests/kernels/test_block_gemm.py; general dimension_numbers, dtypes, finite
 differences, jit / vmap / disable_jit, and the 8-device check in a subprocess.
 
 With a loss sum(out * c), the output cotangent is c, so the three GEMMs' operands are
@@ -71,7 +71,7 @@ def expected(recipe, x, w, c):
 
 
 def coefficient(recipe, k, backend):
-    """The GEMM bound of tests/test_block_gemm.py; current scaling also rounds the factor
+    """The GEMM bound of tests/kernels/test_block_gemm.py; current scaling also rounds the factor
     scale_inv_a * scale_inv_b and multiplies by it (two more roundings)."""
     coef = tg.cublas_coef(k) if backend == "gpu" else tg.reference_coef(k)
     return coef if isinstance(recipe, jax_fp8.Float8BlockScaling) else coef + 2 * tg.U

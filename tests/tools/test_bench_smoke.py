@@ -12,7 +12,7 @@ import pytest
 
 import jax_fp8
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the repository
 COLUMNS = ("per_tensor_jnp", "stacked_jnp", "fused_pytree", "fused_stacked", "floor")
 
 

@@ -323,7 +323,7 @@ def test_create_rejects_other_collections():
 
 
 def _load_demo():
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_fp8_lm.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "train_fp8_lm.py"
     spec = importlib.util.spec_from_file_location("train_fp8_lm", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod       # dataclasses (flax modules) look their module up

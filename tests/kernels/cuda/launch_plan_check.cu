@@ -1,7 +1,7 @@
 // Host-side check of the CUDA launcher's planning (no GPU needed): which offset width a
 // call gets and how its groups are split into launches. Built and run by
-// tests/test_launch_plan.py with nvcc; prints "OK" or the first failed check.
-#include "../../ffi/update_cuda.cu"
+// tests/kernels/test_launch_plan.py with nvcc; prints "OK" or the first failed check.
+#include "../../../ffi/update_cuda.cu"
 
 #include <cstdio>
 #include <vector>

@@ -276,7 +276,7 @@ def test_gpu_remat_keeps_every_gemm_an_fp8_cublaslt_gemm(gpu_device, recipe, pol
     gradients. The loss is linear in the output, so every GEMM's FP8 operands are the
     same bits in both programs (the amaxes equal bit for bit); the two programs may
     still run a GEMM with different cuBLASLt algorithms, whose accumulations differ by
-    at most 2**-10 of S = sum |a||b| each (tests/test_block_gemm.py), so the gradients
+    at most 2**-10 of S = sum |a||b| each (tests/kernels/test_block_gemm.py), so the gradients
     are compared to 2**-9 of S (S from the unquantized operands, with 2**-3 of E5M2
     rounding on top)."""
     x, w, c = jax.device_put(operands(128, 256, 128), gpu_device)

@@ -1,7 +1,7 @@
 """FSDP on 8 host devices: a weight sharded over devices is quantized where it lives and
 all-gathered as FP8 (half the bytes of bf16's gather), in plain jax.jit code, on a mesh
 with Explicit axes, in a Flax Fp8TrainState step and with current scaling; the forward output
-and the new FP8 state equal the one-device step's bit for bit (tests/fsdp_worker.py)."""
+and the new FP8 state equal the one-device step's bit for bit (tests/sharding/fsdp_worker.py)."""
 
 import pytest
 

@@ -20,7 +20,7 @@ import pytest
 import jax_fp8
 from jax_fp8.devtools import hlo
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the repository
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import bench_llm  # noqa: E402
 import llm_kernels  # noqa: E402
@@ -374,7 +374,7 @@ def test_a_piece_handed_to_xla_gives_the_same_bits(piece, monkeypatch):
     library function that exists, and on the CPU the FP8 Dense gradient keeps its bits.
     (On a GPU the other program may also get other GEMM algorithms and fusions from XLA:
     the gradient-cast variant's input gradient differed in its last bits on an H200.
-    The kernels' own bits are tests/test_layout_kernels.py's.) The loss's cotangent is a
+    The kernels' own bits are tests/kernels/test_layout_kernels.py's.) The loss's cotangent is a
     bfloat16 value computed in float32 (exact in both), so XLA's excess precision, which
     lets a fused cast read a gradient's unrounded float32 value, has nothing to change."""
     module_name, name, replacement = llm_models.XLA_PIECES[piece]

@@ -9,20 +9,17 @@ every check, never stops at the first failure, and prints one JSON line:
 from __future__ import annotations
 
 import json
-import os
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import helpers  # noqa: E402
-import ieee_reference as ref  # noqa: E402
-import jax_fp8  # noqa: E402
+# The test folders are on PYTHONPATH (test_sharding.py puts them there).
+import helpers
+import ieee_reference as ref
+import jax_fp8
 
 COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "reduce-scatter",
                "collective-permute", "collective-broadcast")

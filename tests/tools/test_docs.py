@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
 MKDOCS_YML = ROOT / "mkdocs.yml"
 
 # The files of the documentation's owner; the rest of the repository belongs to others.

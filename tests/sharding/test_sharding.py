@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+import helpers
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 PREFIX = "JAX_FP8_SHARDING_RESULTS "
 CHECKS = [
@@ -29,7 +31,7 @@ CHECKS = [
 
 @pytest.fixture(scope="module")
 def sharding_results():
-    env = dict(os.environ)
+    env = helpers.with_test_path(dict(os.environ))
     flags = env.get("XLA_FLAGS", "")
     env["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
     env["JAX_PLATFORMS"] = "cpu"

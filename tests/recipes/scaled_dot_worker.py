@@ -9,23 +9,20 @@ oracle and the exact GEMM products, as the single-device tests compare one devic
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import block_reference as ref  # noqa: E402
-import helpers  # noqa: E402
-import jax_fp8  # noqa: E402
-import test_block_gemm as tg  # noqa: E402
-from jax_fp8 import blockwise  # noqa: E402
-from jax_fp8.scaled_dot import scaled_dot_general  # noqa: E402
-from test_scaled_dot import expected  # noqa: E402
+# The test folders are on PYTHONPATH (helpers.run_8_device_worker puts them there).
+import block_reference as ref
+import helpers
+import jax_fp8
+import test_block_gemm as tg
+from jax_fp8 import blockwise
+from jax_fp8.scaled_dot import scaled_dot_general
+from test_scaled_dot import expected
 
 RESULTS: dict[str, str] = {}
 assert jax.device_count() == 8, jax.devices()
@@ -79,7 +76,7 @@ def _same_as_oracle(got, x, block):
 def quantization_equals_single_device_bits():
     """x sharded along M or along K: the FP8 data and scales of both block shapes and of
     current scaling (whose amax is a max over all devices) are the oracle's bits, which
-    are one device's (tests/test_blockwise.py)."""
+    are one device's (tests/recipes/test_blockwise.py)."""
     for row, tile, (q, s) in QUANT:
         _same_as_oracle(row, X, (1, 128))
         _same_as_oracle(tile, X, (128, 128))

@@ -1,7 +1,8 @@
-// The CUDA features ffi/block_quantize_cuda.cu uses, on the host (tests/test_block_quantize_host.py
-// compiles the kernel's source with g++ against this header): one CTA at a time, its
-// threads as fibers that meet at __syncthreads, __syncthreads_or and the warp reductions
-// (host_cuda.cc), shared memory filled with garbage before each CTA. The instructions follow
+// The CUDA features ffi/block_quantize_cuda.cu uses, on the host
+// (tests/kernels/test_block_quantize_host.py compiles the kernel's source with g++ against
+// this header): one CTA at a time, its threads as fibers that meet at __syncthreads,
+// __syncthreads_or and the warp reductions (host_cuda.cc), shared memory filled with
+// garbage before each CTA. The instructions follow
 // the PTX ISA: cvt.rn.satfinite.{e4m3,e5m2}x2.f32 rounds to nearest even with subnormal
 // inputs and saturates beyond the largest finite value (inf included); a NaN input gives
 // the canonical NaN 0x7F whatever its sign (host_nan_keeps_sign = 1 keeps the sign

@@ -1,5 +1,5 @@
-"""Block scaling under a jit over 8 host devices (tests/block_sharding_worker.py): the block
-quantization and the block-scaled GEMM run per shard (custom_partitioning on Auto meshes,
+"""Block scaling under a jit over 8 host devices (tests/sharding/block_sharding_worker.py): the
+block quantization and the block-scaled GEMM run per shard (custom_partitioning on Auto meshes,
 shard_map on Explicit ones; on the CPU each device runs the reference on its shards, on
 a GPU the kernels), FSDP all-gathers the FP8 weights with their block scales, and the
 results are one device's: bit for bit where no GEMM sums over a sharded axis, within the

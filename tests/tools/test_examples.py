@@ -25,7 +25,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 COMMON = ["--preset", "smoke", "--layers", "1", "--steps", "4", "--ckpt-every", "2",
           "--eval-every", "2", "--probe-every", "2", "--log-every", "1",

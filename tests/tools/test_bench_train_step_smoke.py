@@ -14,7 +14,7 @@ import pytest
 
 import jax_fp8
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the repository
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import xla_log  # noqa: E402
 

@@ -11,7 +11,7 @@ import json
 import os
 
 # Bit comparisons against the one-device step need XLA to round every bf16 intermediate
-# in both programs (as tests/fsdp_worker.py).
+# in both programs (as tests/sharding/fsdp_worker.py).
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false"
 
 import jax
@@ -124,7 +124,7 @@ def run(mode, axis_type, recipe=BLOCK):
 
 def k_sharded_gemm(out_dtype):
     """The block GEMM with K sharded over 8 devices (each device's float32 product summed
-    over them) against the reference bound of tests/test_block_gemm.py:
+    over them) against the reference bound of tests/kernels/test_block_gemm.py:
     |out - E| <= (K + 4) u (1 + u_out) S + u_out |E|, E the float64 product of the
     dequantized operands and S the sum of |products|; also bit-compared with one device."""
     mesh = jax.make_mesh((8,), ("k",), axis_types=(AxisType.Auto,))

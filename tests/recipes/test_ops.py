@@ -21,7 +21,7 @@ RECIPE = jax_fp8.DelayedScaling(history_len=4)
 def _on_cpu():
     """These tests pin the op's semantics bit for bit, so they run on the CPU backend
     (deterministic GEMM accumulation order, like for like with the references). FP8
-    GEMMs on a GPU are exercised by tests/test_train_step_hlo.py."""
+    GEMMs on a GPU are exercised by tests/flax_models/test_train_step_hlo.py."""
     with jax.default_device(jax.devices("cpu")[0]):
         yield
 

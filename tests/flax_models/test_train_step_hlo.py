@@ -147,10 +147,10 @@ def _gpu_with_fp8():
     return devs[0] if (major, minor) >= (8, 9) else None
 
 
+# Run with the test folders on PYTHONPATH (helpers.with_test_path).
 _GPU_SCRIPT = r"""
 import functools, sys
 import jax, jax.numpy as jnp, numpy as np
-sys.path.insert(0, {here!r})
 import test_train_step_hlo as t
 width, n = 128, t.N_LAYERS
 rng = np.random.default_rng(0)
@@ -185,10 +185,9 @@ def _run_gpu_script(xla_flags):
     import os
     import subprocess
     import sys
-    env = dict(os.environ)
+    env = helpers.with_test_path(dict(os.environ))
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()
-    here = os.path.dirname(os.path.abspath(__file__))
-    out = subprocess.run([sys.executable, "-c", _GPU_SCRIPT.format(here=here)], env=env,
+    out = subprocess.run([sys.executable, "-c", _GPU_SCRIPT], env=env,
                          capture_output=True, text=True, timeout=300)
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
     assert line, out.stdout[-2000:] + out.stderr[-4000:]
