@@ -50,6 +50,7 @@ import numpy as np
 import pytest
 
 import helpers
+from jax_fp8 import _registration
 from jax_fp8._primitives import block_gemm as gemm_lib, block_quantize as bq
 
 F32 = np.float32
@@ -238,14 +239,34 @@ def test_bad_operands_are_rejected():
 
 
 def test_cuda_conditions_are_cublas_shapes():
+    """cublas_supports asks the built module (ffi/block_gemm_limits.h, in both modules): the
+    cases the GPU tests run through the custom call with "auto" are taken, the shapes
+    test_gpu_shapes_cublaslt_does_not_take_use_the_reference runs are not."""
+    if _registration.CPU_MODULE is None and _registration.CUDA_MODULE is None:
+        pytest.skip("no module built")
     aval = lambda *s, t=E4M3: jax.ShapeDtypeStruct(s, t)  # noqa: E731
     ok = gemm_lib.cublas_supports
     assert ok(aval(64, 256), aval(128, 256), 1, 128, jnp.bfloat16)
     assert not ok(aval(64, 256), aval(128, 256), 128, 128, jnp.bfloat16)   # two tile operands
     assert not ok(aval(64, 250), aval(128, 250), 1, 1, jnp.bfloat16)       # K % 16
     assert not ok(aval(60, 256), aval(128, 256), 1, 1, jnp.bfloat16)       # M % 8
+    assert not ok(aval(64, 256), aval(60, 256), 1, 1, jnp.bfloat16)        # N % 8
     assert not ok(aval(64, 256, t=E5M2), aval(64, 256, t=E5M2), 1, 1, np.float32)
-    assert ok(aval(64, 256, t=E5M2), aval(64, 256), 1, 1, np.float16)
+    assert ok(aval(64, 256, t=E5M2), aval(64, 256), 1, 1, np.float16)     # float32, converted
+    assert not ok(aval(64, 256), aval(64, 256), 1, 1, np.float64)
+    assert not ok(aval(64, 256, t=jnp.int8), aval(64, 256), 1, 1, np.float32)
+    assert not ok(aval(0, 64, 256), aval(0, 64, 256), 1, 1, np.float32)    # empty batch
+    assert ok(aval(3, 64, 256), aval(3, 64, 256), 128, 1, np.float32)
+    for case in _gpu_cases():
+        (lead, m, n, k), blocks, types, out_dtype, impl = case.values
+        if impl == "auto":
+            assert ok(aval(*lead, m, k, t=types[0]), aval(*lead, n, k, t=types[1]),
+                      rows_of(blocks[0]), rows_of(blocks[1]), out_dtype), case.id
+    qa, _, qb, _ = overflow_operands()   # test_float16_overflow_is_inf: the custom call
+    assert ok(qa, qb, 1, 1, np.float16)
+    for (lead, m, n, k), blocks in NOT_CUBLAS:
+        assert not ok(aval(*lead, m, k), aval(*lead, n, k), rows_of(blocks[0]),
+                      rows_of(blocks[1]), np.float32), (m, n, k, blocks)
 
 
 # ----------------------------------------------------------------------------------- GPU
@@ -255,6 +276,9 @@ GPU_SHAPES = [((), 128, 128, 128), ((), 256, 512, 1024), ((), 64, 128, 256), (()
               ((), 4096, 8, 1280)]
 GPU_BLOCKS = [("1d", "1d"), ("1d", "2d"), ("2d", "1d")]
 GPU_TYPES = [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)]
+# Shapes and blocks cuBLASLt does not take: M % 8, K % 16, two 128 x 128 tile operands.
+NOT_CUBLAS = [(((), 100, 64, 256), ("1d", "1d")), (((), 64, 64, 250), ("1d", "2d")),
+              (((), 256, 256, 256), ("2d", "2d"))]
 
 
 @pytest.mark.gpu
@@ -343,9 +367,7 @@ def test_float16_overflow_is_inf(backend, device, impl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape, blocks", [(((), 100, 64, 256), ("1d", "1d")),
-                                           (((), 64, 64, 250), ("1d", "2d")),
-                                           (((), 256, 256, 256), ("2d", "2d"))])
+@pytest.mark.parametrize("shape, blocks", NOT_CUBLAS)
 def test_gpu_shapes_cublaslt_does_not_take_use_the_reference(gpu_device, shape, blocks):
     lead, m, n, k = shape
     rng = np.random.default_rng(3)

@@ -1,5 +1,6 @@
 """The primitive frame (jax_fp8/_primitives/base.py): every primitive is declared in it and
-takes the one `implementation` vocabulary."""
+takes the one `implementation` vocabulary; its rules for shard_map's varying axes; its
+computations with a version per platform."""
 
 import jax
 import jax.numpy as jnp
@@ -80,3 +81,76 @@ def test_auto_and_jnp_give_the_same_bits():
 def test_bind_defaults_to_auto():
     x = jnp.arange(6.0, dtype=jnp.float32)
     assert "implementation=auto" in str(jax.make_jaxpr(amax.amax_p.bind)(x))
+
+
+# --------------------------------------------------------------- a version per platform
+
+def _times(x, *, k):
+    return x * k
+
+
+def _times_plus_one(x, *, k):
+    return x * k + 1
+
+
+# Registered once per process: the reference on every platform but the CPU, where the
+# variant adds one (so the result says which version ran).
+TOY = base.ByPlatform("test_toy_by_platform", _times,
+                      {"cpu": base.Variant(_times_plus_one, "adds one")})
+toy = base.by_platform(TOY)
+
+
+def test_a_version_per_platform_is_the_lowering_platform_s():
+    """by_platform: the CPU variant wherever the CPU runs it (a jit, eagerly, under vmap
+    and grad, with jit disabled); lowered for CUDA, the reference (no CUDA variant)."""
+    x = jnp.arange(4.0, dtype=jnp.float32)
+    want = np.asarray(x) * 2 + 1
+    with jax.default_device(jax.devices("cpu")[0]):
+        runs = {"eager": toy(x, k=2.0), "jit": jax.jit(lambda x: toy(x, k=2.0))(x),
+                "vmap": jax.vmap(lambda x: toy(x, k=2.0))(x)}
+        value, grad = jax.value_and_grad(lambda x: toy(x, k=2.0).sum())(x)
+        with jax.disable_jit():
+            runs["disable_jit"] = toy(x, k=2.0)
+    for name, got in runs.items():
+        np.testing.assert_array_equal(got, want, err_msg=name)
+    assert value == want.sum()
+    np.testing.assert_array_equal(grad, np.full(4, 2.0, np.float32))
+    fn = jax.jit(lambda x: toy(x, k=2.0))
+    cpu = fn.trace(x).lower(lowering_platforms=("cpu",)).as_text()
+    cuda = fn.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "stablehlo.add" in cpu and "stablehlo.add" not in cuda
+    assert "func.func private @test_toy_by_platform" in cpu
+
+
+def test_the_version_and_its_reason_come_from_one_decision():
+    assert base.decide_platform(TOY, "cpu") == ("variant", "the cpu variant: adds one")
+    assert base.decide_platform(TOY, "cuda") == ("reference", "no cuda variant")
+    assert base.decide_platform(TOY, "cpu", "jnp") == ("reference", "implementation='jnp'")
+    with pytest.raises(ValueError, match="already registered"):
+        base.by_platform(TOY)
+    with pytest.raises(ValueError, match="already registered"):
+        base.by_platform(base.ByPlatform("jax_fp8_amax", _times))
+
+
+def test_operands_are_aligned_on_their_manual_axes_by_the_frame():
+    """Spec.same_varying: inside shard_map, the update and the quotient take operands that
+    vary over different manual axes (one varying, one replicated); the results vary over
+    their union."""
+    mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    P = jax.sharding.PartitionSpec
+
+    def body(a, b):
+        bits = quotient.quotient_bits(a, b)
+        hist, scale, _ = update.fp8_update_p.bind(
+            a[None, :], b[:1], scaled_max=(448.0,), amax_compute_algo=0,
+            power_of_2_scale=False, skip_unused=False, has_scale_inv=False, has_amax=False,
+            in_place=False)
+        return bits, hist, scale
+
+    a = jnp.arange(1.0, 5.0, dtype=jnp.float32)
+    b = jnp.full((4,), 3.0, jnp.float32)
+    run = jax.shard_map(body, mesh=mesh, in_specs=(P("d"), P()), out_specs=(P("d"),) * 3)
+    bits, hist, scale = jax.jit(run)(a, b)
+    np.testing.assert_array_equal(bits, (np.arange(1.0, 5.0, dtype=np.float32)
+                                         / np.float32(3)).view(np.uint32))
+    assert hist.shape == (1, 4) and scale.shape == (1,)

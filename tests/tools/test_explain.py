@@ -1,5 +1,6 @@
-"""jax_fp8.devtools.explain: each primitive's lowering and each GEMM's FP8-or-not with the
-reason, for a program and its arguments; the JAX_FP8_IMPLEMENTATION switch."""
+"""jax_fp8.devtools.explain: each primitive's lowering, each per-platform choice and each
+GEMM's FP8-or-not with the reason, for a program and its arguments; the
+JAX_FP8_IMPLEMENTATION switch."""
 
 from __future__ import annotations
 
@@ -86,6 +87,24 @@ def test_the_fused_update_is_the_cpu_kernel():
     assert ("jax_fp8_update", "kernel" if jax_fp8.HAS_CPU_KERNEL else "reference") in kinds
 
 
+@pytest.mark.parametrize("platform", ["cuda", "cpu"])
+def test_each_fp8_gemm_reports_its_platform_version(platform):
+    """The FP8 GEMMs of the per-tensor recipes take their accumulation from a choice per
+    platform (base.ByPlatform): on CUDA the dot-algorithm variant, elsewhere the
+    reference; each is followed by the one FP8 GEMM its platform lowers."""
+    rows = _grad_rows(jax_fp8.DelayedScaling(history_len=4), platform=platform)
+    chosen = [r for r in rows if r.kind == "platform"]
+    assert len(chosen) == 6 and {r.name for r in chosen} == {"jax_fp8_fp8_gemm"}
+    if platform == "cuda":
+        assert {(r.lowering, r.why.split(":")[0]) for r in chosen} == {
+            ("variant", "the cuda variant")}
+    else:
+        assert {(r.lowering, r.why) for r in chosen} == {("reference", "no cpu variant")}
+    after = [rows[i + 1] for i, r in enumerate(rows) if r.kind == "platform"]
+    assert all(r.kind == "gemm" and r.lowering == "fp8" for r in after)
+    assert sum(r.kind == "gemm" and r.lowering == "fp8" for r in rows) == 6
+
+
 def test_table_has_one_line_per_row():
     rows = _grad_rows(jax_fp8.DelayedScaling(history_len=4))
     text = explain.table(rows)
@@ -99,6 +118,13 @@ SWITCH = textwrap.dedent("""
     x = jnp.ones((256, 256), jnp.float32)
     rows = explain.explain(lambda x: jax_fp8.quantize_blocks(x, (128, 128)), x)
     print(sorted({(r.lowering, r.why) for r in rows if r.kind == "primitive"}))
+    w = jnp.ones((256, 128), jnp.bfloat16)
+    dot = lambda x, w: jax_fp8.fp8_dot_general(x, w, (((1,), (0,)), ((), ())),
+                                               jax_fp8.Fp8Meta.create())[0]
+    rows = explain.explain(dot, x.astype(jnp.bfloat16), w, platform="cuda")
+    print("gemm:", [(r.lowering, r.why) for r in rows if r.kind == "platform"])
+    cuda = jax.jit(dot).trace(x.astype(jnp.bfloat16), w).lower(lowering_platforms=("cuda",))
+    print("dot algorithm:", "algorithm = " in cuda.as_text())
 """)
 
 
@@ -108,6 +134,10 @@ def test_one_switch_runs_the_reference_everywhere():
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "('reference', \"implementation='jnp' (JAX_FP8_IMPLEMENTATION=jnp)\")" in out.stdout
+    # the FP8 GEMM's CUDA variant (its accumulation as a dot algorithm) follows the switch
+    assert "gemm: [('reference', \"implementation='jnp' (JAX_FP8_IMPLEMENTATION=jnp)\")]" \
+        in out.stdout
+    assert "dot algorithm: False" in out.stdout
     env["JAX_FP8_IMPLEMENTATION"] = "fast"
     out = subprocess.run([sys.executable, "-c", "import jax_fp8"], env=env,
                          capture_output=True, text=True, timeout=300)
