@@ -30,7 +30,8 @@ def _test_dirs() -> list[str]:
 # Every module under tests/ is imported by its basename, from any folder: the shared
 # modules here, a test module that another reuses (test_block_gemm's bounds), a worker
 # script. conftest.py puts these folders on sys.path and with_test_path on a subprocess's
-# PYTHONPATH; basenames are therefore unique across tests/ (pytest refuses duplicates).
+# PYTHONPATH. Basenames are therefore unique across tests/: pytest refuses two test
+# modules of one name, and of any other duplicate only the first found would be imported.
 TEST_DIRS = _test_dirs()
 
 
