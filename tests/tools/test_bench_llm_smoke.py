@@ -278,7 +278,7 @@ def test_report_and_plot_of_gpu_rows(tmp_path):
             "skipped": []}
     md = llm_report.markdown(data)
     assert "| variant | optimizer |\n|---|---:|\n| jax_fp8_delayed | 4.04 (98 %) |" in md
-    assert "# Llama-style decoder train step — NVIDIA H200" in md
+    assert "# Decoder train step — NVIDIA H200" in md
     assert ("| jax_fp8_delayed | 38.000 | 5.000 | 9.000 | 0.000 | 0.000 | 3.000 | 0.000 | 0.000 "
             "| 0.000 | 20.000 | 75.000 |") in md
     assert ("| jax_fp8_delayed | 43.000 | 9.000 | 23.000 | 73.000 | 1.370 | 0.973 | +3.000 | "
