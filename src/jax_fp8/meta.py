@@ -46,7 +46,8 @@ from jax_fp8.update import update_states
 __all__ = ["Fp8Meta", "amax_cotangents", "check_fp8_updated", "combine_fp8_grads",
            "frozen_scales", "new_fp8_state", "scales_frozen"]
 
-_LOOPS = ("scan", "fori_loop", "while_body", "while_cond", "while_loop")
+# What a staging trace of a loop body traces for (`_compat.traced_for`).
+LOOPS = ("scan", "fori_loop", "while_body", "while_cond", "while_loop")
 _BRANCHES = ("cond", "switch")
 # Tracers already handed to an FP8 op as (part of) a meta: id -> (tracer, trace under it).
 _consumed: dict = {}
@@ -227,6 +228,19 @@ def _ad_trace(x):
     return trace if _compat.is_differentiation_trace(trace) else None
 
 
+def _inner_values(leaves, trace) -> bool:
+    """Whether a leaf is a tracer of a trace nested inside ``trace``: a loop body's own
+    value (its carry or ``xs``, e.g. nn.scan's per-layer FP8 states beside weights the
+    body closes over), whose differentiation is decided outside the body, unseen here."""
+    for x in leaves:
+        t = _compat.trace_of(x)
+        while t is not None and t is not trace:
+            t = _compat.parent_trace(t)
+        if t is trace and _compat.trace_of(x) is not trace:
+            return True
+    return False
+
+
 def claim(meta, op: str, operands=()) -> None:
     """Trace-time checks of a delayed-scaling `meta` given to an FP8 op with ``operands``.
 
@@ -241,19 +255,22 @@ def claim(meta, op: str, operands=()) -> None:
     What the checks cannot see: differentiation applied to a function that was traced
     before it (``jax.grad(jax.jit(f))``, ``jax.grad`` of a ``jax.checkpoint`` /
     ``nn.remat`` function), and FP8 ops inside a ``lax.scan`` / ``nn.scan`` / ``nnx.scan``
-    or ``vmap`` body, whose values are the body's own tracers. There,
+    or ``vmap`` body, whose values are the body's own tracers (a meta of the body's own
+    beside weights it closes over, as in a weight-tied scan, included). There,
     ``Fp8TrainState.apply_gradients`` (which refuses to drop FP8 gradients) and
     `jax_fp8.flax.nnx.check_fp8_updated` remain.
     """
     if not scales_frozen():
-        meta_traces = {id(t) for t in map(_ad_trace, jax.tree.leaves(meta)) if t is not None}
-        if any(t is not None and id(t) not in meta_traces for t in map(_ad_trace, operands)):
+        leaves = jax.tree.leaves(meta)
+        meta_traces = {id(t) for t in map(_ad_trace, leaves) if t is not None}
+        if any(t is not None and id(t) not in meta_traces and not _inner_values(leaves, t)
+               for t in map(_ad_trace, operands)):
             raise ValueError(_DROPPED.format(op=op))
     for leaf in jax.tree.leaves(meta):
         if _ad_trace(leaf) is None:
             continue
         chain = _chain(leaf) or []
-        loop = next((_compat.traced_for(t) for t in chain if _compat.traced_for(t) in _LOOPS), None)
+        loop = next((_compat.traced_for(t) for t in chain if _compat.traced_for(t) in LOOPS), None)
         if loop is not None:
             raise ValueError(_LOOP.format(op=op, loop=loop))
         top = chain[-1] if chain else None

@@ -13,7 +13,11 @@ the stacked groups, its fastest layout.
     out = model.apply({"params": p, "fp8_meta": fp8.unpack()}, x)
     new_fp8 = jax_fp8.new_fp8_state(fp8, fp8_grads, recipe)  # grads w.r.t. fp8 (packed)
 
-`jax_fp8.flax.Fp8TrainState` keeps its FP8 state packed this way by default.
+`jax_fp8.flax.Fp8TrainState` keeps its FP8 state packed this way by default. A packed
+Flax collection (a dict with string keys) is a `PackedCollection`, which is also a
+read-only mapping of the unpacked collection: Flax's apply takes it as it is,
+``model.apply({"params": p, "fp8_meta": state.fp8}, x)``, and pytree functions still see
+the packed groups.
 
 Checkpoints: the rows of a group are positional, so what is saved must say whose they
 are. Each group's tree key names its FP8 dtype, history length, number of rows and a
@@ -31,12 +35,14 @@ import dataclasses
 import functools
 import hashlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_fp8 import _compat
 from jax_fp8._primitives import split as split_lib
 from jax_fp8.state import HoldsStates, ScalingState
 
@@ -100,6 +106,15 @@ class _Layout:
         return tuple(tuple(r) for r in out)
 
     @functools.cached_property
+    def top_keys(self) -> tuple | None:
+        """The keys of the unpacked tree when it is a dict with string keys (a Flax
+        collection), in its order; else None."""
+        skeleton = jax.tree.unflatten(self.treedef, [None] * self.treedef.num_leaves)
+        if type(skeleton) is not dict or not all(isinstance(k, str) for k in skeleton):
+            return None
+        return tuple(skeleton)
+
+    @functools.cached_property
     def keys(self) -> tuple:
         """The tree keys of the groups, then of the other leaves."""
         return (tuple(group_key(d, n, r) for (d, n), r in zip(self.groups, self.rows))
@@ -116,6 +131,9 @@ class PackedStates(HoldsStates):
     ``other_<digest of the path>`` per other leaf; so a restore into a state packed from
     other FP8 layers finds other keys and refuses (see the module docstring).
 
+    Packing a dict with string keys (a Flax collection) gives a `PackedCollection`, this
+    class that is also a read-only mapping of the unpacked states.
+
     Attributes:
       groups: tuple of stacked ScalingStates, group g of shape [R_g, L_g] (history).
       others: the original tree's leaves that are not ScalingStates, in order.
@@ -125,6 +143,15 @@ class PackedStates(HoldsStates):
     groups: tuple
     others: tuple
     layout: _Layout
+
+    def __new__(cls, groups: tuple = (), others: tuple = (), layout: Any = None):
+        del groups, others
+        # A packed Flax collection (a dict with string keys) is also a read-only mapping
+        # of its unpacked states, which Flax's apply takes: the class follows the layout,
+        # so every way of making one (pack_states, unflatten, a restore) agrees.
+        if cls is PackedStates and getattr(layout, "top_keys", None) is not None:
+            cls = PackedCollection
+        return super().__new__(cls)
 
     def unpack(self) -> Any:
         """The original pytree of ScalingStates (row slices of the packed groups)."""
@@ -164,6 +191,109 @@ class PackedStates(HoldsStates):
         return out
 
 
+_READ_ONLY = ("{op}: a PackedStates is read-only (its mapping methods show the unpacked "
+              "states). Change the packed state through the FP8 update (new_fp8_state, "
+              "Fp8TrainState.apply_gradients), or unpack it into a dict of its own: "
+              "dict(packed) or jax_fp8.unpack_states(packed).")
+
+
+class PackedCollection(PackedStates, dict):
+    """A `PackedStates` of a Flax collection (a dict with string keys), which is also a
+    read-only mapping of the unpacked collection, so Flax's ``apply`` takes it where the
+    collection goes: ``model.apply({"params": params, "fp8_meta": state.fp8}, x)`` runs
+    the layers on ``state.fp8.unpack()`` (the same numbers), and a gradient with respect
+    to it is packed like it.
+
+    Only the mapping methods (``keys``, ``[key]``, ``items``, ``values``, ``in``, ``len``,
+    ``dict(...)``) see the unpacked states; pytree functions (jit and its donation, grad,
+    optax, orbax, flax.serialization, the fused update) see the packed groups, as for any
+    `PackedStates`. `pack_states` makes one whenever the packed tree is such a dict.
+    Methods that would change it in place raise TypeError.
+    """
+
+    def _view(self) -> dict:
+        """The unpacked collection, made once per trace: Flax reads it once per top-level
+        module. A concrete state's is computed eagerly (it holds no tracer); a traced
+        state's is kept while its own trace is the current one; anything else is made
+        anew (so no traced value outlives its trace)."""
+        leaves = jax.tree.leaves((self.groups, self.others))
+        traces = {id(_compat.trace_of(x)) for x in leaves if isinstance(x, jax.core.Tracer)}
+        cached = self.__dict__.get("_view_cache")
+        if not traces:
+            if cached is None:
+                with jax.ensure_compile_time_eval():
+                    cached = self.__dict__["_view_cache"] = (None, self.unpack())
+            return cached[1]
+        trace = _compat.current_trace()
+        if traces != {id(trace)}:
+            return self.unpack()
+        if cached is None or cached[0] is not trace:
+            cached = self.__dict__["_view_cache"] = (trace, self.unpack())
+        return cached[1]
+
+    @property
+    def _keys(self) -> tuple:
+        keys = self.layout.top_keys
+        assert keys is not None, "a PackedCollection's layout is a collection's"
+        return keys
+
+    def __getitem__(self, key: str) -> Any:
+        return self._view()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __reversed__(self) -> Iterator[str]:
+        return reversed(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def keys(self):
+        return dict.fromkeys(self._keys).keys()
+
+    def items(self):
+        return self._view().items()
+
+    def values(self):
+        return self._view().values()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._view().get(key, default)
+
+    def copy(self) -> dict:
+        """The unpacked collection, as a new dict."""
+        return dict(self._view())
+
+    def __or__(self, other: Any) -> dict:
+        return {**self._view(), **other}
+
+    def __ror__(self, other: Any) -> dict:
+        return {**other, **self._view()}
+
+    def __eq__(self, other: object) -> bool:
+        # Not dict's equality, which would compare the (empty) storage of the dict base.
+        return PackedStates.__eq__(self, other) if isinstance(other, PackedStates) else False
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = None
+
+    def __reduce__(self):
+        # Pickle and copy as a PackedStates, not as the dict of its unpacked states.
+        return (PackedStates, (self.groups, self.others, self.layout))
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(_READ_ONLY.format(op=type(self).__name__))
+
+    __setitem__ = __delitem__ = __ior__ = _read_only
+    clear = pop = popitem = setdefault = update = _read_only
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _split_rows(a, sizes):
     """a [R, ...] -> consecutive row blocks of the given sizes.
@@ -199,9 +329,10 @@ def _unflatten(layout, children):
     return PackedStates(tuple(children[:g]), tuple(children[g:]), layout)
 
 
-jax.tree_util.register_pytree_with_keys(
-    PackedStates, _flatten_with_keys, _unflatten,
-    flatten_func=lambda p: ([*p.groups, *p.others], p.layout))
+for _cls in (PackedStates, PackedCollection):
+    jax.tree_util.register_pytree_with_keys(
+        _cls, _flatten_with_keys, _unflatten,
+        flatten_func=lambda p: ([*p.groups, *p.others], p.layout))
 
 
 def pack_states(tree: Any) -> PackedStates:
@@ -253,4 +384,4 @@ def unpack_states(tree: Any) -> Any:
     return tree.unpack() if isinstance(tree, PackedStates) else tree
 
 
-__all__ = ["PackedStates", "pack_states", "unpack_states"]
+__all__ = ["PackedCollection", "PackedStates", "pack_states", "unpack_states"]

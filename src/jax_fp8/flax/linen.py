@@ -25,9 +25,14 @@ Several uses of one module per step: each call consumes the meta the previous ca
 returned (written back to the variables when the collection is mutable, else kept for
 the rest of the ``apply``), so the amaxes of all calls combine by max (``jax_fp8.meta``).
 Under ``nn.scan`` give the collection ``variable_axes={"fp8_meta": 0}`` (a state per
-layer), or ``variable_carry="fp8_meta"`` for one module reused by every iteration; a
-layer that the collection does not reach (a lifted transform not given it, or
-``model.apply`` without it) raises ValueError naming the line to add.
+layer, or per iteration of weights tied by ``variable_broadcast="params"``), or
+``variable_carry="fp8_meta"`` for one module reused by every iteration; a layer that the
+collection does not reach (a lifted transform not given it, or ``model.apply`` without it)
+raises ValueError naming the line to add. A collection broadcast into a lifted body
+(``variable_broadcast``, ``nn.vmap``'s axis None) is read there and never written (its
+threaded meta is kept for the later calls instead): init and evaluation work, and
+differentiating it inside a loop body raises ValueError at trace time (the iterations'
+amaxes would be summed), naming the fix.
 
 A loop cannot skip the FP8 update silently: `Fp8TrainState.apply_gradients` refuses
 parameter gradients alone while the state holds delayed-scaling states, and
@@ -53,7 +58,7 @@ import jax.numpy as jnp
 from flax import struct
 from flax.training import train_state
 
-from jax_fp8 import _compat, recipe as recipe_lib, state as state_lib
+from jax_fp8 import _compat, meta as meta_lib, recipe as recipe_lib, state as state_lib
 from jax_fp8.dot_general import fp8_dot_general
 from jax_fp8.einsum import fp8_einsum
 from jax_fp8.flax import multi_steps
@@ -145,11 +150,53 @@ def _threaded(module: nn.Module) -> dict:
     return store
 
 
-def _read(module: nn.Module, vs, recipe, collection) -> Fp8Meta:
+def _from_outside(meta: Fp8Meta) -> bool:
+    """Whether the layer's FP8 variables come from outside the trace it runs in: a
+    collection a lifted transform broadcasts (nn.scan's ``variable_broadcast``, nn.vmap's
+    axis None) is closed over by the transform's body, never one of the body's own values
+    (values it carries or scans over are)."""
+    trace = _compat.current_trace()
+    for x in jax.tree.leaves(meta):
+        own = _compat.trace_of(x)
+        if own is not trace and not (own is None and _compat.parent_trace(trace) is None):
+            return True
+    return False
+
+
+_BROADCAST = (
+    "{op} at {where}: its FP8 state (the collection {c!r}) is differentiated but broadcast "
+    "into a `{loop}` body (nn.scan's variable_broadcast): every iteration would use the one "
+    "state and JAX would add up the iterations' amaxes, where FP8 takes their max. For "
+    "weights tied across the iterations broadcast only the parameters and give the FP8 "
+    "state a place of its own: nn.scan(..., variable_broadcast='params', variable_axes="
+    "{{{c!r}: 0}}) (a state per iteration, the one that needs nothing else), or "
+    "nn.scan(..., variable_broadcast='params', variable_carry={c!r}) (one state for every "
+    "iteration, its amaxes the max over them; a carried collection must exist before the "
+    "scan, so at init call the body once outside it). Init and evaluation may broadcast it.")
+
+
+def _check_not_broadcast(module: nn.Module, meta: Fp8Meta, collection: str, op: str) -> None:
+    """Raises ValueError when differentiated FP8 variables are closed over by a loop body
+    (a broadcast collection): the amaxes of the iterations would be summed."""
+    for x in jax.tree.leaves(meta):
+        own = _compat.trace_of(x)
+        if own is None or not _compat.is_differentiation_trace(own):
+            continue
+        trace = _compat.current_trace()
+        while trace is not None and trace is not own:
+            loop = _compat.traced_for(trace)
+            if loop in meta_lib.LOOPS:
+                raise ValueError(_BROADCAST.format(op=op, where=_scope(module).path_text,
+                                                   c=collection, loop=loop))
+            trace = _compat.parent_trace(trace)
+
+
+def _read(module: nn.Module, vs, recipe, collection, op: str) -> Fp8Meta:
     if vs is None:
         return Fp8Meta(recipe=recipe)
     meta = Fp8Meta(*(v.value for v in vs))
-    if module.is_mutable_collection(collection):
+    _check_not_broadcast(module, meta, collection, op)
+    if module.is_mutable_collection(collection) and not _from_outside(meta):
         return meta
     entry = _threaded(module).get((collection, _scope(module).path))
     if (entry is not None and meta.input is not None and entry[0] is meta.input.amax_history
@@ -163,15 +210,19 @@ def _write(module: nn.Module, vs, meta: Fp8Meta, collection):
     # the amaxes of all calls combine by max.
     if vs is None:
         return
-    if module.is_mutable_collection(collection):
-        if module.is_initializing():
-            # The values are those just created: writing the returned meta would only
-            # add a dependence on the data (which nn.scan refuses for a broadcast
-            # collection), and init is never differentiated.
-            return
+    if module.is_mutable_collection(collection) and module.is_initializing():
+        # The values are those just created: writing the returned meta would only add a
+        # dependence on the data (which nn.scan refuses for a broadcast collection), and
+        # init is never differentiated.
+        return
+    read = Fp8Meta(*(v.value for v in vs))
+    if module.is_mutable_collection(collection) and not _from_outside(read):
         for v, name in zip(vs, Fp8Meta.STATES):
             v.value = getattr(meta, name)
         return
+    # Immutable, or closed over by a lifted transform's body (a broadcast collection,
+    # whose value must not depend on the body's data): keep the threaded meta for the
+    # later calls of this apply instead of writing it (its values are those read).
     _threaded(module)[(collection, _scope(module).path)] = (vs[0].value.amax_history, meta)
 
 
@@ -207,7 +258,7 @@ class Fp8DotGeneral(nn.Module):
                 "functools.partial(Fp8DotGeneral, recipe=...); an instance goes in "
                 "nn.Dense(..., dot_general=Fp8DotGeneral(...))")
         vs = _meta_variables(self, self.recipe, self.collection)
-        used = _read(self, vs, self.recipe, self.collection)
+        used = _read(self, vs, self.recipe, self.collection, "Fp8DotGeneral")
         out, meta = fp8_dot_general(lhs, rhs, dimension_numbers, used, precision,
                                     preferred_element_type, min_fp8_flops=self.min_fp8_flops)
         _write(self, vs, meta, self.collection)
@@ -227,7 +278,7 @@ class Fp8Einsum(nn.Module):
                  preferred_element_type: Any = None) -> jax.Array:
         del precision
         vs = _meta_variables(self, self.recipe, self.collection)
-        used = _read(self, vs, self.recipe, self.collection)
+        used = _read(self, vs, self.recipe, self.collection, "Fp8Einsum")
         out, meta = fp8_einsum(eqn, lhs, rhs, used,
                                preferred_element_type=preferred_element_type,
                                min_fp8_flops=self.min_fp8_flops)
@@ -255,7 +306,7 @@ class _WeightFp8(nn.Module):
     def __call__(self, kind, args, precision=None, preferred_element_type=None):
         op = "Fp8DotGeneral" if kind == "dot_general" else "Fp8Einsum"
         vs = _meta_variables(self, self.recipe, self.collection, op)
-        used = _read(self, vs, self.recipe, self.collection)
+        used = _read(self, vs, self.recipe, self.collection, op)
         if kind == "dot_general":
             out, meta = fp8_dot_general(*args, used, precision, preferred_element_type,
                                         min_fp8_flops=self.min_fp8_flops)

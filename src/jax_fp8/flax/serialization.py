@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from flax import serialization
 
-from jax_fp8.packing import PackedStates
+from jax_fp8.packing import PackedCollection, PackedStates
 from jax_fp8.state import FIELDS, ScalingState
 
 # FP8 states are scaling statistics, not weights: when the model changed, training can
@@ -168,5 +168,6 @@ def _packed_from_state_dict(target: PackedStates, state: dict) -> PackedStates:
 
 serialization.register_serialization_state(ScalingState, _state_dict, _from_state_dict,
                                            override=True)
-serialization.register_serialization_state(PackedStates, _packed_state_dict,
-                                           _packed_from_state_dict, override=True)
+for _cls in (PackedStates, PackedCollection):  # flax looks the exact type up
+    serialization.register_serialization_state(_cls, _packed_state_dict,
+                                               _packed_from_state_dict, override=True)

@@ -1,0 +1,209 @@
+"""A weight-tied nn.scan (one Dense applied at every iteration) with FP8 layers: where
+its FP8 state may live and what each choice computes.
+
+- ``variable_broadcast=["params", "fp8_meta"]``: init and evaluation (the collection
+  read-only or mutable) work; a train step differentiating the broadcast state is a
+  ValueError at trace time that names ``variable_broadcast`` and the two fixes (JAX
+  would add the iterations' amaxes where FP8 takes their max).
+- ``variable_broadcast="params", variable_axes={"fp8_meta": 0}``: a state per
+  iteration; its amaxes are that iteration's, bit for bit those of the same GEMMs
+  written out with `jax_fp8.fp8_dot_general`.
+- ``variable_broadcast="params", variable_carry="fp8_meta"``: one state; its amaxes
+  are the max over the iterations.
+
+Each through init, a train step of `Fp8TrainState` (the new states) and evaluation.
+"""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_fp8
+from helpers import rand
+from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8TrainState
+
+N, L = 3, 4
+RECIPE = jax_fp8.DelayedScaling(history_len=L)
+DG = functools.partial(Fp8DotGeneral, recipe=RECIPE)
+DN = (((1,), (0,)), ((), ()))
+X = rand(0, (8, 16), 3.0)
+
+
+@pytest.fixture
+def on_cpu():
+    """Runs a test on the CPU backend: it compares, bit for bit, amaxes of programs compiled
+    differently (a scan against its GEMMs written out), whose CPU GEMMs accumulate alike."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+        return jnp.tanh(nn.Dense(16, dot_general_cls=DG)(h)), None
+
+
+def _scan(**where_fp8):
+    return nn.scan(Block, variable_broadcast=where_fp8.pop("broadcast", "params"),
+                   split_rngs={"params": False}, length=N, **where_fp8)
+
+
+class Broadcast(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return _scan(broadcast=["params", FP8_COLLECTION])(name="loop")(x, None)[0]
+
+
+class PerIteration(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return _scan(variable_axes={FP8_COLLECTION: 0})(name="loop")(x, None)[0]
+
+
+class Carried(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        if self.is_initializing():  # a carried collection must exist before the scan
+            Block(name="loop")(x, None)
+            return x
+        return _scan(variable_carry=FP8_COLLECTION)(name="loop")(x, None)[0]
+
+
+def _layer(tree):
+    return tree["loop"]["Dense_0"]
+
+
+def _meta(fp8, i=None):
+    states = _layer(fp8)["Fp8DotGeneral_0"]
+    pick = (lambda s: s) if i is None else (lambda s: jax.tree.map(lambda a: a[i], s))
+    return jax_fp8.Fp8Meta(*(pick(states[n]) for n in jax_fp8.Fp8Meta.STATES))
+
+
+def _written_out(params, metas, x):
+    """The scan's GEMMs written out: iteration i multiplies by the one kernel with
+    metas(i) and returns the meta it threads."""
+    kernel, bias = _layer(params)["kernel"], _layer(params)["bias"]
+    h, meta = x, None
+    for i in range(N):
+        out, meta = jax_fp8.fp8_dot_general(h, kernel, DN, metas(i, meta))
+        h = jnp.tanh(out + bias)
+    return h
+
+
+def _written_out_grads(params, metas_tree, metas):
+    """FP8 gradients of sum(sin(out)) of `_written_out`, w.r.t. ``metas_tree``."""
+    def loss(tree):
+        return jnp.sum(jnp.sin(_written_out(params, lambda i, m: metas(tree, i, m), X)))
+    return jax.jit(jax.grad(loss))(metas_tree)
+
+
+def _loss(state):
+    def loss(params, fp8):
+        return jnp.sum(jnp.sin(state.apply_model(params, fp8, X)))
+    return loss
+
+
+def _train_state(model):
+    v = jax.jit(model.init)(jax.random.key(0), X)
+    return v, Fp8TrainState.create(apply_fn=model.apply, variables=v, tx=optax.sgd(0.0),
+                                   recipe=RECIPE)
+
+
+@jax.jit
+def _step(state):
+    _, grads = state.value_and_grad(_loss(state))()
+    return state.apply_gradients(grads=grads), grads
+
+
+def _one_state_after_init(v):
+    return (_meta(v[FP8_COLLECTION]).input.amax_history.shape == (L,)
+            and not np.any(_meta(v[FP8_COLLECTION]).input.amax_history))
+
+
+# ------------------------------------------------------------------- broadcast
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_broadcast_fp8_state_inits_and_evaluates(on_cpu, jit):
+    model = Broadcast()
+    v = (jax.jit(model.init) if jit else model.init)(jax.random.key(0), X)
+    assert _one_state_after_init(v)
+    fp8 = v[FP8_COLLECTION]
+    want = _written_out(v["params"], lambda i, m: _meta(fp8), X)
+    apply = jax.jit(model.apply, static_argnames="mutable") if jit else model.apply
+    np.testing.assert_array_equal(apply(v, X), want)
+    out, updates = apply(v, X, mutable=(FP8_COLLECTION,))     # evaluation, mutable
+    np.testing.assert_array_equal(out, want)
+    jax.tree.map(np.testing.assert_array_equal, updates[FP8_COLLECTION], fp8)
+    state = Fp8TrainState.create(apply_fn=model.apply, variables=v, tx=optax.sgd(0.1),
+                                 recipe=RECIPE)
+    run = jax.jit(state.apply_model) if jit else state.apply_model
+    np.testing.assert_array_equal(run(state.params, state.fp8, X), want)
+
+
+def test_broadcast_fp8_state_in_a_train_step_names_the_fix(on_cpu):
+    _, state = _train_state(Broadcast())
+    with pytest.raises(ValueError, match=r"differentiated but broadcast into a `scan` body "
+                       r"\(nn.scan's variable_broadcast\).*variable_axes=\{'fp8_meta': 0\}"
+                       r".*variable_carry='fp8_meta'"):
+        _step(state)
+    # The FP8 collection read-only, differentiated by hand: the same error.
+    v = state.variables()
+
+    def loss(fp8):
+        return jnp.sum(Broadcast().apply({"params": v["params"], FP8_COLLECTION: fp8}, X))
+
+    with pytest.raises(ValueError, match="variable_broadcast"):
+        jax.jit(jax.grad(loss))(v[FP8_COLLECTION])
+
+
+# ------------------------------------------------------ a state per iteration
+
+
+def test_tied_weights_with_a_state_per_iteration(on_cpu):
+    v, state = _train_state(PerIteration())
+    fp8 = v[FP8_COLLECTION]
+    assert _meta(fp8).input.amax_history.shape == (N, L)         # one state per iteration
+    assert _layer(v["params"])["kernel"].shape == (16, 16)       # one kernel
+    new, grads = _step(state)
+    want = _written_out_grads(v["params"], fp8, lambda t, i, m: _meta(t, i))
+    jax.tree.map(np.testing.assert_array_equal, grads[FP8_COLLECTION].unpack(), want)
+    staged = jax_fp8.amax_cotangents(want)
+    new_fp8 = new.variables()[FP8_COLLECTION]
+    for name in jax_fp8.Fp8Meta.STATES:
+        last = getattr(_meta(new_fp8), name).amax_history[:, -1]
+        np.testing.assert_array_equal(last, _layer(staged)["Fp8DotGeneral_0"][name])
+    # Iteration i quantized its own input: three different amaxes.
+    assert len(set(np.asarray(_meta(new_fp8).input.amax_history[:, -1]).tolist())) == N
+    np.testing.assert_array_equal(
+        new.apply_model(new.params, new.fp8, X),
+        _written_out(new.params, lambda i, m: _meta(new_fp8, i), X))
+
+
+# ------------------------------------------------------------ one carried state
+
+
+def test_tied_weights_with_one_carried_state(on_cpu):
+    v, state = _train_state(Carried())
+    assert _one_state_after_init(v)
+    fp8 = v[FP8_COLLECTION]
+    np.testing.assert_array_equal(
+        jax.jit(state.apply_model)(state.params, state.fp8, X),
+        _written_out(v["params"], lambda i, m: _meta(fp8) if m is None else m, X))
+    new, grads = _step(state)
+    want = _written_out_grads(v["params"], fp8,
+                              lambda t, i, m: _meta(t) if m is None else m)
+    jax.tree.map(np.testing.assert_array_equal, grads[FP8_COLLECTION].unpack(), want)
+    new_fp8 = new.variables()[FP8_COLLECTION]
+    staged = _layer(jax_fp8.amax_cotangents(want))["Fp8DotGeneral_0"]
+    for name in jax_fp8.Fp8Meta.STATES:
+        np.testing.assert_array_equal(getattr(_meta(new_fp8), name).amax_history[-1],
+                                      staged[name])
+    np.testing.assert_array_equal(
+        new.apply_model(new.params, new.fp8, X),
+        _written_out(new.params, lambda i, m: _meta(new_fp8) if m is None else m, X))
