@@ -48,7 +48,9 @@ from jax_fp8._primitives.block_quantize import (
     BLOCK,
     SCALE_LAYOUTS,
     from_gemm_layout,
+    pad_scales,
     scale_shape,
+    shards_fit,
     to_gemm_layout,
 )
 from jax_fp8._primitives.exact import up_scaled
@@ -226,14 +228,6 @@ def _kernel_supports(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_
 
 # ----------------------------------------------------------------------- partitioning
 
-def _gemm_fits(n, shards, whole, padded) -> bool:
-    """n values in `shards` equal pieces, each of whole 128-blocks where `whole`, and
-    `padded` (a count of scales along the GEMM layout's padded axis, or None) needing no
-    padding inside the array."""
-    return (n % shards == 0 and not (whole and (n // shards) % BLOCK)
-            and (padded is None or padded % 4 == 0))
-
-
 def _gemm_specs(params, mesh, a_shape, a_spec, b_shape, b_spec):
     """(lead, m, n, k) PartitionSpec entries for the GEMM a [..., M, K] . b [..., N, K]:
     a's batch and M axes, b's N axis, and K as a's (else b's), each kept where its shards
@@ -249,7 +243,8 @@ def _gemm_specs(params, mesh, a_shape, a_spec, b_shape, b_spec):
         axes = specs.spec_axes(entry)
         if not axes or used & set(axes):
             return None
-        if not _gemm_fits(size, specs.axes_size(mesh, axes), whole, padded):
+        if not shards_fit(size, specs.axes_size(mesh, axes), whole,
+                          () if padded is None else (padded,)):
             return None
         used.update(axes)
         return entry
@@ -288,20 +283,13 @@ def _gemm_local(bind, operands, *, mesh, shardings, params):
     del mesh
     a, sa, b, sb = operands
     if params["scale_layout"] == "gemm":
-        sa = _pad4(sa)
-        sb = _pad4(sb)
+        sa = pad_scales(sa)
+        sb = pad_scales(sb)
     k_axes = specs.spec_axes(specs.padded_spec(shardings[0], a.ndim)[-1])
     if not k_axes:
         return bind(a, sa, b, sb, **params)
     partial = bind(a, sa, b, sb, **dict(params, out_dtype=np.dtype(np.float32)))
     return jax.lax.psum(partial, k_axes).astype(params["out_dtype"])
-
-
-def _pad4(s):
-    pad = -s.shape[-1] % 4
-    if not pad:
-        return s
-    return jnp.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, pad)], constant_values=1.0)
 
 
 def _gemm_rule(params, operand_types):

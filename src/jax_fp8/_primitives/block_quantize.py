@@ -82,11 +82,16 @@ def scale_shape(shape, block_rows: int, layout: str = "spec") -> tuple:
 
 def to_gemm_layout(scale_inv, block_rows: int):
     """scale_inv [..., R or ceil(R/128), ceil(K/128)] in the GEMM layout (padded with 1.0)."""
-    s = jnp.swapaxes(scale_inv, -1, -2) if block_rows == 1 else scale_inv
+    return pad_scales(jnp.swapaxes(scale_inv, -1, -2) if block_rows == 1 else scale_inv)
+
+
+def pad_scales(s):
+    """GEMM-layout scales `s` with their last axis padded with 1.0 to a multiple of 4, as
+    the kernels read them."""
     pad = _round4(s.shape[-1]) - s.shape[-1]
-    if pad:
-        s = jnp.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, pad)], constant_values=1.0)
-    return s
+    if not pad:
+        return s
+    return jnp.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, pad)], constant_values=1.0)
 
 
 def from_gemm_layout(scale_inv, block_rows: int, r: int, k: int):
@@ -203,10 +208,16 @@ def _kept_axes(params, shape, spec, mesh):
     kept = []
     for n, entry, (whole, padded) in zip(shape, spec, rules):
         shards = specs.axes_size(mesh, specs.spec_axes(entry))
-        fits = (n % shards == 0 and not (whole and (n // shards) % BLOCK)
-                and all(c % 4 == 0 for c in padded))
-        kept.append(entry if fits or shards == 1 else None)
+        kept.append(entry if shards_fit(n, shards, whole, padded) or shards == 1 else None)
     return tuple(kept)
+
+
+def shards_fit(n: int, shards: int, whole: bool, padded_counts) -> bool:
+    """Whether an axis of n values splits into `shards` equal pieces, each of whole
+    128-blocks where `whole`, with every count of GEMM-layout scales along it in
+    `padded_counts` a multiple of 4 (no padding inside the array)."""
+    return (n % shards == 0 and not (whole and (n // shards) % BLOCK)
+            and all(c % 4 == 0 for c in padded_counts))
 
 
 def _result_specs(params, kept):
