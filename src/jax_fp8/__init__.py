@@ -10,6 +10,7 @@ Public API (reference: ``docs/reference/``, built by ``mkdocs build``; the arith
                     amax_cotangents, frozen_scales, check_fp8_updated
   quantization      quantize, dequantize, compute_amax, quantize_blocks, scale_from_amax
   packing           PackedStates, pack_states, unpack_states
+  conversion        Fp8Rule (which GEMMs a framework's fp8_model converts)
   kernels, export   HAS_CPU_KERNEL, HAS_CUDA_KERNEL, export_disabled_checks
   Flax              jax_fp8.flax (linen), jax_fp8.flax.nnx, jax_fp8.flax.interop
 """
@@ -36,6 +37,7 @@ from jax_fp8.recipe import (
     fp8_max,
     scaled_max,
 )
+from jax_fp8.rules import Fp8Rule
 from jax_fp8.state import ScalingState
 from jax_fp8.update import amax_and_scale_update, reduce_amaxes, update_states
 
@@ -47,6 +49,7 @@ __all__ = [
     "Float8CurrentScaling",
     "Format",
     "Fp8Meta",
+    "Fp8Rule",
     "HAS_CPU_KERNEL",
     "HAS_CUDA_KERNEL",
     "PackedStates",

@@ -1,0 +1,112 @@
+"""`Fp8Rule`: which GEMMs a converter (`jax_fp8.flax.fp8_model`, linen and NNX) makes FP8,
+and with which recipe. Framework-neutral: the converters of each framework ask these rules;
+the interception of the GEMM calls they share is `jax_fp8.interception`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jax_fp8 import recipe as recipe_lib
+from jax_fp8.dot_general import check_min_fp8_flops
+from jax_fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+
+__all__ = ["AUTO_MIN_FP8_FLOPS", "Fp8Rule", "as_rules", "rule_for"]
+
+
+
+# Per recipe, the forward FLOPs below which a converted GEMM stays in the operands' dtype
+# (Fp8Rule's min_fp8_flops="auto"): above each recipe's measured break-even, where one
+# layer's FP8 casts, amaxes and transposes cost as much as its faster GEMMs save
+# (docs/benchmarks.md, "One Dense layer: where FP8 starts to pay").
+AUTO_MIN_FP8_FLOPS = {DelayedScaling: 2.0 ** 36, Float8CurrentScaling: 2.0 ** 37,
+                      Float8BlockScaling: 2.0 ** 37}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Rule:
+    """Which GEMMs of a model `fp8_model` makes FP8, and with which recipe.
+
+    Rules are tried in order for the module that calls a GEMM; the first whose ``path``
+    matches decides; a GEMM of a module no rule matches stays as it is.
+
+    Attributes:
+      path: a regular expression matched in full (``re.fullmatch``) against the module's
+        path: its names joined by ``/``, e.g. ``"encoder/layers_0/attention/query"``
+        (``""`` for the root module). The default ``".*"`` matches every module.
+      recipe: ``DelayedScaling()`` (the default), ``Float8CurrentScaling()`` or
+        ``Float8BlockScaling()``: the recipe of the FP8 layers the rule creates. None
+        keeps the matched GEMMs as they are (an exclusion, e.g. for an LM head).
+      min_fp8_flops: GEMMs with fewer FLOPs (``2 * batch * M * N * K`` of the forward
+        product, known at trace time) run in the operands' dtype (the FP8 layers'
+        attribute of that name); 0: all in FP8. ``"auto"`` (the default): the recipe's
+        `AUTO_MIN_FP8_FLOPS`, below which FP8 does not pay (the casts, amaxes and
+        transposes cost more than the faster GEMMs save), so that converting a model
+        does not make it slower. ``jax_fp8.devtools.explain`` lists which GEMMs
+        of a converted model run in FP8 and which were kept.
+      activations: False (the default): only GEMMs with a parameter operand become FP8
+        (a layer's kernel; in a hand-written module, an array the module read from its
+        own ``params``). True: every GEMM of the matched modules, the attention scores
+        (``q @ k``) and the attention-weighted values (``p @ v``) included.
+
+    Raises:
+      TypeError / ValueError: a bad path, recipe, min_fp8_flops or activations.
+    """
+
+    path: str = ".*"
+    recipe: Any = DelayedScaling()
+    min_fp8_flops: float | str = "auto"
+    activations: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.path, str):
+            raise TypeError(f"Fp8Rule.path must be a regular expression (str), got "
+                            f"{self.path!r}")
+        try:
+            re.compile(self.path)
+        except re.error as err:
+            raise ValueError(f"Fp8Rule.path {self.path!r} is not a regular expression: "
+                             f"{err}") from None
+        if self.recipe is not None:
+            recipe_lib.check_recipe(self.recipe, "Fp8Rule.recipe")
+        flops = self.min_fp8_flops
+        if isinstance(flops, str):
+            if flops != "auto":
+                raise ValueError(f"Fp8Rule.min_fp8_flops must be a number of FLOPs or "
+                                 f"'auto', got {flops!r}")
+            flops = 0 if self.recipe is None else AUTO_MIN_FP8_FLOPS[type(self.recipe)]
+        object.__setattr__(self, "min_fp8_flops",
+                           check_min_fp8_flops(flops, "Fp8Rule.min_fp8_flops"))
+        if not isinstance(self.activations, bool):
+            raise TypeError(f"Fp8Rule.activations must be True or False, got "
+                            f"{self.activations!r}")
+
+    def matches(self, path: str) -> bool:
+        """Whether the rule applies to the module at ``path`` (names joined by ``/``)."""
+        return re.fullmatch(self.path, path) is not None
+
+
+def as_rules(rules, name: str = "rules") -> tuple[Fp8Rule, ...]:
+    """``rules`` (None, one `Fp8Rule` or a sequence of them) as a tuple; None: every GEMM
+    with a parameter operand in delayed scaling (``(Fp8Rule(),)``)."""
+    if rules is None:
+        return (Fp8Rule(),)
+    if isinstance(rules, Fp8Rule):
+        return (rules,)
+    if isinstance(rules, (str, bytes, Mapping)) or not isinstance(rules, Sequence):
+        raise TypeError(f"{name} must be an Fp8Rule or a sequence of them, got {rules!r}")
+    for i, rule in enumerate(rules):
+        if not isinstance(rule, Fp8Rule):
+            raise TypeError(f"{name}[{i}] must be a jax_fp8.Fp8Rule, got {rule!r}")
+    return tuple(rules)
+
+
+def rule_for(rules: tuple[Fp8Rule, ...], path: str) -> Fp8Rule | None:
+    """The first rule matching ``path``, or None (also when that rule's recipe is None)."""
+    for rule in rules:
+        if rule.matches(path):
+            return rule if rule.recipe is not None else None
+    return None
