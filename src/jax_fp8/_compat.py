@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import jax
 
-__all__ = ["EXPLICIT", "check", "current_trace", "is_differentiation_trace", "parent_trace",
-           "pvary", "require_devices_during_lowering", "traced_for", "trace_of"]
+__all__ = ["EXPLICIT", "batched_here", "check", "current_trace", "is_differentiation_trace",
+           "parent_trace", "pvary", "require_devices_during_lowering", "traced_for",
+           "trace_of"]
 
 _MISSING = ("jax_fp8 needs {what} of this jax ({version}), which it no longer has; the "
             "trace-time guards of the FP8 training loops depend on it. Install a jax "
@@ -23,12 +24,12 @@ _MISSING = ("jax_fp8 needs {what} of this jax ({version}), which it no longer ha
 
 def _load():
     from jax._src import core, dispatch
-    from jax._src.interpreters import ad
-    return core, dispatch, ad
+    from jax._src.interpreters import ad, batching
+    return core, dispatch, ad, batching
 
 
 try:
-    _core, _dispatch, _ad = _load()
+    _core, _dispatch, _ad, _batching = _load()
 except ImportError as err:  # pragma: no cover - a JAX that moved these modules
     raise ImportError(_MISSING.format(what=f"jax._src ({err})", version=jax.__version__)) from err
 
@@ -45,6 +46,7 @@ def check() -> None:
     needs = {"jax._src.core.trace_ctx": hasattr(_core, "trace_ctx"),
              "jax._src.interpreters.ad.JVPTrace": hasattr(_ad, "JVPTrace"),
              "jax._src.interpreters.ad.LinearizeTrace": hasattr(_ad, "LinearizeTrace"),
+             "jax._src.interpreters.batching.BatchTrace": hasattr(_batching, "BatchTrace"),
              "jax._src.dispatch.prim_requires_devices_during_lowering":
                  hasattr(_dispatch, "prim_requires_devices_during_lowering")}
     missing = [name for name, ok in needs.items() if not ok]
@@ -73,6 +75,15 @@ def trace_of(x):
 def is_differentiation_trace(trace) -> bool:
     """Whether `trace` differentiates (``jax.jvp``, ``jax.grad``, ``jax.vjp``, ``linearize``)."""
     return isinstance(trace, _AD_TRACE_TYPES)
+
+
+def batched_here(x) -> bool:
+    """Whether ``x`` is batched by the ``jax.vmap`` being traced now (the current trace is
+    a vmap's and ``x`` one of its tracers): a function called per example that takes its
+    whole batch in one operation (`jax.custom_batching.custom_vmap`) decides so here."""
+    trace = current_trace()
+    return (hasattr(_batching, "BatchTrace") and isinstance(trace, _batching.BatchTrace)
+            and trace_of(x) is trace)
 
 
 def traced_for(trace) -> str | None:

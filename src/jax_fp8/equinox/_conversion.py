@@ -1,0 +1,172 @@
+"""`fp8_model` for Equinox models: ``eqx.nn.Linear`` leaves replaced by `Fp8Linear`, and the
+GEMMs a module of one's own calls on its own weights given FP8 states of their own."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_fp8 import interception, rules as rules_lib
+from jax_fp8.equinox._gemm import fp8_gemm
+from jax_fp8.equinox._linear import Fp8Linear
+from jax_fp8.equinox._state import Fp8State
+from jax_fp8.meta import Fp8Meta
+from jax_fp8.recipe import DelayedScaling
+
+__all__ = ["fp8_model"]
+
+_FLOATS = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
+FP8_FIELD = "fp8_states"   # the field a converted module of one's own holds its states in
+
+
+def _key_name(key) -> str:
+    for attr in ("name", "key", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _path(keys) -> str:
+    return "/".join(_key_name(k) for k in keys)
+
+
+def _own_weights(module: eqx.Module) -> dict:
+    """The module's own float arrays of two or more axes (its weights), by field name."""
+    return {f.name: getattr(module, f.name) for f in _fields(module)
+            if isinstance(getattr(module, f.name, None), jax.Array)
+            and getattr(module, f.name).ndim >= 2
+            and np.dtype(getattr(module, f.name).dtype) in _FLOATS}
+
+
+def _fields(module):
+    return [f for f in dataclasses.fields(module) if not f.metadata.get("static", False)]
+
+
+def _own_gemms(module) -> bool:
+    """Whether ``module``'s class (not Equinox's) defines a ``__call__`` of its own."""
+    cls = getattr(type(module), "_fp8_unconverted", type(module))
+    if cls.__module__.split(".")[0] == "equinox":
+        return False
+    return any("__call__" in vars(k) for k in cls.__mro__ if k not in (eqx.Module, object))
+
+
+def _converting_call(call):
+    @functools.wraps(call)
+    def converting(self, *args, **kwargs):
+        states = getattr(self, FP8_FIELD)
+        rule = self._fp8_rule  # noqa: SLF001
+        current = {name: state.meta for name, state in states.items()}
+        weights = tuple((name, getattr(self, name)) for name in states)
+
+        def convert(kind, gemm_args, precision, preferred_element_type, weight):
+            if kind == "dot_general":
+                lhs, rhs, spec = gemm_args
+            else:
+                spec, lhs, rhs = gemm_args
+            if weight is None:  # two activations (Fp8Rule.activations): a stateless recipe
+                meta = Fp8Meta.create(rule.recipe)
+            else:
+                meta = current[weight]
+            out, meta = fp8_gemm(kind, spec, lhs, rhs, meta, precision=precision,
+                                 preferred_element_type=preferred_element_type,
+                                 min_fp8_flops=rule.min_fp8_flops)
+            if weight is not None:   # every GEMM of one weight threads its state
+                current[weight] = meta
+            return out
+
+        site = interception.Site(rule, convert, weights=weights)
+        with interception.patched(), interception.running(site):
+            return call(self, *args, **kwargs)
+    return converting
+
+
+@functools.cache
+def _converting_class(cls, rule):
+    """``cls`` with a field holding the FP8 states of its weights' GEMMs, and its
+    ``__call__`` run under the interception (the same signature)."""
+    namespace = {"__annotations__": {FP8_FIELD: dict},
+                 "__call__": _converting_call(cls.__call__),
+                 "_fp8_rule": rule, "_fp8_unconverted": cls}
+    new = type(cls.__name__, (cls,), namespace)
+    new.__qualname__, new.__module__ = cls.__qualname__, cls.__module__
+    return new
+
+
+def _convert_own(module, rule, path):
+    weights = _own_weights(module)
+    if rule.activations and isinstance(rule.recipe, DelayedScaling):
+        raise ValueError(
+            f"jax_fp8.equinox.fp8_model: Fp8Rule(activations=True) with delayed scaling "
+            f"matches {type(module).__name__} at {path!r}: a GEMM of two activations would "
+            f"need an FP8 state of its own, which an Equinox model cannot add while it runs. "
+            f"Use Float8CurrentScaling() or Float8BlockScaling() for that rule (they keep no "
+            f"state), or activations=False")
+    if not weights and not rule.activations:
+        return module
+    new = object.__new__(_converting_class(type(module), rule))
+    for f in dataclasses.fields(module):
+        object.__setattr__(new, f.name, getattr(module, f.name))
+    # A weight of a stacked module (eqx.filter_vmap) has the stack's axes in front of its
+    # own; a module of one's own does not say how many, so its states are one per weight
+    # (docs/equinox.md).
+    object.__setattr__(new, FP8_FIELD, {name: Fp8State.create(rule.recipe) for name in weights})
+    return new
+
+
+def fp8_model(model: Any, rules: Any = None) -> Any:
+    """``model`` (an Equinox module, or any pytree of them) with its GEMMs in FP8.
+
+    Each ``eqx.nn.Linear`` a rule matches becomes an `Fp8Linear` (same weight, bias,
+    fields and call) with the rule's recipe and ``min_fp8_flops``; a module of one's own
+    (its class defines ``__call__``, Equinox's own modules excluded) that a rule matches,
+    with float arrays of two or more axes as fields (its weights), gets an FP8 state per
+    weight (the field ``fp8_states``, a dict by field name) and a ``__call__`` in which each
+    ``jax.lax.dot_general`` / ``jnp.einsum`` of a weight runs as an FP8 GEMM, the weight
+    quantized as the kernel (every GEMM of one weight in a call threads its state). With
+    ``Fp8Rule(activations=True)`` (a current or blockwise recipe) its GEMMs of two
+    activations too. The model's call signature and the modules' classes (a converted
+    module is an instance of a subclass of its own) are kept.
+
+    Args:
+      model: the model to convert; it is not changed (Equinox modules are immutable).
+      rules: ``None`` (every ``eqx.nn.Linear`` and weight GEMM in delayed scaling), one
+        `jax_fp8.Fp8Rule` or a sequence of them, matched against each module's path: its
+        field names and indices joined by ``/`` (``"layers/0/attention/query_proj"``,
+        ``""`` for the root); the first match decides, a rule with ``recipe=None``
+        excludes.
+
+    Returns:
+      The converted model.
+
+    Raises:
+      ValueError: a delayed-scaling rule with ``activations=True`` matches a module of
+        one's own (a GEMM of two activations would need a state created while running).
+    """
+    rules = rules_lib.as_rules(rules, "rules")
+    return _convert(model, (), rules)
+
+
+def _convert(node, keys, rules):
+    path = _path(keys)
+    if isinstance(node, eqx.nn.Linear):
+        rule = rules_lib.rule_for(rules, path)
+        if rule is None:
+            return node
+        return Fp8Linear.from_linear(node, rule.recipe, rule.min_fp8_flops)
+    if isinstance(node, Fp8Linear) or hasattr(type(node), "_fp8_unconverted"):
+        return node   # already FP8
+    is_sub = lambda x: x is not node and isinstance(x, eqx.Module)  # noqa: E731
+    converted = jax.tree_util.tree_map_with_path(
+        lambda p, x: _convert(x, keys + tuple(p), rules) if isinstance(x, eqx.Module) else x,
+        node, is_leaf=is_sub)
+    if isinstance(converted, eqx.Module) and _own_gemms(converted):
+        rule = rules_lib.rule_for(rules, path)
+        if rule is not None:
+            return _convert_own(converted, rule, path)
+    return converted

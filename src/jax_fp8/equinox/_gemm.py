@@ -1,0 +1,102 @@
+"""The FP8 GEMM of an Equinox layer: one call per example, one GEMM per ``jax.vmap`` batch.
+
+Equinox layers are written for one example and called under ``jax.vmap``. Batched by
+JAX's own rules, an `fp8_dot_general` of a per-example input and a shared kernel would
+judge ``min_fp8_flops`` on one example's GEMM, and its kernel gradient would be one GEMM
+per example summed afterwards. Here, under a ``jax.vmap`` that batches the input alone
+(the kernel and the FP8 state shared by the batch), the vmapped axis becomes one more
+free axis of the input (`jax.custom_batching.custom_vmap`): the FP8 op sees the batched
+GEMM, its amaxes are those of the whole batch (the max over its examples), the
+``min_fp8_flops`` threshold counts its FLOPs, and its kernel gradient contracts over the
+batch in one GEMM. Any other batching (a batched kernel or state: ``vmap`` over stacked
+layers) is the FP8 op's own.
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_fp8 import _compat, interception
+from jax_fp8.dot_general import fp8_dot_general
+from jax_fp8.einsum import fp8_einsum
+from jax_fp8.meta import Fp8Meta
+
+__all__ = ["fp8_gemm"]
+
+
+def fp8_gemm(kind: str, spec: Any, lhs, rhs, meta: Fp8Meta, *, precision=None,
+             preferred_element_type=None, min_fp8_flops: float = 0.0):
+    """``(out, meta)`` of the FP8 GEMM ``kind`` ("dot_general": ``spec`` its dimension
+    numbers; "einsum": ``spec`` its two-operand equation), ``rhs`` quantized as the
+    kernel; under ``jax.vmap`` one GEMM over the batch (module docstring)."""
+    static = (kind, spec, precision, preferred_element_type, float(min_fp8_flops))
+    return _gemm(static, lhs, rhs, meta)
+
+
+def _plain(static, lhs, rhs, meta):
+    kind, spec, precision, preferred_element_type, min_fp8_flops = static
+    # The FP8 op's own GEMMs are never converted again by an enclosing converted module.
+    with interception.running(None):
+        if kind == "dot_general":
+            return fp8_dot_general(lhs, rhs, spec, meta, precision, preferred_element_type,
+                                   min_fp8_flops=min_fp8_flops)
+        return fp8_einsum(spec, lhs, rhs, meta, preferred_element_type=preferred_element_type,
+                          min_fp8_flops=min_fp8_flops)
+
+
+def _with_batch_axis(static):
+    """``static`` for an input with one more leading axis, and where that axis lands in
+    the result."""
+    kind, spec, *rest = static
+    if kind == "dot_general":
+        (lc, rc), (lb, rb) = spec
+        shift = lambda axes: tuple(int(a) + 1 for a in axes)  # noqa: E731
+        # dot_general's result is (batch axes, lhs free axes, rhs free axes).
+        return (kind, ((shift(lc), tuple(rc)), (shift(lb), tuple(rb))), *rest), len(lb)
+    # An explicit equation ("ab,bc->ac"; the interception spells its GEMMs so).
+    eqn = spec.replace(" ", "")
+    ins, out = eqn.split("->")
+    a, b = ins.split(",")
+    letter = next(c for c in string.ascii_letters if c not in eqn)
+    return (kind, f"{letter}{a},{b}->{letter}{out}", *rest), 0
+
+
+def _gemm(static, lhs, rhs, meta):
+    if not _compat.batched_here(lhs):
+        return _plain(static, lhs, rhs, meta)
+
+    @jax.custom_batching.custom_vmap
+    def gemm(lhs, rhs, meta):
+        return _plain(static, lhs, rhs, meta)
+
+    @gemm.def_vmap
+    def rule(axis_size, in_batched, lhs, rhs, meta):
+        del axis_size
+        lhs_batched, rhs_batched, meta_batched = in_batched
+        meta_flags, treedef = jax.tree.flatten(meta_batched)
+        if lhs_batched and not rhs_batched and not any(meta_flags):
+            # The batch as one more free axis of the input: one GEMM, its amaxes and
+            # FLOPs those of the batch (nested vmaps fold one axis each).
+            folded, position = _with_batch_axis(static)
+            out, new_meta = _gemm(folded, lhs, rhs, meta)
+            return ((jnp.moveaxis(out, position, 0), new_meta),
+                    (True, jax.tree.map(lambda _: False, new_meta)))
+        # A batched kernel or state (stacked layers): the FP8 op's own batching.
+        meta_leaves = jax.tree.leaves(meta)
+
+        def one(lhs, rhs, leaves):
+            out, new = _plain(static, lhs, rhs, jax.tree.unflatten(treedef, leaves))
+            return out, jax.tree.leaves(new)
+
+        axes = [0 if b else None for b in meta_flags]
+        out, new_leaves = jax.vmap(one, in_axes=(0 if lhs_batched else None,
+                                                 0 if rhs_batched else None, axes),
+                                   out_axes=(0, axes))(lhs, rhs, meta_leaves)
+        return ((out, jax.tree.unflatten(treedef, new_leaves)),
+                (True, jax.tree.unflatten(treedef, meta_flags)))
+
+    return gemm(lhs, rhs, meta)
