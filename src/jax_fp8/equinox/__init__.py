@@ -23,7 +23,11 @@ the loop above (docs/equinox.md).
 from jax_fp8.equinox._conversion import fp8_model
 from jax_fp8.equinox._gemm import fp8_gemm
 from jax_fp8.equinox._linear import Fp8Linear
-from jax_fp8.equinox._serialisation import tree_deserialise_leaves, tree_serialise_leaves
+from jax_fp8.equinox._serialisation import (
+    orbax_restore,
+    tree_deserialise_leaves,
+    tree_serialise_leaves,
+)
 from jax_fp8.equinox._state import Fp8Placeholder, Fp8State
 from jax_fp8.equinox._training import (
     accumulate_grads,
@@ -36,4 +40,4 @@ from jax_fp8.rules import Fp8Rule
 
 __all__ = ["Fp8Linear", "Fp8Placeholder", "Fp8Rule", "Fp8State", "accumulate_grads",
            "apply_updates", "check_fp8_updated", "fp8_gemm", "fp8_model", "fp8_states",
-           "params", "tree_deserialise_leaves", "tree_serialise_leaves"]
+           "orbax_restore", "params", "tree_deserialise_leaves", "tree_serialise_leaves"]

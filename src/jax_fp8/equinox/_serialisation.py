@@ -21,7 +21,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-__all__ = ["tree_deserialise_leaves", "tree_serialise_leaves"]
+__all__ = ["orbax_restore", "tree_deserialise_leaves", "tree_serialise_leaves"]
 
 _MAGIC = b"jax_fp8.equinox checkpoint 1\n"
 
@@ -70,24 +70,55 @@ def tree_deserialise_leaves(path_or_file: str | pathlib.Path | BinaryIO, like: A
         size = int.from_bytes(f.read(8), "little")
         saved = json.loads(f.read(size).decode())
         want = _layout(like)
-        saved_by_path = {p: (s, d) for p, s, d in saved}
-        want_by_path = {p: (s, d) for p, s, d in want}
-        for p, (shape, dtype) in want_by_path.items():
-            if p not in saved_by_path:
-                raise ValueError(f"checkpoint has no variable {p} (shape {tuple(shape)}, "
-                                 f"{dtype}) of the model it is loaded into: the model changed "
-                                 f"since it was saved (another layer, FP8 format or recipe)")
-            if saved_by_path[p] != (shape, dtype):
-                s, d = saved_by_path[p]
-                raise ValueError(f"checkpoint variable {p} has shape {tuple(s)}, {d}; the "
-                                 f"model it is loaded into has shape {tuple(shape)}, {dtype} "
-                                 f"(another FP8 history length or layer size)")
-        for p, (shape, dtype) in saved_by_path.items():
-            if p not in want_by_path:
-                raise ValueError(f"checkpoint variable {p} (shape {tuple(shape)}, {dtype}) is "
-                                 f"not in the model it is loaded into: the model changed since "
-                                 f"it was saved (another layer, FP8 format or recipe)")
+        _compare({p: (s, d) for p, s, d in saved}, {p: (s, d) for p, s, d in want})
         if [p for p, _, _ in saved] != [p for p, _, _ in want]:
             raise ValueError("checkpoint variables are in another order than the model's: the "
                              "model's structure changed since it was saved")
         return eqx.tree_deserialise_leaves(f, like)
+
+
+def _compare(saved_by_path: dict, want_by_path: dict) -> None:
+    for p, (shape, dtype) in want_by_path.items():
+        if p not in saved_by_path:
+            raise ValueError(f"checkpoint has no variable {p} (shape {tuple(shape)}, "
+                             f"{dtype}) of the model it is loaded into: the model changed "
+                             f"since it was saved (another layer, FP8 format or recipe)")
+        if saved_by_path[p] != (shape, dtype):
+            s, d = saved_by_path[p]
+            raise ValueError(f"checkpoint variable {p} has shape {tuple(s)}, {d}; the "
+                             f"model it is loaded into has shape {tuple(shape)}, {dtype} "
+                             f"(another FP8 history length or layer size)")
+    for p, (shape, dtype) in saved_by_path.items():
+        if p not in want_by_path:
+            raise ValueError(f"checkpoint variable {p} (shape {tuple(shape)}, {dtype}) is "
+                             f"not in the model it is loaded into: the model changed since "
+                             f"it was saved (another layer, FP8 format or recipe)")
+
+
+def _dotted(path) -> str:
+    return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))))
+                    for k in path)
+
+
+def orbax_restore(checkpointer: Any, directory: Any, like: Any) -> Any:
+    """The model saved by ``checkpointer.save(directory, eqx.filter(model,
+    eqx.is_array))`` (an orbax ``StandardCheckpointer``), restored into the structure of
+    ``like``.
+
+    Orbax refuses a checkpoint whose variables have other names (an FP8 state of another
+    format: its arrays' names say the format) and one of another shape, but names no
+    variable for the latter; here both are refused before anything is read, naming it.
+
+    Raises:
+      ValueError: the checkpoint's arrays differ from ``like``'s (as
+        `tree_deserialise_leaves`).
+    """
+    metadata = checkpointer.metadata(directory)
+    tree = getattr(metadata, "item_metadata", metadata)
+    saved = {_dotted(p): (list(m.shape), np.dtype(m.dtype).name)
+             for p, m in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    dynamic, static = eqx.partition(like, eqx.is_array)
+    want = {_dotted(p): (list(np.shape(x)), np.dtype(x.dtype).name)
+            for p, x in jax.tree_util.tree_flatten_with_path(dynamic)[0]}
+    _compare(saved, want)
+    return eqx.combine(checkpointer.restore(directory, dynamic), static)

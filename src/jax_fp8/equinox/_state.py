@@ -98,9 +98,13 @@ def _flatten(state: Fp8State):
     return (state.meta,), state.recipe
 
 
-jax.tree_util.register_pytree_with_keys(
-    Fp8State, _flatten_with_keys, lambda recipe, children: Fp8State(children[0], recipe),
-    flatten_func=_flatten)
+def _unflatten(recipe, children) -> Fp8State:
+    (meta,) = children
+    return Fp8State(meta, recipe)
+
+
+jax.tree_util.register_pytree_with_keys(Fp8State, _flatten_with_keys, _unflatten,
+                                        flatten_func=_flatten)
 
 
 class Fp8Placeholder:
