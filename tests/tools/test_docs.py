@@ -31,7 +31,7 @@ PROVENANCE = re.compile(
 
 # The public modules and their reference pages (docs/reference/<page>.md).
 PUBLIC_MODULES = {"jax_fp8": "jax_fp8", "jax_fp8.flax": "flax", "jax_fp8.flax.nnx": "nnx",
-                  "jax_fp8.flax.interop": "interop"}
+                  "jax_fp8.flax.interop": "interop", "jax_fp8.equinox": "equinox"}
 
 
 def _import_or_none(name):
@@ -329,7 +329,7 @@ def test_snippet_runs_on_its_own(page, index, tmp_path):
 
 # Pages whose ```python blocks continue each other within a section: each `## ` section's
 # blocks, in order, form one program (as a reader pastes them into one session).
-PROGRAM_PAGES = ("docs/getting_started.md",)
+PROGRAM_PAGES = ("docs/getting_started.md", "docs/equinox.md")
 
 
 def _section_programs(md):

@@ -19,8 +19,8 @@ from typing import Any
 
 import jax
 
-from jax_fp8 import recipe as recipe_lib
 from jax_fp8.meta import Fp8Meta
+from jax_fp8.recipe import DelayedScaling, check_recipe
 
 __all__ = ["FIX", "Fp8Placeholder", "Fp8State", "is_fp8_node"]
 
@@ -69,14 +69,14 @@ class Fp8State:
     """
 
     meta: Fp8Meta
-    recipe: Any = recipe_lib.DelayedScaling()
+    recipe: Any = DelayedScaling()
 
     @classmethod
     def create(cls, recipe=None, shape=()) -> Fp8State:
         """A fresh state for ``recipe`` (default ``DelayedScaling()``); ``shape``: the
         leading axes of stacked layers."""
-        recipe = recipe_lib.DelayedScaling() if recipe is None else recipe
-        recipe_lib.check_recipe(recipe, "recipe")
+        recipe = DelayedScaling() if recipe is None else recipe
+        check_recipe(recipe, "recipe")
         return cls(Fp8Meta.create(recipe, shape), recipe)
 
 
