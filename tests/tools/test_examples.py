@@ -129,6 +129,31 @@ def test_nnx_demo_smoke(tmp_path, recipe):
         assert not list((tmp_path / d).iterdir()), d
 
 
+def test_equinox_demo_smoke(tmp_path):
+    """The Equinox example: the FP8 run and the float32 run of the same model, one
+    metrics.json with both and the FP8 run's gap."""
+    pytest.importorskip("equinox")
+    out, cwd = tmp_path / "out", tmp_path / "cwd"
+    cwd.mkdir()
+    proc = _run("train_fp8_equinox.py",
+                ["--steps", "3", "--out", str(out), "--d-model", "16", "--layers", "2",
+                 "--heads", "2", "--seq-len", "16", "--batch", "4", "--history-len", "4",
+                 "--eval-batches", "1"], cwd, _env(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    saved = json.loads((out / "metrics.json").read_text())
+    for run in ("fp8", "float32"):
+        assert len(saved[run]["loss"]) == 3 and all(math.isfinite(v) for v in saved[run]["loss"])
+        assert math.isfinite(saved[run]["valid_loss"])
+    # 4 attention projections + 2 MLP layers, each state stacked over the 2 layers; the
+    # LM head stays in float32.
+    assert saved["fp8"]["fp8_states"] == 6 and saved["float32"]["fp8_states"] == 0
+    assert math.isfinite(saved["valid_gap_to_float32"])
+    assert "fp8 (delayed): step 3/3" in proc.stderr and "of float32's" in proc.stdout
+    assert {p.name for p in out.iterdir()} == {"metrics.json"}
+    for d in ("cwd", "home", "tmpdir"):
+        assert not list((tmp_path / d).iterdir()), d
+
+
 def _cached_env(tmp_path):
     # (Test-only: a compilation cache under tmp_path shares compiles between processes.)
     return _env(tmp_path, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),

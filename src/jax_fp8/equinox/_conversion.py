@@ -128,7 +128,9 @@ def fp8_model(model: Any, rules: Any = None) -> Any:
     with float arrays of two or more axes as fields (its weights), gets an FP8 state per
     weight (the field ``fp8_states``, a dict by field name) and a ``__call__`` in which each
     ``jax.lax.dot_general`` / ``jnp.einsum`` of a weight runs as an FP8 GEMM, the weight
-    quantized as the kernel (every GEMM of one weight in a call threads its state). With
+    quantized as the kernel (every GEMM of one weight in a call threads its state; a
+    weight that is no GEMM's operand keeps a state that never changes: exclude such a
+    module by its path). With
     ``Fp8Rule(activations=True)`` (a current or blockwise recipe) its GEMMs of two
     activations too. The model's call signature and the modules' classes (a converted
     module is an instance of a subclass of its own) are kept.
