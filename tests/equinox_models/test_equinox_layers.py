@@ -218,3 +218,24 @@ def test_stacked_layers_scanned_get_one_state_per_layer():
     grads = eqx.filter_grad(mse)(fp8, x, y)
     observed = grads.layers.fp8.meta.input.amax_history[:, 0]
     assert observed[0] == jnp.max(jnp.abs(x)) and len(set(np.asarray(observed))) == 3
+
+
+class Shared(eqx.Module):
+    """One eqx.nn.Linear applied twice (a shared layer)."""
+
+    linear: eqx.nn.Linear
+
+    def __call__(self, x):
+        return self.linear(jax.nn.gelu(self.linear(x)))
+
+
+def test_a_shared_layer_called_twice_threads_its_state():
+    """Both calls' amaxes combine by max (not summed, not an error), under vmap too."""
+    model = jfe.fp8_model(Shared(eqx.nn.Linear(16, 16, key=jr.key(16))),
+                          Fp8Rule(min_fp8_flops=0))
+    x = jr.normal(jr.key(17), (4, 16)) * 0.1
+    grads = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(x)))(model)
+    hidden = jax.nn.gelu(jax.vmap(model.linear)(x))
+    want = jnp.maximum(jnp.max(jnp.abs(x)), jnp.max(jnp.abs(hidden)))
+    assert grads.linear.fp8.meta.input.amax_history[0] == want
+    assert grads.linear.fp8.meta.kernel.amax_history[0] == jnp.max(jnp.abs(model.linear.weight))

@@ -15,6 +15,7 @@ layers) is the FP8 op's own.
 from __future__ import annotations
 
 import string
+import weakref
 from typing import Any
 
 import jax
@@ -32,9 +33,63 @@ def fp8_gemm(kind: str, spec: Any, lhs, rhs, meta: Fp8Meta, *, precision=None,
              preferred_element_type=None, min_fp8_flops: float = 0.0):
     """``(out, meta)`` of the FP8 GEMM ``kind`` ("dot_general": ``spec`` its dimension
     numbers; "einsum": ``spec`` its two-operand equation), ``rhs`` quantized as the
-    kernel; under ``jax.vmap`` one GEMM over the batch (module docstring)."""
+    kernel; under ``jax.vmap`` one GEMM over the batch (module docstring).
+
+    An Equinox layer cannot keep the meta its GEMM returns, so a layer called twice in
+    one differentiated computation (a shared layer) would hand the same meta to two FP8
+    ops, whose amaxes JAX would sum. The meta a call returns is therefore recorded
+    against the one it was given, and a later call given that meta again, in the same
+    computation, uses the recorded one: the uses are threaded and their amaxes combine
+    by max (`jax_fp8.meta`)."""
     static = (kind, spec, precision, preferred_element_type, float(min_fp8_flops))
-    return _gemm(static, lhs, rhs, meta)
+    given = meta
+    meta = _threaded(meta)
+    out, new = _gemm(static, lhs, rhs, meta)
+    _record(given, new)
+    return out, new
+
+
+# The meta returned by the last use of a meta value (differentiated, a tracer): id of its
+# first leaf -> (weak reference to that leaf, the returned meta).
+_last_use: dict = {}
+
+
+def _key_leaf(meta):
+    leaves = jax.tree.leaves(meta)
+    return leaves[0] if leaves and isinstance(leaves[0], jax.core.Tracer) else None
+
+
+def _visible(meta) -> bool:
+    """Whether ``meta``'s values belong to the trace being traced now or one it is
+    nested in (a value of a finished inner trace, e.g. a ``vmap`` body, is not)."""
+    own = {id(_compat.trace_of(x)) for x in jax.tree.leaves(meta)} - {id(None)}
+    t = _compat.current_trace()
+    while t is not None and own:
+        own.discard(id(t))
+        t = _compat.parent_trace(t)
+    return not own
+
+
+def _threaded(meta):
+    leaf = _key_leaf(meta)
+    if leaf is None:
+        return meta
+    found = _last_use.get(id(leaf))
+    if found is None or found[0]() is not leaf or not _visible(found[1]):
+        return meta
+    return found[1]
+
+
+def _record(given, new) -> None:
+    leaf = _key_leaf(given)
+    if leaf is None:
+        return
+    key = id(leaf)
+
+    def forget(_, k=key):
+        _last_use.pop(k, None)
+
+    _last_use[key] = (weakref.ref(leaf, forget), new)
 
 
 def _plain(static, lhs, rhs, meta):
