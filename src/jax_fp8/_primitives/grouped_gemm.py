@@ -32,6 +32,12 @@ XLA). It takes E4M3 or E5M2 lhs x E4M3 rhs, K % 16 == 0, N % 8 == 0 (bf16 out) o
 N % 4 == 0 (float32 / float16 out), 1 <= G <= 2**20 (ffi/grouped_gemm_limits.h): TMA needs
 every group's rows on 16-byte boundaries. Elsewhere the reference runs, and `explain` says why.
 
+The weight gradient of a grouped GEMM (ragged along the contraction: lhs_g^T . grad_g per
+group) is not this primitive. FP8 wgmma reads both operands K-major, so it needs the token
+axis contiguous (transposed copies of both), and then each group's operands start at
+column offset_g, which TMA can load only where offset_g is a multiple of 16 (every group
+size a multiple of 16 tokens); routed group sizes are arbitrary.
+
 The kernel is **off by default** until it has been measured on an H200:
 ``implementation="cuda"`` in `grouped_gemm`, or ``JAX_FP8_GROUPED_GEMM=cuda`` in the
 environment (read where `grouped_gemm` is traced), turns it on; ``explain``'s row for the
