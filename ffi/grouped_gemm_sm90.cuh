@@ -100,7 +100,9 @@ __global__ void __launch_bounds__(kSetupThreads)
 }
 
 // Zeroes out[rows:m, :] (rows read from the setup kernel's result), 16 bytes a store: rows
-// are multiples of 16 bytes (grouped_gemm_limits.h) and the buffer 16-byte aligned.
+// are multiples of 16 bytes (grouped_gemm_limits.h) and the buffer 16-byte aligned. A
+// template (on the output type) so that each configuration's unit may define it.
+template <class ElementD>
 __global__ void GroupedGemmZeroKernel(uint4* out, const int64_t* rows, int64_t row_vectors,
                                       int64_t m) {
   const int64_t first = *rows * row_vectors, last = m * row_vectors;
@@ -229,8 +231,8 @@ struct GroupedGemm {
     const int zero_blocks = static_cast<int>(blocks < 4 * hw[device].sm_count
                                                  ? blocks : 4 * hw[device].sm_count);
     if (zero_blocks > 0) {
-      GroupedGemmZeroKernel<<<zero_blocks, 256, 0, stream>>>(static_cast<uint4*>(c.out), a.rows,
-                                                             row_vectors, c.m);
+      GroupedGemmZeroKernel<ElementD><<<zero_blocks, 256, 0, stream>>>(
+          static_cast<uint4*>(c.out), a.rows, row_vectors, c.m);
       if (cudaError_t err = cudaGetLastError()) return err;
     }
 
