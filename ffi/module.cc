@@ -10,6 +10,7 @@
 #include <string>
 
 #include "block_gemm_limits.h"
+#include "grouped_gemm_limits.h"
 
 #if defined(JAX_FP8_CUDA_MODULE)
 #include "block_gemm_cublaslt.h"
@@ -17,6 +18,8 @@
 #include "block_gemm_cutlass.h"
 #include "block_quantize_cuda.h"
 #include "block_quantize_cuda_handler.h"
+#include "grouped_gemm.h"
+#include "grouped_gemm_cuda.h"
 #include "split_cuda_handler.h"
 #include "transpose_cuda.h"
 #include "transpose_cuda_handler.h"
@@ -67,6 +70,8 @@ const Target kTargets[] = {
      "BlockQuantizeKernel"},
     {"jax_fp8_block_gemm", JAX_FP8_NONE, JAX_FP8_CUDA(JaxFp8BlockGemmCuda),
      JAX_FP8_CUDA(JaxFp8BlockGemmInitializeCuda), "BlockGemmFallbackKernel"},
+    {"jax_fp8_grouped_gemm", JAX_FP8_NONE, JAX_FP8_CUDA(JaxFp8GroupedGemmCuda),
+     JAX_FP8_CUDA(JaxFp8GroupedGemmInitializeCuda), "GroupedGemmSetupKernel"},
     {"jax_fp8_split_rows", JAX_FP8_CPU(JaxFp8SplitRowsCpu), JAX_FP8_CUDA(JaxFp8SplitRowsCuda),
      JAX_FP8_NONE, "SplitRowsKernel"},
 };
@@ -131,6 +136,18 @@ NB_MODULE(JAX_FP8_MODULE_NAME, m) {
       },
       nb::arg("a_type"), nb::arg("b_type"), nb::arg("out_type"), nb::arg("a_tile"),
       nb::arg("b_tile"), nb::arg("batch"), nb::arg("m"), nb::arg("n"), nb::arg("k"));
+  // The grouped GEMMs jax_fp8_grouped_gemm's custom call takes (grouped_gemm_limits.h) and
+  // the bytes of its workspace result; in both modules, as neither needs CUDA.
+  m.def(
+      "grouped_gemm_supports",
+      [](const std::string& lhs_type, const std::string& rhs_type, const std::string& out_type,
+         int64_t m, int64_t n, int64_t k, int64_t groups) {
+        return jax_fp8::GroupedGemmSupports(DataTypeNamed(lhs_type), DataTypeNamed(rhs_type),
+                                            DataTypeNamed(out_type), m, n, k, groups);
+      },
+      nb::arg("lhs_type"), nb::arg("rhs_type"), nb::arg("out_type"), nb::arg("m"), nb::arg("n"),
+      nb::arg("k"), nb::arg("groups"));
+  m.def("grouped_gemm_workspace_bytes", &jax_fp8::GroupedGemmWorkspaceBytes, nb::arg("groups"));
 #if defined(JAX_FP8_CUDA_MODULE)
   // The sizes the transpose kernels take (one source: the launcher's own check).
   m.def("transpose_bytes_supports", &jax_fp8::TransposeBytesSupports, nb::arg("batch"),
@@ -151,6 +168,16 @@ NB_MODULE(JAX_FP8_MODULE_NAME, m) {
     for (int i = 0; i < jax_fp8::CutlassConfigCount(); ++i) {
       const jax_fp8::CutlassConfig& c = jax_fp8::CutlassConfigAt(i);
       out.append(nb::make_tuple(c.name, c.b_tile, c.out_bf16));
+    }
+    return out;
+  });
+  // The grouped GEMM configurations compiled into this module: [(name, lhs E5M2, bf16 out)]
+  // (empty when CUTLASS's headers were not found at build).
+  m.def("grouped_gemm_configs", []() {
+    nb::list out;
+    for (int i = 0; i < jax_fp8::GroupedGemmConfigCount(); ++i) {
+      const jax_fp8::GroupedGemmConfig& c = jax_fp8::GroupedGemmConfigAt(i);
+      out.append(nb::make_tuple(c.name, c.lhs_e5m2, c.out_bf16));
     }
     return out;
   });

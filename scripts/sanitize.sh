@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # compute-sanitizer (memcheck, racecheck, initcheck, synccheck) on jax_fp8's CUDA
-# kernels (the update, the FP8 transposes, block quantization, the block-scaled GEMM and
-# the packed state's split), through the real JAX path
+# kernels (the update, the FP8 transposes, block quantization, the block-scaled GEMM, the
+# packed state's split and the grouped GEMM), through the real JAX path
 # (scripts/sanitize_driver.py). Only jax_fp8's kernels are instrumented (XLA's own are
 # filtered out). Needs a GPU, compute-sanitizer and jax_fp8 installed with its CUDA
 # kernels; scripts/gpu_checks.sh runs it as its "sanitize" section.
@@ -14,9 +14,12 @@ status=0
 # SANITIZE_TARGETS: "update" (UpdateKernel), "transpose" (TransposeBytesKernel,
 # QuantizeTransposeKernel), "block" (BlockQuantizeKernel, BlockGemmFallbackKernel),
 # "block_all" (memcheck of every kernel the block driver runs: cuBLASLt's block-scaled GEMM
-# kernels reading and writing the buffers our handler passes them) and "split"
-# (SplitRowsKernel: a packed state's scale vectors cut into one buffer per state).
-for target in ${SANITIZE_TARGETS:-update transpose block block_all split}; do
+# kernels reading and writing the buffers our handler passes them), "split"
+# (SplitRowsKernel: a packed state's scale vectors cut into one buffer per state), "grouped"
+# (GroupedGemmSetupKernel, GroupedGemmZeroKernel) and "grouped_all" (memcheck of every
+# kernel the grouped driver runs: CUTLASS's grouped GEMM on the arrays the setup kernel
+# writes).
+for target in ${SANITIZE_TARGETS:-update transpose block block_all split grouped grouped_all}; do
   tools=${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}
   case $target in
     update) filter=(--kernel-name kns=UpdateKernel); driver=update; log_suffix="" ;;
@@ -24,6 +27,8 @@ for target in ${SANITIZE_TARGETS:-update transpose block block_all split}; do
     block) filter=(--kernel-name kns=Block); driver=block_kernels; log_suffix=_block ;;
     block_all) filter=(); driver=block; log_suffix=_block_all; tools=memcheck ;;
     split) filter=(--kernel-name kns=SplitRowsKernel); driver=split; log_suffix=_split ;;
+    grouped) filter=(--kernel-name kns=GroupedGemm); driver=grouped; log_suffix=_grouped ;;
+    grouped_all) filter=(); driver=grouped; log_suffix=_grouped_all; tools=memcheck ;;
     *) echo "unknown target $target"; exit 2 ;;
   esac
   for tool in $tools; do
@@ -34,7 +39,7 @@ for target in ${SANITIZE_TARGETS:-update transpose block block_all split}; do
       "${filter[@]}" --error-exitcode 3 \
       python3 "$here/sanitize_driver.py" "$driver" > "$log" 2>&1
     rc=$?
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|wide-span|block (quantize|gemm)|sanitize driver done" "$log"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|wide-span|block (quantize|gemm)|grouped gemm|sanitize driver done" "$log"
     [ $rc -eq 0 ] || { echo "$tool: exit $rc"; tail -20 "$log"; status=1; }
   done
 done

@@ -1,6 +1,7 @@
 """Drives jax_fp8's CUDA kernels through the real JAX path, for compute-sanitizer.
 
-Run by scripts/sanitize.sh (``python scripts/sanitize_driver.py [transpose|block|split]``).
+Run by scripts/sanitize.sh (``python scripts/sanitize_driver.py
+[transpose|block|split|grouped]``).
 
 Covers: a donated (aliased, in-place) per-tensor pytree, a stacked state, mixed
 history lengths (1 .. 5000, several passes per block), skip_unused, amax inputs, and
@@ -12,7 +13,9 @@ cuBLASLt's GEMM): the block quantization kernel
 (both block shapes, both layouts, both scale layouts, every input type, edge tiles, NaN
 and inf tiles, a batch) and the block-scaled GEMM's custom call (cuBLASLt's kernel and the
 handler's own fallback kernel, 1x128 and 128x128 operands, ragged M/N/K). With "split":
-the kernel that cuts a packed state's scale vectors into one buffer per state.
+the kernel that cuts a packed state's scale vectors into one buffer per state. With
+"grouped": the grouped FP8 GEMM's custom call (its setup and zeroing kernels and CUTLASS's
+grouped GEMM).
 """
 
 import functools
@@ -66,6 +69,44 @@ if sys.argv[1:] == ["split"]:
         values = rng.standard_normal(sum(sizes)).astype(np.float32)
         pieces = split.split_rows(jax.device_put(values), sizes)
         assert np.array_equal(np.concatenate([np.asarray(p) for p in pieces]), values), sizes
+    print("sanitize driver done")
+    sys.exit(0)
+if sys.argv[1:] == ["grouped"]:
+    # The grouped FP8 GEMM's custom call (setup kernel, zeroing of the rows past the groups,
+    # CUTLASS's ptr-array grouped GEMM): uneven, empty, negative and clamped groups, a group
+    # count past one scan chunk (256), both lhs types and output types, ragged M; inputs
+    # copied from the host (initcheck), bits checked on the host against the exact product
+    # (small integers: every summation order is exact).
+    from jax_fp8._primitives import grouped_gemm as gg
+    ok, why = gg.kernel_status()
+    assert ok, why
+    cases = [(40, 24, 48, (5, 0, 17, 1, 9)), (40, 24, 48, (0, 0, 0)),
+             (40, 32, 64, (30, 0, 30, 7)), (33, 16, 32, (10, -3, 12, -(2 ** 31), 2 ** 31 - 1)),
+             (700, 40, 32, tuple(int(v) for v in rng.integers(0, 4, 300))),
+             (257, 264, 272, (128, 1, 127))]
+    n_calls = 0
+    for m, n, k, sizes in cases:
+        g = len(sizes)
+        for lhs_type in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+            for out_dtype in (jnp.bfloat16, np.float32):
+                lhs = rng.integers(-3, 4, (m, k)).astype(np.dtype(lhs_type))
+                rhs = rng.integers(-3, 4, (g, n, k)).astype(np.dtype(jnp.float8_e4m3fn))
+                ls = (2.0 ** rng.integers(-4, 5, g)).astype(np.float32)
+                rs = (2.0 ** rng.integers(-4, 5, g)).astype(np.float32)
+                out = np.asarray(gg.grouped_gemm(
+                    jax.device_put(lhs), jax.device_put(rhs),
+                    jax.device_put(np.asarray(sizes, np.int32)), jax.device_put(ls),
+                    jax.device_put(rs), out_dtype=out_dtype, implementation="cuda"))
+                want = np.zeros((m, n), np.float64)
+                start = 0
+                for i, size in enumerate(sizes):
+                    size = min(max(size, 0), m - start)
+                    want[start:start + size] = (lhs[start:start + size].astype(np.float64)
+                                                @ rhs[i].astype(np.float64).T) * (ls[i] * rs[i])
+                    start += size
+                assert np.array_equal(out, want.astype(out_dtype)), (m, n, k, g, lhs_type)
+                n_calls += 1
+    print(f"grouped gemm: {n_calls} calls")
     print("sanitize driver done")
     sys.exit(0)
 if sys.argv[1:] in (["block"], ["block_kernels"]):

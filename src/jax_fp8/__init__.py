@@ -15,6 +15,8 @@ Public API (reference: ``docs/reference/``, built by ``mkdocs build``; the arith
   Flax              jax_fp8.flax (linen), jax_fp8.flax.nnx, jax_fp8.flax.interop
 """
 
+# grouped_gemm: registers jax_fp8_grouped_gemm (its FFI target is in every module's table).
+from jax_fp8._primitives import grouped_gemm as _grouped_gemm  # noqa: F401
 from jax_fp8._registration import HAS_CPU_KERNEL, HAS_CUDA_KERNEL, export_disabled_checks
 from jax_fp8.blockwise import quantize_blocks, scale_from_amax
 from jax_fp8.dot_general import fp8_dot_general

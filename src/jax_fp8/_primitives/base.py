@@ -71,12 +71,20 @@ def _always(*avals, **params) -> bool:
     return True
 
 
+def _no_reason(*avals, **params) -> None:
+    del avals, params
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Kernel:
     """A custom-call lowering on one platform: ``lower(ctx, *operands, **params)`` emits
-    it; ``supports(*avals, **params)`` says whether it applies (else the reference runs)."""
+    it; ``supports(*avals, **params)`` says whether it applies (else the reference runs);
+    ``refuses(*avals, **params)``: None where it may run, else why not, in words (the
+    reason `decide` gives: a kernel switched off, or the operands it does not take)."""
     lower: Callable
     supports: Callable = _always
+    refuses: Callable = _no_reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +199,9 @@ def decide(spec: Spec, platform: str | None, avals, implementation: str, params:
         return PARTITIONED, f"a jit over {num_devices} devices: each runs {what} on its shards"
     if kernel is None:
         return REFERENCE, no_kernel
+    refused = kernel.refuses(*avals, **params)
+    if refused:
+        return REFERENCE, refused
     if not kernel.supports(*avals, **params):
         return REFERENCE, f"the {platform} kernel does not take these operands"
     return KERNEL, f"the {platform} kernel"

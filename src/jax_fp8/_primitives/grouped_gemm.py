@@ -1,0 +1,265 @@
+"""The grouped FP8 GEMM primitive `jax_fp8_grouped_gemm`: a mixture-of-experts layer's G GEMMs,
+each over its own group of consecutive rows, with each group's two scale_inv factors.
+
+Shapes: lhs [M, K] and rhs [G, N, K] FP8 (both contracting over their last axis, the "TN"
+layout of the FFI GEMMs), group_sizes int32 [G], lhs_scale_inv and rhs_scale_inv float32
+[G], out [M, N] in `out_dtype`.
+
+The numbers (the reference below, and the CUDA kernel's):
+
+1. Groups: the sizes are clamped in order, size_g' = min(max(size_g, 0), M - offset_g), with
+   offset_g = size_0' + ... + size_{g-1}' (negative sizes count as 0; a group reaching past
+   row M is cut there). Group g owns rows [offset_g, offset_g + size_g').
+2. acc = ``jax.lax.ragged_dot`` of the FP8 operands with ``preferred_element_type=float32``
+   (rhs[g] transposed): each product of two FP8 values is exact in float32, summed over K in
+   float32 (in an order the implementation picks); IEEE for infinities and NaNs, which stay
+   in their group's rows (see `reference` for the weights where jax's ragged_dot would not).
+3. alpha_g = lhs_scale_inv[g] * rhs_scale_inv[g], one float32 multiply (rounded to nearest
+   even).
+4. out[r] = acc[r] * alpha_g for each row r of group g: one float32 multiply, then one
+   rounding to `out_dtype`. Rows from offset_G to M are 0 (whatever the scales are).
+
+So the scales are applied after the sum, as the product of the two, never to the operands.
+XLA flushes float32 subnormal results to zero (a subnormal alpha_g, or a subnormal
+acc * alpha_g, reads as a zero of its sign in the reference); the kernel keeps them.
+
+On CUDA the kernel (ffi/grouped_gemm_cuda.cc: CUTLASS's SM90 ptr-array grouped GEMM,
+ffi/grouped_gemm_sm90.cuh) computes steps 1-4 on the device from `group_sizes` (no host
+synchronization): the tensor cores sum each 128 values of K (4 wgmma steps) and add them to a
+float32 accumulator, alpha_g is read per group from device memory, and one float32 multiply
+and one rounding write the output (a float16 output: the kernel's float32, rounded once by
+XLA). It takes E4M3 or E5M2 lhs x E4M3 rhs, K % 16 == 0, N % 8 == 0 (bf16 out) or
+N % 4 == 0 (float32 / float16 out), 1 <= G <= 2**20 (ffi/grouped_gemm_limits.h): TMA needs
+every group's rows on 16-byte boundaries. Elsewhere the reference runs, and `explain` says why.
+
+The weight gradient of a grouped GEMM (ragged along the contraction: lhs_g^T . grad_g per
+group) is not this primitive. FP8 wgmma reads both operands K-major, so it needs the token
+axis contiguous (transposed copies of both), and then each group's operands start at
+column offset_g, which TMA can load only where offset_g is a multiple of 16 (every group
+size a multiple of 16 tokens); routed group sizes are arbitrary.
+
+The kernel is **off by default** until it has been measured on an H200:
+``implementation="cuda"`` in `grouped_gemm`, or ``JAX_FP8_GROUPED_GEMM=cuda`` in the
+environment (read where `grouped_gemm` is traced), turns it on; ``explain``'s row for the
+primitive says "off until measured on an H200" while it is off.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.interpreters import mlir
+
+from jax_fp8 import _registration
+from jax_fp8._primitives import base
+
+TARGET = "jax_fp8_grouped_gemm"
+# "cuda": the CUDA kernel runs where it is built and takes the operands; "off" (default):
+# the reference everywhere. Read where grouped_gemm is traced.
+ENV = "JAX_FP8_GROUPED_GEMM"
+ENV_VALUES = ("off", "cuda")
+IMPLEMENTATIONS = ("auto", "jnp", "cuda")
+OFF_REASON = (f"the grouped GEMM kernel is off until measured on an H200 (implementation='cuda' "
+              f"or {ENV}=cuda turns it on)")
+_KERNEL_OUT = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
+_OUT_TYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
+_MAX_ROWS = 2 ** 31 - 1
+
+
+def _is_fp8(dtype) -> bool:
+    return np.dtype(dtype).name.startswith("float8")
+
+
+def _abstract_eval(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, *, out_dtype, kernel):
+    del kernel
+    name = TARGET
+    if lhs.ndim != 2 or rhs.ndim != 3 or not _is_fp8(lhs.dtype) or not _is_fp8(rhs.dtype):
+        raise TypeError(f"{name}: need FP8 lhs [M, K] and rhs [G, N, K], got "
+                        f"{lhs.dtype}{list(lhs.shape)} and {rhs.dtype}{list(rhs.shape)}")
+    if rhs.shape[2] != lhs.shape[1]:
+        raise ValueError(f"{name}: lhs [M, K] and rhs [G, N, K] must share K, got "
+                         f"{list(lhs.shape)} and {list(rhs.shape)}")
+    if lhs.shape[0] > _MAX_ROWS:
+        raise ValueError(f"{name}: M = {lhs.shape[0]} rows exceed int32 group sizes")
+    g = rhs.shape[0]
+    if group_sizes.shape != (g,) or group_sizes.dtype != np.int32:
+        raise ValueError(f"{name}: group_sizes must be int32[{g}] (one size per group of "
+                         f"rhs), got {group_sizes.dtype}{list(group_sizes.shape)}")
+    for label, s in (("lhs_scale_inv", lhs_scale_inv), ("rhs_scale_inv", rhs_scale_inv)):
+        if s.shape != (g,) or s.dtype != np.float32:
+            raise ValueError(f"{name}: {label} must be float32[{g}] (one per group), got "
+                             f"{s.dtype}{list(s.shape)}")
+    if np.dtype(out_dtype) not in _OUT_TYPES:
+        raise TypeError(f"{name}: out_dtype must be one of bfloat16, float16, float32, got "
+                        f"{np.dtype(out_dtype)}")
+    return lhs.update(shape=(lhs.shape[0], rhs.shape[1]), dtype=np.dtype(out_dtype),
+                      weak_type=False)
+
+
+def clamped_group_ends(group_sizes, m: int):
+    """The end row of each group (int32 [G]) under the module's clamping: the prefix sums of
+    the sizes clamped to [0, m], each sum capped at m (a saturating scan: no overflow)."""
+    sizes = jnp.clip(group_sizes, 0, m).astype(jnp.uint32)
+    cap = jnp.uint32(m)
+    ends = lax.associative_scan(lambda a, b: jnp.minimum(a + b, cap), sizes)
+    return ends.astype(jnp.int32)
+
+
+def reference(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, *, out_dtype, kernel=False):
+    """The module's numbers in jax.numpy: steps 1-4 of the module docstring."""
+    del kernel
+    m, n = lhs.shape[0], rhs.shape[1]
+    if rhs.shape[0] == 0 or m == 0:
+        return jnp.zeros((m, n), out_dtype)
+    ends = clamped_group_ends(group_sizes, m)
+    rows = jnp.arange(m, dtype=jnp.int32)
+    group = jnp.searchsorted(ends, rows, side="right")           # G for rows past the groups
+    inside = rows < ends[-1]
+
+    def ragged(_):
+        sizes = jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
+        numbers = lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=(0,),
+            rhs_group_dimensions=(0,))
+        return lax.ragged_dot_general(lhs, rhs, sizes, numbers,
+                                      preferred_element_type=jnp.float32)
+
+    def per_group(_):
+        # Each group's rows from its own dense product: IEEE for every row.
+        def body(g, acc):
+            prod = lax.dot_general(lhs, rhs[g], (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+            return jnp.where((group == g)[:, None], prod, acc)
+        return lax.fori_loop(0, rhs.shape[0], body, jnp.zeros((m, n), jnp.float32))
+
+    # jax's ragged_dot computes every row against every group's weights (masking the rows of
+    # lhs, not the products), so an infinite or NaN weight of one expert would reach every
+    # group's rows as 0 * inf = NaN; such weights take the per-group loop (G times the
+    # FLOPs, only then).
+    acc = lax.cond(jnp.all(jnp.isfinite(rhs)), ragged, per_group, None)
+    alpha = lhs_scale_inv * rhs_scale_inv
+    row_alpha = jnp.where(inside, alpha[jnp.minimum(group, alpha.shape[0] - 1)], 0.0)
+    out = jnp.where(inside[:, None], acc * row_alpha[:, None], 0.0)
+    return out.astype(out_dtype)
+
+
+def kernel_configs() -> tuple[str, ...]:
+    """Names of the grouped GEMM configurations compiled into the CUDA module (empty without
+    the CUDA module or without CUTLASS)."""
+    if not _registration.HAS_CUDA_KERNEL:
+        return ()
+    module = importlib.import_module("jax_fp8._jax_fp8_cuda")
+    if not hasattr(module, "grouped_gemm_configs"):
+        return ()
+    return tuple(name for name, _, _ in module.grouped_gemm_configs())
+
+
+@functools.cache
+def kernel_status() -> tuple[bool, str]:
+    """(whether the grouped GEMM kernel can run in this process, why not): the CUDA module
+    built with CUTLASS's grouped GEMM, and SM90 GPUs present."""
+    if not _registration.HAS_CUDA_KERNEL:
+        return False, "the CUDA module was not built"
+    if not kernel_configs():
+        return False, ("the CUDA module was built without CUTLASS (nvidia-cutlass's headers "
+                       "were not found, or JAX_FP8_CUTLASS=OFF): no grouped GEMM kernel")
+    try:
+        gpus = jax.local_devices(backend="gpu")
+    except RuntimeError:
+        gpus = []
+    caps = {str(getattr(d, "compute_capability", "")) for d in gpus}
+    if not gpus or not all(c.split(".")[0] == "9" for c in caps):
+        return False, f"the grouped GEMM kernel is built for sm_90a, found {sorted(caps)}"
+    return True, f"CUTLASS sm_90a grouped GEMM: {', '.join(kernel_configs())}"
+
+
+def kernel_supports(lhs, rhs, out_dtype) -> bool:
+    """Whether the kernel takes lhs [M, K] . rhs [G, N, K] into `out_dtype` (abstract values
+    or anything with shape and dtype): ffi/grouped_gemm_limits.h's GroupedGemmSupports,
+    asked of the built module (either carries it); False where neither is built."""
+    module = _registration.CUDA_MODULE or _registration.CPU_MODULE
+    if module is None or not hasattr(module, "grouped_gemm_supports"):
+        return False
+    call_out = np.float32 if np.dtype(out_dtype) == np.float16 else out_dtype
+    m, k = lhs.shape
+    g, n, _ = rhs.shape
+    return module.grouped_gemm_supports(np.dtype(lhs.dtype).name, np.dtype(rhs.dtype).name,
+                                        np.dtype(call_out).name, int(m), int(n), int(k), int(g))
+
+
+def workspace_bytes(groups: int) -> int:
+    """The bytes of the custom call's workspace result (ffi/grouped_gemm_workspace.h)."""
+    module = _registration.CUDA_MODULE or _registration.CPU_MODULE
+    return int(module.grouped_gemm_workspace_bytes(int(groups)))
+
+
+def _refuses(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, *, out_dtype, kernel):
+    del group_sizes, lhs_scale_inv, rhs_scale_inv
+    if not kernel:
+        return OFF_REASON
+    ok, why = kernel_status()
+    if not ok:
+        return why
+    if not kernel_supports(lhs, rhs, out_dtype):
+        return ("the grouped GEMM kernel does not take these operands (it takes E4M3 or E5M2 "
+                "lhs x E4M3 rhs, K % 16 == 0, N % 8 == 0 for bfloat16 out or N % 4 == 0 for "
+                "float32 / float16 out, 1 <= G <= 2**20)")
+    return None
+
+
+def _ffi_grouped_gemm(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, *, out_dtype,
+                      kernel):
+    del kernel
+    m, n, g = lhs.shape[0], rhs.shape[1], rhs.shape[0]
+    # float16 out: the kernel writes float32, one convert rounds it (as the reference does)
+    kernel_dtype = out_dtype if np.dtype(out_dtype) in _KERNEL_OUT else np.dtype(np.float32)
+    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((m, n), kernel_dtype),
+                                     jax.ShapeDtypeStruct((workspace_bytes(g),), jnp.uint8)))
+    out, _ = call(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv)
+    return out.astype(out_dtype)
+
+
+def _kernel_lowering(ctx, *operands, **params):
+    return mlir.lower_fun(functools.partial(_ffi_grouped_gemm, **params),
+                          multiple_results=False)(ctx, *operands)
+
+
+# Differentiated and batched as the reference; no partitioning rule yet (under a jit over
+# several devices XLA partitions the reference).
+grouped_gemm_p = base.register(base.Spec(
+    TARGET, _abstract_eval, reference, cache_reference=True, jvp="reference", batch="reference",
+    kernels={"cuda": base.Kernel(_kernel_lowering, refuses=_refuses)}, same_varying=True))
+
+
+def kernel_switch() -> bool:
+    """Whether ``implementation="auto"`` may run the CUDA kernel: ``JAX_FP8_GROUPED_GEMM``
+    is "cuda" (default "off")."""
+    value = os.environ.get(ENV, "off")
+    if value not in ENV_VALUES:
+        raise ValueError(f"{ENV} must be one of {ENV_VALUES}, got {value!r}")
+    return value == "cuda"
+
+
+def grouped_gemm(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, *, out_dtype,
+                 implementation="auto"):
+    """Binds the primitive: lhs [M, K], rhs [G, N, K] (FP8), group_sizes int32 [G],
+    lhs_scale_inv and rhs_scale_inv float32 [G] -> out [M, N] in `out_dtype` (bfloat16,
+    float16 or float32), the numbers of the module docstring.
+
+    implementation: "auto" (the reference; the CUDA kernel where ``JAX_FP8_GROUPED_GEMM=cuda``
+    and it takes the operands), "cuda" (the CUDA kernel where it is built and takes the
+    operands, else the reference) or "jnp" (the reference).
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"{TARGET}: implementation must be one of {IMPLEMENTATIONS}, got "
+                         f"{implementation!r}")
+    kernel = implementation == "cuda" or (implementation == "auto" and kernel_switch())
+    return grouped_gemm_p.bind(
+        lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, out_dtype=np.dtype(out_dtype),
+        kernel=kernel, implementation="jnp" if implementation == "jnp" else "auto")
