@@ -38,10 +38,10 @@ axis contiguous (transposed copies of both), and then each group's operands star
 column offset_g, which TMA can load only where offset_g is a multiple of 16 (every group
 size a multiple of 16 tokens); routed group sizes are arbitrary.
 
-The kernel is **off by default** until it has been measured on an H200:
+The kernel is **off by default** until it has been measured on a GPU:
 ``implementation="cuda"`` in `grouped_gemm`, or ``JAX_FP8_GROUPED_GEMM=cuda`` in the
 environment (read where `grouped_gemm` is traced), turns it on; ``explain``'s row for the
-primitive says "off until measured on an H200" while it is off.
+primitive says "off until measured on a GPU" while it is off.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ TARGET = "jax_fp8_grouped_gemm"
 ENV = "JAX_FP8_GROUPED_GEMM"
 ENV_VALUES = ("off", "cuda")
 IMPLEMENTATIONS = ("auto", "jnp", "cuda")
-OFF_REASON = (f"the grouped GEMM kernel is off until measured on an H200 (implementation='cuda' "
+OFF_REASON = (f"the grouped GEMM kernel is off until measured on a GPU (implementation='cuda' "
               f"or {ENV}=cuda turns it on)")
 _KERNEL_OUT = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
 _OUT_TYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
