@@ -4,7 +4,7 @@ Public API (reference: ``docs/reference/``, built by ``mkdocs build``; the arith
 ``docs/semantics.md``):
 
   recipes           DelayedScaling, Float8CurrentScaling, Float8BlockScaling, Format,
-                    fp8_max, scaled_max
+                    fp8_max, scaled_max; Recipe (the interface each implements)
   state             ScalingState, update_states, amax_and_scale_update, reduce_amaxes
   training ops      Fp8Meta, fp8_dot_general, fp8_einsum, new_fp8_state, combine_fp8_grads,
                     amax_cotangents, frozen_scales, check_fp8_updated
@@ -29,14 +29,8 @@ from jax_fp8.meta import (
 )
 from jax_fp8.packing import PackedStates, pack_states, unpack_states
 from jax_fp8.quantization import compute_amax, dequantize, quantize
-from jax_fp8.recipe import (
-    DelayedScaling,
-    Float8BlockScaling,
-    Float8CurrentScaling,
-    Format,
-    fp8_max,
-    scaled_max,
-)
+from jax_fp8.recipe import Format, Recipe, fp8_max, scaled_max
+from jax_fp8.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 from jax_fp8.rules import Fp8Rule
 from jax_fp8.state import ScalingState
 from jax_fp8.update import amax_and_scale_update, reduce_amaxes, update_states
@@ -53,6 +47,7 @@ __all__ = [
     "HAS_CPU_KERNEL",
     "HAS_CUDA_KERNEL",
     "PackedStates",
+    "Recipe",
     "ScalingState",
     "amax_and_scale_update",
     "amax_cotangents",

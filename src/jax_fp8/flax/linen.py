@@ -99,11 +99,10 @@ def _check_collection_reaches(module: nn.Module, collection: str, op: str) -> No
 
 def _meta_variables(module: nn.Module, recipe, collection, op: str | None = None):
     recipe_lib.check_recipe(recipe, "recipe")
-    if not isinstance(recipe, recipe_lib.DelayedScaling):
-        return None  # current / blockwise scaling: no state
+    if not recipe.keeps_state:
+        return None  # scales from the operands: no state
     _check_collection_reaches(module, collection, op or type(module).__name__)
-    fwd, bwd = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
-    dtypes = {"input": fwd, "kernel": fwd, "grad": bwd}
+    dtypes = recipe.state_dtypes()
     return [module.variable(collection, name, ScalingState.create, (), recipe.history_len,
                             dtypes[name]) for name in Fp8Meta.STATES]
 
@@ -392,7 +391,7 @@ class Fp8TrainState(train_state.TrainState):
                                  f"'params' and {fp8_collection!r}. Pass params= and fp8= "
                                  "and keep the other collections yourself")
             params = rest["params"]
-        recipe = recipe_lib.DelayedScaling() if recipe is None else recipe
+        recipe = recipe_lib.default() if recipe is None else recipe
         recipe_lib.check_recipe(recipe, "recipe")
         fp8 = {} if fp8 is None else fp8
         state_lib.check_states_follow(recipe, fp8, "fp8")
