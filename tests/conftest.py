@@ -48,6 +48,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_slow)
 
 
+@pytest.fixture(params=sorted(helpers.RECIPES))
+def recipe(request):
+    """Every registered recipe (helpers.RECIPES), one test each."""
+    return helpers.RECIPES[request.param]
+
+
 @pytest.fixture(params=helpers.BACKENDS)
 def backend(request):
     """"cpu", or "gpu" where a GPU and the CUDA kernel are present (skips otherwise)."""

@@ -19,6 +19,16 @@ FLT_MAX = F32(np.finfo(np.float32).max)
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
+# One instance of every registered recipe, by a short name: the `recipe` fixture
+# (conftest.py) and the recipe-parametrised tests run each; test_recipes.py checks that
+# no registered recipe is missing. history_len=4 keeps delayed-scaling states small.
+RECIPES = {
+    "delayed": jax_fp8.DelayedScaling(history_len=4),
+    "current": jax_fp8.Float8CurrentScaling(),
+    "block": jax_fp8.Float8BlockScaling(),
+    "mxfp8": jax_fp8.MXFP8BlockScaling(),
+}
+
 
 def _test_dirs() -> list[str]:
     """tests/, then each folder directly under it that holds Python files, sorted."""

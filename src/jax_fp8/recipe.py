@@ -7,7 +7,7 @@ import abc
 import dataclasses
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import jax.numpy as jnp
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from jax_fp8.recipes.block import Float8BlockScaling  # noqa: F401
     from jax_fp8.recipes.current import Float8CurrentScaling  # noqa: F401
     from jax_fp8.recipes.delayed import DelayedScaling  # noqa: F401
+    from jax_fp8.recipes.mxfp8 import MXFP8BlockScaling  # noqa: F401
 
     RECIPES: tuple[type[Recipe], ...]
 
@@ -154,6 +155,11 @@ class Recipe(abc.ABC):
 
 
 _REGISTRY: dict[str, type[Recipe]] = {}
+# What `jax_fp8.devtools.explain` says of a recipe's GEMM that is not an FP8 dot_general of
+# the program: a dot_general under one of these name scopes (e.g. an emulated GEMM), and
+# these primitives: name -> (lowering, a function giving the reason in words).
+GEMM_SCOPES: dict[str, tuple[str, Callable[[], str]]] = {}
+GEMM_PRIMITIVES: dict[str, tuple[str, Callable[[], str]]] = {}
 # The recipe of a meta made without one (Fp8Meta.create(), Fp8Rule(), the layers' default).
 DEFAULT = "DelayedScaling"
 

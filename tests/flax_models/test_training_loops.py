@@ -15,14 +15,14 @@ import pytest
 from flax import nnx
 from flax.training import train_state
 
+import helpers
 import jax_fp8
 from helpers import assert_trees_equal, rand
 from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8TrainState, nnx as fnnx
 from jax_fp8.state import is_state
 
 DELAYED = jax_fp8.DelayedScaling(history_len=4)
-RECIPES = {"delayed": DELAYED, "current": jax_fp8.Float8CurrentScaling(),
-           "block": jax_fp8.Float8BlockScaling()}
+RECIPES = helpers.RECIPES
 D = 8
 REFUSED = r"optax was given jax_fp8 FP8 scaling states"
 

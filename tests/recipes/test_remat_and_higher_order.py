@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+import helpers
 import jax_fp8
 import jax_fp8.flax as jfl
 import jax_fp8.flax.nnx as jfnnx
@@ -28,11 +29,7 @@ from jax_fp8.scaled_dot import scaled_dot_general
 F32 = np.float32
 DN = (((1,), (0,)), ((), ()))
 CP = jax.checkpoint_policies
-RECIPES = {
-    "delayed": jax_fp8.DelayedScaling(history_len=4),
-    "current": jax_fp8.Float8CurrentScaling(),
-    "block": jax_fp8.Float8BlockScaling(),
-}
+RECIPES = helpers.RECIPES
 NAME = "fp8_out"
 
 
