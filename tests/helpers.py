@@ -293,10 +293,11 @@ def run_8_device_worker(script: str, *args: str, timeout: int = 300) -> dict:
     return json.loads(lines[-1][len("RESULTS "):])
 
 
-def rand(key, shape, scale=1.0):
-    """A float32 array of standard normals from NumPy's generator seeded with `key`."""
-    return jnp.asarray(np.random.default_rng(key).standard_normal(shape).astype(np.float32)
-                       * scale)
+def rand(key, shape, scale=1.0, dtype=jnp.float32):
+    """Standard normals from NumPy's generator seeded with `key`, in float32 times `scale`,
+    as a `dtype` array."""
+    x = np.random.default_rng(key).standard_normal(shape).astype(np.float32) * scale
+    return jnp.asarray(x, dtype)
 
 
 def assert_trees_equal(a, b):

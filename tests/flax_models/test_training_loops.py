@@ -27,10 +27,7 @@ D = 8
 REFUSED = r"optax was given jax_fp8 FP8 scaling states"
 
 
-@pytest.fixture(autouse=True)
-def on_cpu():
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
+pytestmark = pytest.mark.usefixtures("on_cpu")
 
 
 def states_of(tree):

@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import test_blockwise as tb
+import block_cases as tb
 from jax_fp8._primitives import block_quantize as bq
 
 HERE = os.path.dirname(os.path.abspath(__file__))

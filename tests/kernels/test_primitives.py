@@ -18,14 +18,15 @@ from jax_fp8._primitives import (
     update,
 )
 
-NINE = {"jax_fp8_update", "jax_fp8_amax", "jax_fp8_amax_for_state", "jax_fp8_transpose_bytes",
-        "jax_fp8_quantize_transpose", "jax_fp8_split_rows", "jax_fp8_block_quantize",
-        "jax_fp8_block_gemm", "jax_fp8_quotient_bits"}
+PRIMITIVES = {"jax_fp8_update", "jax_fp8_amax", "jax_fp8_amax_for_state",
+              "jax_fp8_transpose_bytes", "jax_fp8_quantize_transpose", "jax_fp8_split_rows",
+              "jax_fp8_block_quantize", "jax_fp8_block_gemm", "jax_fp8_quotient_bits",
+              "jax_fp8_product_bits"}
 E4M3 = jnp.float8_e4m3fn
 
 
 def test_every_primitive_is_declared_in_the_frame():
-    assert set(base.SPECS) == NINE
+    assert set(base.SPECS) == PRIMITIVES
     assert base.IMPLEMENTATIONS == ("auto", "jnp")
 
 
@@ -53,13 +54,14 @@ def _calls(implementation):
             q, s, q, s, a_block_rows=1, b_block_rows=1, out_dtype=jnp.float32, **opts),
         "jax_fp8_quotient_bits": lambda: quotient.quotient_bits_p.bind(
             x, x, subnormal=True, **opts),
+        "jax_fp8_product_bits": lambda: quotient.product_bits_p.bind(x, x, x, **opts),
     }
 
 
 @pytest.mark.parametrize("bad", ["xla", "kernel", "fallback", "local"])
 def test_implementations_outside_the_vocabulary_are_refused(bad):
     calls = _calls(bad)
-    assert set(calls) == NINE
+    assert set(calls) == PRIMITIVES
     for call in calls.values():
         with pytest.raises(ValueError, match="implementation must be one of"):
             jax.eval_shape(call)

@@ -10,16 +10,20 @@ within (K + 2) u S of the float64 product E, one rounding to the output adds u_o
 |out - E| <= (K + 4) u S (1 + u_out) + u_out |E|, S = sum_k |a_ik| |b_jk|, u = 2**-24.
 """
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import optax
+import orbax.checkpoint as ocp
 import pytest
 
 import block_reference
 import helpers
 import jax_fp8
 from jax_fp8.devtools import explain
+from jax_fp8.flax import FP8_COLLECTION, Fp8TrainState, fp8_model
 
 F32, U32 = np.float32, np.uint32
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
@@ -180,3 +184,58 @@ def test_update_refuses_states_and_stateless_meta_refuses_them():
 def test_mxfp8_partitions_on_8_devices():
     results = helpers.run_8_device_worker("mxfp8_worker.py")
     assert results and all(v == "ok" for v in results.values()), results
+
+
+class PlainMLP(nn.Module):
+    """A linen model written without jax_fp8."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.gelu(nn.Dense(128)(x))
+        return nn.Dense(64)(x)
+
+
+def test_fp8_model_converts_to_mxfp8_and_the_train_state_checkpoints(tmp_path):
+    recipe = jax_fp8.MXFP8BlockScaling()
+    model = fp8_model(PlainMLP(), jax_fp8.Fp8Rule(recipe=recipe, min_fp8_flops=0))
+    x, y = helpers.rand(0, (32, 64)), helpers.rand(1, (32, 64))
+    v = jax.jit(model.init)(jax.random.key(0), x)
+    assert FP8_COLLECTION not in v      # a recipe without state: only the parameters
+    rows = [r for r in explain.explain(lambda v, x: model.apply(v, x), v, x, platform="cpu")
+            if r.kind == "gemm"]
+    assert [r.lowering for r in rows] == ["mxfp8 emulated"] * 2, rows
+    state = Fp8TrainState.create(apply_fn=model.apply, variables=v, tx=optax.adam(1e-2),
+                                 recipe=recipe)
+    step = jax.jit(helpers.mse_fp8_step)
+    losses = []
+    for _ in range(3):
+        state, loss = step(state, x, y)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0], losses
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(tmp_path / "ckpt", state)
+    ckptr.wait_until_finished()
+    fresh = Fp8TrainState.create(apply_fn=model.apply, variables=v, tx=optax.adam(1e-2),
+                                 recipe=recipe)
+    restored = ckptr.restore(tmp_path / "ckpt",
+                             jax.tree.map(ocp.utils.to_shape_dtype_struct, fresh))
+    helpers.assert_trees_equal(restored.params, state.params)
+    a, la = step(state, x, y)
+    b, lb = step(restored, x, y)
+    assert float(la) == float(lb)
+
+
+def test_product_bits_is_the_ieee_float32_product():
+    """The primitive behind v = amax * float32(1 / fp8_max): one rounding of the exact
+    product, subnormal results included, against NumPy's IEEE float32."""
+    from jax_fp8._primitives.quotient import product_bits
+    rng = np.random.default_rng(5)
+    a = (rng.uniform(1, 2, 4096) * np.exp2(rng.integers(-126, 128, 4096))).astype(F32)
+    b = np.array([F32(1) / F32(448), F32(1) / F32(57344), F32(3.0), F32(0.1)], F32)
+    b = np.repeat(b, 1024)
+    c = np.exp2(rng.integers(-30, 1, 4096)).astype(F32)
+    with np.errstate(all="ignore"):
+        want = ((a.astype(np.float64) * b * c).astype(F32)).view(U32)
+    got = np.asarray(jax.jit(product_bits)(a, b, c))
+    np.testing.assert_array_equal(got, want)
+    assert (want < 0x800000).any()   # subnormal results are among them

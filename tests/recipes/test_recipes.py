@@ -13,15 +13,11 @@ from flax import nnx
 
 import helpers
 import jax_fp8
+from helpers import rand
 from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8Einsum, Fp8TrainState, nnx as fnnx
 
 RECIPES = helpers.RECIPES
 DN = (((1,), (0,)), ((), ()))
-
-
-def rand(seed, shape, scale=1.0):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-                       * scale)
 
 
 def _mlp(recipe):

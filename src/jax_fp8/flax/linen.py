@@ -64,7 +64,7 @@ from jax_fp8.einsum import fp8_einsum
 from jax_fp8.flax import multi_steps
 from jax_fp8.meta import Fp8Meta, new_fp8_state, scales_frozen
 from jax_fp8.packing import PackedStates, pack_states, unpack_states
-from jax_fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+from jax_fp8.recipe import DelayedScaling, Recipe
 from jax_fp8.state import ScalingState
 
 FP8_COLLECTION = "fp8_meta"
@@ -230,7 +230,8 @@ class Fp8DotGeneral(nn.Module):
 
     Attributes:
       recipe: DelayedScaling (the default: the states, history length and FP8 format,
-        live in ``collection``), Float8CurrentScaling or Float8BlockScaling (no state).
+        live in ``collection``) or any recipe without state (Float8CurrentScaling,
+        Float8BlockScaling, MXFP8BlockScaling).
       collection: the variable collection holding the FP8 state.
       min_fp8_flops: GEMMs with fewer FLOPs (2 * batch * M * N * K) run in the operands'
         dtype, not FP8 (`jax_fp8.fp8_dot_general`); 0 (the default): every GEMM is FP8.
@@ -241,7 +242,7 @@ class Fp8DotGeneral(nn.Module):
         nn.Dense(1024, dot_general_cls=dg)
     """
 
-    recipe: DelayedScaling | Float8CurrentScaling | Float8BlockScaling = DelayedScaling()
+    recipe: Recipe = DelayedScaling()
     collection: str = FP8_COLLECTION
     min_fp8_flops: float = 0
 
@@ -268,7 +269,7 @@ class Fp8Einsum(nn.Module):
     """Two-operand FP8 einsum: ``Fp8Einsum()("bsd,dh->bsh", x, kernel)``; rhs is the kernel.
     Attributes as `Fp8DotGeneral`'s."""
 
-    recipe: DelayedScaling | Float8CurrentScaling | Float8BlockScaling = DelayedScaling()
+    recipe: Recipe = DelayedScaling()
     collection: str = FP8_COLLECTION
     min_fp8_flops: float = 0
 
@@ -297,7 +298,7 @@ class _WeightFp8(nn.Module):
     Attributes as `Fp8DotGeneral`'s.
     """
 
-    recipe: DelayedScaling | Float8CurrentScaling | Float8BlockScaling = DelayedScaling()
+    recipe: Recipe = DelayedScaling()
     collection: str = FP8_COLLECTION
     min_fp8_flops: float = 0
 
@@ -347,7 +348,7 @@ class Fp8TrainState(train_state.TrainState):
     # restore into a state of another FP8 format fails on the keys instead of relabelling.
     fp8_formats: Any = None
     fp8_pending: Any = None
-    recipe: DelayedScaling | Float8CurrentScaling | Float8BlockScaling = struct.field(
+    recipe: Recipe = struct.field(
         pytree_node=False, default=DelayedScaling())
     fp8_collection: str = struct.field(pytree_node=False, default=FP8_COLLECTION)
 
