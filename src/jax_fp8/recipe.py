@@ -8,19 +8,11 @@ import dataclasses
 import enum
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
-
-if TYPE_CHECKING:
-    from jax_fp8.recipes.block import Float8BlockScaling  # noqa: F401
-    from jax_fp8.recipes.current import Float8CurrentScaling  # noqa: F401
-    from jax_fp8.recipes.delayed import DelayedScaling  # noqa: F401
-    from jax_fp8.recipes.mxfp8 import MXFP8BlockScaling  # noqa: F401
-
-    RECIPES: tuple[type[Recipe], ...]
 
 ALGORITHMS = ("max", "most_recent")
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from jax_fp8 import recipe as recipe_lib
 from jax_fp8.dot_general import check_min_fp8_flops
-from jax_fp8.recipe import DelayedScaling
+from jax_fp8.recipes.delayed import DelayedScaling
 
 __all__ = ["AUTO_MIN_FP8_FLOPS", "Fp8Rule", "as_rules", "rule_for"]
 

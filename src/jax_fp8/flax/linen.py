@@ -64,7 +64,8 @@ from jax_fp8.einsum import fp8_einsum
 from jax_fp8.flax import multi_steps
 from jax_fp8.meta import Fp8Meta, new_fp8_state, scales_frozen
 from jax_fp8.packing import PackedStates, pack_states, unpack_states
-from jax_fp8.recipe import DelayedScaling, Recipe
+from jax_fp8.recipe import Recipe
+from jax_fp8.recipes.delayed import DelayedScaling
 from jax_fp8.state import ScalingState
 
 FP8_COLLECTION = "fp8_meta"
