@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Sequence
+from types import FrameType
 from typing import Any
 
 import jax
@@ -106,6 +107,7 @@ OPTAX_REFUSES = (
 def _check_not_optax():
     """Raises ValueError when the pytree operation flattening a state was called by optax
     (the Python frames above the flatten, past JAX's own tree functions)."""
+    frame: FrameType | None
     try:
         frame = sys._getframe(2)
     except ValueError:  # called from the top level

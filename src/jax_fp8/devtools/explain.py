@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.extend.core
 import numpy as np
 
 from jax_fp8 import recipe as recipe_lib

@@ -304,7 +304,8 @@ class _WeightFp8(nn.Module):
     min_fp8_flops: float = 0
 
     @nn.compact
-    def __call__(self, kind, args, precision=None, preferred_element_type=None):
+    def __call__(self, kind: str, args: tuple[Any, Any, Any], precision=None,
+                 preferred_element_type=None):
         op = "Fp8DotGeneral" if kind == "dot_general" else "Fp8Einsum"
         vs = _meta_variables(self, self.recipe, self.collection, op)
         used = _read(self, vs, self.recipe, self.collection, op)

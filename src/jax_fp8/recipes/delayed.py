@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -134,7 +134,8 @@ def _pmax_ignoring_nan(x, axes):
 def _bwd(dimension_numbers, out_dtype, lhs_dtype, rhs_dtype, res, cts):
     g, ct_meta = cts
     if isinstance(g, SymbolicZero):  # only the threaded meta is used downstream
-        g = jnp.zeros(g.aval.shape, g.aval.dtype)
+        aval: Any = g.aval
+        g = jnp.zeros(aval.shape, aval.dtype)
     res, g = _ad.first_order_only((_ad.reveal(res), g), "fp8_dot_general")
     lhs_res, q_rhs, meta, amax_lhs, amax_rhs, lhs_like, rhs_like = res
     perm = _gemms.kernel_grad_layout(dimension_numbers, lhs_res.ndim)
