@@ -34,6 +34,7 @@ from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
 from jax_fp8 import current, recipe as recipe_lib
+from jax_fp8._primitives import axis_types
 from jax_fp8._primitives.exact import U32, abs_bits, cast_scaled, from_bits, up_scaled, widen
 from jax_fp8._primitives.quotient import product_bits
 from jax_fp8.recipe import Format
@@ -133,7 +134,24 @@ def quantize_mxfp8(x: ArrayLike, fp8_dtype: DTypeLike = jnp.float8_e4m3fn,
     fp8_dtype = recipe_lib.canonical_fp8_dtype(fp8_dtype)
     x = lax.stop_gradient(x)
     with jax.disable_jit(False):  # one compiled program also when eager
-        return _quantize(fp8_dtype)(x)
+        if not axis_types.on_explicit_mesh(x):
+            return _quantize(fp8_dtype)(x)
+        # Explicit axes: the blocks split x's last axis, which may be sharded; XLA
+        # partitions the computation, the results are typed as x (its scales replicated
+        # along their last axis).
+        spec = _spec(x)
+        shardings = (_named(x, spec), _named(x, spec[:-1] + (None,)))
+        return jax.sharding.auto_axes(_quantize(fp8_dtype), out_sharding=shardings)(x)
+
+
+def _spec(x) -> tuple:
+    """x's PartitionSpec as a tuple of one entry per axis."""
+    spec = tuple(jax.typeof(x).sharding.spec)
+    return spec + (None,) * (x.ndim - len(spec))
+
+
+def _named(x, spec):
+    return jax.typeof(x).sharding.update(spec=jax.sharding.PartitionSpec(*spec))
 
 
 @functools.cache
@@ -202,6 +220,20 @@ def native_status() -> tuple[bool, str]:
 
 def _gemm(a, sa, b, sb, out_dtype):
     """a [M, K] . b [N, K]^T with their 1 x 32 E8M0 block scales, in out_dtype."""
+    if axis_types.on_explicit_mesh(a):
+        # Explicit axes: XLA partitions the GEMM; the product is typed with a's rows and
+        # b's rows as its columns (a mesh axis sharding both is dropped from the columns).
+        rows, cols = _spec(a)[0], _spec(b)[0]
+        names = lambda s: set(s if isinstance(s, tuple) else (s,)) - {None}  # noqa: E731
+        if names(rows) & names(cols):
+            cols = None
+        return jax.sharding.auto_axes(
+            lambda a, sa, b, sb: _local_gemm(a, sa, b, sb, out_dtype),
+            out_sharding=_named(a, (rows, cols)))(a, sa, b, sb)
+    return _local_gemm(a, sa, b, sb, out_dtype)
+
+
+def _local_gemm(a, sa, b, sb, out_dtype):
     native, why = native_status()
     k = a.shape[-1]
     if native:
