@@ -24,6 +24,7 @@ import helpers
 import jax_fp8
 from jax_fp8.devtools import explain
 from jax_fp8.flax import FP8_COLLECTION, Fp8TrainState, fp8_model
+from jax_fp8.recipes import mxfp8
 
 F32, U32 = np.float32, np.uint32
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
@@ -106,11 +107,13 @@ def dequant(q, e):
     return q.astype(np.float64) * np.repeat(s, 32, -1)[..., :k]
 
 
-def assert_within(out, a, b, out_dtype):
-    """a [M, K], b [N, K] (float64, dequantized): the bound of the module docstring."""
+def assert_within(out, a, b, out_dtype, coef=None):
+    """a [M, K], b [N, K] (float64, dequantized): the bound of the module docstring (or
+    another GEMM coefficient `coef`)."""
     e, s = a @ b.T, np.abs(a) @ np.abs(b.T)
     k, u_out = a.shape[1], U_OUT[np.dtype(out_dtype)]
-    tol = (k + 4) * U * (1 + u_out) * s + u_out * np.abs(e)
+    coef = (k + 4) * U if coef is None else coef
+    tol = coef * (1 + u_out) * s + u_out * np.abs(e)
     err = np.abs(np.asarray(out, np.float64) - e)
     assert not (err > tol).any(), f"{(err > tol).sum()} outside the bound"
     return e
@@ -139,6 +142,29 @@ def test_forward_and_gradients_within_the_bound(out_dtype):
     assert_within(dx, deq(g_used, E5M2), deq(w, E4M3), np.float32)
     # wgrad: x^T [K, M] and g^T [N, M] blocked along M
     assert_within(dw, deq(x.T, E4M3), deq(g_used.T, E5M2), np.float32)
+
+
+@pytest.mark.gpu
+def test_gpu_gemm_native_or_emulated_within_the_bound(gpu_device):
+    """On a GPU: natively where every GPU is a Blackwell (within the tensor cores' bound of
+    the block GEMM, tests/kernels/test_block_gemm.py), emulated elsewhere (the reference's
+    bound); explain names the one that runs."""
+    native, why = mxfp8.native_status()
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((256, 512)) * np.exp2(rng.integers(-6, 7, (256, 1)))).astype(F32)
+    w = rng.standard_normal((512, 384)).astype(F32)
+    meta = jax_fp8.Fp8Meta.create(jax_fp8.MXFP8BlockScaling())
+
+    def f(x, w):
+        return jax_fp8.fp8_dot_general(x, w, DN, meta)[0]
+
+    out = helpers.run_on(gpu_device, f, x, w)
+    deq = lambda a: dequant(*ref_quantize(a, E4M3))  # noqa: E731
+    coef = (2.0 ** -10 + (512 / 32 + 4) * U) if native else None
+    assert_within(out, deq(x), deq(w.T), np.float32, coef)
+    rows = [r for r in explain.explain(f, jax.device_put(x, gpu_device),
+                                       jax.device_put(w, gpu_device)) if r.kind == "gemm"]
+    assert [r.lowering for r in rows] == ["mxfp8" if native else "mxfp8 emulated"], (rows, why)
 
 
 def test_explain_says_emulated_on_this_platform():
