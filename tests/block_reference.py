@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 
 F32 = np.float32
+U32 = np.uint32
 FLT_MAX = F32(np.finfo(np.float32).max)
 FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0, "float8_e4m3fnuz": 240.0,
            "float8_e5m2fnuz": 57344.0}
@@ -97,3 +98,27 @@ def dequantize_blocks(q, scale_inv, block_shape):
     m, k = q.shape[-2:]
     full = np.repeat(np.repeat(np.asarray(scale_inv, np.float64), bm, -2), bk, -1)[..., :m, :k]
     return np.asarray(q).astype(np.float64) * full
+
+
+def mxfp8_e8m0(amax, fp8_dtype):
+    """SPEC's rule on float32 bits, with NumPy's IEEE float32 (subnormals kept)."""
+    fp8_max = F32(FP8_MAX[_name(fp8_dtype)])
+    with np.errstate(all="ignore"):
+        v = (amax.astype(F32) * (F32(1) / F32(fp8_max))).astype(F32)
+    b = v.view(U32)
+    be, man = b >> U32(23), b & U32(0x7FFFFF)
+    up = (man != 0) & (be != 254) & ~((be == 0) & (man <= 0x400000))
+    e = np.where(np.isnan(v), 255, np.where(np.isinf(v), 254,
+                                            np.where(v == 0, 0, be + up.astype(U32))))
+    return e.astype(np.uint8)
+
+
+def quantize_mxfp8(x, fp8_dtype):
+    """MXFP8 (docs/semantics.md): x [..., M, K] -> (q, the E8M0 exponents as uint8
+    [..., M, ceil(K/32)])."""
+    x = np.asarray(x).astype(F32)
+    k = x.shape[-1]
+    e = mxfp8_e8m0(block_amax(x, 1, 32), fp8_dtype).astype(np.int32)
+    factor = np.where(e == 0, F32(1), np.ldexp(F32(1), 127 - e).astype(F32)).astype(F32)
+    q = cast(x, np.repeat(factor, 32, -1)[..., :k], fp8_dtype)
+    return q, e.astype(np.uint8)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 
+import jax
 import pytest
 
 import helpers
@@ -46,6 +47,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "slow" in item.keywords and not run_slow:
             item.add_marker(skip_slow)
+
+
+@pytest.fixture
+def on_cpu():
+    """Runs a test on the CPU backend: for tests that pin bits (CPU GEMMs accumulate in one
+    order for differently compiled programs, where a GPU's FP8 GEMMs may not, and one E5M2
+    rounding flip then moves an amax)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+@pytest.fixture(params=sorted(helpers.RECIPES))
+def recipe(request):
+    """Every registered recipe (helpers.RECIPES), one test each."""
+    return helpers.RECIPES[request.param]
 
 
 @pytest.fixture(params=helpers.BACKENDS)

@@ -19,6 +19,16 @@ FLT_MAX = F32(np.finfo(np.float32).max)
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
+# One instance of every registered recipe, by a short name: the `recipe` fixture
+# (conftest.py) and the recipe-parametrised tests run each; test_recipes.py checks that
+# no registered recipe is missing. history_len=4 keeps delayed-scaling states small.
+RECIPES = {
+    "delayed": jax_fp8.DelayedScaling(history_len=4),
+    "current": jax_fp8.Float8CurrentScaling(),
+    "block": jax_fp8.Float8BlockScaling(),
+    "mxfp8": jax_fp8.MXFP8BlockScaling(),
+}
+
 
 def _test_dirs() -> list[str]:
     """tests/, then each folder directly under it that holds Python files, sorted."""
@@ -283,10 +293,11 @@ def run_8_device_worker(script: str, *args: str, timeout: int = 300) -> dict:
     return json.loads(lines[-1][len("RESULTS "):])
 
 
-def rand(key, shape, scale=1.0):
-    """A float32 array of standard normals from NumPy's generator seeded with `key`."""
-    return jnp.asarray(np.random.default_rng(key).standard_normal(shape).astype(np.float32)
-                       * scale)
+def rand(key, shape, scale=1.0, dtype=jnp.float32):
+    """Standard normals from NumPy's generator seeded with `key`, in float32 times `scale`,
+    as a `dtype` array."""
+    x = np.random.default_rng(key).standard_normal(shape).astype(np.float32) * scale
+    return jnp.asarray(x, dtype)
 
 
 def assert_trees_equal(a, b):

@@ -3,12 +3,14 @@
 Public API (reference: ``docs/reference/``, built by ``mkdocs build``; the arithmetic in
 ``docs/semantics.md``):
 
-  recipes           DelayedScaling, Float8CurrentScaling, Float8BlockScaling, Format,
-                    fp8_max, scaled_max
+  recipes           DelayedScaling, Float8CurrentScaling, Float8BlockScaling,
+                    MXFP8BlockScaling, Format,
+                    fp8_max, scaled_max; Recipe (the interface each implements)
   state             ScalingState, update_states, amax_and_scale_update, reduce_amaxes
   training ops      Fp8Meta, fp8_dot_general, fp8_einsum, new_fp8_state, combine_fp8_grads,
                     amax_cotangents, frozen_scales, check_fp8_updated
-  quantization      quantize, dequantize, compute_amax, quantize_blocks, scale_from_amax
+  quantization      quantize, dequantize, compute_amax, quantize_blocks, quantize_mxfp8,
+                    scale_from_amax
   packing           PackedStates, pack_states, unpack_states
   conversion        Fp8Rule (which GEMMs a framework's fp8_model converts)
   kernels, export   HAS_CPU_KERNEL, HAS_CUDA_KERNEL, export_disabled_checks
@@ -31,14 +33,14 @@ from jax_fp8.meta import (
 )
 from jax_fp8.packing import PackedStates, pack_states, unpack_states
 from jax_fp8.quantization import compute_amax, dequantize, quantize
-from jax_fp8.recipe import (
+from jax_fp8.recipe import Format, Recipe, fp8_max, scaled_max
+from jax_fp8.recipes import (
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
-    Format,
-    fp8_max,
-    scaled_max,
+    MXFP8BlockScaling,
 )
+from jax_fp8.recipes.mxfp8 import quantize_mxfp8
 from jax_fp8.rules import Fp8Rule
 from jax_fp8.state import ScalingState
 from jax_fp8.update import amax_and_scale_update, reduce_amaxes, update_states
@@ -54,7 +56,9 @@ __all__ = [
     "Fp8Rule",
     "HAS_CPU_KERNEL",
     "HAS_CUDA_KERNEL",
+    "MXFP8BlockScaling",
     "PackedStates",
+    "Recipe",
     "ScalingState",
     "amax_and_scale_update",
     "amax_cotangents",
@@ -71,6 +75,7 @@ __all__ = [
     "pack_states",
     "quantize",
     "quantize_blocks",
+    "quantize_mxfp8",
     "reduce_amaxes",
     "scale_from_amax",
     "scaled_max",

@@ -96,7 +96,7 @@ def pvary(x, axes):
     """``x`` made to vary over the manual mesh axes `axes` (inside shard_map)."""
     if hasattr(jax.lax, "pcast"):
         return jax.lax.pcast(x, axes, to="varying")
-    return jax.lax.pvary(x, axes)
+    return getattr(jax.lax, "pvary")(x, axes)  # noqa: B009 (older jax; not in the stubs)
 
 
 def require_devices_during_lowering(prim) -> None:

@@ -11,6 +11,7 @@ Shardings of the results follow the primal operands' (Explicit meshes need them)
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,8 @@ def _ranges_like(*xs):
         start += len(x)
 
 
-def input_grad(g, x, y, dimension_numbers, out_dtype, scale_invs, swap_ans=False):
+def input_grad(g, x, y, dimension_numbers, out_dtype, scale_invs: tuple[Any, Any],
+               swap_ans=False):
     """d(dot_general(x, y))/dx applied to g (JAX's own rule, written for FP8 operands).
 
     Like JAX's rule it asks for x's own sharding on the result, which a mesh with
@@ -261,7 +263,7 @@ def lhs_for_kernel_grad(q_lhs, dimension_numbers):
     return lax.transpose(q_lhs, perm)
 
 
-def rhs_for_forward(q_rhs, dimension_numbers):
+def rhs_for_forward(q_rhs, dimension_numbers) -> tuple[Any, Any]:
     """(rhs, dimension_numbers) for the forward GEMM with the quantized kernel's contracting
     axes made minor, as cuBLASLt's FP8 GEMMs want them. A kernel that contracts over its
     leading axes (a Dense kernel [K, N]) is rotated to [N, K] by `layout.rotate_axes`
@@ -283,7 +285,8 @@ def lhs_free_axes(g, rhs, rhs_contract):
     return g.ndim - (rhs.ndim - len(rhs_contract))
 
 
-def kernel_grad(q_g, lhs_t, q_rhs, dimension_numbers, out_dtype, scale_invs, g_t=None):
+def kernel_grad(q_g, lhs_t, q_rhs, dimension_numbers, out_dtype, scale_invs: tuple[Any, Any],
+                g_t=None):
     """d(dot_general(lhs, rhs))/d rhs applied to q_g, from `lhs_for_kernel_grad`'s
     residual: both FP8 operands contract over their minor axes. Shapes, without batch
     axes: lhs_t [C..., F_l...], q_g [F_l..., F_r...] -> [C..., F_r...], returned in rhs's

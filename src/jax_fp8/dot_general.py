@@ -1,145 +1,37 @@
-"""`fp8_dot_general`: ``lax.dot_general`` with FP8 operands, delayed scaling, a custom VJP.
+"""`fp8_dot_general`: ``lax.dot_general`` with FP8 operands and a custom VJP, for any recipe.
 
-Forward: the input (lhs) and kernel (rhs) are quantized with their states' current scales
-(E4M3), the FP8 GEMM runs, and its result is dequantized. Backward: the incoming gradient
-is quantized (E5M2 under HYBRID) and both gradients are FP8 GEMMs (``_gemms.py``). The
-amaxes observed on the way leave as the meta's cotangent (``meta.py``).
+Here the call is only checked and canonicalised (the dimension numbers, the operand and
+result dtypes, a GEMM kept out of FP8 below ``min_fp8_flops``, float16 run as float32);
+the GEMM itself is the meta's recipe's (``recipe.dot_general``, each recipe in its module
+under ``jax_fp8.recipes``).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
 from jax.typing import ArrayLike, DTypeLike
 
-from jax_fp8 import _ad, _gemms, meta as meta_lib, recipe as recipe_lib
-from jax_fp8._primitives import amax as amax_lib, layout
+from jax_fp8 import _gemms, recipe as recipe_lib
 from jax_fp8.meta import Fp8Meta
-from jax_fp8.quantization import compute_amax, quantize
-from jax_fp8.scaled_dot import scaled_dot_general
-from jax_fp8.state import ScalingState
 
 __all__ = ["fp8_dot_general", "gemm_flops"]
 
 
-def _fwd(lhs, rhs, meta, dimension_numbers, out_dtype):
-    q_lhs, q_rhs = quantize(lhs, meta.input), quantize(rhs, meta.kernel)
-    out = _gemms.gemm(q_lhs, *_gemms.rhs_for_forward(q_rhs, dimension_numbers),
-                      meta.input.scale_inv, meta.kernel.scale_inv, out_dtype)
-    # The meta is returned unchanged: its only job is to carry the cotangent chain.
-    # lhs[:0], rhs[:0]: empty arrays that carry the primal inputs' manual-axis types
-    # (shard_map's vma) to the backward rule.
-    res = (_gemms.lhs_for_kernel_grad(q_lhs, dimension_numbers), q_rhs, meta,
-           compute_amax(lhs), compute_amax(rhs), jnp.ravel(lhs)[:0], jnp.ravel(rhs)[:0])
-    return (out, meta), res
-
-
-def _to_primal_vma(ct, primal_like, reduce):
-    """Inside shard_map (check_vma): a cotangent varying over manual axes its primal
-    does not vary over is reduced over them: summed for a gradient, as the transpose of
-    JAX's implicit broadcast is, and max-ed for an amax."""
-    extra = tuple(sorted(amax_lib.varying_axes(ct) - amax_lib.varying_axes(primal_like)))
-    return reduce(ct, extra) if extra else ct
-
-
-def _pmax_ignoring_nan(x, axes):
-    # As reduce_amaxes: a NaN amax on one device is ignored, not spread to all.
-    return lax.pmax(jnp.where(jnp.isnan(x), -jnp.inf, x), axes)
-
-
-def _bwd(dimension_numbers, out_dtype, lhs_dtype, rhs_dtype, res, cts):
-    g, ct_meta = cts
-    if isinstance(g, SymbolicZero):  # only the threaded meta is used downstream
-        g = jnp.zeros(g.aval.shape, g.aval.dtype)
-    res, g = _ad.first_order_only((_ad.reveal(res), g), "fp8_dot_general")
-    lhs_res, q_rhs, meta, amax_lhs, amax_rhs, lhs_like, rhs_like = res
-    perm = _gemms.kernel_grad_layout(dimension_numbers, lhs_res.ndim)
-    n_fl = _gemms.lhs_free_axes(g, q_rhs, dimension_numbers[0][1])
-    g_t = None
-    if perm is not None and 0 < n_fl < g.ndim and layout.quantize_rotate_applies(
-            g, meta.grad.fp8_dtype):
-        # One pass over g for its FP8 copy, that copy transposed for the kernel gradient,
-        # and its amax (on CUDA a kernel of jax_fp8's; XLA would take three).
-        q_g, g_t, amax_g = layout.quantize_rotate(g, n_fl, meta.grad.scale,
-                                                  meta.grad.fp8_dtype)
-    else:
-        amax_g = compute_amax(g)
-        q_g = quantize(g, meta.grad)
-    lhs_aval = lhs_res if perm is None else _gemms.untransposed_aval(lhs_res, perm)
-    grad_lhs = _gemms.input_grad(q_g, lhs_aval, q_rhs, dimension_numbers, lhs_dtype,
-                                 (meta.grad.scale_inv, meta.kernel.scale_inv))
-    if perm is None:
-        grad_rhs = _gemms.rhs_grad(q_g, lhs_res, q_rhs, dimension_numbers, rhs_dtype,
-                                   (meta.grad.scale_inv, meta.input.scale_inv))
-    else:
-        grad_rhs = _gemms.kernel_grad(q_g, lhs_res, q_rhs, dimension_numbers, rhs_dtype,
-                                      (meta.input.scale_inv, meta.grad.scale_inv), g_t=g_t)
-    ct_meta_in = Fp8Meta(input=meta_lib.amax_cotangent(ct_meta.input, amax_lhs, meta.input),
-                         kernel=meta_lib.amax_cotangent(ct_meta.kernel, amax_rhs, meta.kernel),
-                         grad=meta_lib.amax_cotangent(ct_meta.grad, amax_g, meta.grad))
-    grad_lhs = _to_primal_vma(grad_lhs, lhs_like, lax.psum)
-    grad_rhs = _to_primal_vma(grad_rhs, rhs_like, lax.psum)
-    ct_meta_in = jax.tree.map(
-        lambda ct, primal: _to_primal_vma(ct, primal, _pmax_ignoring_nan), ct_meta_in, meta)
-    return grad_lhs, grad_rhs, ct_meta_in
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _fp8_dot(lhs, rhs, meta, dimension_numbers, out_dtype, lhs_dtype, rhs_dtype):
-    del lhs_dtype, rhs_dtype
-    return _fwd(lhs, rhs, meta, dimension_numbers, out_dtype)[0]
-
-
-def _fwd_rule(lhs, rhs, meta, dimension_numbers, out_dtype, lhs_dtype, rhs_dtype):
-    # symbolic_zeros=True: the primals arrive wrapped.
-    del lhs_dtype, rhs_dtype
-    lhs, rhs, meta = jax.tree.map(lambda p: p.value, (lhs, rhs, meta),
-                                  is_leaf=lambda p: isinstance(p, jax.custom_derivatives.
-                                                               CustomVJPPrimal))
-    lhs, rhs, meta = _ad.first_order_only((lhs, rhs, meta), "fp8_dot_general")
-    out, res = _fwd(lhs, rhs, meta, dimension_numbers, out_dtype)
-    # Stored as integers: remat policies that save residuals leave their bytes alone.
-    return out, _ad.hide(res)
-
-
-# symbolic_zeros: the backward rule sees which cotangents are known zeros (an unused
-# threaded meta), see meta.amax_cotangent.
-_fp8_dot.defvjp(_fwd_rule, _bwd, symbolic_zeros=True)
-
-
-def check_meta(meta, name: str = "meta"):
+def check_meta(meta, name: str = "meta") -> recipe_lib.Recipe:
+    """The recipe that runs `meta` (its own, or for a meta of states the recipe that keeps
+    state), once that recipe has checked it; TypeError / ValueError otherwise."""
     if not isinstance(meta, Fp8Meta):
         raise TypeError(f"{name} must be a jax_fp8.Fp8Meta, got {type(meta).__name__}")
     if meta.recipe is not None:
         recipe_lib.check_recipe(meta.recipe, f"{name}.recipe")
-        if isinstance(meta.recipe, recipe_lib.DelayedScaling):
-            raise TypeError(f"{name}.recipe: a delayed-scaling meta holds states, not a "
-                            f"recipe; make it with Fp8Meta.create(DelayedScaling(...))")
-        for field in ("input", "kernel", "grad"):
-            if getattr(meta, field) is not None:
-                raise TypeError(f"{name}.{field} must be None for {type(meta.recipe).__name__} "
-                                f"(a stateless recipe)")
-        return
-    for field in ("input", "kernel", "grad"):
-        st = getattr(meta, field)
-        if not isinstance(st, ScalingState):
-            raise TypeError(f"{name}.{field} must be a ScalingState, got {type(st).__name__}")
-        for leaf_name in ("amax_history", "scale", "scale_inv"):
-            leaf = getattr(st, leaf_name)
-            if not hasattr(leaf, "shape") or getattr(leaf, "dtype", None) != jnp.float32:
-                raise TypeError(f"{name}.{field}.{leaf_name} must be a float32 array, got "
-                                f"{getattr(leaf, 'dtype', type(leaf).__name__)}")
-        if tuple(st.scale.shape) != () or tuple(st.scale_inv.shape) != () \
-                or st.amax_history.ndim != 1:
-            raise ValueError(f"{name}.{field} must be the state of one tensor (scale shape "
-                             f"(), history [L]), got scale shape {tuple(st.scale.shape)}; for "
-                             f"stacked layers slice the meta per layer (lax.scan xs / nn.scan)")
+    recipe = meta.recipe if meta.recipe is not None else recipe_lib.of_states()
+    recipe.check_meta(meta, name)
+    return recipe
 
 
 def canonical_dimension_numbers(dimension_numbers, lhs_ndim, rhs_ndim):
@@ -187,9 +79,10 @@ def fp8_dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: Any, meta
     """FP8 ``lax.dot_general``; returns ``(out, meta)``.
 
     Shapes are those of ``lax.dot_general(lhs, rhs, dimension_numbers)``; lhs is the
-    input (activations), rhs the kernel (weights). A meta of a current or blockwise recipe
-    (``Fp8Meta.create(Float8BlockScaling())``) runs ``jax_fp8.scaled_dot.scaled_dot_general``
-    and is returned as is. Delayed scaling (the rest of this docstring): both are quantized with
+    input (activations), rhs the kernel (weights). The GEMM is the meta's recipe's: a meta
+    of a recipe without state (``Fp8Meta.create(Float8BlockScaling())``) runs
+    ``jax_fp8.scaled_dot.scaled_dot_general`` and is returned as is. Delayed scaling (the
+    rest of this docstring): both are quantized with
     ``meta.input`` / ``meta.kernel`` (their current scales), the FP8 arrays go straight
     into ``lax.dot_general`` and the result is multiplied by both scale_invs. Backward:
     the incoming gradient is quantized with ``meta.grad`` and both the input and the
@@ -224,7 +117,7 @@ def fp8_dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: Any, meta
       lhs and rhs), and the meta to thread to the next use.
     """
     del unused_kwargs  # precision: used only by a GEMM kept out of FP8
-    check_meta(meta)
+    recipe = check_meta(meta)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     for name, x in (("lhs", lhs), ("rhs", rhs)):
         if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -254,7 +147,4 @@ def fp8_dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: Any, meta
         out, meta = fp8_dot_general(wide_lhs, wide_rhs, dn, meta,
                                     preferred_element_type=f32 if out_dtype == f16 else out_dtype)
         return out.astype(out_dtype), meta
-    if meta.stateless:  # current / blockwise: scales from the operands themselves
-        return scaled_dot_general(lhs, rhs, dn, meta.recipe, out_dtype), meta
-    meta_lib.claim(meta, "fp8_dot_general", (lhs, rhs))
-    return _fp8_dot(lhs, rhs, meta, dn, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+    return recipe.dot_general(lhs, rhs, dn, meta, out_dtype)

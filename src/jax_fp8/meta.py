@@ -76,26 +76,19 @@ class Fp8Meta:
 
     # The names of its three states (the FP8 layers' variables are named so).
     STATES = ("input", "kernel", "grad")
-    recipe: recipe_lib.Float8CurrentScaling | recipe_lib.Float8BlockScaling | None = None
+    recipe: recipe_lib.Recipe | None = None
 
     @classmethod
     def create(cls, recipe: recipe_lib.Recipe | None = None, shape: Sequence[int] = (),
                history_len: int | None = None) -> Fp8Meta:
         """Fresh states for one GEMM (``shape``: leading axes, e.g. stacked layers), or the
         stateless meta of a current/blockwise recipe."""
-        recipe = recipe_lib.DelayedScaling() if recipe is None else recipe
-        recipe_lib.check_recipe(recipe, "recipe")
-        if not isinstance(recipe, recipe_lib.DelayedScaling):
-            return cls(recipe=recipe)
-        n = recipe.history_len if history_len is None else history_len
-        fwd, bwd = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
-        return cls(input=ScalingState.create(shape, n, fwd),
-                   kernel=ScalingState.create(shape, n, fwd),
-                   grad=ScalingState.create(shape, n, bwd))
+        recipe = recipe_lib.default() if recipe is None else recipe
+        return recipe_lib.check_recipe(recipe, "recipe").create_meta(shape, history_len)
 
     @property
     def stateless(self) -> bool:
-        """True for the current and blockwise recipes (no state to update)."""
+        """True for a recipe that keeps no state (current, blockwise, MXFP8)."""
         return self.recipe is not None
 
     def replace(self, **changes: Any) -> Fp8Meta:
@@ -120,7 +113,7 @@ def _deserialize_aux(data: bytes):
     fields = json.loads(data.decode())
     if fields is None:
         return (None,)
-    cls = {c.__name__: c for c in recipe_lib.RECIPES}[fields.pop("recipe")]
+    cls = recipe_lib.by_name(fields.pop("recipe"))
     fields["fp8_format"] = recipe_lib.Format(fields["fp8_format"])
     return (cls(**fields),)
 
@@ -313,9 +306,9 @@ def new_fp8_state(fp8_states: Any, fp8_grads: Any, recipe: recipe_lib.Recipe | N
       ``fp8_states`` updated (same structure); traced inside `frozen_scales`,
       ``fp8_states`` as they are (the recipe is still checked).
     """
-    recipe = recipe_lib.DelayedScaling() if recipe is None else recipe
+    recipe = recipe_lib.default() if recipe is None else recipe
     state_lib.check_states_follow(recipe, fp8_states, "fp8_states")
-    if not isinstance(recipe, recipe_lib.DelayedScaling) or scales_frozen():
+    if not recipe.keeps_state or scales_frozen():
         return fp8_states
     return update_states(fp8_states, amax_cotangents(fp8_grads), recipe=recipe,
                          axis_name=axis_name, implementation=implementation)

@@ -1,12 +1,14 @@
-"""FP8 formats and the scaling recipes: delayed, current and blockwise (Transformer Engine's
-names)."""
+"""FP8 formats, the `Recipe` interface every scaling recipe implements, and the registry of
+recipes (each in its own module under ``jax_fp8.recipes``; Transformer Engine's names)."""
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import enum
 import math
-from typing import Any, TypeAlias
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, TypeVar
 
 import jax.numpy as jnp
 import numpy as np
@@ -86,43 +88,6 @@ class Format(enum.Enum):
         return np.dtype(jnp.float8_e5m2 if self is Format.HYBRID else jnp.float8_e4m3fn)
 
 
-@dataclasses.dataclass(frozen=True)
-class DelayedScaling:
-    """Delayed-scaling recipe: how every FP8 state of a model is updated.
-
-    Attributes:
-      history_len: length L of each amax history (>= 1).
-      amax_compute_algo: "max" (max over the history) or "most_recent".
-      margin: scale = fp8_max * 2**-margin / amax.
-      fp8_format: Format.E4M3 or Format.HYBRID (E5M2 gradients).
-      power_of_2_scale: round each scale down to a power of two.
-      skip_unused: leave a state untouched when its staged amax is 0.
-    """
-
-    history_len: int = 1024
-    amax_compute_algo: str = "max"
-    margin: float = 0.0
-    fp8_format: Format = Format.HYBRID
-    power_of_2_scale: bool = False
-    skip_unused: bool = False
-
-    def __post_init__(self):
-        if (isinstance(self.history_len, bool)
-                or not isinstance(self.history_len, (int, np.integer))
-                or self.history_len < 1):
-            raise ValueError(f"history_len must be an integer >= 1, got {self.history_len!r}")
-        check_algorithm(self.amax_compute_algo)
-        if not isinstance(self.fp8_format, Format):
-            raise TypeError(f"fp8_format must be a jax_fp8.Format, got {self.fp8_format!r}")
-        for dtype in (self.fp8_format.fwd_dtype, self.fp8_format.bwd_dtype):
-            scaled_max(dtype, self.margin)  # validates margin
-        _check_bool(self, "power_of_2_scale", "skip_unused")
-
-    def replace(self, **changes: Any) -> DelayedScaling:
-        """A copy with the given fields replaced (as ``dataclasses.replace``)."""
-        return dataclasses.replace(self, **changes)
-
-
 def _check_bool(obj, *names):
     for name in names:
         if not isinstance(getattr(obj, name), (bool, np.bool_)):
@@ -136,109 +101,149 @@ def _check_epsilon(amax_epsilon):
         raise ValueError(f"amax_epsilon must be a finite number >= 0, got {amax_epsilon!r}")
 
 
-@dataclasses.dataclass(frozen=True)
-class Float8CurrentScaling:
-    """Current (per-tensor, just-in-time) scaling: each tensor's scale from its own amax.
+class Recipe(abc.ABC):
+    """The interface of a scaling recipe: every recipe is a frozen, hashable dataclass
+    subclassing it, registered with `register` (one module per recipe under
+    ``jax_fp8.recipes``). Code outside a recipe asks these members, never the type.
 
-    ``scale = fp8_max / max(amax, amax_epsilon)`` computed right before the cast
-    (``docs/semantics.md``, "Scale from an amax"). No state is kept.
-
-    Attributes:
-      fp8_format: Format.HYBRID (E5M2 gradients, the default) or Format.E4M3.
-      power_of_2_scale: round each scale down to a power of two.
-      amax_epsilon: lower bound applied to each amax before the division.
+    Class attributes:
+      keeps_state: whether a GEMM of the recipe keeps FP8 state between steps (its meta
+        holds `ScalingState`s, updated by `jax_fp8.new_fp8_state`) or takes its scales
+        from the operands themselves (its meta holds only the recipe).
+      auto_min_fp8_flops: the forward FLOPs below which ``Fp8Rule(min_fp8_flops="auto")``
+        keeps a converted GEMM in its operands' dtype (the recipe's measured break-even,
+        docs/benchmarks.md, "One Dense layer").
     """
 
-    fp8_format: Format = Format.HYBRID
-    power_of_2_scale: bool = False
-    amax_epsilon: float = 0.0
+    keeps_state: ClassVar[bool]
+    auto_min_fp8_flops: ClassVar[float]
+    fp8_format: Format
 
-    def __post_init__(self):
-        if not isinstance(self.fp8_format, Format):
-            raise TypeError(f"fp8_format must be a jax_fp8.Format, got {self.fp8_format!r}")
-        _check_bool(self, "power_of_2_scale")
-        _check_epsilon(self.amax_epsilon)
+    def state_dtypes(self) -> dict[str, np.dtype]:
+        """The FP8 dtype of each state a GEMM keeps, by role (``input``, ``kernel``,
+        ``grad``); empty for a recipe that keeps none."""
+        return {}
 
-    def replace(self, **changes: Any) -> Float8CurrentScaling:
+    @abc.abstractmethod
+    def create_meta(self, shape: Sequence[int] = (), history_len: int | None = None) -> Any:
+        """The `jax_fp8.Fp8Meta` of one GEMM (``shape``: leading axes of its states)."""
+
+    @abc.abstractmethod
+    def check_meta(self, meta: Any, name: str = "meta") -> None:
+        """Raises TypeError / ValueError when ``meta`` is not a meta of this recipe."""
+
+    @abc.abstractmethod
+    def dot_general(self, lhs: Any, rhs: Any, dimension_numbers: Any, meta: Any,
+                    out_dtype: np.dtype) -> tuple[Any, Any]:
+        """The recipe's FP8 ``lax.dot_general`` with its custom VJP: ``(out, meta)``.
+
+        Called by `jax_fp8.fp8_dot_general` with canonical ``dimension_numbers``, floating
+        float32 / bfloat16 operands and a float32 / bfloat16 ``out_dtype`` (float16 runs
+        as float32 around it), and a ``meta`` that passed `check_meta`."""
+
+    def replace(self, **changes: Any) -> Any:
         """A copy with the given fields replaced (as ``dataclasses.replace``)."""
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
 
 
-@dataclasses.dataclass(frozen=True)
-class Float8BlockScaling:
-    """Blockwise scaling (DeepSeek-V3's recipe, TE's ``Float8BlockScaling``).
+_REGISTRY: dict[str, type[Recipe]] = {}
+# What `jax_fp8.devtools.explain` says of a recipe's GEMM that is not an FP8 dot_general of
+# the program: a dot_general under one of these name scopes (e.g. an emulated GEMM), and
+# these primitives: name -> (lowering, a function giving the reason in words).
+GEMM_SCOPES: dict[str, tuple[str, Callable[[], str]]] = {}
+GEMM_PRIMITIVES: dict[str, tuple[str, Callable[[], str]]] = {}
+# The recipe of a meta made without one (Fp8Meta.create(), Fp8Rule(), the layers' default).
+DEFAULT = "DelayedScaling"
 
-    One scale per ``1 x 128`` block (``*_block_scaling_dim=1``) or ``128 x 128`` tile
-    (``=2``) of each GEMM operand laid out as ``[..., M, K]`` (K the contraction axis),
-    from the block's own amax. At most one operand of a GEMM has 2-D blocks. No state
-    is kept.
-
-    Attributes:
-      fp8_format: Format.E4M3 (the default, E4M3 everywhere) or Format.HYBRID.
-      power_of_2_scale: round each scale down to a power of two (default True).
-      amax_epsilon: lower bound applied to each block's amax.
-      x_block_scaling_dim, w_block_scaling_dim, grad_block_scaling_dim: 1 or 2, for the
-        input (activations), the kernel (weights) and the incoming gradient.
-    """
-
-    fp8_format: Format = Format.E4M3
-    power_of_2_scale: bool = True
-    amax_epsilon: float = 0.0
-    x_block_scaling_dim: int = 1
-    w_block_scaling_dim: int = 2
-    grad_block_scaling_dim: int = 1
-
-    def __post_init__(self):
-        if not isinstance(self.fp8_format, Format):
-            raise TypeError(f"fp8_format must be a jax_fp8.Format, got {self.fp8_format!r}")
-        _check_bool(self, "power_of_2_scale")
-        _check_epsilon(self.amax_epsilon)
-        dims = {}
-        for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or value not in (1, 2):
-                raise ValueError(f"{name} must be 1 or 2, got {value!r}")
-            dims[name] = value
-        # Each GEMM pairs two of the three operands (fwd: x, w; dgrad: grad, w; wgrad:
-        # grad, x); a cuBLASLt block-scaled GEMM takes at most one 128 x 128 operand.
-        for a, b in (("x", "w"), ("grad", "w"), ("grad", "x")):
-            if dims[f"{a}_block_scaling_dim"] == dims[f"{b}_block_scaling_dim"] == 2:
-                raise ValueError(f"{a}_block_scaling_dim and {b}_block_scaling_dim cannot "
-                                 f"both be 2: at most one operand of a GEMM has 2-D blocks")
-
-    def block_shape(self, role: str) -> tuple:
-        """The block shape of ``role`` ("x", "w" or "grad"): (1, 128) or (128, 128)."""
-        dim = getattr(self, f"{role}_block_scaling_dim")
-        return (1, 128) if dim == 1 else (128, 128)
-
-    def replace(self, **changes: Any) -> Float8BlockScaling:
-        """A copy with the given fields replaced (as ``dataclasses.replace``)."""
-        return dataclasses.replace(self, **changes)
+R = TypeVar("R", bound=type[Recipe])
 
 
-RECIPES = (DelayedScaling, Float8CurrentScaling, Float8BlockScaling)
-# Any of the three recipes, for type hints.
-Recipe: TypeAlias = "DelayedScaling | Float8CurrentScaling | Float8BlockScaling"
+def register(cls: R) -> R:
+    """Class decorator: makes ``cls`` a recipe every part of jax_fp8 accepts (by its name
+    in checkpoints and exported functions). At most one registered recipe keeps state: a
+    meta of states runs that recipe's GEMM."""
+    if not (isinstance(cls, type) and issubclass(cls, Recipe)):
+        raise TypeError(f"register takes a jax_fp8.recipe.Recipe subclass, got {cls!r}")
+    if cls.keeps_state and any(c.keeps_state for c in _REGISTRY.values() if c is not cls):
+        raise ValueError(f"{cls.__name__}: only one registered recipe may keep state")
+    _REGISTRY[cls.__name__] = cls
+    return cls
 
 
-def check_recipe(recipe, name: str = "recipe"):
-    """`recipe` if it is one of the three recipes, else a TypeError naming `name`."""
-    if isinstance(recipe, type) and issubclass(recipe, RECIPES):
+def registered() -> tuple[type[Recipe], ...]:
+    """The registered recipe classes, in registration order."""
+    return tuple(_REGISTRY.values())
+
+
+def by_name(name: str) -> type[Recipe]:
+    """The registered recipe class called ``name`` (KeyError naming the known ones)."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"no recipe {name!r}; the registered ones are "
+                       f"{', '.join(_REGISTRY)}") from None
+
+
+def default() -> Recipe:
+    """The default recipe (``DelayedScaling()``)."""
+    return _REGISTRY[DEFAULT]()
+
+
+class _Default:
+    """`default()` in a signature evaluated before the recipe classes are registered (a
+    module the recipes themselves import); `or_default` resolves it."""
+
+    def __repr__(self) -> str:
+        return f"{DEFAULT}()"
+
+
+DEFAULT_RECIPE: Any = _Default()
+
+
+def or_default(recipe: Any) -> Any:
+    """`recipe`, or `default()` for `DEFAULT_RECIPE`."""
+    return default() if recipe is DEFAULT_RECIPE else recipe
+
+
+def of_states() -> Recipe:
+    """The registered recipe that keeps state, with its defaults: the one whose GEMM a
+    meta of states runs (its states carry their FP8 dtypes; the recipe's other fields
+    matter only to the update)."""
+    return next(c for c in _REGISTRY.values() if c.keeps_state)()
+
+
+def _names() -> str:
+    names = [f"jax_fp8.{n}" if i == 0 else n for i, n in enumerate(_REGISTRY)]
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+
+
+def check_recipe(recipe: Any, name: str = "recipe") -> Any:
+    """`recipe` if it is an instance of a registered recipe, else a TypeError naming `name`."""
+    if isinstance(recipe, type) and issubclass(recipe, Recipe):
         raise TypeError(f"{name} must be a recipe instance, got the class {recipe.__name__}: "
                         f"pass `{recipe.__name__}()`, an instance (e.g. "
                         f"`{recipe.__name__}()` for the defaults)")
-    if not isinstance(recipe, RECIPES):
-        raise TypeError(f"{name} must be a jax_fp8.DelayedScaling, Float8CurrentScaling or "
-                        f"Float8BlockScaling instance (e.g. `DelayedScaling()`), got "
+    if not isinstance(recipe, Recipe) or type(recipe).__name__ not in _REGISTRY:
+        raise TypeError(f"{name} must be a {_names()} instance (e.g. `{DEFAULT}()`), got "
                         f"{type(recipe).__name__}")
     return recipe
 
 
-def check_delayed(recipe, name: str = "recipe"):
-    """`recipe` if it is a DelayedScaling (the only recipe with state), else a TypeError."""
-    if isinstance(recipe, type) and issubclass(recipe, RECIPES):
-        check_recipe(recipe, name)
-    if not isinstance(recipe, DelayedScaling):
-        raise TypeError(f"{name} must be a jax_fp8.DelayedScaling here (the recipe with FP8 "
+def check_delayed(recipe: Any, name: str = "recipe") -> Any:
+    """`recipe` if it keeps state (delayed scaling), else a TypeError."""
+    check_recipe(recipe, name)
+    if not recipe.keeps_state:
+        stateful = type(of_states()).__name__
+        raise TypeError(f"{name} must be a jax_fp8.{stateful} here (the recipe with FP8 "
                         f"state), got {type(recipe).__name__}")
     return recipe
+
+
+def __getattr__(name: str) -> Any:
+    # The recipe classes live in their own modules (jax_fp8.recipes.*), registered when
+    # jax_fp8 is imported; they stay importable from here, as are all of them (RECIPES).
+    if name == "RECIPES":
+        return registered()
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

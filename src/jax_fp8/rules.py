@@ -12,18 +12,17 @@ from typing import Any
 
 from jax_fp8 import recipe as recipe_lib
 from jax_fp8.dot_general import check_min_fp8_flops
-from jax_fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+from jax_fp8.recipes.delayed import DelayedScaling
 
 __all__ = ["AUTO_MIN_FP8_FLOPS", "Fp8Rule", "as_rules", "rule_for"]
 
 
 
-# Per recipe, the forward FLOPs below which a converted GEMM stays in the operands' dtype
-# (Fp8Rule's min_fp8_flops="auto"): above each recipe's measured break-even, where one
-# layer's FP8 casts, amaxes and transposes cost as much as its faster GEMMs save
-# (docs/benchmarks.md, "One Dense layer: where FP8 starts to pay").
-AUTO_MIN_FP8_FLOPS = {DelayedScaling: 2.0 ** 36, Float8CurrentScaling: 2.0 ** 37,
-                      Float8BlockScaling: 2.0 ** 37}
+# Per recipe class, the forward FLOPs below which a converted GEMM stays in the operands'
+# dtype (Fp8Rule's min_fp8_flops="auto"): each recipe's `auto_min_fp8_flops`, above its
+# measured break-even, where one layer's FP8 casts, amaxes and transposes cost as much as
+# its faster GEMMs save (docs/benchmarks.md, "One Dense layer: where FP8 starts to pay").
+AUTO_MIN_FP8_FLOPS = {cls: cls.auto_min_fp8_flops for cls in recipe_lib.registered()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,9 +36,10 @@ class Fp8Rule:
       path: a regular expression matched in full (``re.fullmatch``) against the module's
         path: its names joined by ``/``, e.g. ``"encoder/layers_0/attention/query"``
         (``""`` for the root module). The default ``".*"`` matches every module.
-      recipe: ``DelayedScaling()`` (the default), ``Float8CurrentScaling()`` or
-        ``Float8BlockScaling()``: the recipe of the FP8 layers the rule creates. None
-        keeps the matched GEMMs as they are (an exclusion, e.g. for an LM head).
+      recipe: ``DelayedScaling()`` (the default), ``Float8CurrentScaling()``,
+        ``Float8BlockScaling()`` or another registered recipe: the recipe of the FP8
+        layers the rule creates. None keeps the matched GEMMs as they are (an exclusion,
+        e.g. for an LM head).
       min_fp8_flops: GEMMs with fewer FLOPs (``2 * batch * M * N * K`` of the forward
         product, known at trace time) run in the operands' dtype (the FP8 layers'
         attribute of that name); 0: all in FP8. ``"auto"`` (the default): the recipe's
@@ -77,7 +77,7 @@ class Fp8Rule:
             if flops != "auto":
                 raise ValueError(f"Fp8Rule.min_fp8_flops must be a number of FLOPs or "
                                  f"'auto', got {flops!r}")
-            flops = 0 if self.recipe is None else AUTO_MIN_FP8_FLOPS[type(self.recipe)]
+            flops = 0 if self.recipe is None else self.recipe.auto_min_fp8_flops
         object.__setattr__(self, "min_fp8_flops",
                            check_min_fp8_flops(flops, "Fp8Rule.min_fp8_flops"))
         if not isinstance(self.activations, bool):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Sequence
+from types import FrameType
 from typing import Any
 
 import jax
@@ -106,6 +107,7 @@ OPTAX_REFUSES = (
 def _check_not_optax():
     """Raises ValueError when the pytree operation flattening a state was called by optax
     (the Python frames above the flatten, past JAX's own tree functions)."""
+    frame: FrameType | None
     try:
         frame = sys._getframe(2)
     except ValueError:  # called from the top level
@@ -183,7 +185,7 @@ def check_states_follow(recipe, tree, name: str = "tree") -> None:
     for ``grad``; either for states whose role the tree does not name).
     """
     recipe_lib.check_recipe(recipe, "recipe")
-    if not isinstance(recipe, recipe_lib.DelayedScaling):
+    if not recipe.keeps_state:
         found = states_info(tree)
         if found:
             raise ValueError(
@@ -191,12 +193,10 @@ def check_states_follow(recipe, tree, name: str = "tree") -> None:
                 f"the recipe {type(recipe).__name__} keeps none: give the layers the same "
                 f"recipe (their states come from it)")
         return
-    fwd, bwd = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
+    dtypes = recipe.state_dtypes()
     for path, fp8_dtype, history_len in states_info(tree):
         role = _role(path)
-        by_role: dict[str | None, tuple[np.dtype, ...]] = {
-            "input": (fwd,), "kernel": (fwd,), "grad": (bwd,)}
-        want = by_role.get(role, (fwd, bwd))
+        want = (dtypes[role],) if role in dtypes else tuple(dtypes.values())
         where = f"{name}{jax.tree_util.keystr(path)}"
         problems = []
         if history_len != recipe.history_len:
@@ -207,7 +207,7 @@ def check_states_follow(recipe, tree, name: str = "tree") -> None:
                             f"{' or '.join(d.name for d in dict.fromkeys(want))}")
         if problems:
             default = (" (the default, taken when no recipe is passed)"
-                       if recipe == recipe_lib.DelayedScaling() else "")
+                       if recipe == recipe_lib.default() else "")
             raise ValueError(
                 f"{where} does not follow the recipe {recipe}{default}: it has "
                 f"{'; '.join(problems)}. The update must be given the recipe the layers "

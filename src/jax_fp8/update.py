@@ -16,7 +16,6 @@ from jax.typing import DTypeLike
 
 from jax_fp8 import recipe as recipe_lib
 from jax_fp8._primitives.update import ALGOS, IMPLEMENTATIONS, fp8_update_p
-from jax_fp8.recipe import DelayedScaling
 from jax_fp8.state import ScalingState, is_state
 
 # A mesh axis name, or a tuple of them (as lax.pmax takes).
@@ -145,7 +144,7 @@ def _where(paths, i, tree):
     return paths[0][i]
 
 
-def update_states(tree: Any, amaxes: Any = None, *, recipe: DelayedScaling = DelayedScaling(),
+def update_states(tree: Any, amaxes: Any = None, *, recipe: Any = recipe_lib.DEFAULT_RECIPE,
                   axis_name: AxisName | None = None, implementation: str = "auto",
                   in_place: bool | None = None) -> Any:
     """Updates every ScalingState leaf of `tree` with one fused op.
@@ -182,8 +181,8 @@ def update_states(tree: Any, amaxes: Any = None, *, recipe: DelayedScaling = Del
         states = jax.jit(update_states, donate_argnums=0)(states)
         ```
     """
-    recipe_lib.check_delayed(recipe, "recipe")
-    _check_options(recipe.amax_compute_algo, recipe.power_of_2_scale, recipe.skip_unused,
+    delayed = recipe_lib.check_delayed(recipe_lib.or_default(recipe), "recipe")
+    _check_options(delayed.amax_compute_algo, delayed.power_of_2_scale, delayed.skip_unused,
                    implementation)
     if in_place not in (None, True, False):
         raise TypeError(f"in_place must be None, True or False, got {in_place!r}")
@@ -219,11 +218,11 @@ def update_states(tree: Any, amaxes: Any = None, *, recipe: DelayedScaling = Del
         amax_list = reduce_amaxes(amax_list, axis_name)
     if in_place is None:
         in_place = len(states) <= IN_PLACE_MAX_STATES
-    scaled = [recipe_lib.scaled_max(recipe_lib.canonical_fp8_dtype(st.fp8_dtype), recipe.margin)
+    scaled = [recipe_lib.scaled_max(recipe_lib.canonical_fp8_dtype(st.fp8_dtype), delayed.margin)
               for st in states]
     h, s, si = _bind([st.amax_history for st in states], [st.scale for st in states],
                      [st.scale_inv for st in states] if in_place else None, amax_list, scaled,
-                     recipe.amax_compute_algo, recipe.power_of_2_scale, recipe.skip_unused,
+                     delayed.amax_compute_algo, delayed.power_of_2_scale, delayed.skip_unused,
                      implementation, in_place=in_place)
     for n, i in enumerate(index):
         leaves[i] = ScalingState(h[n], s[n], si[n], fp8_dtype=states[n].fp8_dtype)

@@ -30,18 +30,6 @@ def staged(fp8_grads):
     return {jax.tree_util.keystr(p): np.asarray(v).tolist() for p, v in flat}
 
 
-@pytest.fixture
-def on_cpu():
-    """Runs a test on the CPU backend.
-
-    For tests that compare, bit for bit, amaxes from two differently compiled programs
-    (scan vs unrolled, microbatches vs full batch): CPU GEMMs accumulate in the same order
-    in both, while GPU FP8 GEMMs may not, and one E5M2 rounding flip then moves an amax.
-    """
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
-
-
 def fp8_grads_of(model, variables, *args):
     params, fp8 = variables["params"], variables[FP8_COLLECTION]
 

@@ -26,10 +26,7 @@ DG = functools.partial(Fp8DotGeneral, recipe=RECIPE)
 D = 8
 
 
-@pytest.fixture(autouse=True)
-def on_cpu():
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
+pytestmark = pytest.mark.usefixtures("on_cpu")
 
 
 class MLP(nn.Module):

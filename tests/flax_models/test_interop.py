@@ -20,14 +20,11 @@ OUR_DG = functools.partial(Fp8DotGeneral, recipe=RECIPE)
 IS_STATE = lambda x: isinstance(x, jax_fp8.ScalingState)  # noqa: E731
 
 
-@pytest.fixture(autouse=True)
-def _on_cpu():
-    """Conversion is backend-independent; run on CPU, where the tiny reference models
-    (widths 4..16) train deterministically. (On an H200 with jax 0.11.2, XLA's Triton FP8
-    GEMMs turned these 8-wide models -- Flax's own fp8_ops one too -- NaN after two
-    steps; realistic widths, multiples of 16, train fine there.)"""
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
+# Conversion is backend-independent; run on CPU, where the tiny reference models
+# (widths 4..16) train deterministically. (On an H200 with jax 0.11.2, XLA's Triton FP8
+# GEMMs turned these 8-wide models -- Flax's own fp8_ops one too -- NaN after two
+# steps; realistic widths, multiples of 16, train fine there.)
+pytestmark = pytest.mark.usefixtures("on_cpu")
 
 
 class MLP(nn.Module):

@@ -34,14 +34,6 @@ DN = (((1,), (0,)), ((), ()))
 X = rand(0, (8, 16), 3.0)
 
 
-@pytest.fixture
-def on_cpu():
-    """Runs a test on the CPU backend: it compares, bit for bit, amaxes of programs compiled
-    differently (a scan against its GEMMs written out), whose CPU GEMMs accumulate alike."""
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
-
-
 class Block(nn.Module):
     @nn.compact
     def __call__(self, h, _):

@@ -15,22 +15,19 @@ import pytest
 from flax import nnx
 from flax.training import train_state
 
+import helpers
 import jax_fp8
 from helpers import assert_trees_equal, rand
 from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8TrainState, nnx as fnnx
 from jax_fp8.state import is_state
 
 DELAYED = jax_fp8.DelayedScaling(history_len=4)
-RECIPES = {"delayed": DELAYED, "current": jax_fp8.Float8CurrentScaling(),
-           "block": jax_fp8.Float8BlockScaling()}
+RECIPES = helpers.RECIPES
 D = 8
 REFUSED = r"optax was given jax_fp8 FP8 scaling states"
 
 
-@pytest.fixture(autouse=True)
-def on_cpu():
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
+pytestmark = pytest.mark.usefixtures("on_cpu")
 
 
 def states_of(tree):

@@ -20,7 +20,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import test_blockwise as tb
+import block_cases as tb
+import helpers
 from jax_fp8._primitives import block_quantize as bq
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -113,7 +114,7 @@ def check(got, want, x, layouts, what):
     for i, name in enumerate(names):
         a = x if name == "row-wise" else np.swapaxes(x, -1, -2)
         tb.assert_nan_tile_bytes_equal(got[2 * i], want[2 * i], a, f"{what}: {name} data")
-        tb.helpers.assert_bits_equal(got[2 * i + 1], want[2 * i + 1], f"{what}: {name} scale_inv")
+        helpers.assert_bits_equal(got[2 * i + 1], want[2 * i + 1], f"{what}: {name} scale_inv")
 
 
 def nan_cases(dtype):
@@ -167,6 +168,6 @@ def test_gpu_test_data_bits_equal_reference(kernel, dtype):
             gemm = run_host(kernel, x, block[0], fp8, gemm=True, offset=1)
             for i in (0, 2):
                 tb.assert_fp8_equal(gemm[i], want[i], what + " (gemm layout, offset 1)")
-                tb.helpers.assert_bits_equal(
+                helpers.assert_bits_equal(
                     gemm[i + 1], np.asarray(bq.to_gemm_layout(want[i + 1], block[0])),
                     what + " scale_inv in the gemm layout")

@@ -19,14 +19,15 @@ from jax_fp8._primitives import (
     update,
 )
 
-ALL = {"jax_fp8_update", "jax_fp8_amax", "jax_fp8_amax_for_state", "jax_fp8_transpose_bytes",
-       "jax_fp8_quantize_transpose", "jax_fp8_split_rows", "jax_fp8_block_quantize",
-       "jax_fp8_block_gemm", "jax_fp8_quotient_bits", "jax_fp8_grouped_gemm"}
+PRIMITIVES = {"jax_fp8_update", "jax_fp8_amax", "jax_fp8_amax_for_state",
+              "jax_fp8_transpose_bytes", "jax_fp8_quantize_transpose", "jax_fp8_split_rows",
+              "jax_fp8_block_quantize", "jax_fp8_block_gemm", "jax_fp8_quotient_bits",
+              "jax_fp8_product_bits", "jax_fp8_grouped_gemm"}
 E4M3 = jnp.float8_e4m3fn
 
 
 def test_every_primitive_is_declared_in_the_frame():
-    assert set(base.SPECS) == ALL
+    assert set(base.SPECS) == PRIMITIVES
     assert base.IMPLEMENTATIONS == ("auto", "jnp")
 
 
@@ -54,6 +55,7 @@ def _calls(implementation):
             q, s, q, s, a_block_rows=1, b_block_rows=1, out_dtype=jnp.float32, **opts),
         "jax_fp8_quotient_bits": lambda: quotient.quotient_bits_p.bind(
             x, x, subnormal=True, **opts),
+        "jax_fp8_product_bits": lambda: quotient.product_bits_p.bind(x, x, x, **opts),
         "jax_fp8_grouped_gemm": lambda: grouped_gemm.grouped_gemm(
             q, jnp.stack([q, q[::-1]]), jnp.asarray([3, 5], jnp.int32),
             jnp.ones((2,), jnp.float32), jnp.full((2,), 0.5, jnp.float32),
@@ -64,7 +66,7 @@ def _calls(implementation):
 @pytest.mark.parametrize("bad", ["xla", "kernel", "fallback", "local"])
 def test_implementations_outside_the_vocabulary_are_refused(bad):
     calls = _calls(bad)
-    assert set(calls) == ALL
+    assert set(calls) == PRIMITIVES
     for call in calls.values():
         with pytest.raises(ValueError, match="implementation must be one of"):
             jax.eval_shape(call)

@@ -17,12 +17,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 # The test folders are on PYTHONPATH (helpers.run_8_device_worker puts them there).
 import block_reference as ref
+import gemm_bounds as tg
 import helpers
 import jax_fp8
-import test_block_gemm as tg
+from gemm_bounds import expected
 from jax_fp8 import blockwise
 from jax_fp8.scaled_dot import scaled_dot_general
-from test_scaled_dot import expected
 
 RESULTS: dict[str, str] = {}
 assert jax.device_count() == 8, jax.devices()

@@ -4,6 +4,7 @@ handling, and the exported names."""
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -12,14 +13,20 @@ import pytest
 
 import jax_fp8
 from helpers import assert_bits_equal
+from jax_fp8 import _registration
 
 
 def test_exports():
+    """__all__ names each public name the package binds (its submodules aside) once, the
+    documented ones among them; the kernel flags say whether the kernel modules loaded."""
+    public = {n for n, v in vars(jax_fp8).items()
+              if not n.startswith("_") and not isinstance(v, types.ModuleType)}
+    assert sorted(public) == sorted(jax_fp8.__all__)
     for name in ("amax_and_scale_update", "update_states", "ScalingState", "DelayedScaling",
-                 "Format", "HAS_CPU_KERNEL", "HAS_CUDA_KERNEL"):
-        assert hasattr(jax_fp8, name), name
-    assert isinstance(jax_fp8.HAS_CPU_KERNEL, bool)
-    assert isinstance(jax_fp8.HAS_CUDA_KERNEL, bool)
+                 "Format", "HAS_CPU_KERNEL", "HAS_CUDA_KERNEL", "Recipe"):
+        assert name in public, name
+    assert jax_fp8.HAS_CPU_KERNEL is (_registration.CPU_MODULE is not None)
+    assert jax_fp8.HAS_CUDA_KERNEL is (_registration.CUDA_MODULE is not None)
 
 
 def test_cpu_kernel_is_built():

@@ -12,8 +12,11 @@ from jax import lax
 from jax_fp8 import _compat
 
 
-def test_every_name_is_there():
+def test_every_name_is_there_and_a_missing_one_is_an_import_error(monkeypatch):
     _compat.check()
+    monkeypatch.setattr(_compat, "_core", object())   # a JAX without trace_ctx
+    with pytest.raises(ImportError, match="jax._src.core.trace_ctx"):
+        _compat.check()
 
 
 def test_differentiation_traces_are_recognised():

@@ -13,11 +13,7 @@ from flax import nnx
 import jax_fp8
 from jax_fp8.flax import Fp8DotGeneral, Fp8TrainState, nnx as fnnx
 
-
-@pytest.fixture(autouse=True)
-def on_cpu():
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
+pytestmark = pytest.mark.usefixtures("on_cpu")
 
 
 X = jnp.asarray(np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32))

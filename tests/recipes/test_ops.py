@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jax_fp8
+from helpers import rand
 from jax_fp8 import Fp8Meta, ScalingState
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -17,13 +18,10 @@ DN = (((1,), (0,)), ((), ()))
 RECIPE = jax_fp8.DelayedScaling(history_len=4)
 
 
-@pytest.fixture(autouse=True)
-def _on_cpu():
-    """These tests pin the op's semantics bit for bit, so they run on the CPU backend
-    (deterministic GEMM accumulation order, like for like with the references). FP8
-    GEMMs on a GPU are exercised by tests/flax_models/test_train_step_hlo.py."""
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
+# These tests pin the op's semantics bit for bit, so they run on the CPU backend
+# (deterministic GEMM accumulation order, like for like with the references). FP8
+# GEMMs on a GPU are exercised by tests/flax_models/test_train_step_hlo.py.
+pytestmark = pytest.mark.usefixtures("on_cpu")
 
 
 def state(scale, dtype=E4M3, length=4):
@@ -35,11 +33,6 @@ def state(scale, dtype=E4M3, length=4):
 
 def meta_with(s_in=1.0, s_k=1.0, s_g=1.0):
     return Fp8Meta(state(s_in), state(s_k), state(s_g, E5M2))
-
-
-def rand(key, shape, scale=1.0, dtype=jnp.float32):
-    x = np.random.default_rng(key).standard_normal(shape).astype(np.float32) * scale
-    return jnp.asarray(x, dtype)
 
 
 def staged(g):

@@ -13,19 +13,11 @@ from flax import nnx
 
 import helpers
 import jax_fp8
+from helpers import rand
 from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8Einsum, Fp8TrainState, nnx as fnnx
 
-RECIPES = {
-    "delayed": jax_fp8.DelayedScaling(history_len=4),
-    "current": jax_fp8.Float8CurrentScaling(),
-    "blockwise": jax_fp8.Float8BlockScaling(),
-}
+RECIPES = helpers.RECIPES
 DN = (((1,), (0,)), ((), ()))
-
-
-def rand(seed, shape, scale=1.0):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-                       * scale)
 
 
 def _mlp(recipe):
@@ -64,7 +56,7 @@ def test_the_same_model_trains_with_each_recipe(name):
     assert abs(losses[-1] - float(val)) < 0.3 * float(val) + 1e-3
 
 
-@pytest.mark.parametrize("name", ["current", "blockwise"])
+@pytest.mark.parametrize("name", ["current", "block", "mxfp8"])
 def test_stateless_metas_through_the_functional_api(name):
     recipe = RECIPES[name]
     meta = jax_fp8.Fp8Meta.create(recipe)
@@ -79,7 +71,7 @@ def test_stateless_metas_through_the_functional_api(name):
     np.testing.assert_array_equal(out, direct)
 
 
-@pytest.mark.parametrize("name", ["current", "blockwise"])
+@pytest.mark.parametrize("name", ["current", "block", "mxfp8"])
 def test_einsum_module_and_nnx_layers_take_stateless_recipes(name):
     recipe = RECIPES[name]
 
@@ -105,7 +97,7 @@ def test_delayed_states_under_a_stateless_recipe_are_an_error():
     v = model.init(jax.random.key(0), jnp.ones((2, 128)))
     with pytest.raises(ValueError, match="keeps none"):
         Fp8TrainState.create(apply_fn=model.apply, variables=v, tx=optax.sgd(0.1),
-                             recipe=RECIPES["blockwise"])
+                             recipe=RECIPES["block"])
 
 
 def test_stateless_meta_exports_with_its_recipe():

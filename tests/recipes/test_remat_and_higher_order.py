@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+import helpers
 import jax_fp8
 import jax_fp8.flax as jfl
 import jax_fp8.flax.nnx as jfnnx
@@ -28,11 +29,7 @@ from jax_fp8.scaled_dot import scaled_dot_general
 F32 = np.float32
 DN = (((1,), (0,)), ((), ()))
 CP = jax.checkpoint_policies
-RECIPES = {
-    "delayed": jax_fp8.DelayedScaling(history_len=4),
-    "current": jax_fp8.Float8CurrentScaling(),
-    "block": jax_fp8.Float8BlockScaling(),
-}
+RECIPES = helpers.RECIPES
 NAME = "fp8_out"
 
 
@@ -164,14 +161,13 @@ def test_remat_of_einsum_and_scan_of_remat(recipe):
     assert_trees_equal(got, want)
 
 
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_remat_under_vmap_and_inside_scan_bf16(recipe):
     """bfloat16 operands; vmap of the gradient of a remat'd function, and a remat'd
     function in a lax.scan body: the gradients without remat."""
     rng = np.random.default_rng(5)
     xs = jnp.asarray(rng.normal(size=(3, 16, 128)), jnp.bfloat16)
     w = jnp.asarray(rng.normal(size=(128, 32)), jnp.bfloat16)
-    meta = Fp8Meta.create(RECIPES[recipe])
+    meta = Fp8Meta.create(recipe)
 
     def f(w, x):
         out, _ = jax_fp8.fp8_dot_general(x, w, DN, meta)
@@ -211,11 +207,10 @@ class _LinenBlock(nn.Module):
 
 @pytest.mark.parametrize("policy", ["everything_saveable", "save_anything_except_these_names",
                                     "dots_saveable", "nothing_saveable"])
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_linen_remat_with_policy(recipe, policy):
     x, _, c = operands()
-    plain = _LinenMlp(RECIPES[recipe], None)
-    remat = _LinenMlp(RECIPES[recipe], POLICIES[policy])
+    plain = _LinenMlp(recipe, None)
+    remat = _LinenMlp(recipe, POLICIES[policy])
     variables = plain.init(jax.random.key(0), x)
 
     def grads(model, variables):
@@ -241,10 +236,9 @@ class _NnxBlock(nnx.Module):
 
 @pytest.mark.parametrize("policy", ["everything_saveable", "save_anything_except_these_names",
                                     "nothing_saveable"])
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_nnx_remat_with_policy(recipe, policy):
     x, _, c = operands()
-    model = _NnxBlock(RECIPES[recipe], nnx.Rngs(0))
+    model = _NnxBlock(recipe, nnx.Rngs(0))
 
     def plain(model, x):
         return jnp.sum(model(x) * c)

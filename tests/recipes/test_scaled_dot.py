@@ -15,10 +15,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import block_reference as ref
+import gemm_bounds as tg
 import helpers
 import jax_fp8
-import test_block_gemm as tg
+from gemm_bounds import expected
 from jax_fp8 import Format
 from jax_fp8.scaled_dot import scaled_dot_general
 
@@ -41,33 +41,6 @@ def data(rng, m, k, n):
     w = (rng.normal(size=(k, n)) * 0.05).astype(F32)
     c = (rng.normal(size=(m, n)) * np.exp2(rng.integers(-3, 4, (1, n)))).astype(F32)
     return x, w, c
-
-
-def block_operand(a, recipe, role, fp8):
-    q, s = ref.quantize_blocks(a, recipe.block_shape(role), fp8, recipe.power_of_2_scale,
-                               recipe.amax_epsilon)
-    return q, s, recipe.block_shape(role)[0]
-
-
-def expected(recipe, x, w, c):
-    """(E, S) for out, dx, dw (module docstring; float64)."""
-    fwd, bwd = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
-    if isinstance(recipe, jax_fp8.Float8BlockScaling):
-        def gemm(a, b):
-            (qa, sa, ra), (qb, sb, rb) = a, b
-            return tg.exact(qa, sa, qb, sb, ra, rb)
-        return (gemm(block_operand(x, recipe, "x", fwd), block_operand(w.T, recipe, "w", fwd)),
-                gemm(block_operand(c, recipe, "grad", bwd), block_operand(w, recipe, "w", fwd)),
-                gemm(block_operand(x.T, recipe, "x", fwd), block_operand(c.T, recipe, "grad", bwd)))
-    opts = (recipe.power_of_2_scale, recipe.amax_epsilon)
-    qx, sx = ref.quantize_current(x, fwd, *opts)
-    qw, sw = ref.quantize_current(w, fwd, *opts)
-    qc, sc = ref.quantize_current(c, bwd, *opts)
-    def g(qa, sa, qb, sb):  # [R, C] . [P, C]^T with one scale_inv per operand
-        a, b = qa.astype(np.float64), qb.astype(np.float64)
-        f = np.float64(sa) * np.float64(sb)
-        return (a @ b.T) * f, (np.abs(a) @ np.abs(b).T) * f
-    return g(qx, sx, qw.T, sw), g(qc, sc, qw, sw), g(qx.T, sx, qc.T, sc)
 
 
 def coefficient(recipe, k, backend):

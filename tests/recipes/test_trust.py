@@ -17,16 +17,12 @@ import pytest
 
 import helpers
 import jax_fp8
+from helpers import rand
 from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8TrainState
 
 DN = (((1,), (0,)), ((), ()))
 R16 = jax_fp8.DelayedScaling(history_len=16)
 DG = functools.partial(Fp8DotGeneral, recipe=R16)
-
-
-def rand(seed, shape, scale=1.0, dtype=jnp.float32):
-    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * scale
-    return jnp.asarray(x, dtype)
 
 
 def staged(tree):

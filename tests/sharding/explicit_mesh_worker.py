@@ -19,7 +19,7 @@ mesh = jax.make_mesh((8,), ("data",))
 rng = np.random.default_rng(0)
 dn = (((1,), (0,)), ((), ()))
 RECIPES = {"delayed": jax_fp8.DelayedScaling(), "current": jax_fp8.Float8CurrentScaling(),
-           "block": jax_fp8.Float8BlockScaling()}
+           "block": jax_fp8.Float8BlockScaling(), "mxfp8": jax_fp8.MXFP8BlockScaling()}
 # The example sizes, and sizes with whole 128-blocks per device.
 SIZES = {"small": (64, 32, 16), "blocks": (1024, 256, 128)}
 

@@ -2,7 +2,8 @@
 over the sharded batch axis, so they must name their output sharding (as JAX's own dot
 rule does). Delayed and current scaling give one device's gradients (the kernel gradient,
 a sum over the sharded rows, within its summation bound; bit for bit where the sum is
-exact); block scaling as well, each device quantizing and multiplying its shards."""
+exact); block scaling and MXFP8 as well, each device quantizing and multiplying its
+shards."""
 
 import pytest
 
@@ -27,9 +28,10 @@ def test_fp8_dot_general_grad_on_explicit_mesh(results, recipe, size):
     assert res["specs"][0] in ("P(None, None)", "PartitionSpec(None, None)", "P()"), res
 
 
+@pytest.mark.parametrize("recipe", ["block", "mxfp8"])
 @pytest.mark.parametrize("size", ["small", "blocks"])
-def test_block_scaling_on_explicit_mesh(results, size):
-    res = results[f"block/{size}"]
+def test_block_scaling_on_explicit_mesh(results, recipe, size):
+    res = results[f"{recipe}/{size}"]
     assert "error" not in res, res
     assert res["dx_equal"] and res["meta_equal"] and res["dw_err_over_bound"] <= 1, res
     assert res["specs"][1] in ("P('data', None)", "PartitionSpec('data', None)"), res

@@ -24,11 +24,6 @@ MKDOCS_YML = ROOT / "mkdocs.yml"
 DOCS_OWNED = ("README.md", "CHANGELOG.md", "docs/")
 DOCS_NOT_OWNED = ("docs/convergence.md", "docs/convergence/")
 
-# Words about how the project was made, which do not belong in it.
-PROVENANCE = re.compile(
-    r"session \d|sessions? [0-9]|issue #?\d|the device tool|device tool|\bCEO\b",
-    re.IGNORECASE)
-
 # The public modules and their reference pages (docs/reference/<page>.md).
 PUBLIC_MODULES = {"jax_fp8": "jax_fp8", "jax_fp8.flax": "flax", "jax_fp8.flax.nnx": "nnx",
                   "jax_fp8.flax.interop": "interop", "jax_fp8.equinox": "equinox"}
@@ -520,64 +515,3 @@ def test_measurement_pattern():
         assert MEASUREMENT.search(text), text
     for text in ("128 x 128 blocks", "msgpack", "status", "H2000", "2 ** 35 FLOPs"):
         assert not MEASUREMENT.search(text), text
-
-
-# -------------------------------------------------------------------------- provenance
-
-def _tracked_files():
-    try:
-        proc = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
-                              timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if proc.returncode != 0:
-        return None
-    return [f for f in proc.stdout.decode("utf-8", "replace").split("\0") if f]
-
-
-def _owned(path):
-    if path.startswith(DOCS_NOT_OWNED):
-        return False
-    return path in DOCS_OWNED or path.startswith(tuple(p for p in DOCS_OWNED
-                                                        if p.endswith("/")))
-
-
-def _provenance_hits():
-    files = _tracked_files()
-    if files is None:
-        pytest.skip("not a git checkout")
-    me = pathlib.Path(__file__).resolve().relative_to(ROOT).as_posix()
-    hits = []
-    for rel in files:
-        if rel == me:
-            continue
-        path = ROOT / rel
-        try:
-            data = path.read_bytes()
-        except OSError:  # listed but not in the work tree (e.g. deleted, not committed)
-            continue
-        if b"\0" in data[:8192]:
-            continue  # binary
-        for lineno, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
-            m = PROVENANCE.search(line)
-            if m:
-                hits.append((rel, lineno, m.group(0)))
-    return hits
-
-
-def test_no_words_about_how_the_project_was_made():
-    hits = _provenance_hits()
-    mine = [h for h in hits if _owned(h[0])]
-    assert not mine, "\n".join(f"{f}:{n}: {w!r}" for f, n, w in mine)
-    if hits:
-        # Files outside the documentation: reported, and to be fixed by their owners.
-        pytest.xfail("words about how the project was made in files outside the docs: "
-                     + "; ".join(f"{f}:{n} {w!r}" for f, n, w in hits))
-
-
-def test_provenance_pattern():
-    for text in ("Session 5", "sessions 2", "issue #12", "Issue 6", "the device tool",
-                 "device tool", "our CEO"):
-        assert PROVENANCE.search(text), text
-    for text in ("the issue's targets", "sessions", "CEOs", "issued", "a device"):
-        assert not PROVENANCE.search(text), text

@@ -42,7 +42,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import jax
 from jax import lax
@@ -226,7 +226,7 @@ class _Primitive(Primitive):
             params["implementation"] = DEFAULT   # "auto" unless the environment says "jnp"
         spec = SPECS[self.name]
         if spec.same_varying:
-            args = axis_types.vary_like(args)
+            args = tuple(axis_types.vary_like(args))
         part = spec.partitioning
         if (part is not None and part.explicit and params["implementation"] in IMPLEMENTATIONS
                 and any(axis_types.on_explicit_mesh(a) for a in args)):
@@ -378,12 +378,12 @@ class _Rules:
 
     @functools.cache  # noqa: B019 (one _Rules per primitive, alive as long as the process)
     def _reference(self, static):
-        fn = functools.partial(self.spec.reference, **dict(static))
+        fn = functools.partial(cast(Callable, self.spec.reference), **dict(static))
         return jax.jit(fn) if self.spec.cache_reference else fn
 
     @functools.cache  # noqa: B019
     def _partitioned(self):
-        part = self.spec.partitioning
+        part = cast(Partitioning, self.spec.partitioning)   # made only for a spec with one
 
         def per_device(static, *operands):
             outs = self.prim.bind(*operands, implementation=PER_DEVICE, **dict(static))
@@ -421,7 +421,7 @@ class _Rules:
 
     def batch_reference(self, args, dims, *, implementation, **params):
         del implementation
-        outs = jax.vmap(functools.partial(self.spec.reference, **params),
+        outs = jax.vmap(functools.partial(cast(Callable, self.spec.reference), **params),
                         in_axes=tuple(dims))(*args)
         return outs, self._results(outs, 0)
 
@@ -437,8 +437,8 @@ class _Rules:
     def jvp_reference(self, primals, tangents, *, implementation, **params):
         del implementation
         tangents = [ad.instantiate_zeros(t) for t in tangents]
-        return jax.jvp(functools.partial(self.spec.reference, **params), tuple(primals),
-                       tuple(tangents))
+        reference = cast(Callable, self.spec.reference)
+        return jax.jvp(functools.partial(reference, **params), tuple(primals), tuple(tangents))
 
 
 # ------------------------------------------------------------------------ platform versions

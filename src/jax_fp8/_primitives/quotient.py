@@ -1,4 +1,5 @@
-"""Correctly rounded float32 quotients from one float64 division, emitted in the lowering.
+"""Correctly rounded float32 quotients (and products) from one float64 division (or product),
+emitted in the lowering.
 
 XLA:GPU's float32 division is not correctly rounded (up to 2 ulp off); float64 division is
 IEEE's on XLA's backends. float64 carries 53 > 2 * 24 + 2 significand bits, so the float64
@@ -45,12 +46,33 @@ def divide_rn(a, b):
     return jax.lax.bitcast_convert_type(quotient_bits(a, b, subnormal=False), jnp.float32)
 
 
-def _abstract_eval(a, b, *, subnormal):
-    del subnormal
+def product_bits(a, b, c):
+    """The bits (uint32) of a * b * c in float32, rounded once to nearest even (subnormal
+    results exact), for a, b, c float32 values XLA reads as they are (normal: scale a
+    subnormal up by a power of two in c) whose float64 product is exact (a * b: 48
+    significand bits; c a power of two). Shapes: a, b, c broadcast -> [...] uint32."""
+    a, b, c = jnp.broadcast_arrays(*(jnp.asarray(v, jnp.float32) for v in (a, b, c)))
+    return product_bits_p.bind(a, b, c)
+
+
+def _abstract_eval(a, *others, **params):
+    del others, params
     return a.update(dtype=np.dtype(np.uint32), weak_type=False)
 
 
 def _lowering(ctx, a, b, *, subnormal):
+    f64 = ir.RankedTensorType.get(ctx.avals_out[0].shape, ir.F64Type.get())
+    return _rounded(ctx, hlo.divide(hlo.convert(f64, a), hlo.convert(f64, b)), subnormal)
+
+
+def _product_lowering(ctx, a, b, c):
+    f64 = ir.RankedTensorType.get(ctx.avals_out[0].shape, ir.F64Type.get())
+    ab = hlo.multiply(hlo.convert(f64, a), hlo.convert(f64, b))
+    return _rounded(ctx, hlo.multiply(ab, hlo.convert(f64, c)), True)
+
+
+def _rounded(ctx, q, subnormal):
+    """The float64 value q as float32 bits (uint32), rounded to nearest even in integers."""
     (aval,) = ctx.avals_out
     shape = aval.shape
     u64 = ir.IntegerType.get_unsigned(64)
@@ -60,8 +82,6 @@ def _lowering(ctx, a, b, *, subnormal):
         return hlo.constant(ir.DenseElementsAttr.get_splat(
             ir.RankedTensorType.get(shape, u64), ir.IntegerAttr.get(u64, int(v))))
 
-    f64 = ir.RankedTensorType.get(shape, ir.F64Type.get())
-    q = hlo.divide(hlo.convert(f64, a), hlo.convert(f64, b))
     u = hlo.bitcast_convert(ir.RankedTensorType.get(shape, u64), q)
     sign = hlo.shift_left(hlo.shift_right_logical(u, c(63)), c(31))
     mag = hlo.and_(u, c(2 ** 63 - 1))
@@ -98,3 +118,6 @@ def _lowering(ctx, a, b, *, subnormal):
 # constant.
 quotient_bits_p = base.register(base.Spec(
     "jax_fp8_quotient_bits", _abstract_eval, reference_lowering=_lowering, same_varying=True))
+product_bits_p = base.register(base.Spec(
+    "jax_fp8_product_bits", _abstract_eval, reference_lowering=_product_lowering,
+    same_varying=True))

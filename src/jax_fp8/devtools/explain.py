@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.extend.core
 import numpy as np
 
+from jax_fp8 import recipe as recipe_lib
 from jax_fp8._primitives import base
 from jax_fp8.dot_general import KEPT_SCOPE
 
@@ -46,7 +49,8 @@ class Row:
     operands: the operand types, e.g. ``("bfloat16[8192,4096]", "float8_e4m3fn[...]")``.
     lowering: for a primitive ``"kernel"``, ``"partitioned"`` or ``"reference"``; for a
       computation with a version per platform ``"variant"`` (its platform's) or
-      ``"reference"``; for a GEMM ``"fp8"`` or the element type it runs in.
+      ``"reference"``; for a GEMM ``"fp8"``, the element type it runs in, or what a
+      recipe's own GEMM is (``"mxfp8"`` native, ``"mxfp8 emulated"``).
     why: the reason, in words.
     flops: a GEMM's FLOPs (``2 * batch * M * N * K``), 0 for a primitive.
     """
@@ -123,6 +127,9 @@ def _walk(jaxpr, where: str, platform: str, num_devices: int, rows: list) -> Non
             rows.append(Row("primitive", name, here, tuple(map(_fmt, avals)), how, why))
         elif name == "dot_general":
             rows.append(_gemm_row(here, avals, eqn.params["dimension_numbers"]))
+        elif name in recipe_lib.GEMM_PRIMITIVES:     # a recipe's GEMM of its own
+            lowering, reason = recipe_lib.GEMM_PRIMITIVES[name]
+            rows.append(Row("gemm", name, here, tuple(map(_fmt, avals)), lowering, reason()))
         elif "jaxpr" in eqn.params and eqn.params.get("name") in base.BY_PLATFORM:
             how, why = base.decide_platform(base.BY_PLATFORM[eqn.params["name"]], platform)
             rows.append(Row("platform", eqn.params["name"], here, tuple(map(_fmt, avals)),
@@ -168,7 +175,13 @@ def _gemm_row(where, avals, dimension_numbers) -> Row:
              * free(lhs, lc, lb) * free(rhs, rc, rb))
     fp8 = all(np.dtype(a.dtype).itemsize == 1 and "float8" in np.dtype(a.dtype).name
               for a in avals)
-    if fp8:
+    # A scope is named bare, or inside the transformations around it ("jvp(name)").
+    scope = next((name for name in recipe_lib.GEMM_SCOPES
+                  if re.search(rf"(^|[/(]){re.escape(name)}($|[/)])", where)), None)
+    if scope is not None:
+        lowering, reason = recipe_lib.GEMM_SCOPES[scope]
+        why = reason()
+    elif fp8:
         lowering, why = "fp8", "FP8 GEMM"
     elif KEPT_SCOPE in where.split("/"):
         lowering = str(np.dtype(lhs.dtype))
@@ -176,6 +189,8 @@ def _gemm_row(where, avals, dimension_numbers) -> Row:
     else:
         lowering, why = str(np.dtype(lhs.dtype)), "not an FP8 GEMM"
     where = "/".join(p for p in where.split("/") if p != KEPT_SCOPE)
+    if scope is not None:
+        where = re.sub(rf"(^|/){re.escape(scope)}(?=$|/)|\({re.escape(scope)}\)", r"\1", where)
     return Row("gemm", "dot_general", where, (_fmt(lhs), _fmt(rhs)), lowering, why, flops)
 
 

@@ -87,7 +87,7 @@ def _converting_call(call):
 
 
 @functools.cache
-def _converting_class(cls, rule):
+def _converting_class(cls: Any, rule: Any) -> type:
     """``cls`` with a field holding the FP8 states of its weights' GEMMs, and its
     ``__call__`` run under the interception (the same signature)."""
     namespace = {"__annotations__": {FP8_FIELD: dict},
@@ -109,7 +109,8 @@ def _convert_own(module, rule, path):
             f"state), or activations=False")
     if not weights and not rule.activations:
         return module
-    new = object.__new__(_converting_class(type(module), rule))
+    module_class: Any = type(module)
+    new: Any = object.__new__(_converting_class(module_class, rule))
     for f in dataclasses.fields(module):
         object.__setattr__(new, f.name, getattr(module, f.name))
     # A weight of a stacked module (eqx.filter_vmap) has the stack's axes in front of its

@@ -51,7 +51,7 @@ class Fp8Linear(eqx.Module):
 
     @classmethod
     def from_linear(cls, linear: eqx.nn.Linear, recipe: Any = None,
-                    min_fp8_flops: float = 0.0) -> Fp8Linear:
+                    min_fp8_flops: float | str = 0.0) -> Fp8Linear:
         """``linear``'s weight and bias in an `Fp8Linear` with fresh FP8 state (stacked
         over the weight's leading axes for layers made by ``eqx.filter_vmap``)."""
         if not isinstance(linear, eqx.nn.Linear):

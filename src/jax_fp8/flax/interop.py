@@ -46,6 +46,7 @@ import numpy as np
 
 from jax_fp8 import recipe as recipe_lib
 from jax_fp8.flax.linen import FP8_COLLECTION
+from jax_fp8.recipes.delayed import DelayedScaling
 from jax_fp8.state import ScalingState
 from jax_fp8.update import update_states
 
@@ -131,7 +132,7 @@ def from_flax(tree, *, fwd_dtype=jnp.float8_e4m3fn, bwd_dtype=jnp.float8_e5m2,
 
     staged = _map_modules(tree, _is_flax_module, convert, rename_key)
     # Flax has no margin and always uses the max over the history.
-    return update_states(staged, recipe=recipe_lib.DelayedScaling(margin=0.0,
+    return update_states(staged, recipe=DelayedScaling(margin=0.0,
                                                                   amax_compute_algo="max"),
                          implementation=implementation)
 

@@ -64,7 +64,8 @@ from jax_fp8.einsum import fp8_einsum
 from jax_fp8.flax import multi_steps
 from jax_fp8.meta import Fp8Meta, new_fp8_state, scales_frozen
 from jax_fp8.packing import PackedStates, pack_states, unpack_states
-from jax_fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+from jax_fp8.recipe import Recipe
+from jax_fp8.recipes.delayed import DelayedScaling
 from jax_fp8.state import ScalingState
 
 FP8_COLLECTION = "fp8_meta"
@@ -99,11 +100,10 @@ def _check_collection_reaches(module: nn.Module, collection: str, op: str) -> No
 
 def _meta_variables(module: nn.Module, recipe, collection, op: str | None = None):
     recipe_lib.check_recipe(recipe, "recipe")
-    if not isinstance(recipe, recipe_lib.DelayedScaling):
-        return None  # current / blockwise scaling: no state
+    if not recipe.keeps_state:
+        return None  # scales from the operands: no state
     _check_collection_reaches(module, collection, op or type(module).__name__)
-    fwd, bwd = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
-    dtypes = {"input": fwd, "kernel": fwd, "grad": bwd}
+    dtypes = recipe.state_dtypes()
     return [module.variable(collection, name, ScalingState.create, (), recipe.history_len,
                             dtypes[name]) for name in Fp8Meta.STATES]
 
@@ -231,7 +231,8 @@ class Fp8DotGeneral(nn.Module):
 
     Attributes:
       recipe: DelayedScaling (the default: the states, history length and FP8 format,
-        live in ``collection``), Float8CurrentScaling or Float8BlockScaling (no state).
+        live in ``collection``) or any recipe without state (Float8CurrentScaling,
+        Float8BlockScaling, MXFP8BlockScaling).
       collection: the variable collection holding the FP8 state.
       min_fp8_flops: GEMMs with fewer FLOPs (2 * batch * M * N * K) run in the operands'
         dtype, not FP8 (`jax_fp8.fp8_dot_general`); 0 (the default): every GEMM is FP8.
@@ -242,7 +243,7 @@ class Fp8DotGeneral(nn.Module):
         nn.Dense(1024, dot_general_cls=dg)
     """
 
-    recipe: DelayedScaling | Float8CurrentScaling | Float8BlockScaling = DelayedScaling()
+    recipe: Recipe = DelayedScaling()
     collection: str = FP8_COLLECTION
     min_fp8_flops: float = 0
 
@@ -269,7 +270,7 @@ class Fp8Einsum(nn.Module):
     """Two-operand FP8 einsum: ``Fp8Einsum()("bsd,dh->bsh", x, kernel)``; rhs is the kernel.
     Attributes as `Fp8DotGeneral`'s."""
 
-    recipe: DelayedScaling | Float8CurrentScaling | Float8BlockScaling = DelayedScaling()
+    recipe: Recipe = DelayedScaling()
     collection: str = FP8_COLLECTION
     min_fp8_flops: float = 0
 
@@ -298,12 +299,13 @@ class _WeightFp8(nn.Module):
     Attributes as `Fp8DotGeneral`'s.
     """
 
-    recipe: DelayedScaling | Float8CurrentScaling | Float8BlockScaling = DelayedScaling()
+    recipe: Recipe = DelayedScaling()
     collection: str = FP8_COLLECTION
     min_fp8_flops: float = 0
 
     @nn.compact
-    def __call__(self, kind, args, precision=None, preferred_element_type=None):
+    def __call__(self, kind: str, args: tuple[Any, Any, Any], precision=None,
+                 preferred_element_type=None):
         op = "Fp8DotGeneral" if kind == "dot_general" else "Fp8Einsum"
         vs = _meta_variables(self, self.recipe, self.collection, op)
         used = _read(self, vs, self.recipe, self.collection, op)
@@ -348,7 +350,7 @@ class Fp8TrainState(train_state.TrainState):
     # restore into a state of another FP8 format fails on the keys instead of relabelling.
     fp8_formats: Any = None
     fp8_pending: Any = None
-    recipe: DelayedScaling | Float8CurrentScaling | Float8BlockScaling = struct.field(
+    recipe: Recipe = struct.field(
         pytree_node=False, default=DelayedScaling())
     fp8_collection: str = struct.field(pytree_node=False, default=FP8_COLLECTION)
 
@@ -392,7 +394,7 @@ class Fp8TrainState(train_state.TrainState):
                                  f"'params' and {fp8_collection!r}. Pass params= and fp8= "
                                  "and keep the other collections yourself")
             params = rest["params"]
-        recipe = recipe_lib.DelayedScaling() if recipe is None else recipe
+        recipe = recipe_lib.default() if recipe is None else recipe
         recipe_lib.check_recipe(recipe, "recipe")
         fp8 = {} if fp8 is None else fp8
         state_lib.check_states_follow(recipe, fp8, "fp8")

@@ -85,7 +85,7 @@ class _Fp8Base(nnx.Module):
                 f"layer, so pass an instance, {name}(recipe), not the class (e.g. "
                 f"nnx.Linear(..., dot_general=Fp8DotGeneral(recipe)), or Fp8Linear(..., "
                 f"recipe=recipe))")
-        recipe = recipe_lib.DelayedScaling() if recipe is None else recipe
+        recipe = recipe_lib.default() if recipe is None else recipe
         recipe_lib.check_recipe(recipe, "recipe")
         self.min_fp8_flops = check_min_fp8_flops(min_fp8_flops)  # a static float
         meta = Fp8Meta.create(recipe)
@@ -265,7 +265,7 @@ def _step(model, optimizer, grads, recipe, optimizer_update, kwargs):
     fp8_grads, param_grads = _split(grads)
     held = state_lib.states_info(fp8_state(model))
     # The recipe is checked before the optimizer steps, so a mismatch changes nothing.
-    state_lib.check_states_follow(recipe_lib.DelayedScaling() if recipe is None else recipe,
+    state_lib.check_states_follow(recipe_lib.default() if recipe is None else recipe,
                                   fp8_state(model), type(model).__name__)
     if held and not state_lib.states_info(fp8_grads) and not meta_lib.scales_frozen():
         raise ValueError(
@@ -322,7 +322,7 @@ class Fp8Optimizer(nnx.Optimizer):
         if self.fp8_pending is None:
             _step(model, self, grads, self.fp8_recipe, nnx.Optimizer.update, kwargs)
             return
-        recipe = recipe_lib.DelayedScaling() if self.fp8_recipe is None else self.fp8_recipe
+        recipe = recipe_lib.default() if self.fp8_recipe is None else self.fp8_recipe
         states = fp8_state(model)
         state_lib.check_states_follow(recipe, states, type(model).__name__)
         fp8_grads, param_grads = _split(grads)

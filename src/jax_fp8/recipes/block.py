@@ -1,0 +1,115 @@
+"""Blockwise scaling (DeepSeek-V3's recipe, Transformer Engine's ``Float8BlockScaling``): one
+scale per 1 x 128 block or 128 x 128 tile, in the Dense form of `jax_fp8.scaled_dot`:
+
+  forward  out = x . w:    x quantized row-wise (blocks along K, role "x"), w column-wise
+                           (the operand [N, K], role "w"), the block GEMM primitive
+  dgrad    dx = g . w^T:   g row-wise (blocks along N, role "grad"), w row-wise ([K, N])
+  wgrad    dw = x^T . g:   x column-wise ([K, M], blocks along M), g column-wise ([N, M])
+
+Every GEMM is cuBLASLt's TN form: both operands contract over their minor axis. Each
+tensor is quantized once, in both layouts from one read of it (one kernel on CUDA); a
+1x128-blocked copy along the other axis is quantized afresh from the high precision
+tensor (docs/semantics.md), a 128x128 tile is the same tile either way. The kernel writes
+the scales in the layout the GEMM reads (scale_layout="gemm"), so on CUDA a forward and
+backward is 3 quantization kernels and 3 GEMMs with no XLA op between them. The residuals
+are the FP8 copies the backward needs (x column-wise, w row-wise, with their scales): 1 byte
+per element instead of the high-precision input, and the backward reads neither x nor w
+again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from jax_fp8 import recipe as recipe_lib
+from jax_fp8._primitives import block_gemm as gemm_lib, block_quantize as bq
+from jax_fp8.recipe import Format
+from jax_fp8.scaled_dot import StatelessRecipe, Types, explicit_type, typed
+
+__all__ = ["Float8BlockScaling"]
+
+
+@recipe_lib.register
+@dataclasses.dataclass(frozen=True)
+class Float8BlockScaling(StatelessRecipe):
+    """Blockwise scaling (DeepSeek-V3's recipe, TE's ``Float8BlockScaling``).
+
+    One scale per ``1 x 128`` block (``*_block_scaling_dim=1``) or ``128 x 128`` tile
+    (``=2``) of each GEMM operand laid out as ``[..., M, K]`` (K the contraction axis),
+    from the block's own amax. At most one operand of a GEMM has 2-D blocks. No state
+    is kept.
+
+    Attributes:
+      fp8_format: Format.E4M3 (the default, E4M3 everywhere) or Format.HYBRID.
+      power_of_2_scale: round each scale down to a power of two (default True).
+      amax_epsilon: lower bound applied to each block's amax.
+      x_block_scaling_dim, w_block_scaling_dim, grad_block_scaling_dim: 1 or 2, for the
+        input (activations), the kernel (weights) and the incoming gradient.
+    """
+
+    keeps_state: ClassVar[bool] = False
+    auto_min_fp8_flops: ClassVar[float] = 2.0 ** 37
+
+    fp8_format: Format = Format.E4M3
+    power_of_2_scale: bool = True
+    amax_epsilon: float = 0.0
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.fp8_format, Format):
+            raise TypeError(f"fp8_format must be a jax_fp8.Format, got {self.fp8_format!r}")
+        recipe_lib._check_bool(self, "power_of_2_scale")
+        recipe_lib._check_epsilon(self.amax_epsilon)
+        dims = {}
+        for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or value not in (1, 2):
+                raise ValueError(f"{name} must be 1 or 2, got {value!r}")
+            dims[name] = value
+        # Each GEMM pairs two of the three operands (fwd: x, w; dgrad: grad, w; wgrad:
+        # grad, x); a cuBLASLt block-scaled GEMM takes at most one 128 x 128 operand.
+        for a, b in (("x", "w"), ("grad", "w"), ("grad", "x")):
+            if dims[f"{a}_block_scaling_dim"] == dims[f"{b}_block_scaling_dim"] == 2:
+                raise ValueError(f"{a}_block_scaling_dim and {b}_block_scaling_dim cannot "
+                                 f"both be 2: at most one operand of a GEMM has 2-D blocks")
+
+    def block_shape(self, role: str) -> tuple:
+        """The block shape of ``role`` ("x", "w" or "grad"): (1, 128) or (128, 128)."""
+        dim = getattr(self, f"{role}_block_scaling_dim")
+        return (1, 128) if dim == 1 else (128, 128)
+
+    def _quantize(self, a, role, fp8_dtype, rowwise, colwise):
+        return bq.block_quantize(a, block_rows=self.block_shape(role)[0], fp8_dtype=fp8_dtype,
+                                 power_of_2_scale=self.power_of_2_scale,
+                                 amax_epsilon=self.amax_epsilon, rowwise=rowwise,
+                                 colwise=colwise, scale_layout="gemm")
+
+    def matmul_forward(self, x, w, out_dtype, keep):
+        fwd = self.fp8_format.fwd_dtype
+        xr, wr = self.block_shape("x")[0], self.block_shape("w")[0]
+        if keep:
+            qx, sx, qx_t, sx_t = self._quantize(x, "x", fwd, True, True)
+            qw_kn, sw_kn, qw, sw = self._quantize(w, "w", fwd, True, True)
+            residuals = (qx_t, sx_t, qw_kn, sw_kn, Types(explicit_type(x), explicit_type(w)))
+        else:
+            qx, sx = self._quantize(x, "x", fwd, True, False)
+            qw, sw = self._quantize(w, "w", fwd, False, True)
+            residuals = None
+        return _gemm(qx, sx, qw, sw, xr, wr, out_dtype), residuals
+
+    def matmul_backward(self, residuals, g, x_dtype, w_dtype):
+        qx_t, sx_t, qw_kn, sw_kn, types = residuals
+        xr, wr, gr = (self.block_shape(r)[0] for r in ("x", "w", "grad"))
+        qg, sg, qg_t, sg_t = self._quantize(g, "grad", self.fp8_format.bwd_dtype, True, True)
+        dx = _gemm(qg, sg, qw_kn, sw_kn, gr, wr, x_dtype)       # [M, N] . [K, N]^T
+        dw = _gemm(qx_t, sx_t, qg_t, sg_t, xr, gr, w_dtype)     # [K, M] . [N, M]^T
+        # On a mesh with Explicit axes each gradient is typed as its primal.
+        return typed(dx, types.x), typed(dw, types.w)
+
+
+def _gemm(a, sa, b, sb, ra, rb, out_dtype):
+    return gemm_lib.block_gemm(a, sa, b, sb, a_block_rows=ra, b_block_rows=rb,
+                               out_dtype=out_dtype, scale_layout="gemm")

@@ -1,0 +1,192 @@
+"""Delayed scaling (Transformer Engine's ``DelayedScaling``): each GEMM keeps a state per
+tensor (input, kernel, gradient) whose scale comes from earlier steps' amaxes.
+
+The GEMM: the input (lhs) and kernel (rhs) are quantized with their states' current scales
+(E4M3), the FP8 GEMM runs, and its result is dequantized. Backward: the incoming gradient
+is quantized (E5M2 under HYBRID) and both gradients are FP8 GEMMs (``_gemms.py``). The
+amaxes observed on the way leave as the meta's cotangent (``jax_fp8.meta``), and
+`jax_fp8.new_fp8_state` updates every state of a model with one fused op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+from jax_fp8 import _ad, _gemms, meta as meta_lib, recipe as recipe_lib
+from jax_fp8._primitives import amax as amax_lib, layout
+from jax_fp8.meta import Fp8Meta
+from jax_fp8.quantization import compute_amax, quantize
+from jax_fp8.recipe import Format
+from jax_fp8.state import ScalingState
+
+__all__ = ["DelayedScaling"]
+
+
+@recipe_lib.register
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling(recipe_lib.Recipe):
+    """Delayed-scaling recipe: how every FP8 state of a model is updated.
+
+    Attributes:
+      history_len: length L of each amax history (>= 1).
+      amax_compute_algo: "max" (max over the history) or "most_recent".
+      margin: scale = fp8_max * 2**-margin / amax.
+      fp8_format: Format.E4M3 or Format.HYBRID (E5M2 gradients).
+      power_of_2_scale: round each scale down to a power of two.
+      skip_unused: leave a state untouched when its staged amax is 0.
+    """
+
+    keeps_state: ClassVar[bool] = True
+    auto_min_fp8_flops: ClassVar[float] = 2.0 ** 36
+
+    history_len: int = 1024
+    amax_compute_algo: str = "max"
+    margin: float = 0.0
+    fp8_format: Format = Format.HYBRID
+    power_of_2_scale: bool = False
+    skip_unused: bool = False
+
+    def __post_init__(self):
+        if (isinstance(self.history_len, bool)
+                or not isinstance(self.history_len, (int, np.integer))
+                or self.history_len < 1):
+            raise ValueError(f"history_len must be an integer >= 1, got {self.history_len!r}")
+        recipe_lib.check_algorithm(self.amax_compute_algo)
+        if not isinstance(self.fp8_format, Format):
+            raise TypeError(f"fp8_format must be a jax_fp8.Format, got {self.fp8_format!r}")
+        for dtype in (self.fp8_format.fwd_dtype, self.fp8_format.bwd_dtype):
+            recipe_lib.scaled_max(dtype, self.margin)  # validates margin
+        recipe_lib._check_bool(self, "power_of_2_scale", "skip_unused")
+
+    def state_dtypes(self) -> dict[str, np.dtype]:
+        fwd, bwd = self.fp8_format.fwd_dtype, self.fp8_format.bwd_dtype
+        return {"input": fwd, "kernel": fwd, "grad": bwd}
+
+    def create_meta(self, shape=(), history_len=None) -> Fp8Meta:
+        n = self.history_len if history_len is None else history_len
+        dtypes = self.state_dtypes()
+        return Fp8Meta(input=ScalingState.create(shape, n, dtypes["input"]),
+                       kernel=ScalingState.create(shape, n, dtypes["kernel"]),
+                       grad=ScalingState.create(shape, n, dtypes["grad"]))
+
+    def check_meta(self, meta, name="meta") -> None:
+        if meta.recipe is not None:
+            raise TypeError(f"{name}.recipe: a delayed-scaling meta holds states, not a "
+                            f"recipe; make it with Fp8Meta.create(DelayedScaling(...))")
+        for field in Fp8Meta.STATES:
+            st = getattr(meta, field)
+            if not isinstance(st, ScalingState):
+                raise TypeError(f"{name}.{field} must be a ScalingState, got "
+                                f"{type(st).__name__}")
+            for leaf_name in ("amax_history", "scale", "scale_inv"):
+                leaf = getattr(st, leaf_name)
+                if not hasattr(leaf, "shape") or getattr(leaf, "dtype", None) != jnp.float32:
+                    raise TypeError(f"{name}.{field}.{leaf_name} must be a float32 array, got "
+                                    f"{getattr(leaf, 'dtype', type(leaf).__name__)}")
+            if tuple(st.scale.shape) != () or tuple(st.scale_inv.shape) != () \
+                    or st.amax_history.ndim != 1:
+                raise ValueError(f"{name}.{field} must be the state of one tensor (scale "
+                                 f"shape (), history [L]), got scale shape "
+                                 f"{tuple(st.scale.shape)}; for stacked layers slice the meta "
+                                 f"per layer (lax.scan xs / nn.scan)")
+
+    def dot_general(self, lhs, rhs, dimension_numbers, meta, out_dtype):
+        meta_lib.claim(meta, "fp8_dot_general", (lhs, rhs))
+        return _fp8_dot(lhs, rhs, meta, dimension_numbers, out_dtype, np.dtype(lhs.dtype),
+                        np.dtype(rhs.dtype))
+
+
+# ------------------------------------------------------------- the GEMM and its custom VJP
+
+def _fwd(lhs, rhs, meta, dimension_numbers, out_dtype):
+    q_lhs, q_rhs = quantize(lhs, meta.input), quantize(rhs, meta.kernel)
+    out = _gemms.gemm(q_lhs, *_gemms.rhs_for_forward(q_rhs, dimension_numbers),
+                      meta.input.scale_inv, meta.kernel.scale_inv, out_dtype)
+    # The meta is returned unchanged: its only job is to carry the cotangent chain.
+    # lhs[:0], rhs[:0]: empty arrays that carry the primal inputs' manual-axis types
+    # (shard_map's vma) to the backward rule.
+    res = (_gemms.lhs_for_kernel_grad(q_lhs, dimension_numbers), q_rhs, meta,
+           compute_amax(lhs), compute_amax(rhs), jnp.ravel(lhs)[:0], jnp.ravel(rhs)[:0])
+    return (out, meta), res
+
+
+def _to_primal_vma(ct, primal_like, reduce):
+    """Inside shard_map (check_vma): a cotangent varying over manual axes its primal
+    does not vary over is reduced over them: summed for a gradient, as the transpose of
+    JAX's implicit broadcast is, and max-ed for an amax."""
+    extra = tuple(sorted(amax_lib.varying_axes(ct) - amax_lib.varying_axes(primal_like)))
+    return reduce(ct, extra) if extra else ct
+
+
+def _pmax_ignoring_nan(x, axes):
+    # As reduce_amaxes: a NaN amax on one device is ignored, not spread to all.
+    return lax.pmax(jnp.where(jnp.isnan(x), -jnp.inf, x), axes)
+
+
+def _bwd(dimension_numbers, out_dtype, lhs_dtype, rhs_dtype, res, cts):
+    g, ct_meta = cts
+    if isinstance(g, SymbolicZero):  # only the threaded meta is used downstream
+        aval: Any = g.aval
+        g = jnp.zeros(aval.shape, aval.dtype)
+    res, g = _ad.first_order_only((_ad.reveal(res), g), "fp8_dot_general")
+    lhs_res, q_rhs, meta, amax_lhs, amax_rhs, lhs_like, rhs_like = res
+    perm = _gemms.kernel_grad_layout(dimension_numbers, lhs_res.ndim)
+    n_fl = _gemms.lhs_free_axes(g, q_rhs, dimension_numbers[0][1])
+    g_t = None
+    if perm is not None and 0 < n_fl < g.ndim and layout.quantize_rotate_applies(
+            g, meta.grad.fp8_dtype):
+        # One pass over g for its FP8 copy, that copy transposed for the kernel gradient,
+        # and its amax (on CUDA a kernel of jax_fp8's; XLA would take three).
+        q_g, g_t, amax_g = layout.quantize_rotate(g, n_fl, meta.grad.scale,
+                                                  meta.grad.fp8_dtype)
+    else:
+        amax_g = compute_amax(g)
+        q_g = quantize(g, meta.grad)
+    lhs_aval = lhs_res if perm is None else _gemms.untransposed_aval(lhs_res, perm)
+    grad_lhs = _gemms.input_grad(q_g, lhs_aval, q_rhs, dimension_numbers, lhs_dtype,
+                                 (meta.grad.scale_inv, meta.kernel.scale_inv))
+    if perm is None:
+        grad_rhs = _gemms.rhs_grad(q_g, lhs_res, q_rhs, dimension_numbers, rhs_dtype,
+                                   (meta.grad.scale_inv, meta.input.scale_inv))
+    else:
+        grad_rhs = _gemms.kernel_grad(q_g, lhs_res, q_rhs, dimension_numbers, rhs_dtype,
+                                      (meta.input.scale_inv, meta.grad.scale_inv), g_t=g_t)
+    ct_meta_in = Fp8Meta(input=meta_lib.amax_cotangent(ct_meta.input, amax_lhs, meta.input),
+                         kernel=meta_lib.amax_cotangent(ct_meta.kernel, amax_rhs, meta.kernel),
+                         grad=meta_lib.amax_cotangent(ct_meta.grad, amax_g, meta.grad))
+    grad_lhs = _to_primal_vma(grad_lhs, lhs_like, lax.psum)
+    grad_rhs = _to_primal_vma(grad_rhs, rhs_like, lax.psum)
+    ct_meta_in = jax.tree.map(
+        lambda ct, primal: _to_primal_vma(ct, primal, _pmax_ignoring_nan), ct_meta_in, meta)
+    return grad_lhs, grad_rhs, ct_meta_in
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _fp8_dot(lhs, rhs, meta, dimension_numbers, out_dtype, lhs_dtype, rhs_dtype):
+    del lhs_dtype, rhs_dtype
+    return _fwd(lhs, rhs, meta, dimension_numbers, out_dtype)[0]
+
+
+def _fwd_rule(lhs, rhs, meta, dimension_numbers, out_dtype, lhs_dtype, rhs_dtype):
+    # symbolic_zeros=True: the primals arrive wrapped.
+    del lhs_dtype, rhs_dtype
+    lhs, rhs, meta = jax.tree.map(lambda p: p.value, (lhs, rhs, meta),
+                                  is_leaf=lambda p: isinstance(p, jax.custom_derivatives.
+                                                               CustomVJPPrimal))
+    lhs, rhs, meta = _ad.first_order_only((lhs, rhs, meta), "fp8_dot_general")
+    out, res = _fwd(lhs, rhs, meta, dimension_numbers, out_dtype)
+    # Stored as integers: remat policies that save residuals leave their bytes alone.
+    return out, _ad.hide(res)
+
+
+# symbolic_zeros: the backward rule sees which cotangents are known zeros (an unused
+# threaded meta), see meta.amax_cotangent.
+_fp8_dot.defvjp(_fwd_rule, _bwd, symbolic_zeros=True)
