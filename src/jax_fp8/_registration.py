@@ -68,6 +68,23 @@ def export_disabled_checks() -> list:
     return [jax.export.DisabledSafetyCheck.custom_call(t) for t in FFI_TARGETS]
 
 
+def local_gpu_capabilities() -> list[str]:
+    """The distinct compute capabilities ("9.0", ...) of this process's local GPUs, sorted;
+    empty where JAX has no GPU backend."""
+    try:
+        gpus = jax.local_devices(backend="gpu")
+    except RuntimeError:
+        return []
+    return sorted({str(getattr(d, "compute_capability", "")) for d in gpus})
+
+
+def local_gpus_are_sm90() -> tuple[bool, list[str]]:
+    """(whether there are local GPUs and every one is SM90 (Hopper), their capabilities):
+    the condition of jax_fp8's sm_90a kernels."""
+    caps = local_gpu_capabilities()
+    return bool(caps) and all(c.split(".")[0] == "9" for c in caps), caps
+
+
 def cublaslt_path() -> str | None:
     """The libcublasLt.so.* of JAX's CUDA install (the nvidia-cublas wheel), or None.
 

@@ -120,13 +120,9 @@ def cublas_status() -> tuple[bool, str]:
     version, error = importlib.import_module("jax_fp8._jax_fp8_cuda").load_cublaslt(path)
     if version < MIN_CUBLASLT_VERSION:
         return False, error or f"{path} is cuBLASLt {version}, block scaling needs >= 12.9"
-    try:
-        gpus = jax.local_devices(backend="gpu")
-    except RuntimeError:
-        gpus = []
-    caps = {getattr(d, "compute_capability", "") for d in gpus}
-    if not gpus or not all(str(c).split(".")[0] == "9" for c in caps):
-        return False, f"block-scaled cuBLASLt GEMMs need SM90 GPUs, found {sorted(caps)}"
+    sm90, caps = _registration.local_gpus_are_sm90()
+    if not sm90:
+        return False, f"block-scaled cuBLASLt GEMMs need SM90 GPUs, found {caps}"
     return True, f"{path} (cuBLASLt {version})"
 
 
@@ -150,13 +146,9 @@ def cutlass_status() -> tuple[bool, str]:
         return False, ("the CUDA module was built without CUTLASS (nvidia-cutlass's headers "
                        "were not found, or JAX_FP8_CUTLASS=OFF): block-scaled GEMMs run "
                        "through cuBLASLt")
-    try:
-        gpus = jax.local_devices(backend="gpu")
-    except RuntimeError:
-        gpus = []
-    caps = {str(getattr(d, "compute_capability", "")) for d in gpus}
-    if not gpus or not all(c.split(".")[0] == "9" for c in caps):
-        return False, f"the CUTLASS kernels are built for sm_90a, found {sorted(caps)}"
+    sm90, caps = _registration.local_gpus_are_sm90()
+    if not sm90:
+        return False, f"the CUTLASS kernels are built for sm_90a, found {caps}"
     return True, f"{len(names)} CUTLASS sm_90a configurations: {', '.join(names)}"
 
 

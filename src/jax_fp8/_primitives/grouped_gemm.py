@@ -169,13 +169,9 @@ def kernel_status() -> tuple[bool, str]:
     if not kernel_configs():
         return False, ("the CUDA module was built without CUTLASS (nvidia-cutlass's headers "
                        "were not found, or JAX_FP8_CUTLASS=OFF): no grouped GEMM kernel")
-    try:
-        gpus = jax.local_devices(backend="gpu")
-    except RuntimeError:
-        gpus = []
-    caps = {str(getattr(d, "compute_capability", "")) for d in gpus}
-    if not gpus or not all(c.split(".")[0] == "9" for c in caps):
-        return False, f"the grouped GEMM kernel is built for sm_90a, found {sorted(caps)}"
+    sm90, caps = _registration.local_gpus_are_sm90()
+    if not sm90:
+        return False, f"the grouped GEMM kernel is built for sm_90a, found {caps}"
     return True, f"CUTLASS sm_90a grouped GEMM: {', '.join(kernel_configs())}"
 
 

@@ -33,7 +33,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
-from jax_fp8 import current, recipe as recipe_lib
+from jax_fp8 import _registration, current, recipe as recipe_lib
 from jax_fp8._primitives import axis_types
 from jax_fp8._primitives.exact import U32, abs_bits, cast_scaled, from_bits, up_scaled, widen
 from jax_fp8._primitives.quotient import product_bits
@@ -206,13 +206,9 @@ def native_status() -> tuple[bool, str]:
     """(whether this process multiplies MXFP8 natively, why or why not): every local GPU
     Blackwell or later (SM >= 10.0); the cuDNN that jax >= 0.10's CUDA wheels require
     (>= 9.8) has the MXFP8 GEMM. Probed once."""
-    try:
-        gpus = jax.local_devices(backend="gpu")
-    except RuntimeError:
-        gpus = []
-    if not gpus:
+    caps = _registration.local_gpu_capabilities()
+    if not caps:
         return False, "no GPU in this process"
-    caps = sorted({str(getattr(d, "compute_capability", "")) for d in gpus})
     if not all(c.split(".")[0].isdigit() and int(c.split(".")[0]) >= 10 for c in caps):
         return False, f"MXFP8 GEMMs need Blackwell GPUs (SM >= 10.0), found SM {caps}"
     return True, f"SM {caps}"
