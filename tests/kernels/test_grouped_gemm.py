@@ -216,7 +216,7 @@ def test_out_dtype_and_implementation_checks(monkeypatch):
         jax.eval_shape(lambda *a: gg.grouped_gemm(*a, out_dtype=jnp.float32), *_avals())
 
 
-# ------------------------------------------------------------- the decision, off by default
+# ------------------------------------------------------------- the decision, on by default
 
 def _bound_params(implementation="auto"):
     jaxpr = jax.make_jaxpr(lambda *a: gg.grouped_gemm(
@@ -232,34 +232,31 @@ def _cuda_row(**kw):
     return row
 
 
-def test_kernel_is_off_by_default(monkeypatch):
-    """Without the switch the primitive is bound with the kernel off, and explain's CUDA row
-    says why (where this process has the CUDA handler; else that it is not built)."""
+def test_kernel_is_on_by_default_and_switched_off_by_the_environment(monkeypatch):
+    """Without the variable the primitive is bound with the kernel on; explain's CUDA row
+    says which lowering runs and why. JAX_FP8_GROUPED_GEMM=off binds it off, and the row
+    names the switch (where this process has the CUDA handler; else that it is not built)."""
     monkeypatch.delenv(gg.ENV, raising=False)
-    assert _bound_params()["kernel"] is False
-    row = _cuda_row()
-    assert row.lowering == base.REFERENCE
-    if _registration.has_kernel(gg.TARGET, "cuda"):
-        assert row.why == gg.OFF_REASON
-        assert "off until measured on a GPU" in row.why
-    else:
-        assert "not built" in row.why
-    # the reason itself, whatever is built
-    assert gg._refuses(*_avals(), out_dtype=np.dtype(jnp.bfloat16), kernel=False) == gg.OFF_REASON
-
-
-def test_switches_turn_the_kernel_on(monkeypatch):
-    monkeypatch.delenv(gg.ENV, raising=False)
-    assert _bound_params("cuda")["kernel"] is True
-    assert _bound_params("jnp")["implementation"] == "jnp"
-    monkeypatch.setenv(gg.ENV, "cuda")
     assert _bound_params()["kernel"] is True
     assert _bound_params("jnp")["kernel"] is False
+    assert _bound_params("jnp")["implementation"] == "jnp"
     row = _cuda_row()
     assert row.why != gg.OFF_REASON
     if not gg.kernel_status()[0]:       # no SM90 GPU here: the reference, and why
         assert row.lowering == base.REFERENCE
         assert row.why in (gg.kernel_status()[1], "the cuda kernel is not built in this process")
+    monkeypatch.setenv(gg.ENV, "off")
+    assert _bound_params()["kernel"] is False
+    assert _bound_params("cuda")["kernel"] is True       # an explicit request wins
+    row = _cuda_row()
+    assert row.lowering == base.REFERENCE
+    if _registration.has_kernel(gg.TARGET, "cuda"):
+        assert row.why == gg.OFF_REASON
+        assert "JAX_FP8_GROUPED_GEMM=off" in row.why
+    else:
+        assert "not built" in row.why
+    # the reason itself, whatever is built
+    assert gg._refuses(*_avals(), out_dtype=np.dtype(jnp.bfloat16), kernel=False) == gg.OFF_REASON
 
 
 @pytest.mark.parametrize("m, n, k, g, lhs, rhs, out, takes", [
@@ -288,14 +285,20 @@ def test_kernel_limits(m, n, k, g, lhs, rhs, out, takes):
         assert "does not take these operands" in reason
 
 
-def test_no_custom_call_lowered_for_cuda_by_default(monkeypatch):
-    """Lowered for CUDA (on any machine) with the switch off: the reference's XLA ops, no
-    custom call."""
-    monkeypatch.delenv(gg.ENV, raising=False)
-    fn = jax.jit(lambda *a: gg.grouped_gemm(*a, out_dtype=jnp.bfloat16))
-    text = fn.trace(*_avals()).lower(lowering_platforms=("cuda",)).as_text()
-    assert "jax_fp8_grouped_gemm" not in text.replace("jax_fp8_grouped_gemm_", "")
-    assert "custom_call" not in text or TARGET not in text
+def test_no_custom_call_lowered_for_cuda_without_an_sm90_gpu(monkeypatch):
+    """Lowered for CUDA where no SM90 GPU is present (the kernel's condition): the
+    reference's XLA ops, no custom call, with or without the switch."""
+    if gg.kernel_status()[0]:
+        pytest.skip("an SM90 GPU is present: the kernel runs "
+                    "(test_gpu_env_switch_emits_the_kernel)")
+    for value in (None, "off"):
+        if value is None:
+            monkeypatch.delenv(gg.ENV, raising=False)
+        else:
+            monkeypatch.setenv(gg.ENV, value)
+        fn = jax.jit(lambda *a: gg.grouped_gemm(*a, out_dtype=jnp.bfloat16))
+        text = fn.trace(*_avals()).lower(lowering_platforms=("cuda",)).as_text()
+        assert "jax_fp8_grouped_gemm" not in text.replace("jax_fp8_grouped_gemm_", "")
 
 
 def test_workspace_matches_the_handler():
@@ -425,10 +428,10 @@ def test_gpu_env_switch_emits_the_kernel(gpu_device, monkeypatch):
     rng = np.random.default_rng(5)
     ops = (exact_values(rng, (32, 32), E4M3), exact_values(rng, (2, 16, 32), E4M3),
            np.array([16, 16], np.int32), scales(rng, 2), scales(rng, 2))
-    monkeypatch.delenv(gg.ENV, raising=False)
+    monkeypatch.setenv(gg.ENV, "off")
     assert TARGET not in _gpu_hlo(gpu_device, *ops, out_dtype=jnp.bfloat16,
                                   implementation="auto")
-    monkeypatch.setenv(gg.ENV, "cuda")
+    monkeypatch.delenv(gg.ENV, raising=False)
     assert TARGET in _gpu_hlo(gpu_device, *ops, out_dtype=jnp.bfloat16, implementation="auto")
 
 

@@ -38,10 +38,10 @@ axis contiguous (transposed copies of both), and then each group's operands star
 column offset_g, which TMA can load only where offset_g is a multiple of 16 (every group
 size a multiple of 16 tokens); routed group sizes are arbitrary.
 
-The kernel is **off by default** until it has been measured on a GPU:
-``implementation="cuda"`` in `grouped_gemm`, or ``JAX_FP8_GROUPED_GEMM=cuda`` in the
-environment (read where `grouped_gemm` is traced), turns it on; ``explain``'s row for the
-primitive says "off until measured on a GPU" while it is off.
+The kernel is **on by default** wherever it is built and takes the operands (measured:
+docs/benchmarks.md, "Grouped FP8 GEMMs"); ``JAX_FP8_GROUPED_GEMM=off`` in the environment
+(read where `grouped_gemm` is traced) or ``implementation="jnp"`` runs the reference, and
+``explain``'s row for the primitive says which runs and why.
 """
 
 from __future__ import annotations
@@ -60,13 +60,12 @@ from jax_fp8 import _registration
 from jax_fp8._primitives import base
 
 TARGET = "jax_fp8_grouped_gemm"
-# "cuda": the CUDA kernel runs where it is built and takes the operands; "off" (default):
+# "auto" (default): the CUDA kernel runs where it is built and takes the operands; "off":
 # the reference everywhere. Read where grouped_gemm is traced.
 ENV = "JAX_FP8_GROUPED_GEMM"
-ENV_VALUES = ("off", "cuda")
+ENV_VALUES = ("auto", "off")
 IMPLEMENTATIONS = ("auto", "jnp", "cuda")
-OFF_REASON = (f"the grouped GEMM kernel is off until measured on a GPU (implementation='cuda' "
-              f"or {ENV}=cuda turns it on)")
+OFF_REASON = f"the grouped GEMM kernel is switched off ({ENV}=off)"
 _KERNEL_OUT = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
 _OUT_TYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
 _MAX_ROWS = 2 ** 31 - 1
@@ -235,11 +234,11 @@ grouped_gemm_p = base.register(base.Spec(
 
 def kernel_switch() -> bool:
     """Whether ``implementation="auto"`` may run the CUDA kernel: ``JAX_FP8_GROUPED_GEMM``
-    is "cuda" (default "off")."""
-    value = os.environ.get(ENV, "off")
+    is "auto" (the default), not "off"."""
+    value = os.environ.get(ENV, "auto")
     if value not in ENV_VALUES:
         raise ValueError(f"{ENV} must be one of {ENV_VALUES}, got {value!r}")
-    return value == "cuda"
+    return value == "auto"
 
 
 def grouped_gemm(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, *, out_dtype,
@@ -248,9 +247,10 @@ def grouped_gemm(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, *, out_dty
     lhs_scale_inv and rhs_scale_inv float32 [G] -> out [M, N] in `out_dtype` (bfloat16,
     float16 or float32), the numbers of the module docstring.
 
-    implementation: "auto" (the reference; the CUDA kernel where ``JAX_FP8_GROUPED_GEMM=cuda``
-    and it takes the operands), "cuda" (the CUDA kernel where it is built and takes the
-    operands, else the reference) or "jnp" (the reference).
+    implementation: "auto" (the CUDA kernel where it is built and takes the operands, unless
+    ``JAX_FP8_GROUPED_GEMM=off``; else the reference), "cuda" (the CUDA kernel where it is
+    built and takes the operands, whatever the environment says; else the reference) or
+    "jnp" (the reference).
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{TARGET}: implementation must be one of {IMPLEMENTATIONS}, got "
