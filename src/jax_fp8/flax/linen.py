@@ -499,15 +499,19 @@ def fp8_value_and_grad(loss_fn: Callable, has_aux: bool = False,
                        collection: str = FP8_COLLECTION) -> Callable[..., tuple[Any, dict]]:
     """``loss_fn(params, fp8, *args)`` -> f(params, fp8, *args) = ``(loss[, aux]), grads``.
 
-    ``grads`` is ``{"params": <gradient w.r.t. params>, collection: <w.r.t. fp8>}``, what
-    `Fp8TrainState.apply_gradients` takes as ``grads=`` (`Fp8TrainState.value_and_grad`
-    binds ``params`` and ``fp8`` to the state's). NNX's
+    ``grads`` is ``{"params": <gradient w.r.t. params>, collection: <FP8 gradients>}``,
+    what `Fp8TrainState.apply_gradients` takes as ``grads=`` (`Fp8TrainState.value_and_grad`
+    binds ``params`` and ``fp8`` to the state's). The FP8 gradients are `jax_fp8.AmaxGrad`s
+    (the structure of ``fp8``): they refuse arithmetic, so a transform written over all of
+    ``grads`` (a loss scale, a clip, a sum) raises at trace time instead of changing the
+    amaxes; apply such transforms to ``grads["params"]``. NNX's
     `jax_fp8.flax.nnx.fp8_value_and_grad` returns the same ``(loss[, aux]), grads``.
     """
     vg = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=has_aux)
 
     def f(params, fp8, *args, **kwargs):
         value, (grads, fp8_grads) = vg(params, fp8, *args, **kwargs)
-        return value, {"params": grads, collection: fp8_grads}
+        return value, {"params": grads,
+                       collection: meta_lib.fp8_grads_from_cotangents(fp8_grads)}
 
     return f

@@ -52,7 +52,8 @@ class Fp8State(nnx.Variable):
 
 class Fp8Grad(nnx.Param):
     """In the gradients `fp8_value_and_grad` returns: the gradient w.r.t. one `Fp8State`,
-    a `ScalingState` whose staging slot holds the amaxes the step observed.
+    a `jax_fp8.AmaxGrad` holding the amaxes the step observed (a leaf that refuses
+    arithmetic).
 
     An ``nnx.Param`` subtype on purpose: an optimizer that selects parameters
     (``nnx.Optimizer(model, tx, wrt=nnx.Param)``, ``wrt=nnx.Any(...)``) takes it along
@@ -222,7 +223,9 @@ def fp8_value_and_grad(loss_fn: Callable, has_aux: bool = False, wrt: Any = nnx.
     """``loss_fn(model, *args)`` -> f(model, *args) = ``(loss[, aux]), grads``.
 
     ``grads`` is the ``nnx.State`` of the gradients w.r.t. the ``wrt`` variables and the
-    `Fp8State`s, the latter as `Fp8Grad` variables: what `apply_gradients`,
+    `Fp8State`s, the latter as `Fp8Grad` variables holding `jax_fp8.AmaxGrad`s (which
+    refuse arithmetic: apply gradient transforms to the ``nnx.Param`` part): what
+    `apply_gradients`,
     `Fp8Optimizer.update` and `update_fp8` take (linen's
     `jax_fp8.flax.fp8_value_and_grad` returns the same ``(loss[, aux]), grads``). A plain
     ``nnx.Optimizer`` given these gradients refuses them at trace time (`Fp8Grad`).
@@ -234,8 +237,8 @@ def fp8_value_and_grad(loss_fn: Callable, has_aux: bool = False, wrt: Any = nnx.
     def f(*args, **kwargs):
         value, grads = value_and_grad(*args, **kwargs)
         return value, jax.tree.map(
-            lambda v: Fp8Grad(_get(v)) if isinstance(v, Fp8State) else v, grads,
-            is_leaf=_is_variable)
+            lambda v: Fp8Grad(meta_lib.fp8_grads_from_cotangents(_get(v)))
+            if isinstance(v, Fp8State) else v, grads, is_leaf=_is_variable)
 
     return f
 
@@ -267,7 +270,7 @@ def _step(model, optimizer, grads, recipe, optimizer_update, kwargs):
     # The recipe is checked before the optimizer steps, so a mismatch changes nothing.
     state_lib.check_states_follow(recipe_lib.DelayedScaling() if recipe is None else recipe,
                                   fp8_state(model), type(model).__name__)
-    if held and not state_lib.states_info(fp8_grads) and not meta_lib.scales_frozen():
+    if held and not meta_lib.holds_fp8_grads(fp8_grads) and not meta_lib.scales_frozen():
         raise ValueError(
             f"apply_gradients: grads has no FP8 gradients, but the model holds {len(held)} "
             "delayed-scaling states, whose scales would never change. Differentiate them "
@@ -286,7 +289,7 @@ def _step(model, optimizer, grads, recipe, optimizer_update, kwargs):
             "the microbatches, combining the FP8 gradients with jax_fp8.combine_fp8_grads "
             "(docs/semantics.md, \"Gradient accumulation\").")
     optimizer_update(optimizer, model, param_grads, **kwargs)
-    if held and state_lib.states_info(fp8_grads):
+    if held and meta_lib.holds_fp8_grads(fp8_grads):
         update_fp8(model, fp8_grads, recipe)
 
 
@@ -329,7 +332,7 @@ class Fp8Optimizer(nnx.Optimizer):
         if meta_lib.scales_frozen():  # the FP8 state and its pending amaxes are kept
             nnx.Optimizer.update(self, model, param_grads, **kwargs)
             return
-        if not state_lib.states_info(fp8_grads):
+        if not meta_lib.holds_fp8_grads(fp8_grads):
             _step(model, self, grads, self.fp8_recipe, nnx.Optimizer.update, kwargs)
             return  # (raises)
         before = multi_steps.gradient_step(self.opt_state, "Fp8Optimizer")
