@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import functools
 import json
-import threading
 import weakref
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
@@ -281,7 +280,11 @@ def _chain(leaf):
 _REUSE = ("{op}: this Fp8Meta was already given to another FP8 op in the same "
           "computation, so their amaxes would be summed instead of maxed. Thread it: "
           "`out, meta = {op}(..., meta)` and pass the returned meta to the next use (the "
-          "Flax layers do this). For several microbatches use combine_fp8_grads.")
+          "Flax layers do this). Two applications of one model on the same FP8 state in "
+          "one differentiated function (`state.apply_model` or `model.apply` twice) are "
+          "such a second use: apply it once (e.g. on the inputs concatenated), or call its "
+          "layers twice inside one apply, where they thread. For several microbatches "
+          "differentiate each and use combine_fp8_grads.")
 _LOOP = ("{op}: this Fp8Meta is differentiated but closed over by a `{loop}` body, so "
          "JAX would sum its amaxes over the iterations instead of taking their max. Pass "
          "it through the loop instead: in the carry (and return the threaded meta from "
@@ -298,7 +301,10 @@ _DROPPED = ("{op}: its operands are being differentiated but its delayed-scaling
             "scales frozen on purpose (e.g. gradients w.r.t. the inputs only), trace under "
             "`with jax_fp8.frozen_scales():`.")
 
-_frozen = threading.local()
+# Part of jit's cache key: a function traced outside `frozen_scales` is traced anew
+# inside it, and the other way round.
+_FROZEN = _compat.jit_key_flag(
+    "jax_fp8_frozen_scales", "Set by jax_fp8.frozen_scales(): FP8 scales are not updated.")
 
 
 @contextlib.contextmanager
@@ -317,24 +323,22 @@ def frozen_scales() -> Iterator[None]:
       (``state.value_and_grad`` then ``apply_gradients(grads=grads)``) is frozen too.
 
     `update_states`, the bare fused update of a pytree of states, is not affected. The
-    context acts when the function is traced (a jitted function already traced outside
-    it is not re-traced: jit the step inside the context, or give it a static flag).
+    context acts on tracing and is part of ``jit``'s cache key (as a JAX configuration
+    option), so a jitted function means the same whether it was first traced inside the
+    context or outside it: called inside, it is frozen; called outside, it is not.
 
     Example (a saliency map of a trained model):
 
         with jax_fp8.frozen_scales():
             dx = jax.grad(lambda x: jnp.sum(model.apply(variables, x)))(x)
     """
-    _frozen.depth = getattr(_frozen, "depth", 0) + 1
-    try:
+    with _FROZEN(True):
         yield
-    finally:
-        _frozen.depth -= 1
 
 
 def scales_frozen() -> bool:
     """True inside `frozen_scales` (in this thread)."""
-    return getattr(_frozen, "depth", 0) > 0
+    return bool(_FROZEN.value)
 
 
 def _ad_trace(x):
@@ -354,6 +358,30 @@ def _inner_values(leaves, trace) -> bool:
         if t is trace and _compat.trace_of(x) is not trace:
             return True
     return False
+
+
+# An FP8 state differentiated outside a loop body that closes over it (a microbatch loop
+# written inside the loss): {what}, {loop}.
+CLOSED_OVER = (
+    "{what} is differentiated but closed over by a `{loop}` body, so JAX would sum its "
+    "amaxes over the iterations instead of taking their max. For microbatches "
+    "differentiate inside the body and combine the FP8 gradients with "
+    "jax_fp8.combine_fp8_grads (`loss, grads = state.value_and_grad(loss_fn)(x_i)` per "
+    "iteration; docs/semantics.md, \"Gradient accumulation\"); or pass the state through "
+    "the loop in its carry.")
+
+
+def check_not_closed_over_by_loop(leaves, message: str) -> None:
+    """Raises ValueError(``message`` with ``{loop}``) when a leaf is differentiated at a
+    level outside a loop body that is being traced (the body closes over it: JAX would
+    sum what the iterations hand back)."""
+    for leaf in leaves:
+        if _ad_trace(leaf) is None:
+            continue
+        loop = next((_compat.traced_for(t) for t in _chain(leaf) or []
+                     if _compat.traced_for(t) in LOOPS), None)
+        if loop is not None:
+            raise ValueError(message.format(loop=loop))
 
 
 def claim(meta, op: str, operands=()) -> None:
@@ -416,6 +444,38 @@ def amax_cotangents(fp8_grads: Any) -> Any:
         return g.amax_history[..., 0] if is_state(g) else g
 
     return jax.tree_util.tree_map_with_path(amax, fp8_grads, is_leaf=_is_grad_leaf)
+
+
+def unreduced_device_axes() -> tuple:
+    """The mapped axes of a ``jax.pmap`` (or ``shard_map(check_vma=False)``) being traced:
+    there JAX keeps no record of which values differ across devices, so the FP8 ops
+    cannot max-reduce the amaxes of a replicated state, and each device observes its
+    own. (Under ``shard_map`` with ``check_vma`` they do; those axes are not listed.)"""
+    chain, t = [], _compat.current_trace()
+    while t is not None:
+        chain.append(_compat.traced_for(t))
+        t = _compat.parent_trace(t)
+    if "shard_map" not in chain:
+        return ()
+    return tuple(name for name in _compat.axis_names()
+                 if name not in amax_lib.varying_axes(jax.lax.axis_index(name)))
+
+
+def check_amaxes_reduced(axis_name: Hashable | None, where: str) -> None:
+    """Raises ValueError inside ``jax.pmap`` without ``axis_name`` (the devices'
+    amaxes would each update their own replica of the FP8 state, which then drift
+    apart)."""
+    if axis_name is not None or scales_frozen():
+        return
+    axes = unreduced_device_axes()
+    if axes:
+        raise ValueError(
+            f"{where}: traced inside jax.pmap (or shard_map(check_vma=False)) over "
+            f"{axes[0]!r}, where each device observes its own amaxes and would update its "
+            f"replica of the FP8 state with them (the replicas drift apart). Pass "
+            f"axis_name={axes[0]!r}: the update then takes the max over the devices (one "
+            "pmax), as the rule for one batch. Average the parameter gradients with "
+            "lax.pmean(grads['params'], ...) as usual; the FP8 gradients refuse pmean.")
 
 
 def new_fp8_state(fp8_states: Any, fp8_grads: Any, recipe: recipe_lib.Recipe | None = None, *,
