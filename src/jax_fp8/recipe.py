@@ -106,7 +106,7 @@ class Recipe(abc.ABC):
     subclassing it, registered with `register` (one module per recipe under
     ``jax_fp8.recipes``). Code outside a recipe asks these members, never the type.
 
-    Class attributes:
+    Attributes:
       keeps_state: whether a GEMM of the recipe keeps FP8 state between steps (its meta
         holds `ScalingState`s, updated by `jax_fp8.new_fp8_state`) or takes its scales
         from the operands themselves (its meta holds only the recipe).
