@@ -8,7 +8,8 @@ Public API (reference: ``docs/reference/``, built by ``mkdocs build``; the arith
                     fp8_max, scaled_max; Recipe (the interface each implements)
   state             ScalingState, update_states, amax_and_scale_update, reduce_amaxes
   training ops      Fp8Meta, fp8_dot_general, fp8_einsum, new_fp8_state, combine_fp8_grads,
-                    amax_cotangents, frozen_scales, check_fp8_updated
+                    AmaxGrad, fp8_grads_from_cotangents, amax_cotangents, frozen_scales,
+                    check_fp8_updated
   quantization      quantize, dequantize, compute_amax, quantize_blocks, quantize_mxfp8,
                     scale_from_amax
   packing           PackedStates, pack_states, unpack_states
@@ -24,10 +25,12 @@ from jax_fp8.blockwise import quantize_blocks, scale_from_amax
 from jax_fp8.dot_general import fp8_dot_general
 from jax_fp8.einsum import fp8_einsum
 from jax_fp8.meta import (
+    AmaxGrad,
     Fp8Meta,
     amax_cotangents,
     check_fp8_updated,
     combine_fp8_grads,
+    fp8_grads_from_cotangents,
     frozen_scales,
     new_fp8_state,
 )
@@ -48,6 +51,7 @@ from jax_fp8.update import amax_and_scale_update, reduce_amaxes, update_states
 __version__ = "0.2.0"
 
 __all__ = [
+    "AmaxGrad",
     "DelayedScaling",
     "Float8BlockScaling",
     "Float8CurrentScaling",
@@ -69,6 +73,7 @@ __all__ = [
     "export_disabled_checks",
     "fp8_dot_general",
     "fp8_einsum",
+    "fp8_grads_from_cotangents",
     "fp8_max",
     "frozen_scales",
     "new_fp8_state",

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import jax
 
-__all__ = ["EXPLICIT", "batched_here", "check", "current_trace", "is_differentiation_trace",
-           "parent_trace", "pvary", "require_devices_during_lowering", "traced_for",
-           "trace_of"]
+__all__ = ["EXPLICIT", "axis_names", "batched_here", "check", "current_trace",
+           "is_differentiation_trace", "jit_key_flag", "parent_trace", "pvary",
+           "require_devices_during_lowering", "traced_for", "trace_of"]
 
 _MISSING = ("jax_fp8 needs {what} of this jax ({version}), which it no longer has; the "
             "trace-time guards of the FP8 training loops depend on it. Install a jax "
@@ -23,13 +23,13 @@ _MISSING = ("jax_fp8 needs {what} of this jax ({version}), which it no longer ha
 
 
 def _load():
-    from jax._src import core, dispatch
+    from jax._src import config, core, dispatch
     from jax._src.interpreters import ad, batching
-    return core, dispatch, ad, batching
+    return config, core, dispatch, ad, batching
 
 
 try:
-    _core, _dispatch, _ad, _batching = _load()
+    _config, _core, _dispatch, _ad, _batching = _load()
 except ImportError as err:  # pragma: no cover - a JAX that moved these modules
     raise ImportError(_MISSING.format(what=f"jax._src ({err})", version=jax.__version__)) from err
 
@@ -48,7 +48,9 @@ def check() -> None:
              "jax._src.interpreters.ad.LinearizeTrace": hasattr(_ad, "LinearizeTrace"),
              "jax._src.interpreters.batching.BatchTrace": hasattr(_batching, "BatchTrace"),
              "jax._src.dispatch.prim_requires_devices_during_lowering":
-                 hasattr(_dispatch, "prim_requires_devices_during_lowering")}
+                 hasattr(_dispatch, "prim_requires_devices_during_lowering"),
+             "jax._src.config.bool_state": hasattr(_config, "bool_state"),
+             "jax._src.core.get_axis_env": hasattr(_core, "get_axis_env")}
     missing = [name for name, ok in needs.items() if not ok]
     if missing:
         raise ImportError(_MISSING.format(what=", ".join(missing), version=jax.__version__))
@@ -103,3 +105,16 @@ def require_devices_during_lowering(prim) -> None:
     """custom_partitioning needs the device assignment when it is lowered; JAX provides it
     only for the primitives in this (internal) set, as for custom_partitioning's own."""
     _dispatch.prim_requires_devices_during_lowering.add(prim)
+
+
+def jit_key_flag(name: str, help: str):
+    """A thread-local boolean JAX configuration option that is part of ``jit``'s cache key
+    and of the trace context: a function traced under one value is traced anew under the
+    other. ``flag(True)`` is a context manager; ``flag.value`` the current value."""
+    return _config.bool_state(name, False, help, include_in_jit_key=True,
+                              include_in_trace_context=True)
+
+
+def axis_names() -> tuple:
+    """The named axes in scope (``pmap``, ``shard_map``, ``vmap(axis_name=...)``)."""
+    return tuple(_core.get_axis_env().axis_names())

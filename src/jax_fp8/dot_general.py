@@ -84,7 +84,7 @@ def fp8_dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: Any, meta
     ``jax_fp8.scaled_dot.scaled_dot_general`` and is returned as is. Delayed scaling (the
     rest of this docstring): both are quantized with
     ``meta.input`` / ``meta.kernel`` (their current scales), the FP8 arrays go straight
-    into ``lax.dot_general`` and the result is multiplied by both scale_invs. Backward:
+    into ``lax.dot_general`` and the result is multiplied by both ``1 / scale``. Backward:
     the incoming gradient is quantized with ``meta.grad`` and both the input and the
     kernel gradient are FP8 GEMMs.
 

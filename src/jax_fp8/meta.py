@@ -27,24 +27,24 @@ import contextlib
 import dataclasses
 import functools
 import json
-import threading
 import weakref
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.export  # noqa: F401  (register_pytree_node_serialization)
+import jax.extend.random
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from jax_fp8 import _compat, recipe as recipe_lib, state as state_lib
 from jax_fp8._primitives import amax as amax_lib
-from jax_fp8.state import ScalingState, is_state
+from jax_fp8.state import HoldsStates, ScalingState, is_state
 from jax_fp8.update import update_states
 
-__all__ = ["Fp8Meta", "amax_cotangents", "check_fp8_updated", "combine_fp8_grads",
-           "frozen_scales", "new_fp8_state", "scales_frozen"]
+__all__ = ["AmaxGrad", "Fp8Meta", "amax_cotangents", "check_fp8_updated", "combine_fp8_grads",
+           "fp8_grads_from_cotangents", "frozen_scales", "new_fp8_state", "scales_frozen"]
 
 # What a staging trace of a loop body traces for (`_compat.traced_for`).
 LOOPS = ("scan", "fori_loop", "while_body", "while_cond", "while_loop")
@@ -146,6 +146,120 @@ def amax_cotangent(ct: ScalingState, amax, primal: ScalingState) -> ScalingState
                         fp8_dtype=primal.fp8_dtype)
 
 
+# ------------------------------------------------------------------ FP8 gradients
+
+def _not_a_key(*_: Any, **__: Any) -> Any:
+    raise TypeError("a jax_fp8 FP8 gradient (AmaxGrad) holds observed amaxes, not a random key")
+
+
+# The dtype of an FP8 gradient's array: JAX's extended (key) dtypes accept no arithmetic,
+# no conversion to a number and no reduction, so generic gradient code (a scaling, a
+# clip, a sum, a norm, a pmean) given one raises at trace time, its message naming
+# this dtype, instead of changing what the update reads. Its data is the amax's float32
+# bit pattern (uint32 [..., 1]).
+AMAX_DTYPE_TAG = ("jax_fp8 FP8 gradient: observed amaxes, no arithmetic; "
+                  "see docs/semantics.md#fp8-gradients")
+_AMAX_IMPL = jax.extend.random.define_prng_impl(
+    key_shape=(1,), seed=_not_a_key, split=_not_a_key, random_bits=_not_a_key,
+    fold_in=_not_a_key, name="jax_fp8.AmaxGrad", tag=AMAX_DTYPE_TAG)
+
+
+def _encode_amax(amax) -> jax.Array:
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(amax, jnp.float32), jnp.uint32)
+    return jax.random.wrap_key_data(bits[..., None], impl=_AMAX_IMPL)
+
+
+def _is_amax_array(x) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return (dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+            and jax.random.key_impl(x) == _AMAX_IMPL)
+
+
+_NOT_AN_AMAX = ("{where}: an FP8 gradient (AmaxGrad) holds {what} where the update reads the "
+                "observed amaxes; something other than jax_fp8 rebuilt it (e.g. "
+                "`jax.tree.map(f, grads)` over the whole gradient). Apply gradient transforms "
+                "to the parameter gradients only (grads['params'], or the nnx.Param part), "
+                "combine FP8 gradients with jax_fp8.combine_fp8_grads, and pass them to the "
+                "update as the value_and_grad of jax_fp8 returned them.")
+
+
+@dataclasses.dataclass(frozen=True)
+class AmaxGrad:
+    """The FP8 gradient of one `ScalingState` (or a stack of them): the amaxes its tensor
+    had in a step, in a leaf that refuses arithmetic.
+
+    What `jax_fp8.flax.fp8_value_and_grad`, `Fp8TrainState.value_and_grad` and NNX's
+    `fp8_value_and_grad` return for each state (`fp8_grads_from_cotangents` makes them
+    from JAX's raw cotangents). Its one leaf ``amax`` is an array of the state's lead shape
+    whose dtype is an extended JAX dtype (``key<jax_fp8 FP8 gradient ...>``), holding the
+    amax's float32 bits: it passes through ``jit``, ``lax.scan`` / ``cond`` carries,
+    ``pmap``, ``device_put``, ``jnp.zeros_like`` (a zero amax) and pytree round trips,
+    and every arithmetic operation, conversion to a number, reduction or collective on it
+    raises ``TypeError`` at trace time. Combine several with `combine_fp8_grads` (max).
+
+    Attributes:
+      amax: the amaxes, an array of the extended dtype, shape = the state's scale shape.
+    """
+
+    amax: Any
+
+    def value(self, where: str = "fp8_grads") -> jax.Array:
+        """The amaxes as float32 (the state's scale shape)."""
+        if not _is_amax_array(self.amax):
+            what = (f"a {getattr(self.amax, 'dtype', type(self.amax).__name__)} array"
+                    if hasattr(self.amax, "dtype") else type(self.amax).__name__)
+            raise TypeError(_NOT_AN_AMAX.format(where=where, what=what))
+        bits = jax.random.key_data(self.amax)[..., 0]
+        return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+    @classmethod
+    def of(cls, amax) -> AmaxGrad:
+        """The FP8 gradient of observed amaxes ``amax`` (float32, the state's scale shape)."""
+        return cls(_encode_amax(amax))
+
+
+def _amax_grad_flatten(g: AmaxGrad):
+    state_lib.check_not_optax()
+    return (g.amax,), None
+
+
+def _amax_grad_flatten_with_keys(g: AmaxGrad):
+    state_lib.check_not_optax()
+    return ((jax.tree_util.GetAttrKey("amax"), g.amax),), None
+
+
+jax.tree_util.register_pytree_with_keys(
+    AmaxGrad, _amax_grad_flatten_with_keys, lambda _, children: AmaxGrad(*children),
+    flatten_func=_amax_grad_flatten)
+
+
+def _is_grad_leaf(x) -> bool:
+    return is_state(x) or isinstance(x, AmaxGrad)
+
+
+def fp8_grads_from_cotangents(cotangents: Any) -> Any:
+    """JAX's raw cotangent of FP8 states -> FP8 gradients that refuse arithmetic.
+
+    ``jax.grad`` with respect to FP8 states returns, for each `ScalingState`, a
+    ScalingState-shaped float cotangent whose staging slot holds the observed amax: plain
+    floats, which a gradient transform (a loss scale, a clip, a sum) would change
+    without notice. This replaces each by its `AmaxGrad`; call it where ``jax.grad``
+    returns, before anything else touches the gradient. `AmaxGrad`s and other leaves are
+    kept as they are.
+    """
+    return jax.tree.map(lambda x: AmaxGrad.of(x.amax_history[..., 0]) if is_state(x) else x,
+                        cotangents, is_leaf=_is_grad_leaf)
+
+
+def holds_fp8_grads(tree: Any) -> bool:
+    """Whether ``tree`` holds an FP8 gradient (an `AmaxGrad`, a raw ScalingState
+    cotangent, or a packed group of either)."""
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: _is_grad_leaf(x) or
+                             isinstance(x, HoldsStates))
+    return any(_is_grad_leaf(x) or (isinstance(x, HoldsStates) and bool(x.slot_info()))
+               for x in leaves)
+
+
 def _chain(leaf):
     """The traces between the current one and `leaf`'s own, innermost first (None when
     `leaf`'s trace is not an ancestor of the current one)."""
@@ -159,7 +273,11 @@ def _chain(leaf):
 _REUSE = ("{op}: this Fp8Meta was already given to another FP8 op in the same "
           "computation, so their amaxes would be summed instead of maxed. Thread it: "
           "`out, meta = {op}(..., meta)` and pass the returned meta to the next use (the "
-          "Flax layers do this). For several microbatches use combine_fp8_grads.")
+          "Flax layers do this). Two applications of one model on the same FP8 state in "
+          "one differentiated function (`state.apply_model` or `model.apply` twice) are "
+          "such a second use: apply it once (e.g. on the inputs concatenated), or call its "
+          "layers twice inside one apply, where they thread. For several microbatches "
+          "differentiate each and use combine_fp8_grads.")
 _LOOP = ("{op}: this Fp8Meta is differentiated but closed over by a `{loop}` body, so "
          "JAX would sum its amaxes over the iterations instead of taking their max. Pass "
          "it through the loop instead: in the carry (and return the threaded meta from "
@@ -176,7 +294,10 @@ _DROPPED = ("{op}: its operands are being differentiated but its delayed-scaling
             "scales frozen on purpose (e.g. gradients w.r.t. the inputs only), trace under "
             "`with jax_fp8.frozen_scales():`.")
 
-_frozen = threading.local()
+# Part of jit's cache key: a function traced outside `frozen_scales` is traced anew
+# inside it, and the other way round.
+_FROZEN = _compat.jit_key_flag(
+    "jax_fp8_frozen_scales", "Set by jax_fp8.frozen_scales(): FP8 scales are not updated.")
 
 
 @contextlib.contextmanager
@@ -195,24 +316,22 @@ def frozen_scales() -> Iterator[None]:
       (``state.value_and_grad`` then ``apply_gradients(grads=grads)``) is frozen too.
 
     `update_states`, the bare fused update of a pytree of states, is not affected. The
-    context acts when the function is traced (a jitted function already traced outside
-    it is not re-traced: jit the step inside the context, or give it a static flag).
+    context acts on tracing and is part of ``jit``'s cache key (as a JAX configuration
+    option), so a jitted function means the same whether it was first traced inside the
+    context or outside it: called inside, it is frozen; called outside, it is not.
 
     Example (a saliency map of a trained model):
 
         with jax_fp8.frozen_scales():
             dx = jax.grad(lambda x: jnp.sum(model.apply(variables, x)))(x)
     """
-    _frozen.depth = getattr(_frozen, "depth", 0) + 1
-    try:
+    with _FROZEN(True):
         yield
-    finally:
-        _frozen.depth -= 1
 
 
 def scales_frozen() -> bool:
     """True inside `frozen_scales` (in this thread)."""
-    return getattr(_frozen, "depth", 0) > 0
+    return bool(_FROZEN.value)
 
 
 def _ad_trace(x):
@@ -232,6 +351,30 @@ def _inner_values(leaves, trace) -> bool:
         if t is trace and _compat.trace_of(x) is not trace:
             return True
     return False
+
+
+# An FP8 state differentiated outside a loop body that closes over it (a microbatch loop
+# written inside the loss): {what}, {loop}.
+CLOSED_OVER = (
+    "{what} is differentiated but closed over by a `{loop}` body, so JAX would sum its "
+    "amaxes over the iterations instead of taking their max. For microbatches "
+    "differentiate inside the body and combine the FP8 gradients with "
+    "jax_fp8.combine_fp8_grads (`loss, grads = state.value_and_grad(loss_fn)(x_i)` per "
+    "iteration; docs/semantics.md, \"Gradient accumulation\"); or pass the state through "
+    "the loop in its carry.")
+
+
+def check_not_closed_over_by_loop(leaves, message: str) -> None:
+    """Raises ValueError(``message`` with ``{loop}``) when a leaf is differentiated at a
+    level outside a loop body that is being traced (the body closes over it: JAX would
+    sum what the iterations hand back)."""
+    for leaf in leaves:
+        if _ad_trace(leaf) is None:
+            continue
+        loop = next((_compat.traced_for(t) for t in _chain(leaf) or []
+                     if _compat.traced_for(t) in LOOPS), None)
+        if loop is not None:
+            raise ValueError(message.format(loop=loop))
 
 
 def claim(meta, op: str, operands=()) -> None:
@@ -282,8 +425,50 @@ def claim(meta, op: str, operands=()) -> None:
 
 
 def amax_cotangents(fp8_grads: Any) -> Any:
-    """The observed amaxes carried by FP8 gradients: each ScalingState -> its staging slot."""
-    return jax.tree.map(lambda g: g.amax_history[..., 0], fp8_grads, is_leaf=is_state)
+    """The observed amaxes carried by FP8 gradients, as float32 arrays: each `AmaxGrad`
+    -> its amaxes, each raw ScalingState cotangent -> its staging slot.
+
+    Raises:
+      TypeError: an `AmaxGrad` that does not hold amaxes (rebuilt by generic tree code).
+    """
+    def amax(path, g):
+        if isinstance(g, AmaxGrad):
+            return g.value("fp8_grads" + jax.tree_util.keystr(path))
+        return g.amax_history[..., 0] if is_state(g) else g
+
+    return jax.tree_util.tree_map_with_path(amax, fp8_grads, is_leaf=_is_grad_leaf)
+
+
+def unreduced_device_axes() -> tuple:
+    """The mapped axes of a ``jax.pmap`` (or ``shard_map(check_vma=False)``) being traced:
+    there JAX keeps no record of which values differ across devices, so the FP8 ops
+    cannot max-reduce the amaxes of a replicated state, and each device observes its
+    own. (Under ``shard_map`` with ``check_vma`` they do; those axes are not listed.)"""
+    chain, t = [], _compat.current_trace()
+    while t is not None:
+        chain.append(_compat.traced_for(t))
+        t = _compat.parent_trace(t)
+    if "shard_map" not in chain:
+        return ()
+    return tuple(name for name in _compat.axis_names()
+                 if name not in amax_lib.varying_axes(jax.lax.axis_index(name)))
+
+
+def check_amaxes_reduced(axis_name: Hashable | None, where: str) -> None:
+    """Raises ValueError inside ``jax.pmap`` without ``axis_name`` (the devices'
+    amaxes would each update their own replica of the FP8 state, which then drift
+    apart)."""
+    if axis_name is not None or scales_frozen():
+        return
+    axes = unreduced_device_axes()
+    if axes:
+        raise ValueError(
+            f"{where}: traced inside jax.pmap (or shard_map(check_vma=False)) over "
+            f"{axes[0]!r}, where each device observes its own amaxes and would update its "
+            f"replica of the FP8 state with them (the replicas drift apart). Pass "
+            f"axis_name={axes[0]!r}: the update then takes the max over the devices (one "
+            "pmax), as the rule for one batch. Average the parameter gradients with "
+            "lax.pmean(grads['params'], ...) as usual; the FP8 gradients refuse pmean.")
 
 
 def new_fp8_state(fp8_states: Any, fp8_grads: Any, recipe: recipe_lib.Recipe | None = None, *,
@@ -293,8 +478,10 @@ def new_fp8_state(fp8_states: Any, fp8_grads: Any, recipe: recipe_lib.Recipe | N
     Args:
       fp8_states: any pytree of ScalingStates (e.g. Fp8Metas, a Flax collection, a
         `PackedStates`).
-      fp8_grads: the gradient of the loss w.r.t. ``fp8_states`` (same structure); the
-        staging slot ``amax_history[..., 0]`` of each holds the amax observed this step.
+      fp8_grads: the FP8 gradients of ``fp8_states`` (same structure): an `AmaxGrad`
+        per state as jax_fp8's value_and_grad functions return them, or JAX's raw
+        cotangent (a ScalingState whose staging slot ``amax_history[..., 0]`` holds the
+        amax observed this step), which must arrive unchanged.
       recipe: the recipe the states were made by (default ``DelayedScaling()``); every
         state's history length and FP8 dtype must be the ones it gives them, else
         ValueError (checked at trace time). A current or blockwise recipe keeps no state:
@@ -362,17 +549,29 @@ def check_fp8_updated(fp8_states: Any, name: str = "fp8_states") -> None:
 
 
 def combine_fp8_grads(*fp8_grads: Any) -> Any:
-    """Combines the FP8 gradients of several microbatches (or steps) by max, never sum."""
+    """Combines the FP8 gradients of several microbatches (or steps) by max, never sum.
+
+    Each may hold `AmaxGrad`s or raw ScalingState cotangents (an accumulator started as
+    ``jax.tree.map(jnp.zeros_like, state.fp8)`` or ``jax.tree.map(jnp.zeros_like, grads)``
+    included); the result has the representation of the first (so a ``lax.scan`` carry
+    keeps its type).
+    """
     if not fp8_grads:
         raise ValueError("combine_fp8_grads needs at least one gradient tree")
 
+    def amax(g):
+        return g.value("combine_fp8_grads") if isinstance(g, AmaxGrad) else \
+            g.amax_history[..., 0]
+
     def combine(*gs):
         first = gs[0]
-        if not is_state(first):
+        if not _is_grad_leaf(first):
             return first
-        staged = functools.reduce(jnp.fmax, [g.amax_history[..., 0] for g in gs])
+        staged = functools.reduce(jnp.fmax, [amax(g) for g in gs])
+        if isinstance(first, AmaxGrad):
+            return AmaxGrad.of(staged)
         return ScalingState(jnp.zeros_like(first.amax_history).at[..., 0].set(staged),
                             jnp.zeros_like(first.scale), jnp.zeros_like(first.scale_inv),
                             fp8_dtype=first.fp8_dtype)
 
-    return jax.tree.map(combine, *fp8_grads, is_leaf=is_state)
+    return jax.tree.map(combine, *fp8_grads, is_leaf=_is_grad_leaf)

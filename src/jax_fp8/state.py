@@ -104,9 +104,20 @@ OPTAX_REFUSES = (
     "its wrt, and lands here).")
 
 
-def _check_not_optax():
+def is_optax(module: str) -> bool:
+    """Whether ``module`` is the optax package or one of its modules (not a user's module
+    whose name merely starts with "optax", e.g. ``optax_utils``)."""
+    return module == "optax" or module.startswith("optax.")
+
+
+def check_not_optax():
     """Raises ValueError when the pytree operation flattening a state was called by optax
-    (the Python frames above the flatten, past JAX's own tree functions)."""
+    (the Python frames above the flatten, past JAX's own tree functions).
+
+    FP8 gradients refuse arithmetic by their dtype, whatever code meets them
+    (`jax_fp8.meta.AmaxGrad`); this check only names the fix where it is optax. FP8
+    *states* are floats: for them it is what refuses an optimizer given them as
+    parameters (e.g. Flax's ``TrainState.create(params=variables)``)."""
     frame: FrameType | None
     try:
         frame = sys._getframe(2)
@@ -116,20 +127,20 @@ def _check_not_optax():
         if frame is None:
             return
         module = frame.f_globals.get("__name__", "")
-        if module.startswith("optax"):
+        if is_optax(module):
             raise ValueError(OPTAX_REFUSES)
-        if not module.startswith("jax"):
+        if not (module == "jax" or module.startswith(("jax.", "jaxlib", "jax_fp8"))):
             return
         frame = frame.f_back
 
 
 def _flatten(st: ScalingState):
-    _check_not_optax()
+    check_not_optax()
     return (st.amax_history, st.scale, st.scale_inv), st.fp8_dtype
 
 
 def _flatten_with_keys(st: ScalingState):
-    _check_not_optax()
+    check_not_optax()
     keys = _KEYS.get(st.fp8_dtype)
     if keys is None:
         keys = _KEYS[st.fp8_dtype] = tuple(

@@ -69,3 +69,17 @@ def test_current_trace_nests_in_its_parents():
 
     jax.jit(jax.grad(lambda x: jnp.sum(f(x))))(jnp.ones(2))
     assert depth["n"] >= 3        # the grad's trace, jit's, the evaluation trace at the root
+
+
+def test_the_frozen_scales_flag_is_part_of_the_jit_cache_key():
+    """`frozen_scales` is a jit-key configuration option (`_compat.jit_key_flag`): a
+    function jitted and traced outside it is traced anew inside it, and back."""
+    import jax_fp8
+    from jax_fp8.meta import scales_frozen
+
+    traced = []
+    f = jax.jit(lambda x: (traced.append(scales_frozen()), x + scales_frozen())[1])
+    assert float(f(0.0)) == 0.0
+    with jax_fp8.frozen_scales():
+        assert float(f(0.0)) == 1.0
+    assert float(f(0.0)) == 0.0 and traced == [False, True]

@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 
+from jax_fp8 import state as state_lib
 from jax_fp8.meta import Fp8Meta
 from jax_fp8.recipe import DelayedScaling, check_recipe
 
@@ -82,7 +83,7 @@ class Fp8State:
 
 def _refuse_optimizers() -> None:
     caller = _caller()
-    if caller.startswith("optax"):
+    if state_lib.is_optax(caller):
         raise ValueError(_OPTAX)
     if caller == "equinox._update":
         raise ValueError(_EQX_UPDATE)

@@ -36,7 +36,7 @@ def fp8_states(tree: Any) -> list[tuple[str, Fp8State]]:
     return [(jax.tree_util.keystr(p), x) for p, x in leaves if isinstance(x, Fp8State)]
 
 
-def _new_states(model, grads) -> list[Fp8State]:
+def _new_states(model, grads, axis_name=None) -> list[Fp8State]:
     held = fp8_states(model)
     got = dict(fp8_states(grads))
     delayed = [(p, s) for p, s in held if not s.meta.stateless]
@@ -52,6 +52,7 @@ def _new_states(model, grads) -> list[Fp8State]:
             + FIX)
     if missing:
         return [s for _, s in held]
+    meta_lib.check_amaxes_reduced(axis_name, "jax_fp8.equinox.apply_updates")
     # ONE update_states call per recipe (a model converted with one recipe: one call).
     groups: dict = {}
     for i, (_, s) in enumerate(delayed):
@@ -60,14 +61,14 @@ def _new_states(model, grads) -> list[Fp8State]:
     for recipe, idx in groups.items():
         metas = [delayed[i][1].meta for i in idx]
         grad_metas = [got[delayed[i][0]].meta for i in idx]
-        updated = new_fp8_state(metas, grad_metas, recipe)
+        updated = new_fp8_state(metas, grad_metas, recipe, axis_name=axis_name)
         for i, meta in zip(idx, updated):
             p, s = delayed[i]
             new[p] = Fp8State(meta, s.recipe)
     return [new[p] for p, _ in held]
 
 
-def apply_updates(model: Any, updates: Any, grads: Any) -> Any:
+def apply_updates(model: Any, updates: Any, grads: Any, *, axis_name: Any = None) -> Any:
     """One training step's new model: the optimizer's ``updates`` added to the parameters
     (as ``eqx.apply_updates``) and every FP8 state updated from ``grads`` by ONE fused
     update (`jax_fp8.update_states`, one call per recipe).
@@ -78,13 +79,17 @@ def apply_updates(model: Any, updates: Any, grads: Any) -> Any:
         None where an FP8 state stands).
       grads: the whole gradient tree of ``eqx.filter_value_and_grad(loss_fn)(model,
         ...)``: its FP8 states' gradients carry the amaxes the step observed.
+      axis_name: inside ``jax.pmap`` (or ``shard_map``), the mapped axis (or axes) whose
+        devices' amaxes the update max-reduces first (one ``pmax``); required under
+        ``pmap``.
 
     Raises:
       ValueError: ``grads`` holds no gradient for a delayed-scaling state (its scales
         would never change), unless traced inside `jax_fp8.frozen_scales` (then the FP8
-        states are kept as they are).
+        states are kept as they are); or traced inside ``jax.pmap`` without
+        ``axis_name``.
     """
-    new_states = iter(_new_states(model, grads))
+    new_states = iter(_new_states(model, grads, axis_name))
     held = jax.tree.map(lambda x: Fp8Placeholder() if isinstance(x, Fp8State) else x, model,
                         is_leaf=is_fp8_node)
 

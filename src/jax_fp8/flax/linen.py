@@ -186,8 +186,13 @@ def _check_not_broadcast(module: nn.Module, meta: Fp8Meta, collection: str, op: 
         while trace is not None and trace is not own:
             loop = _compat.traced_for(trace)
             if loop in meta_lib.LOOPS:
-                raise ValueError(_BROADCAST.format(op=op, where=_scope(module).path_text,
-                                                   c=collection, loop=loop))
+                where = _scope(module).path_text
+                if not any("(" in p for p in getattr(module.scope, "debug_path", ())):
+                    # No lifted transform: a jax loop inside the loss closes over it.
+                    raise ValueError(f"{op} at {where}: " + meta_lib.CLOSED_OVER.format(
+                        what=f"its FP8 state (the collection {collection!r})", loop=loop))
+                raise ValueError(_BROADCAST.format(op=op, where=where, c=collection,
+                                                   loop=loop))
             trace = _compat.parent_trace(trace)
 
 
@@ -448,18 +453,22 @@ class Fp8TrainState(train_state.TrainState):
         return functools.partial(vg, self.params, self.fp8)
 
     def apply_gradients(self, *, grads: Any, fp8_grads: Any = None,
-                        **kwargs: Any) -> Fp8TrainState:
+                        axis_name: Any = None, **kwargs: Any) -> Fp8TrainState:
         """The optimizer step on ``params``, and the FP8 state from ONE ``update_states``.
 
         Args:
           grads: ``{"params": ..., fp8_collection: ...}`` as `value_and_grad` returns
             them, or the gradient w.r.t. ``params`` alone with ``fp8_grads``.
           fp8_grads: the gradient w.r.t. ``fp8`` (same structure as ``self.fp8``).
+          axis_name: inside ``jax.pmap`` (or ``shard_map``), the mapped axis (or axes)
+            whose devices' amaxes the update max-reduces first (one ``pmax``), so every
+            replica of the FP8 state gets the same update. Required under ``pmap``.
 
         Raises:
           ValueError: the state holds delayed-scaling states and no FP8 gradient was
             given (their scales would never change), unless inside
-            `jax_fp8.frozen_scales`, where the FP8 state is kept as it is.
+            `jax_fp8.frozen_scales`, where the FP8 state is kept as it is; or traced
+            inside ``jax.pmap`` without ``axis_name``.
 
         Under ``optax.MultiSteps`` the FP8 gradients' amaxes are combined by max into
         ``fp8_pending`` and the FP8 state is updated only when the optimizer applies.
@@ -485,15 +494,17 @@ class Fp8TrainState(train_state.TrainState):
                 f"state.fp8: jax.value_and_grad(loss_fn, argnums=(0, 1))(state.params, "
                 f"state.fp8)). To keep the scales frozen on purpose, call it inside "
                 f"`with jax_fp8.frozen_scales():`.")
+        meta_lib.check_amaxes_reduced(axis_name, "Fp8TrainState.apply_gradients")
         if self.fp8_pending is None:
-            return new.replace(fp8=new_fp8_state(self.fp8, fp8_grads, self.recipe))
+            return new.replace(fp8=new_fp8_state(self.fp8, fp8_grads, self.recipe,
+                                                 axis_name=axis_name))
         state_lib.check_states_follow(self.recipe, self.fp8, "fp8")
         if scales_frozen():
             return new  # the FP8 state and its pending amaxes stay as they are
         applied = (multi_steps.gradient_step(new.opt_state, "Fp8TrainState")
                    != multi_steps.gradient_step(self.opt_state, "Fp8TrainState"))
         fp8, pending = multi_steps.accumulate(self.fp8, fp8_grads, self.fp8_pending, applied,
-                                              self.recipe)
+                                              self.recipe, axis_name)
         return new.replace(fp8=fp8, fp8_pending=pending)
 
 
@@ -501,15 +512,19 @@ def fp8_value_and_grad(loss_fn: Callable, has_aux: bool = False,
                        collection: str = FP8_COLLECTION) -> Callable[..., tuple[Any, dict]]:
     """``loss_fn(params, fp8, *args)`` -> f(params, fp8, *args) = ``(loss[, aux]), grads``.
 
-    ``grads`` is ``{"params": <gradient w.r.t. params>, collection: <w.r.t. fp8>}``, what
-    `Fp8TrainState.apply_gradients` takes as ``grads=`` (`Fp8TrainState.value_and_grad`
-    binds ``params`` and ``fp8`` to the state's). NNX's
+    ``grads`` is ``{"params": <gradient w.r.t. params>, collection: <FP8 gradients>}``,
+    what `Fp8TrainState.apply_gradients` takes as ``grads=`` (`Fp8TrainState.value_and_grad`
+    binds ``params`` and ``fp8`` to the state's). The FP8 gradients are `jax_fp8.AmaxGrad`s
+    (the structure of ``fp8``): they refuse arithmetic, so a transform written over all of
+    ``grads`` (a loss scale, a clip, a sum) raises at trace time instead of changing the
+    amaxes; apply such transforms to ``grads["params"]``. NNX's
     `jax_fp8.flax.nnx.fp8_value_and_grad` returns the same ``(loss[, aux]), grads``.
     """
     vg = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=has_aux)
 
     def f(params, fp8, *args, **kwargs):
         value, (grads, fp8_grads) = vg(params, fp8, *args, **kwargs)
-        return value, {"params": grads, collection: fp8_grads}
+        return value, {"params": grads,
+                       collection: meta_lib.fp8_grads_from_cotangents(fp8_grads)}
 
     return f

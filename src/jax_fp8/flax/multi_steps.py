@@ -59,10 +59,12 @@ def zero_pending(states, opt_state, owner: str) -> list | None:
     return [jnp.zeros_like(a) for a in jax.tree.leaves(amax_cotangents(states))]
 
 
-def accumulate(states, fp8_grads, pending: list, applied, recipe) -> tuple[Any, list]:
+def accumulate(states, fp8_grads, pending: list, applied, recipe,
+               axis_name=None) -> tuple[Any, list]:
     """One call under accumulation: `fp8_grads`' amaxes combined into `pending` by max;
     where `applied` (a traced bool: the optimizer applied on this call) the states
-    updated from them and the pending amaxes reset to zero.
+    updated from them (max-reduced over ``axis_name`` first, when given) and the pending
+    amaxes reset to zero.
 
     Returns:
       (the states, the pending amaxes) after this call.
@@ -70,6 +72,7 @@ def accumulate(states, fp8_grads, pending: list, applied, recipe) -> tuple[Any, 
     staged = jax.tree.leaves(amax_cotangents(fp8_grads))
     pending = [jnp.fmax(p, a) for p, a in zip(pending, staged, strict=True)]
     amaxes = jax.tree.unflatten(jax.tree.structure(amax_cotangents(states)), pending)
-    states = jax.lax.cond(applied, lambda: update_states(states, amaxes, recipe=recipe),
+    states = jax.lax.cond(applied, lambda: update_states(states, amaxes, recipe=recipe,
+                                                         axis_name=axis_name),
                           lambda: states)
     return states, [jnp.where(applied, jnp.zeros_like(p), p) for p in pending]

@@ -52,7 +52,8 @@ class Fp8State(nnx.Variable):
 
 class Fp8Grad(nnx.Param):
     """In the gradients `fp8_value_and_grad` returns: the gradient w.r.t. one `Fp8State`,
-    a `ScalingState` whose staging slot holds the amaxes the step observed.
+    a `jax_fp8.AmaxGrad` holding the amaxes the step observed (a leaf that refuses
+    arithmetic).
 
     An ``nnx.Param`` subtype on purpose: an optimizer that selects parameters
     (``nnx.Optimizer(model, tx, wrt=nnx.Param)``, ``wrt=nnx.Any(...)``) takes it along
@@ -172,7 +173,7 @@ def fp8_state(model: nnx.Module | nnx.State) -> nnx.State:
 
 
 def update_fp8(model: nnx.Module, fp8_grads: Any, recipe: recipe_lib.Recipe | None = None,
-               ) -> None:
+               *, axis_name: Any = None) -> None:
     """Replaces every `Fp8State` of ``model`` with ONE fused ``update_states`` call.
 
     Args:
@@ -184,13 +185,16 @@ def update_fp8(model: nnx.Module, fp8_grads: Any, recipe: recipe_lib.Recipe | No
         ValueError. A current or blockwise recipe keeps no state: the model must then
         hold none (there is nothing to update); on delayed-scaling states it is a
         ValueError.
+      axis_name: inside ``jax.pmap`` / ``shard_map``, the mapped axis (or axes) whose
+        devices' amaxes are max-reduced first (one ``pmax``); required under ``pmap``.
 
     Returns:
       The new FP8 state (an ``nnx.State``), now also the model's.
     """
     if isinstance(fp8_grads, nnx.State):
         fp8_grads = fp8_state(fp8_grads)
-    new = new_fp8_state(fp8_state(model), fp8_grads, recipe)
+    meta_lib.check_amaxes_reduced(axis_name, "update_fp8")
+    new = new_fp8_state(fp8_state(model), fp8_grads, recipe, axis_name=axis_name)
     nnx.update(model, new)
     return new
 
@@ -222,7 +226,9 @@ def fp8_value_and_grad(loss_fn: Callable, has_aux: bool = False, wrt: Any = nnx.
     """``loss_fn(model, *args)`` -> f(model, *args) = ``(loss[, aux]), grads``.
 
     ``grads`` is the ``nnx.State`` of the gradients w.r.t. the ``wrt`` variables and the
-    `Fp8State`s, the latter as `Fp8Grad` variables: what `apply_gradients`,
+    `Fp8State`s, the latter as `Fp8Grad` variables holding `jax_fp8.AmaxGrad`s (which
+    refuse arithmetic: apply gradient transforms to the ``nnx.Param`` part): what
+    `apply_gradients`,
     `Fp8Optimizer.update` and `update_fp8` take (linen's
     `jax_fp8.flax.fp8_value_and_grad` returns the same ``(loss[, aux]), grads``). A plain
     ``nnx.Optimizer`` given these gradients refuses them at trace time (`Fp8Grad`).
@@ -234,14 +240,15 @@ def fp8_value_and_grad(loss_fn: Callable, has_aux: bool = False, wrt: Any = nnx.
     def f(*args, **kwargs):
         value, grads = value_and_grad(*args, **kwargs)
         return value, jax.tree.map(
-            lambda v: Fp8Grad(_get(v)) if isinstance(v, Fp8State) else v, grads,
-            is_leaf=_is_variable)
+            lambda v: Fp8Grad(meta_lib.fp8_grads_from_cotangents(_get(v)))
+            if isinstance(v, Fp8State) else v, grads, is_leaf=_is_variable)
 
     return f
 
 
 def apply_gradients(model: nnx.Module, optimizer: nnx.Optimizer, grads: nnx.State,
-                    recipe: recipe_lib.Recipe | None = None, **kwargs: Any) -> None:
+                    recipe: recipe_lib.Recipe | None = None, *, axis_name: Any = None,
+                    **kwargs: Any) -> None:
     """``optimizer.update(model, <param gradients>)`` and `update_fp8` with the FP8 ones.
 
     Args:
@@ -249,6 +256,7 @@ def apply_gradients(model: nnx.Module, optimizer: nnx.Optimizer, grads: nnx.Stat
       optimizer: an ``nnx.Optimizer`` (``wrt=nnx.Param``); ``kwargs`` go to its update.
       grads: as `fp8_value_and_grad` returns them (both parts in one ``nnx.State``).
       recipe: as in `update_fp8`.
+      axis_name: as in `update_fp8` (required under ``jax.pmap``).
 
     Raises:
       ValueError: the model holds delayed-scaling states and ``grads`` has no gradient for
@@ -258,16 +266,16 @@ def apply_gradients(model: nnx.Module, optimizer: nnx.Optimizer, grads: nnx.Stat
         update the FP8 state every microbatch: use `Fp8Optimizer`, or accumulate inside
         the step (docs/semantics.md, "Gradient accumulation").
     """
-    _step(model, optimizer, grads, recipe, nnx.Optimizer.update, kwargs)
+    _step(model, optimizer, grads, recipe, nnx.Optimizer.update, kwargs, axis_name)
 
 
-def _step(model, optimizer, grads, recipe, optimizer_update, kwargs):
+def _step(model, optimizer, grads, recipe, optimizer_update, kwargs, axis_name=None):
     fp8_grads, param_grads = _split(grads)
     held = state_lib.states_info(fp8_state(model))
     # The recipe is checked before the optimizer steps, so a mismatch changes nothing.
     state_lib.check_states_follow(recipe_lib.default() if recipe is None else recipe,
                                   fp8_state(model), type(model).__name__)
-    if held and not state_lib.states_info(fp8_grads) and not meta_lib.scales_frozen():
+    if held and not meta_lib.holds_fp8_grads(fp8_grads) and not meta_lib.scales_frozen():
         raise ValueError(
             f"apply_gradients: grads has no FP8 gradients, but the model holds {len(held)} "
             "delayed-scaling states, whose scales would never change. Differentiate them "
@@ -285,9 +293,11 @@ def _step(model, optimizer, grads, recipe, optimizer_update, kwargs):
             "of the microbatches' amaxes), or accumulate inside the step: a lax.scan over "
             "the microbatches, combining the FP8 gradients with jax_fp8.combine_fp8_grads "
             "(docs/semantics.md, \"Gradient accumulation\").")
+    if held and meta_lib.holds_fp8_grads(fp8_grads):
+        meta_lib.check_amaxes_reduced(axis_name, "apply_gradients")
     optimizer_update(optimizer, model, param_grads, **kwargs)
-    if held and state_lib.states_info(fp8_grads):
-        update_fp8(model, fp8_grads, recipe)
+    if held and meta_lib.holds_fp8_grads(fp8_grads):
+        update_fp8(model, fp8_grads, recipe, axis_name=axis_name)
 
 
 class Fp8Pending(nnx.Variable):
@@ -316,11 +326,12 @@ class Fp8Optimizer(nnx.Optimizer):
         pending = multi_steps.zero_pending(fp8_state(model), self.opt_state, "Fp8Optimizer")
         self.fp8_pending = None if pending is None else Fp8Pending(pending)
 
-    def update(self, model: nnx.Module, grads: nnx.State, /, **kwargs: Any) -> None:
+    def update(self, model: nnx.Module, grads: nnx.State, /, *, axis_name: Any = None,
+               **kwargs: Any) -> None:
         """The optimizer step on the ``wrt`` gradients and `update_fp8` on the FP8 ones
-        (errors as `apply_gradients`; under MultiSteps, see the class)."""
+        (errors and ``axis_name`` as `apply_gradients`; under MultiSteps, see the class)."""
         if self.fp8_pending is None:
-            _step(model, self, grads, self.fp8_recipe, nnx.Optimizer.update, kwargs)
+            _step(model, self, grads, self.fp8_recipe, nnx.Optimizer.update, kwargs, axis_name)
             return
         recipe = recipe_lib.default() if self.fp8_recipe is None else self.fp8_recipe
         states = fp8_state(model)
@@ -329,23 +340,38 @@ class Fp8Optimizer(nnx.Optimizer):
         if meta_lib.scales_frozen():  # the FP8 state and its pending amaxes are kept
             nnx.Optimizer.update(self, model, param_grads, **kwargs)
             return
-        if not state_lib.states_info(fp8_grads):
+        if not meta_lib.holds_fp8_grads(fp8_grads):
             _step(model, self, grads, self.fp8_recipe, nnx.Optimizer.update, kwargs)
             return  # (raises)
+        meta_lib.check_amaxes_reduced(axis_name, "Fp8Optimizer.update")
         before = multi_steps.gradient_step(self.opt_state, "Fp8Optimizer")
         nnx.Optimizer.update(self, model, param_grads, **kwargs)
         applied = multi_steps.gradient_step(self.opt_state, "Fp8Optimizer") != before
         pure = nnx.as_pure(states) if hasattr(nnx, "as_pure") else states
         new, pending = multi_steps.accumulate(pure, fp8_grads, _get(self.fp8_pending), applied,
-                                              recipe)
+                                              recipe, axis_name)
         nnx.update(model, new)
         _set(self.fp8_pending, pending)
 
 
+_JAX_JIT = (" NNX: or the step was jitted with `jax.jit` instead of `nnx.jit`: a "
+            "`jax.jit` function's changes to the module it was given (the optimizer's and "
+            "the FP8 update's) are lost on return (Flax's own behaviour: the parameters did "
+            "not train either); use `@nnx.jit`, or `nnx.split` the model, `nnx.merge` it "
+            "inside the step and return `nnx.state(model)` for `nnx.update`.")
+
+
 def check_fp8_updated(model: nnx.Module) -> None:
     """Raises ValueError when ``model`` holds delayed-scaling states and none was ever
-    updated (`jax_fp8.check_fp8_updated`): call it outside ``jit`` after a few steps."""
-    meta_lib.check_fp8_updated(fp8_state(model), type(model).__name__)
+    updated (`jax_fp8.check_fp8_updated`): call it outside ``jit`` after a few steps.
+    The message also names NNX's own cause: a step jitted with ``jax.jit`` rather than
+    ``nnx.jit``, whose changes to the model are lost."""
+    try:
+        meta_lib.check_fp8_updated(fp8_state(model), type(model).__name__)
+    except ValueError as err:
+        if "was ever updated" not in str(err):
+            raise
+        raise ValueError(str(err) + _JAX_JIT) from None
 
 
 

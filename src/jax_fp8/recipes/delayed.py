@@ -22,6 +22,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from jax_fp8 import _ad, _gemms, meta as meta_lib, recipe as recipe_lib
 from jax_fp8._primitives import amax as amax_lib, layout
+from jax_fp8.current import scale_inverse
 from jax_fp8.meta import Fp8Meta
 from jax_fp8.quantization import compute_amax, quantize
 from jax_fp8.recipe import Format
@@ -106,10 +107,19 @@ class DelayedScaling(recipe_lib.Recipe):
 
 # ------------------------------------------------------------- the GEMM and its custom VJP
 
+def _dequantization_factor(state: ScalingState) -> jax.Array:
+    """``1 / state.scale``, derived at use: the stored ``scale_inv`` is not read, so a
+    state whose two floats were changed apart (an average of states, e.g. an EMA of the
+    variables) still dequantizes what it quantized. The same bits as the update's
+    ``scale_inv`` (docs/semantics.md)."""
+    return scale_inverse(state.scale)
+
+
 def _fwd(lhs, rhs, meta, dimension_numbers, out_dtype):
     q_lhs, q_rhs = quantize(lhs, meta.input), quantize(rhs, meta.kernel)
     out = _gemms.gemm(q_lhs, *_gemms.rhs_for_forward(q_rhs, dimension_numbers),
-                      meta.input.scale_inv, meta.kernel.scale_inv, out_dtype)
+                      _dequantization_factor(meta.input), _dequantization_factor(meta.kernel),
+                      out_dtype)
     # The meta is returned unchanged: its only job is to carry the cotangent chain.
     # lhs[:0], rhs[:0]: empty arrays that carry the primal inputs' manual-axis types
     # (shard_map's vma) to the backward rule.
@@ -152,13 +162,16 @@ def _bwd(dimension_numbers, out_dtype, lhs_dtype, rhs_dtype, res, cts):
         q_g = quantize(g, meta.grad)
     lhs_aval = lhs_res if perm is None else _gemms.untransposed_aval(lhs_res, perm)
     grad_lhs = _gemms.input_grad(q_g, lhs_aval, q_rhs, dimension_numbers, lhs_dtype,
-                                 (meta.grad.scale_inv, meta.kernel.scale_inv))
+                                 (_dequantization_factor(meta.grad),
+                                  _dequantization_factor(meta.kernel)))
     if perm is None:
         grad_rhs = _gemms.rhs_grad(q_g, lhs_res, q_rhs, dimension_numbers, rhs_dtype,
-                                   (meta.grad.scale_inv, meta.input.scale_inv))
+                                   (_dequantization_factor(meta.grad),
+                                    _dequantization_factor(meta.input)))
     else:
         grad_rhs = _gemms.kernel_grad(q_g, lhs_res, q_rhs, dimension_numbers, rhs_dtype,
-                                      (meta.input.scale_inv, meta.grad.scale_inv), g_t=g_t)
+                                      (_dequantization_factor(meta.input),
+                                       _dequantization_factor(meta.grad)), g_t=g_t)
     ct_meta_in = Fp8Meta(input=meta_lib.amax_cotangent(ct_meta.input, amax_lhs, meta.input),
                          kernel=meta_lib.amax_cotangent(ct_meta.kernel, amax_rhs, meta.kernel),
                          grad=meta_lib.amax_cotangent(ct_meta.grad, amax_g, meta.grad))

@@ -1,0 +1,297 @@
+"""Generic pytree code a JAX user writes over gradients and variables, given FP8 state and
+FP8 gradients, linen and NNX: the right numbers or an error at trace time, never a
+silent change of what the FP8 update reads.
+
+FP8 gradients from jax_fp8's value_and_grad functions are `jax_fp8.AmaxGrad`s, whose
+array has an extended dtype that refuses arithmetic; the GEMMs dequantize with ``1 /
+scale`` derived at use, so an average of FP8 states (an EMA) stays consistent."""
+
+import functools
+import importlib
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import jax_utils, nnx
+from flax.training import dynamic_scale as dynamic_scale_lib
+
+import jax_fp8
+from helpers import assert_trees_equal, rand
+from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8TrainState, nnx as fnnx
+from jax_fp8.state import is_state
+
+RECIPE = jax_fp8.DelayedScaling(history_len=4)
+REFUSES_ARITHMETIC = r"jax_fp8 FP8 gradient: observed amaxes, no arithmetic"
+S = 2.0 ** 8   # a loss scale (a power of two, as DynamicScale's)
+
+
+@pytest.fixture(autouse=True)
+def on_cpu():
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        dg = functools.partial(Fp8DotGeneral, recipe=RECIPE)
+        return nn.Dense(4, dot_general_cls=dg)(nn.relu(nn.Dense(16, dot_general_cls=dg)(x)))
+
+
+def _linen(pack_fp8=True):
+    x, y = rand(0, (16, 8)), rand(1, (16, 4))
+    model = MLP()
+    state = Fp8TrainState.create(apply_fn=model.apply, variables=model.init(jax.random.key(0), x),
+                                 tx=optax.sgd(1e-2), recipe=RECIPE, pack_fp8=pack_fp8)
+    return model, state, x, y
+
+
+def _loss(state, x, y, scale=1.0):
+    def loss_fn(params, fp8):
+        return jnp.mean((state.apply_model(params, fp8, x) - y) ** 2) * scale
+    return loss_fn
+
+
+def _newest(fp8):
+    """{path: the newest history entry} of every state (unpacked)."""
+    tree = jax_fp8.unpack_states(fp8)
+    return {jax.tree_util.keystr(p): np.asarray(s.amax_history[..., -1])
+            for p, s in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_state)[0]
+            if is_state(s)}
+
+
+def _role(path):
+    return path.split("'")[-2]
+
+
+# ------------------------------------------------------------------------------- linen
+
+def test_linen_fp8_gradients_refuse_every_arithmetic_at_trace_time():
+    _, state, x, y = _linen()
+    _, grads = state.value_and_grad(_loss(state, x, y))()
+    fp8_grads = grads[FP8_COLLECTION]
+    assert all(isinstance(g, jax_fp8.AmaxGrad) for g in fp8_grads.groups)
+    leaves = jax.tree.leaves(grads)
+    idioms = {
+        "a loss scale undone (DynamicScale)": lambda: jax.tree.map(lambda g: g / S, grads),
+        "cast to float32 first": lambda: jax.tree.map(
+            lambda g: jnp.asarray(g, jnp.float32) / S, grads),
+        "clip by global norm, by hand": lambda: jnp.sqrt(sum(jnp.sum(g ** 2) for g in leaves)),
+        "clip factor applied": lambda: jax.tree.map(lambda g: g * 0.5, grads),
+        "microbatch sum": lambda: jax.tree.map(jnp.add, grads, grads),
+        "mean over devices": lambda: jax.vmap(lambda g: jax.lax.pmean(g, "d"),
+                                              axis_name="d")(
+            jax.tree.map(lambda a: a[None], grads)),
+        "maximum by hand": lambda: jax.tree.map(jnp.maximum, grads, grads),
+    }
+    for name, idiom in idioms.items():
+        with pytest.raises((TypeError, ValueError), match=REFUSES_ARITHMETIC):
+            jax.jit(idiom)()
+        del name
+    with pytest.raises(ValueError, match=r"optax was given jax_fp8.*Fp8TrainState"):
+        optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
+    rebuilt = jax.tree.map(lambda g: jnp.zeros(g.shape), grads)
+    with pytest.raises(TypeError, match=r"fp8_grads.*holds a float32 array where the "
+                                        r"update reads the observed amaxes.*grads\['params'\]"):
+        state.apply_gradients(grads=rebuilt)
+
+
+def test_linen_loss_scaling_on_the_parameter_gradients_gives_the_rule_s_scales():
+    """DynamicScale's arithmetic applied where it belongs (grads["params"]): the input and
+    kernel states record the amaxes of the unscaled step, the gradient states the amaxes
+    of the gradient the backward GEMM quantized (the scaled one, S times larger)."""
+    _, state, x, y = _linen()
+
+    @jax.jit
+    def step(state, scale):
+        _, grads = state.value_and_grad(_loss(state, x, y, scale))()
+        grads = {**grads, "params": jax.tree.map(lambda g: g / scale, grads["params"])}
+        return state.apply_gradients(grads=grads)
+
+    scaled, plain = _newest(step(state, S).fp8), _newest(step(state, 1.0).fp8)
+    assert scaled.keys() == plain.keys() and len(plain) == 6
+    for path in plain:
+        want = plain[path] * np.float32(S) if _role(path) == "grad" else plain[path]
+        np.testing.assert_array_equal(scaled[path], want, err_msg=path)
+        assert plain[path] > 0
+
+
+def test_linen_flax_dynamic_scale_over_the_params_alone_is_refused_naming_the_fix():
+    _, state, x, y = _linen()
+    dyn = dynamic_scale_lib.DynamicScale()
+    loss_fn = _loss(state, x, y)
+    with pytest.raises(ValueError, match=r"Differentiate the FP8 state too.*value_and_grad"):
+        dyn.value_and_grad(lambda p: loss_fn(p, state.fp8))(state.params)
+
+
+@pytest.mark.parametrize("pack_fp8", [True, False])
+def test_linen_ema_of_all_variables_evaluates_consistently(pack_fp8):
+    """An EMA written over every variable, FP8 state included: its scale and stored
+    scale_inv no longer multiply to 1, but the GEMMs dequantize with 1 / scale, so the EMA
+    model's output is the FP8 product of the EMA weights (within FP8's error)."""
+    model, state, x, y = _linen(pack_fp8)
+    step = jax.jit(lambda s: s.apply_gradients(grads=s.value_and_grad(_loss(s, x, y))()[1]))
+    ema = {"params": state.params, FP8_COLLECTION: state.fp8}
+    for _ in range(4):
+        state = step(state)
+        ema = jax.tree.map(lambda e, v: 0.5 * e + 0.5 * v, ema,
+                           {"params": state.params, FP8_COLLECTION: state.fp8})
+    unpacked = jax_fp8.unpack_states(ema[FP8_COLLECTION])
+    drift = [float(jnp.max(jnp.abs(s.scale * s.scale_inv - 1)))
+             for s in jax.tree.leaves(unpacked, is_leaf=is_state)]
+    assert max(drift) > 0.01                          # the stored pair drifted apart
+    out = model.apply({"params": ema["params"], FP8_COLLECTION: unpacked}, x)
+    exact = _float_mlp(ema["params"], x)
+    err = float(jnp.max(jnp.abs(out - exact)))
+    assert err < 0.1 * float(jnp.max(jnp.abs(exact)))
+    garbage = jax.tree.map(lambda s: s.replace(scale_inv=s.scale_inv * 7.67), unpacked,
+                           is_leaf=is_state)
+    assert_trees_equal(model.apply({"params": ema["params"], FP8_COLLECTION: garbage}, x), out)
+
+
+def _float_mlp(params, x):
+    h = jax.nn.relu(x @ params["Dense_1"]["kernel"] + params["Dense_1"]["bias"])
+    return h @ params["Dense_0"]["kernel"] + params["Dense_0"]["bias"]
+
+
+def test_linen_tree_round_trips_and_replicate_keep_the_fp8_gradients():
+    _, state, x, y = _linen()
+    _, grads = state.value_and_grad(_loss(state, x, y))()
+    want = state.apply_gradients(grads=grads)
+    leaves, treedef = jax.tree.flatten(grads)
+    again = jax.tree.unflatten(treedef, leaves)
+    with_path = jax.tree_util.tree_unflatten(
+        treedef, [v for _, v in jax.tree_util.tree_flatten_with_path(grads)[0]])
+    for g in (again, with_path, jax.tree.map(lambda a: a, grads),
+              jax_utils.unreplicate(jax_utils.replicate(grads)),
+              jax.jit(lambda g: g)(grads)):
+        assert_trees_equal(state.apply_gradients(grads=g).fp8, want.fp8)
+    replicated = jax_utils.replicate(state)
+    assert_trees_equal(jax_utils.unreplicate(replicated).fp8, state.fp8)
+
+
+def test_linen_microbatch_helpers_run_in_a_module_named_like_optax(tmp_path, monkeypatch):
+    """The documented microbatch loop (zeros_like of the FP8 state, combine_fp8_grads)
+    written in the user's own module `optax_utils.py`: not mistaken for optax."""
+    (tmp_path / "optax_utils.py").write_text(
+        "import jax, jax.numpy as jnp, jax_fp8\n"
+        "def accumulate(state, loss_fn, xs, ys):\n"
+        "    def micro(acc, batch):\n"
+        "        _, grads = state.value_and_grad(loss_fn)(*batch)\n"
+        "        return {'params': jax.tree.map(jnp.add, acc['params'], grads['params']),\n"
+        "                'fp8_meta': jax_fp8.combine_fp8_grads(acc['fp8_meta'],\n"
+        "                                                      grads['fp8_meta'])}, None\n"
+        "    zeros = {'params': jax.tree.map(jnp.zeros_like, state.params),\n"
+        "             'fp8_meta': jax.tree.map(jnp.zeros_like, state.fp8)}\n"
+        "    return jax.lax.scan(micro, zeros, (xs, ys))[0]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    optax_utils = importlib.import_module("optax_utils")
+    try:
+        _, state, x, y = _linen()
+
+        def loss_fn(params, fp8, x, y):
+            return jnp.mean((state.apply_model(params, fp8, x) - y) ** 2)
+
+        xs, ys = x.reshape(2, 8, 8), y.reshape(2, 8, 4)
+        grads = jax.jit(lambda s: optax_utils.accumulate(s, loss_fn, xs, ys))(state)
+        per = [state.value_and_grad(loss_fn)(xs[i], ys[i])[1] for i in range(2)]
+        want = jax_fp8.combine_fp8_grads(*(g[FP8_COLLECTION] for g in per))
+        assert_trees_equal(jax_fp8.amax_cotangents(grads[FP8_COLLECTION]),
+                           jax_fp8.amax_cotangents(want))
+        state.apply_gradients(grads=grads)
+    finally:
+        sys.modules.pop("optax_utils", None)
+
+
+@pytest.mark.parametrize("tx", ["schedule_free", "lookahead_free", "ema_of_params"])
+def test_linen_optax_contrib_and_averaging_optimizers_train_params_and_fp8(tx):
+    model, state, x, y = _linen()
+    txs = {
+        "schedule_free": lambda: optax.contrib.schedule_free_adamw(1e-2),
+        "lookahead_free": lambda: optax.chain(optax.adam(1e-2), optax.ema(0.9)),
+        "ema_of_params": lambda: optax.chain(optax.sgd(1e-2), optax.ema(0.5, debias=False)),
+    }
+    state = Fp8TrainState.create(apply_fn=model.apply, params=state.params, fp8=state.fp8,
+                                 tx=txs[tx](), recipe=RECIPE)
+    step = jax.jit(lambda s: s.apply_gradients(grads=s.value_and_grad(_loss(s, x, y))()[1]))
+    for _ in range(2):
+        state = step(state)
+    jax_fp8.check_fp8_updated(state.fp8)
+
+
+# --------------------------------------------------------------------------------- NNX
+
+class Net(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = fnnx.Fp8Linear(8, 16, recipe=RECIPE, rngs=rngs)
+        self.l2 = fnnx.Fp8Linear(16, 4, recipe=RECIPE, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(nnx.relu(self.l1(x)))
+
+
+def _nnx_loss(scale=1.0):
+    def loss_fn(model, x, y):
+        return jnp.mean((model(x) - y) ** 2) * scale
+    return loss_fn
+
+
+def _is_fp8_grad(v):
+    return isinstance(v, fnnx.Fp8Grad)
+
+
+def test_nnx_fp8_gradients_refuse_arithmetic_and_param_only_scaling_is_right():
+    x, y = rand(0, (16, 8)), rand(1, (16, 4))
+    model = Net(nnx.Rngs(0))
+    _, grads = fnnx.fp8_value_and_grad(_nnx_loss(S))(model, x, y)
+    with pytest.raises(TypeError, match=REFUSES_ARITHMETIC):
+        jax.jit(lambda g: jax.tree.map(lambda a: a / S, g))(grads)
+    with pytest.raises(TypeError, match=REFUSES_ARITHMETIC):
+        jax.jit(lambda g: sum(jnp.sum(a ** 2) for a in jax.tree.leaves(g)))(grads)
+
+    def newest(scale):
+        m = Net(nnx.Rngs(0))
+        opt = fnnx.Fp8Optimizer(m, optax.sgd(1e-2), wrt=nnx.Param, recipe=RECIPE)
+
+        @nnx.jit
+        def step(m, opt):
+            _, g = fnnx.fp8_value_and_grad(_nnx_loss(scale))(m, x, y)
+            g = jax.tree.map(lambda v: v if _is_fp8_grad(v) else v.replace(v[...] / scale),
+                             g, is_leaf=lambda v: isinstance(v, nnx.Variable))
+            opt.update(m, g)
+
+        step(m, opt)
+        return _newest(fnnx.fp8_state(m).to_pure_dict())
+
+    scaled, plain = newest(S), newest(1.0)
+    assert len(plain) == 6
+    for path in plain:
+        want = plain[path] * np.float32(S) if _role(path) == "grad" else plain[path]
+        np.testing.assert_array_equal(scaled[path], want, err_msg=path)
+
+
+def test_nnx_ema_of_the_model_state_evaluates_consistently():
+    x, y = rand(0, (16, 8)), rand(1, (16, 4))
+    model = Net(nnx.Rngs(0))
+    opt = fnnx.Fp8Optimizer(model, optax.sgd(1e-2), wrt=nnx.Param, recipe=RECIPE)
+
+    @nnx.jit
+    def step(m, opt):
+        _, g = fnnx.fp8_value_and_grad(_nnx_loss())(m, x, y)
+        opt.update(m, g)
+
+    ema = jax.tree.map(jnp.copy, nnx.state(model))
+    for _ in range(4):
+        step(model, opt)
+        ema = jax.tree.map(lambda e, v: 0.5 * e + 0.5 * v, ema, nnx.state(model))
+    ema_model = Net(nnx.Rngs(1))
+    nnx.update(ema_model, ema)
+    out = ema_model(x)
+    p = nnx.state(ema_model, nnx.Param)
+    h = jax.nn.relu(x @ p["l1"]["kernel"][...] + p["l1"]["bias"][...])
+    exact = h @ p["l2"]["kernel"][...] + p["l2"]["bias"][...]
+    assert float(jnp.max(jnp.abs(out - exact))) < 0.1 * float(jnp.max(jnp.abs(exact)))
