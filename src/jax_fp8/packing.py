@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -41,6 +42,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import export as jax_export
 
 from jax_fp8 import _compat, meta as meta_lib
 from jax_fp8._primitives import split as split_lib
@@ -353,6 +355,93 @@ for _cls in (PackedStates, PackedCollection):
     jax.tree_util.register_pytree_with_keys(
         _cls, _flatten_with_keys, _unflatten,
         flatten_func=lambda p: ([*p.groups, *p.others], p.layout))
+
+
+# ------------------------------------------------------------------ jax.export
+
+class _Leaf:
+    """A leaf of the skeleton a serialized layout's tree structure is rebuilt from."""
+
+
+_EXPORTABLE = ("dicts with string keys, lists, tuples, None and Fp8Metas (the nodes of a "
+               "Flax FP8 collection or a list of Fp8Metas)")
+
+
+def _encode_tree(treedef) -> Any:
+    """The structure ``treedef`` as JSON-able data, for the node types an FP8 state's tree
+    holds; other node types raise ValueError (a serialized function must rebuild them)."""
+    node = treedef.node_data()
+    if node is None:
+        return "*"
+    kind, aux = node
+    children = [_encode_tree(c) for c in treedef.children()]
+    if kind is type(None):
+        return ["None"]
+    if kind is dict and all(isinstance(k, str) for k in aux):
+        return ["dict", list(aux), children]
+    if kind in (list, tuple):
+        return [kind.__name__, children]
+    if kind is meta_lib.Fp8Meta:
+        return ["Fp8Meta", json.loads(meta_lib._serialize_aux(aux)), children]
+    what = (f"a dict with a {type(next(k for k in aux if not isinstance(k, str))).__name__} "
+            "key" if kind is dict else f"a {kind.__module__}.{kind.__qualname__} node")
+    raise ValueError(
+        f"jax.export cannot serialize this packed FP8 state: its unpacked tree holds {what}, "
+        f"and a serialized packed state holds only {_EXPORTABLE}. Pack a tree of those "
+        "(e.g. flax.core.unfreeze(collection) before jax_fp8.pack_states, string keys), or "
+        "export a function of the unpacked states (jax_fp8.unpack_states(packed), whose "
+        "ScalingStates and Fp8Metas serialize).")
+
+
+def _skeleton(encoded) -> Any:
+    """A tree of the structure `_encode_tree` encoded, with `_Leaf` leaves."""
+    if encoded == "*":
+        return _Leaf()
+    kind = encoded[0]
+    if kind == "None":
+        return None
+    if kind == "dict":
+        return dict(zip(encoded[1], (_skeleton(c) for c in encoded[2])))
+    if kind in ("list", "tuple"):
+        children = [_skeleton(c) for c in encoded[1]]
+        return children if kind == "list" else tuple(children)
+    if kind == "Fp8Meta":
+        (recipe,) = meta_lib._deserialize_aux(json.dumps(encoded[1]).encode())
+        input_, kernel, grad = (_skeleton(c) for c in encoded[2])
+        return meta_lib.Fp8Meta(input_, kernel, grad, recipe=recipe)
+    raise ValueError(f"not a serialized jax_fp8 packed-state layout (node {kind!r})")
+
+
+def _serialize_layout(layout: _Layout) -> bytes:
+    tree = _encode_tree(layout.treedef)
+    if jax.tree.structure(_skeleton(tree)) != layout.treedef:  # every node was understood
+        raise ValueError(f"jax.export cannot serialize this packed FP8 state's tree "
+                         f"{layout.treedef}: a serialized packed state holds only "
+                         f"{_EXPORTABLE}")
+    return json.dumps({
+        "tree": tree,
+        "slots": [None if s is None else [s[0], s[1], list(s[2])] for s in layout.slots],
+        "groups": [[np.dtype(d).name, int(n)] for d, n in layout.groups],
+        "paths": list(layout.paths)}).encode()
+
+
+def _deserialize_layout(data: bytes) -> _Layout:
+    fields = json.loads(data.decode())
+    return _Layout(
+        jax.tree.structure(_skeleton(fields["tree"])),
+        tuple(None if s is None else (s[0], s[1], tuple(s[2])) for s in fields["slots"]),
+        tuple((np.dtype(getattr(jnp, d)), n) for d, n in fields["groups"]),
+        tuple(fields["paths"]))
+
+
+# A serialized function taking or returning packed states names them so (deserializing
+# it needs `import jax_fp8`); the layout travels as JSON (its tree's structure, slots,
+# groups and paths).
+for _cls, _name in ((PackedStates, "jax_fp8.PackedStates"),
+                    (PackedCollection, "jax_fp8.PackedCollection")):
+    jax_export.register_pytree_node_serialization(
+        _cls, serialized_name=_name, serialize_auxdata=_serialize_layout,
+        deserialize_auxdata=_deserialize_layout)
 
 
 def pack_states(tree: Any) -> PackedStates:
