@@ -438,7 +438,7 @@ def _deserialize_layout(data: bytes) -> _Layout:
 # it needs `import jax_fp8`); the layout travels as JSON (its tree's structure, slots,
 # groups and paths).
 for _cls, _name in ((PackedStates, "jax_fp8.PackedStates"),
-                    (PackedCollection, "jax_fp8.PackedCollection")):
+                    (PackedCollection, "jax_fp8.packing.PackedCollection")):
     jax_export.register_pytree_node_serialization(
         _cls, serialized_name=_name, serialize_auxdata=_serialize_layout,
         deserialize_auxdata=_deserialize_layout)
