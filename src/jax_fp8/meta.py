@@ -233,6 +233,24 @@ jax.tree_util.register_pytree_with_keys(
     flatten_func=_amax_grad_flatten)
 
 
+_NOT_EXPORTABLE = (
+    "jax.export cannot serialize a function taking or returning FP8 gradients (AmaxGrad): "
+    "their arrays are of an extended dtype that jax.export does not serialize. Export "
+    "the step with the FP8 update inside it, taking and returning FP8 states "
+    "(Fp8TrainState.apply_gradients, jax_fp8.new_fp8_state, NNX's update_fp8), or "
+    "return the amaxes as float32 (AmaxGrad.value()).")
+
+
+def _refuse_export(_: Any) -> Any:
+    raise ValueError(_NOT_EXPORTABLE)
+
+
+# Registered so that serializing names the fix instead of JAX's "unregistered type".
+jax.export.register_pytree_node_serialization(
+    AmaxGrad, serialized_name="jax_fp8.AmaxGrad", serialize_auxdata=_refuse_export,
+    deserialize_auxdata=_refuse_export)
+
+
 def _is_grad_leaf(x) -> bool:
     return is_state(x) or isinstance(x, AmaxGrad)
 

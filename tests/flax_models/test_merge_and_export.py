@@ -171,3 +171,22 @@ def test_export_refuses_a_packed_tree_it_cannot_rebuild(tree, what):
     with pytest.raises(ValueError, match=rf"cannot serialize this packed FP8 state.*{what}.*"
                                          r"jax_fp8\.unpack_states"):
         exp.serialize()
+
+
+def test_export_refuses_fp8_gradients_naming_the_fix():
+    """FP8 gradients (AmaxGrad, packed or not) are of an extended dtype jax.export does not
+    serialize: a function returning them is refused at serialize(), naming the fix."""
+    model = MLP()
+    state = Fp8TrainState.create(apply_fn=model.apply, variables=model.init(jax.random.key(0), X),
+                                 tx=optax.sgd(1e-2), recipe=RECIPE)
+
+    @jax.jit
+    def grads_of(params, fp8, x, y):
+        st = state.replace(params=params, fp8=fp8)
+        return st.value_and_grad(
+            lambda p, f: jnp.mean((st.apply_model(p, f, x) - y) ** 2))()[1]
+
+    exp = jax.export.export(grads_of, disabled_checks=jax_fp8.export_disabled_checks())(
+        state.params, state.fp8, X, Y)
+    with pytest.raises(ValueError, match=r"FP8 gradients \(AmaxGrad\).*update inside"):
+        exp.serialize()
