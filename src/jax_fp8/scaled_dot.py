@@ -139,9 +139,17 @@ def scaled_dot_general(lhs, rhs, dimension_numbers, recipe, preferred_element_ty
 
 
 def _unbatched(lhs, rhs, lc, rc, recipe, out_dtype):
-    """scaled_dot_general without batch axes: the operands as x [M, K] and w [K, N]."""
-    lf = [a for a in range(lhs.ndim) if a not in lc]
-    rf = [a for a in range(rhs.ndim) if a not in rc]
+    """scaled_dot_general without batch axes: the operands as x [M, K] and w [K, N].
+
+    On a mesh with Explicit axes the free axes that are sharded are moved ahead of the
+    others before they are merged into M (N), and moved back in the result: JAX's
+    reshape merges a sharded axis only as the major one (``[4, 40@data, 64]`` into
+    ``[160, 64]`` is a ShardingTypeError, ``[40@data, 4, 64]`` into ``[160@data, 64]``
+    is local). The rows (columns) of the Dense form are then in another order; every
+    row's product is the same, and so are current scaling's per-tensor scales.
+    """
+    lf = _sharded_first(lhs, [a for a in range(lhs.ndim) if a not in lc])
+    rf = _sharded_first(rhs, [a for a in range(rhs.ndim) if a not in rc])
     m = math.prod(lhs.shape[a] for a in lf)
     k = math.prod(lhs.shape[a] for a in lc)
     n = math.prod(rhs.shape[a] for a in rf)
@@ -149,7 +157,20 @@ def _unbatched(lhs, rhs, lc, rc, recipe, out_dtype):
     w = _permute(rhs, list(rc) + rf).reshape(k, n)
     x, w = axis_types.vary_like([x, w])
     out = _fp8_matmul(x, w, recipe, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
-    return out.reshape(tuple(lhs.shape[a] for a in lf) + tuple(rhs.shape[a] for a in rf))
+    out = out.reshape(tuple(lhs.shape[a] for a in lf) + tuple(rhs.shape[a] for a in rf))
+    # Back to dot_general's order: lhs's free axes, then rhs's, each in ascending order.
+    produced = lf + [lhs.ndim + a for a in rf]
+    return _permute(out, [int(i) for i in np.argsort(produced)])
+
+
+def _sharded_first(a, axes):
+    """`axes` (free axes of `a`, ascending) with those sharded on a mesh with Explicit
+    axes first, each group in its order; `axes` unchanged elsewhere."""
+    if not axis_types.on_explicit_mesh(a):
+        return axes
+    spec = tuple(jax.typeof(a).sharding.spec)
+    spec = spec + (None,) * (a.ndim - len(spec))
+    return [i for i in axes if spec[i] is not None] + [i for i in axes if spec[i] is None]
 
 
 def _permute(a, perm):

@@ -121,11 +121,18 @@ def _fwd(lhs, rhs, meta, dimension_numbers, out_dtype):
                       _dequantization_factor(meta.input), _dequantization_factor(meta.kernel),
                       out_dtype)
     # The meta is returned unchanged: its only job is to carry the cotangent chain.
-    # lhs[:0], rhs[:0]: empty arrays that carry the primal inputs' manual-axis types
-    # (shard_map's vma) to the backward rule.
+    # Empty slices of lhs and rhs carry the primal inputs' manual-axis types (shard_map's
+    # vma) to the backward rule.
     res = (_gemms.lhs_for_kernel_grad(q_lhs, dimension_numbers), q_rhs, meta,
-           compute_amax(lhs), compute_amax(rhs), jnp.ravel(lhs)[:0], jnp.ravel(rhs)[:0])
+           compute_amax(lhs), compute_amax(rhs), _empty_slice(lhs), _empty_slice(rhs))
     return (out, meta), res
+
+
+def _empty_slice(x):
+    """x[:0, ..., :0]: no elements, x's rank and types. A slice, not a reshape: flattening
+    an array sharded along a minor axis on a mesh with Explicit axes is a
+    ShardingTypeError."""
+    return lax.slice(x, (0,) * x.ndim, (0,) * x.ndim)
 
 
 def _to_primal_vma(ct, primal_like, reduce):
