@@ -15,7 +15,7 @@ import jax
 
 __all__ = ["EXPLICIT", "axis_names", "batched_here", "check", "current_trace",
            "is_differentiation_trace", "jit_key_flag", "parent_trace", "pvary",
-           "require_devices_during_lowering", "traced_for", "trace_of"]
+           "require_devices_during_lowering", "staged_argument", "traced_for", "trace_of"]
 
 _MISSING = ("jax_fp8 needs {what} of this jax ({version}), which it no longer has; the "
             "trace-time guards of the FP8 training loops depend on it. Install a jax "
@@ -92,6 +92,21 @@ def traced_for(trace) -> str | None:
     """What a staging trace traces for (e.g. "scan", "while_body", "cond", "jit"), else None."""
     return getattr(getattr(getattr(trace, "frame", None), "debug_info", None), "traced_for",
                    None)
+
+
+def staged_argument(x) -> str | None:
+    """The name JAX gives ``x`` among the arguments of the function its staging trace
+    traces (e.g. ``"c[0][0]['fp8_meta']['input']"`` for a leaf of a ``lax.scan`` body's
+    carry, ``"xs[...]"`` for a slice of its xs), or None: ``x`` is no tracer, not an
+    argument of its trace (a value computed there or closed over), or of a trace that
+    records no argument names."""
+    trace = trace_of(x)
+    frame = getattr(trace, "frame", None)
+    names = getattr(getattr(frame, "debug_info", None), "arg_names", None)
+    var, invars = getattr(x, "val", None), getattr(frame, "invars", None)
+    if var is None or not invars or not names or len(names) != len(invars):
+        return None
+    return next((names[i] for i, v in enumerate(invars) if v is var), None)
 
 
 def pvary(x, axes):

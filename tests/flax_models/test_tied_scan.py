@@ -9,7 +9,8 @@ its FP8 state may live and what each choice computes.
   iteration; its amaxes are that iteration's, bit for bit those of the same GEMMs
   written out with `jax_fp8.fp8_dot_general`.
 - ``variable_broadcast="params", variable_carry="fp8_meta"``: one state; its amaxes
-  are the max over the iterations.
+  are the max over the iterations. Flax's scan needs a carried collection mutable:
+  ``model.apply`` with it read-only is a ValueError naming ``mutable=["fp8_meta"]``.
 
 Each through init, a train step of `Fp8TrainState` (the new states) and evaluation.
 """
@@ -203,3 +204,66 @@ def test_tied_weights_with_one_carried_state(on_cpu):
     np.testing.assert_array_equal(
         new.apply_model(new.params, new.fp8, X),
         _written_out(new.params, lambda i, m: _meta(new_fp8) if m is None else m, X))
+
+
+def _carried_fp8(packed):
+    model = Carried()
+    v, state = _train_state(model)
+    return model, v, state, (state.fp8 if packed else v[FP8_COLLECTION])
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+@pytest.mark.parametrize("how", ["eager", "jit", "jit_grad"])
+def test_carried_state_read_only_names_the_fix(on_cpu, packed, how):
+    """``model.apply`` with the carried collection read-only: Flax's scan would leave it
+    out of the body's carry (JAX's "carry input and carry output must have the same pytree
+    structure", for any collection); the FP8 layer raises first, naming the fix."""
+    model, v, _, fp8 = _carried_fp8(packed)
+
+    def read_only(f):
+        return jnp.sum(jnp.sin(model.apply({"params": v["params"], FP8_COLLECTION: f}, X)))
+
+    run = {"eager": read_only, "jit": jax.jit(read_only),
+           "jit_grad": jax.jit(jax.grad(read_only))}[how]
+    with pytest.raises(ValueError, match=r"carried from iteration to iteration by `nn.scan` "
+                       r"\(variable_carry='fp8_meta'\), and this apply holds the collection "
+                       r"read-only.*mutable=\['fp8_meta'\].*state.apply_model"):
+        run(fp8)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_carried_state_the_named_fix(on_cpu, packed):
+    """The fix the error names, the collection mutable: the outputs and, differentiated,
+    the FP8 gradients of the written-out GEMMs (the max over the iterations), bit for bit;
+    a packed collection's gradient comes back packed, ready for apply_gradients."""
+    model, v, state, fp8 = _carried_fp8(packed)
+
+    def metas(i, m):
+        return _meta(v[FP8_COLLECTION]) if m is None else m
+
+    def apply(f):
+        return model.apply({"params": v["params"], FP8_COLLECTION: f}, X,
+                           mutable=[FP8_COLLECTION])[0]
+
+    np.testing.assert_array_equal(jax.jit(apply)(fp8), _written_out(v["params"], metas, X))
+    grads = jax.jit(jax.grad(lambda f: jnp.sum(jnp.sin(apply(f)))))(fp8)
+    want = _written_out_grads(v["params"], v[FP8_COLLECTION],
+                              lambda t, i, m: _meta(t) if m is None else m)
+    got = jax_fp8.unpack_states(grads) if packed else grads
+    jax.tree.map(np.testing.assert_array_equal, got, want)   # raw cotangents, bit for bit
+    new = state.apply_gradients(grads=jax.tree.map(jnp.zeros_like, state.params),
+                                fp8_grads=grads if packed else jax_fp8.pack_states(grads))
+    np.testing.assert_array_equal(
+        _meta(new.variables()[FP8_COLLECTION]).input.amax_history[-1],
+        _layer(jax_fp8.amax_cotangents(want))["Fp8DotGeneral_0"]["input"])
+
+
+def test_a_state_per_iteration_read_only_is_not_refused(on_cpu):
+    """A state per iteration (``variable_axes``) read-only evaluates: only a carry is
+    refused."""
+    model = PerIteration()
+    v = jax.jit(model.init)(jax.random.key(0), X)
+    fp8 = v[FP8_COLLECTION]
+    np.testing.assert_array_equal(
+        jax.jit(model.apply)(v, X),
+        _written_out(v["params"], lambda i, m: _meta(fp8, i), X))

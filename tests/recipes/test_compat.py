@@ -55,6 +55,23 @@ def test_what_a_trace_traces_for(loop, run):
     assert loop in names, names
 
 
+def test_staged_arguments_are_named():
+    """The names of a scan body's arguments (the guard for a read-only collection carried
+    by nn.scan reads them): the carry's leaves ``c...``, the xs' ``xs...``; a value
+    computed in the body or a concrete array has none."""
+    seen = {}
+
+    def body(c, xs):
+        seen["carry"] = _compat.staged_argument(c["state"])
+        seen["xs"] = _compat.staged_argument(xs[0])
+        seen["computed"] = _compat.staged_argument(c["state"] + 1)
+        return c, None
+
+    lax.scan(body, {"state": jnp.ones(3)}, (jnp.ones((2, 4)),))
+    assert seen == {"carry": "c['state']", "xs": "xs[0]", "computed": None}
+    assert _compat.staged_argument(jnp.ones(3)) is None
+
+
 def test_current_trace_nests_in_its_parents():
     depth = {}
 

@@ -26,7 +26,9 @@ returned (written back to the variables when the collection is mutable, else kep
 the rest of the ``apply``), so the amaxes of all calls combine by max (``jax_fp8.meta``).
 Under ``nn.scan`` give the collection ``variable_axes={"fp8_meta": 0}`` (a state per
 layer, or per iteration of weights tied by ``variable_broadcast="params"``), or
-``variable_carry="fp8_meta"`` for one module reused by every iteration; a layer that the
+``variable_carry="fp8_meta"`` for one module reused by every iteration (applied with the
+collection mutable: Flax carries no read-only collection, and a read-only ``apply``
+raises ValueError naming ``mutable=``); a layer that the
 collection does not reach (a lifted transform not given it, or ``model.apply`` without it)
 raises ValueError naming the line to add. A collection broadcast into a lifted body
 (``variable_broadcast``, ``nn.vmap``'s axis None) is read there and never written (its
@@ -49,6 +51,7 @@ One recipe: the layers create their states from their ``recipe`` (default
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -196,11 +199,41 @@ def _check_not_broadcast(module: nn.Module, meta: Fp8Meta, collection: str, op: 
             trace = _compat.parent_trace(trace)
 
 
+_CARRIED_READ_ONLY = (
+    "{op} at {where}: its FP8 state (the collection {c!r}) is carried from iteration to "
+    "iteration by `nn.scan` (variable_carry={c!r}), and this apply holds the collection "
+    "read-only; Flax's scan leaves a read-only collection out of the carry its body "
+    "returns (JAX would raise that the body's carry input and output differ). "
+    "Apply the model with the collection mutable: `out, _ = model.apply(variables, x, "
+    "mutable=[{c!r}])` (evaluation and training alike: the same outputs, and under "
+    "differentiation the amaxes the max over the iterations), or with an Fp8TrainState "
+    "`state.apply_model(state.params, state.fp8, x)`; or give the FP8 state a row per "
+    "iteration instead: nn.scan(..., variable_axes={{{c!r}: 0}}).")
+
+
+def _check_not_carried_read_only(module: nn.Module, meta: Fp8Meta, collection: str,
+                                 op: str) -> None:
+    """Raises ValueError when a read-only FP8 collection is carried by a lifted nn.scan
+    (its leaves are the scan body's carry, ``c[0]``, the carried variable groups):
+    Flax leaves an immutable collection out of the carry the body returns."""
+    if not any(p.startswith("scan(") for p in _scope(module).debug_path):
+        return
+    carried = re.compile(r"c\[0\]\[\d+\]\[" + re.escape(repr(collection)) + r"\]")
+    for x in jax.tree.leaves(meta):
+        name = _compat.staged_argument(x)
+        if (name is not None and carried.match(name)
+                and _compat.traced_for(_compat.trace_of(x)) == "scan"):
+            raise ValueError(_CARRIED_READ_ONLY.format(
+                op=op, where=_scope(module).path_text, c=collection))
+
+
 def _read(module: nn.Module, vs, recipe, collection, op: str) -> Fp8Meta:
     if vs is None:
         return Fp8Meta(recipe=recipe)
     meta = Fp8Meta(*(v.value for v in vs))
     _check_not_broadcast(module, meta, collection, op)
+    if not module.is_mutable_collection(collection):
+        _check_not_carried_read_only(module, meta, collection, op)
     if module.is_mutable_collection(collection) and not _from_outside(meta):
         return meta
     entry = _threaded(module).get((collection, _scope(module).path))
