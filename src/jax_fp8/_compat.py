@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import jax
 
-__all__ = ["EXPLICIT", "axis_names", "batched_here", "check", "current_trace",
+__all__ = ["EXPLICIT", "axis_names", "batched_here", "is_batch_trace", "check", "current_trace",
            "is_differentiation_trace", "jit_key_flag", "parent_trace", "pvary",
            "require_devices_during_lowering", "staged_argument", "traced_for", "trace_of"]
 
@@ -86,6 +86,11 @@ def batched_here(x) -> bool:
     trace = current_trace()
     return (hasattr(_batching, "BatchTrace") and isinstance(trace, _batching.BatchTrace)
             and trace_of(x) is trace)
+
+
+def is_batch_trace(trace) -> bool:
+    """Whether `trace` is a ``jax.vmap``'s (Flax's ``nn.vmap`` included)."""
+    return hasattr(_batching, "BatchTrace") and isinstance(trace, _batching.BatchTrace)
 
 
 def traced_for(trace) -> str | None:

@@ -55,6 +55,15 @@ def test_what_a_trace_traces_for(loop, run):
     assert loop in names, names
 
 
+def test_vmap_traces_are_recognised():
+    seen = []
+    jax.vmap(lambda x: seen.append(_compat.is_batch_trace(_compat.current_trace())) or x)(
+        jnp.ones((2, 3)))
+    jax.jit(lambda x: seen.append(_compat.is_batch_trace(_compat.current_trace())) or x)(
+        jnp.ones(3))
+    assert seen == [True, False]
+
+
 def test_staged_arguments_are_named():
     """The names of a scan body's arguments (the guard for a read-only collection carried
     by nn.scan reads them): the carry's leaves ``c...``, the xs' ``xs...``; a value

@@ -30,11 +30,14 @@ layer, or per iteration of weights tied by ``variable_broadcast="params"``), or
 collection mutable: Flax carries no read-only collection, and a read-only ``apply``
 raises ValueError naming ``mutable=``); a layer that the
 collection does not reach (a lifted transform not given it, or ``model.apply`` without it)
-raises ValueError naming the line to add. A collection broadcast into a lifted body
-(``variable_broadcast``, ``nn.vmap``'s axis None) is read there and never written (its
-threaded meta is kept for the later calls instead): init and evaluation work, and
-differentiating it inside a loop body raises ValueError at trace time (the iterations'
-amaxes would be summed), naming the fix.
+raises ValueError naming the line to add. A collection broadcast into a loop body
+(``variable_broadcast``) is read there and never written (its threaded meta is kept for
+the later calls instead): init and evaluation work, and differentiating it inside a loop
+body raises ValueError at trace time (the iterations' amaxes would be summed), naming the
+fix. Into an ``nn.vmap`` body (axis None) it is written like any mutable collection, so a
+lifted block called twice threads from one call to the next; with the collection
+read-only a lifted block (``nn.remat``, ``nn.jit``, ``nn.vmap``) called twice in one
+differentiated computation raises ValueError naming the mutable apply.
 
 A loop cannot skip the FP8 update silently: `Fp8TrainState.apply_gradients` refuses
 parameter gradients alone while the state holds delayed-scaling states, and
@@ -56,6 +59,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
+import flax.linen.module as _flax_module
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -85,6 +89,21 @@ _NOT_LIFTED = ("the collection {c!r} does not reach this layer inside `{t}`: a l
 _LIFT_FIX = ("Add it, e.g. nn.scan(..., variable_axes={{'params': 0, {c!r}: 0}}) (a state "
              "per layer), nn.scan(..., variable_carry={c!r}) (one module reused by every "
              "iteration) or nn.vmap(..., variable_axes={{'params': None, {c!r}: None}}).")
+
+
+def _module_stack() -> list:
+    """The modules whose methods are running, outermost first (Flax keeps them in
+    ``flax.linen.module._context.module_stack``, which it does not make public; checked
+    at import)."""
+    return list(getattr(_flax_module._context, "module_stack", None) or [])
+
+
+if not hasattr(getattr(_flax_module, "_context", None), "module_stack"):
+    raise ImportError(  # pragma: no cover - a Flax that moved it
+        "jax_fp8.flax needs flax.linen.module._context.module_stack (the modules being "
+        "called) of this flax, which it no longer has; the guard on FP8 state read-only in "
+        "lifted transforms depends on it. Install a flax version jax_fp8 supports, or "
+        "report it.")
 
 
 def _check_collection_reaches(module: nn.Module, collection: str, op: str) -> None:
@@ -166,6 +185,89 @@ def _from_outside(meta: Fp8Meta) -> bool:
     return False
 
 
+def _broadcast_into_vmap(meta: Fp8Meta) -> bool:
+    """Whether the layer runs in the body of a ``vmap`` (nn.vmap with the collection's axis
+    None) on FP8 variables that come straight from the trace around it: the threaded meta
+    is unbatched (its values are those read), so the body may write it and the lifted
+    transform hands it to the next call, as it does outside any transform."""
+    trace = _compat.current_trace()
+    if not _compat.is_batch_trace(trace):
+        return False
+    around = _compat.parent_trace(trace)
+    return all(_compat.trace_of(x) is around
+               or (_compat.trace_of(x) is None and _compat.parent_trace(around) is None)
+               for x in jax.tree.leaves(meta))
+
+
+def _writable(module: nn.Module, meta: Fp8Meta, collection: str) -> bool:
+    """Whether the threaded meta is written to the layer's variables (else kept for the
+    later calls of this apply): the collection is mutable and its values are the body's
+    own, or come into an nn.vmap body unbatched."""
+    return module.is_mutable_collection(collection) and (
+        not _from_outside(meta) or _broadcast_into_vmap(meta))
+
+
+# Read-only FP8 variables read afresh by a layer inside a lifted transform's body, per
+# apply (on the apply's root scope): {(collection, layer path): [the trace the transform
+# was called in, one per call]}. A lifted body is traced anew per call, so a meta it
+# threads cannot reach the next call unless the collection is mutable.
+_LIFTED_READS = "_jax_fp8_lifted_reads"
+
+_LIFTED_TWICE = (
+    "{op} at {where}: this layer's FP8 state (the collection {c!r}) is read-only in this "
+    "apply and the block holding it, under the lifted transform `{t}`, is called a second "
+    "time in one differentiated computation. A lifted transform passes out only mutable "
+    "collections, so the state the first call threaded cannot reach the second and JAX "
+    "would add up the two calls' amaxes, where FP8 takes their max. Apply the model with "
+    "the collection mutable: `out, _ = model.apply(variables, x, mutable=[{c!r}])`, or "
+    "with an Fp8TrainState `state.apply_model(state.params, state.fp8, x)`, which "
+    "threads the state through every call (the max over the calls).")
+
+
+def _apply_root(module: nn.Module) -> Any:
+    """The root scope of the ``apply`` (or ``init``) running the layer: a lifted
+    transform's body has a root of its own (its debug path names the transform), the
+    apply's is the innermost root without one among the modules being called."""
+    for m in reversed(_module_stack()):
+        scope = getattr(m, "scope", None)
+        if scope is not None and not scope.root.debug_path:
+            return scope.root
+    return _scope(module).root
+
+
+def _check_lifted_read_once(module: nn.Module, meta: Fp8Meta, collection: str,
+                            op: str) -> None:
+    """Raises ValueError when a read-only FP8 state is read afresh by a second call of a
+    lifted block (nn.remat, nn.jit, nn.vmap, ...) in one differentiated computation."""
+    lifted = [p.split("(")[0] for p in _scope(module).debug_path if "(" in p]
+    if not lifted or scales_frozen():
+        return
+    chain, trace = [], _compat.current_trace()
+    while trace is not None:
+        chain.append(trace)
+        trace = _compat.parent_trace(trace)
+    if not any(_compat.is_differentiation_trace(t) for t in chain):
+        return
+    leaf = jax.tree.leaves(meta)[0]
+    own = _compat.trace_of(leaf)
+    if own is None:
+        return  # a constant: not differentiated
+    # The trace the transform was called in: the one around a staging transform's
+    # (nn.remat, nn.jit) body, which takes the variables as its arguments, else the one
+    # the variables live in (nn.vmap's axis None passes them as they are).
+    called_in = _compat.parent_trace(own) if _compat.staged_argument(leaf) else own
+    root = _apply_root(module)
+    store = getattr(root, _LIFTED_READS, None)
+    if store is None:
+        store = {}
+        setattr(root, _LIFTED_READS, store)
+    seen = store.setdefault((collection, _scope(module).path), [])
+    if any(t is called_in for t in seen):
+        raise ValueError(_LIFTED_TWICE.format(op=op, where=_scope(module).path_text,
+                                              c=collection, t=lifted[-1]))
+    seen.append(called_in)
+
+
 _BROADCAST = (
     "{op} at {where}: its FP8 state (the collection {c!r}) is differentiated but broadcast "
     "into a `{loop}` body (nn.scan's variable_broadcast): every iteration would use the one "
@@ -234,12 +336,14 @@ def _read(module: nn.Module, vs, recipe, collection, op: str) -> Fp8Meta:
     _check_not_broadcast(module, meta, collection, op)
     if not module.is_mutable_collection(collection):
         _check_not_carried_read_only(module, meta, collection, op)
-    if module.is_mutable_collection(collection) and not _from_outside(meta):
+    if _writable(module, meta, collection):
         return meta
     entry = _threaded(module).get((collection, _scope(module).path))
     if (entry is not None and meta.input is not None and entry[0] is meta.input.amax_history
             and _usable(entry[1])):
         return entry[1]
+    if not module.is_mutable_collection(collection):
+        _check_lifted_read_once(module, meta, collection, op)
     return meta
 
 
@@ -254,12 +358,12 @@ def _write(module: nn.Module, vs, meta: Fp8Meta, collection):
         # init is never differentiated.
         return
     read = Fp8Meta(*(v.value for v in vs))
-    if module.is_mutable_collection(collection) and not _from_outside(read):
+    if _writable(module, read, collection):
         for v, name in zip(vs, Fp8Meta.STATES):
             v.value = getattr(meta, name)
         return
-    # Immutable, or closed over by a lifted transform's body (a broadcast collection,
-    # whose value must not depend on the body's data): keep the threaded meta for the
+    # Immutable, or closed over by a loop body (nn.scan's broadcast collection, whose
+    # value must not depend on the body's data): keep the threaded meta for the
     # later calls of this apply instead of writing it (its values are those read).
     _threaded(module)[(collection, _scope(module).path)] = (vs[0].value.amax_history, meta)
 
