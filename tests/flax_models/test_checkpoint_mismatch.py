@@ -372,3 +372,118 @@ def test_nnx_state_into_changed_model_refuses(tmp_path, change, backend):
     got = (_msgpack(tmp_path, saved.to_pure_dict(), same.to_pure_dict())
            if backend == "msgpack" else _standard(tmp_path / "ok", saved, same))
     _assert_same_states(got, saved.to_pure_dict() if backend == "msgpack" else saved)
+
+
+# ------------------------------------- jax_fp8.flax.orbax_restore: the fix, and fresh FP8
+
+ORBAX_CHECKPOINTERS = {"standard": ocp.StandardCheckpointer, "pytree": ocp.PyTreeCheckpointer}
+FIX = r"fresh_fp8=True.*Never pad or truncate an amax history"
+
+
+def _save(ckptr, path, tree):
+    ckptr.save(path, tree)
+    if hasattr(ckptr, "wait_until_finished"):
+        ckptr.wait_until_finished()
+
+
+def _adam_state(model, pack, params_offset=0.0):
+    v = model.init(jax.random.key(0), jnp.ones((4, 8)))
+    s = Fp8TrainState.create(apply_fn=model.apply, variables=v, tx=optax.adam(0.1),
+                             recipe=model.recipe, pack_fp8=pack)
+    return s.replace(params=jax.tree.map(lambda a: a + params_offset, s.params))
+
+
+CHANGES = {   # target model: the error's start
+    "history": ("history", {True: r"the target's packed FP8 group fp8/float8_e5m2_L16_2rows_"
+                                  r"[0-9a-f]{12} \(2 states of float8_e5m2, history 16\): the "
+                                  r"states \['d0'\]\['Fp8DotGeneral_0'\]\['grad'\], \['d2'\]"
+                                  r".* is not in the checkpoint \(its groups there: "
+                                  r"float8_e4m3fn_L8_4rows_[0-9a-f]{12}, float8_e5m2_L8_2rows",
+                            False: r"the FP8 state fp8/d0/Fp8DotGeneral_0/grad \(float8_e5m2, "
+                                   r"its amax_history of shape \(16,\)\): the checkpoint's has "
+                                   r"shape \(8,\)"}),
+    "added": ("added", {True: r"the target's packed FP8 group fp8/float8_e5m2_L8_3rows_.*"
+                              r"\['d1'\]\['Fp8DotGeneral_0'\]\['grad'\]",
+                        False: r"the target's FP8 state fp8/d1/Fp8DotGeneral_0/grad "
+                               r"\(float8_e5m2, its amax_history of shape \(8,\)\) is not in "
+                               r"the checkpoint"}),
+}
+
+
+@pytest.mark.parametrize("ckptr", list(ORBAX_CHECKPOINTERS))
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "unpacked"])
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_orbax_restore_names_the_state_and_keeps_params_with_fresh_fp8(tmp_path, change,
+                                                                       pack, ckptr):
+    """Another history length (where orbax would suggest padding) or one more FP8 layer:
+    a jax_fp8 error naming the state and fresh_fp8; with fresh_fp8 the checkpoint's
+    params and optimizer state, the target's FP8 state, and the step trains."""
+    ckptr = ORBAX_CHECKPOINTERS[ckptr]()
+    saved = _adam_state(MODELS["base"], pack, params_offset=1.0)
+    _save(ckptr, tmp_path / "ckpt", saved)
+    model_name, errors = CHANGES[change]
+    target = _adam_state(MODELS[model_name], pack)
+    with pytest.raises(ValueError, match=errors[pack] + "(.|\n)*" + FIX) as err:
+        jax_fp8.flax.orbax_restore(ckptr, tmp_path / "ckpt", target)
+    assert "strict=False` in" not in str(err.value) and "tree structures" not in str(err.value)
+    got = jax_fp8.flax.orbax_restore(ckptr, tmp_path / "ckpt", target, fresh_fp8=True)
+    jax.tree.map(np.testing.assert_array_equal, got.params, saved.params)
+    jax.tree.map(np.testing.assert_array_equal, got.opt_state, saved.opt_state)
+    assert jax.tree.structure(got.fp8) == jax.tree.structure(target.fp8)
+    jax.tree.map(np.testing.assert_array_equal, got.fp8, target.fp8)
+    assert int(got.step) == int(saved.step)
+
+    @jax.jit
+    def step(state, x):
+        def loss_fn(p, f):
+            return jnp.mean(state.apply_model(p, f, x) ** 2)
+        return state.apply_gradients(grads=state.value_and_grad(loss_fn)()[1])
+
+    jax_fp8.check_fp8_updated(step(got, jnp.ones((4, 8))).fp8)
+    # The model that wrote it restores, FP8 state included.
+    same = jax_fp8.flax.orbax_restore(ckptr, tmp_path / "ckpt", _adam_state(MODELS["base"], pack))
+    jax.tree.map(np.testing.assert_array_equal, same.fp8, saved.fp8)
+
+
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "unpacked"])
+def test_orbax_restore_of_a_plain_train_state_into_fp8_train_state(tmp_path, pack):
+    from flax.training import train_state
+
+    model = MODELS["base"]
+    v = model.init(jax.random.key(1), jnp.ones((4, 8)))
+    plain = train_state.TrainState.create(apply_fn=model.apply, params=v["params"],
+                                          tx=optax.adam(0.1))
+    ckptr = ocp.StandardCheckpointer()
+    _save(ckptr, tmp_path / "plain", plain)
+    target = _adam_state(model, pack)
+    want = (r"the target's packed FP8 group fp8/float8_e\w+ .* is not in the checkpoint "
+            r"\(its groups there: none\)" if pack else
+            r"the target's FP8 state fp8/d0/Fp8DotGeneral_0/\w+ .* is not in the checkpoint")
+    with pytest.raises(ValueError, match=want + "(.|\n)*saved without FP8 state(.|\n)*" + FIX):
+        jax_fp8.flax.orbax_restore(ckptr, tmp_path / "plain", target)
+    got = jax_fp8.flax.orbax_restore(ckptr, tmp_path / "plain", target, fresh_fp8=True)
+    jax.tree.map(np.testing.assert_array_equal, got.params, plain.params)
+    jax.tree.map(np.testing.assert_array_equal, got.fp8, target.fp8)
+
+
+@pytest.mark.parametrize("change", ["history", "moved"])
+def test_orbax_restore_nnx_names_the_state_and_keeps_params_with_fresh_fp8(tmp_path, change):
+    saved_model = _NnxNet(RECIPE, ("a",), nnx.Rngs(0))
+    ckptr = ocp.StandardCheckpointer()
+    _save(ckptr, tmp_path / "nnx", nnx.state(saved_model))
+    recipe, fp8_on = {"history": (jax_fp8.DelayedScaling(history_len=16), ("a",)),
+                      "moved": (RECIPE, ("b",))}[change]
+    model = _NnxNet(recipe, fp8_on, nnx.Rngs(1))
+    fresh = jax.tree.map(jnp.copy, fnnx.fp8_state(model))
+    want = {"history": r"the FP8 state a/dot_general/grad/value \(float8_e5m2, its "
+                       r"amax_history of shape \(16,\)\): the checkpoint's has shape \(8,\)",
+            "moved": r"FP8 state (a|b)/dot_general/\w+/value .* (is not in the checkpoint|"
+                     r"is not in the model it is restored into)"}[change]
+    with pytest.raises(ValueError, match=want + "(.|\n)*" + FIX):
+        jax_fp8.flax.orbax_restore(ckptr, tmp_path / "nnx", nnx.state(model))
+    state = jax_fp8.flax.orbax_restore(ckptr, tmp_path / "nnx", nnx.state(model),
+                                       fresh_fp8=True)
+    nnx.update(model, state)
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(model, nnx.Param),
+                 nnx.state(saved_model, nnx.Param))
+    jax.tree.map(np.testing.assert_array_equal, fnnx.fp8_state(model), fresh)
