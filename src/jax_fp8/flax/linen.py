@@ -470,10 +470,15 @@ def split_fp8(variables: Mapping[str, Any], collection: str = FP8_COLLECTION,
 
 
 def _is_combined(grads, params, collection) -> bool:
-    """True for the gradient of `fp8_value_and_grad`: {"params": ..., collection: ...}."""
-    return (isinstance(grads, Mapping) and set(grads) == {"params", collection}
-            # PyTreeDef compares with ==; jax's type stubs cannot resolve its class.
-            and jax.tree.structure(grads["params"]) == jax.tree.structure(params))  # type: ignore[operator]
+    """True for the gradient of `fp8_value_and_grad`: {"params": ..., collection: ...}:
+    its parameter part of the structure of ``params``, or its FP8 part FP8 gradients
+    (`jax_fp8.AmaxGrad`s; the parameter part then is what the optimizer takes, e.g. the
+    gradient of ``optax.LookaheadParams``' fast parameters)."""
+    if not (isinstance(grads, Mapping) and set(grads) == {"params", collection}):
+        return False
+    is_grad = lambda x: isinstance(x, meta_lib.AmaxGrad)  # noqa: E731
+    return (jax.tree.structure(grads["params"]) == jax.tree.structure(params)  # type: ignore[operator]
+            or any(is_grad(x) for x in jax.tree.leaves(grads[collection], is_leaf=is_grad)))
 
 
 class Fp8TrainState(train_state.TrainState):
