@@ -48,7 +48,7 @@ __all__ = ["AmaxGrad", "Fp8Meta", "amax_cotangents", "check_fp8_updated", "combi
 
 # What a staging trace of a loop body traces for (`_compat.traced_for`).
 LOOPS = ("scan", "fori_loop", "while_body", "while_cond", "while_loop")
-_BRANCHES = ("cond", "switch")
+BRANCHES = ("cond", "switch")
 # Tracers already handed to an FP8 op as (part of) a meta: id -> (tracer, trace under it).
 _consumed: dict = {}
 
@@ -431,8 +431,8 @@ def claim(meta, op: str, operands=()) -> None:
         seen = _consumed.get(id(leaf))
         if seen is not None and seen[0]() is leaf:
             prev_top = seen[1]() if seen[1] is not None else None
-            both_branches = (_compat.traced_for(top) in _BRANCHES and
-                             _compat.traced_for(prev_top) in _BRANCHES)
+            both_branches = (_compat.traced_for(top) in BRANCHES and
+                             _compat.traced_for(prev_top) in BRANCHES)
             if not both_branches:  # the two branches of a cond never both run
                 raise ValueError(_REUSE.format(op=op))
         key = id(leaf)

@@ -219,3 +219,28 @@ def test_a_scan_of_remat_blocks_read_only_is_not_refused(on_cpu):
     grad = jax.jit(jax.grad(loss), static_argnums=1)
     jax.tree.map(np.testing.assert_array_equal, grad(v[FP8_COLLECTION], False),
                  grad(v[FP8_COLLECTION], True))
+
+
+def test_the_branches_of_a_lifted_cond_read_only_are_one_call(on_cpu):
+    """nn.cond traces both branches, each calling the block: only one runs, so the
+    read-only apply differentiates as the mutable one (no refusal)."""
+    class Cond(nn.Module):
+        @nn.compact
+        def __call__(self, x, pred):
+            block = Block(name="block")
+            if self.is_initializing():
+                return block(x)
+            return nn.cond(pred, lambda m, x: m(x), lambda m, x: m(x) * 2.0, block, x)
+
+    model, x = Cond(), X[0]
+    v = jax.jit(model.init)(jax.random.key(0), x, True)
+
+    def loss(f, mutable):
+        variables = {"params": v["params"], FP8_COLLECTION: f}
+        out = (model.apply(variables, x, True, mutable=[FP8_COLLECTION])[0] if mutable
+               else model.apply(variables, x, True))
+        return jnp.sum(jnp.sin(out))
+
+    grad = jax.jit(jax.grad(loss), static_argnums=1)
+    jax.tree.map(np.testing.assert_array_equal, grad(v[FP8_COLLECTION], False),
+                 grad(v[FP8_COLLECTION], True))

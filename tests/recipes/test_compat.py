@@ -41,7 +41,7 @@ def test_differentiation_traces_are_recognised():
     ("cond", lambda body: lax.cond(True, body, lambda c: c, jnp.ones(3))),
 ])
 def test_what_a_trace_traces_for(loop, run):
-    """The loop and branch names the guards look for (meta.py's _LOOPS, _BRANCHES)."""
+    """The loop and branch names the guards look for (meta.py's LOOPS, BRANCHES)."""
     names = []
 
     def body(c):

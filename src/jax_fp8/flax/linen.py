@@ -255,6 +255,13 @@ def _check_lifted_read_once(module: nn.Module, meta: Fp8Meta, collection: str,
     # The trace the transform was called in: the one around a staging transform's
     # (nn.remat, nn.jit) body, which takes the variables as its arguments, else the one
     # the variables live in (nn.vmap's axis None passes them as they are).
+    trace = _compat.current_trace()
+    while trace is not None:
+        if _compat.traced_for(trace) in meta_lib.BRANCHES:
+            return  # the branches of one nn.cond / nn.switch: only one runs
+        if trace is own:
+            break
+        trace = _compat.parent_trace(trace)
     called_in = _compat.parent_trace(own) if _compat.staged_argument(leaf) else own
     root = _apply_root(module)
     store = getattr(root, _LIFTED_READS, None)
