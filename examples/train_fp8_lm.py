@@ -20,7 +20,8 @@ prints each run's final train loss (mean of the last 10 % of steps) and validati
 and the relative gap. Everything goes under --out (nothing else is written): DIR/metrics.json
 ("loss", "reference_loss", "valid_curve", "final", the gap, tokens/s, the tracked FP8
 tensors' amax/scale) and, if matplotlib is installed, DIR/loss.png (train and validation
-loss) and DIR/fp8_scaling.png. Runs on the GPU when JAX sees one, else on CPU.
+loss; with --compare also FP8 minus the reference) and DIR/fp8_scaling.png. Runs on the
+GPU when JAX sees one, else on CPU.
 """
 
 from __future__ import annotations
@@ -335,9 +336,14 @@ def _plot(plt, out, metrics, args):
         c = np.convolve(v, np.ones(k) / k, mode="valid")
         return np.arange(k - 1, len(v)), c
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    compare = "reference_loss" in metrics
+    if compare:   # the losses, and below them FP8 - reference (the curves above overlap)
+        fig, (ax, gap_ax) = plt.subplots(2, 1, figsize=(7, 6.4), sharex=True,
+                                         gridspec_kw={"height_ratios": [3, 2]})
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
     runs = [("FP8 (" + args.format + ")", "", "C0")]
-    if "reference_loss" in metrics:
+    if compare:
         runs.append((f"reference ({metrics['dtype']})", "reference_", "C1"))
     for label, prefix, color in runs:
         ax.plot(*smooth(metrics[prefix + "loss"]), color=color, lw=1.2,
@@ -346,11 +352,32 @@ def _plot(plt, out, metrics, args):
         if curve["loss"]:
             ax.plot(curve["steps"], curve["loss"], color=color, ls="--", marker="o", ms=3,
                     label=f"{label} validation")
-    ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/char)")
     ax.set_title(f"char LM d={args.d_model} L={args.layers} T={args.seq_len} B={args.batch}")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+    if compare:
+        # Both runs see the same batches from the same weights, so the difference at each
+        # step is FP8's effect (and the runs' drift apart), not batch noise.
+        diff = np.asarray(metrics["loss"]) - np.asarray(metrics["reference_loss"])
+        gap_ax.axhline(0.0, color="black", lw=0.8)
+        gap_ax.plot(np.arange(len(diff)), diff, color="C2", lw=0.6, alpha=0.35,
+                    label="train, per step")
+        k = max(1, args.steps // 20)
+        gap_ax.plot(*smooth(diff, k), color="C2", lw=1.4, label=f"train, mean of {k} steps")
+        fp8_v, ref_v = metrics["valid_curve"], metrics["reference_valid_curve"]
+        if fp8_v["loss"] and fp8_v["steps"] == ref_v["steps"]:
+            gap_ax.plot(fp8_v["steps"], np.asarray(fp8_v["loss"]) - np.asarray(ref_v["loss"]),
+                        color="C3", ls="--", marker="o", ms=3, label="validation")
+        rel = metrics["final"]["rel_gap"]
+        gap_ax.set_title(f"FP8 - reference; final relative gap: train {100 * rel['train']:+.2f} %"
+                         f", validation {100 * rel['valid']:+.2f} %", fontsize=9)
+        gap_ax.set_ylabel("loss difference (nats/char)")
+        gap_ax.legend(fontsize=8)
+        gap_ax.grid(alpha=0.3)
+        gap_ax.set_xlabel("step")
+    else:
+        ax.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(out / "loss.png", dpi=120)
     plt.close(fig)
@@ -363,11 +390,13 @@ def _plot(plt, out, metrics, args):
             axes[0].semilogy(series["amax"], label=label)
             axes[1].semilogy(series["scale"], label=label)
         axes[0].set_title("newest amax per step")
+        axes[0].set_ylabel("amax (largest |value| this step)")
         axes[1].set_title("quantization scale (fp8_max / amax over history)")
+        axes[1].set_ylabel("scale")
         for a in axes:
             a.set_xlabel("step")
             a.grid(alpha=0.3)
-        axes[1].legend(fontsize=8)
+            a.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(out / "fp8_scaling.png", dpi=120)
         plt.close(fig)

@@ -3,19 +3,20 @@
 Public API (reference: ``docs/reference/``, built by ``mkdocs build``; the arithmetic in
 ``docs/semantics.md``):
 
-  recipes           DelayedScaling, Float8CurrentScaling, Float8BlockScaling,
-                    MXFP8BlockScaling, Format,
-                    fp8_max, scaled_max; Recipe (the interface each implements)
-  state             ScalingState, update_states, amax_and_scale_update, reduce_amaxes
-  training ops      Fp8Meta, fp8_dot_general, fp8_einsum, new_fp8_state, combine_fp8_grads,
-                    AmaxGrad, fp8_grads_from_cotangents, amax_cotangents, frozen_scales,
-                    check_fp8_updated
-  quantization      quantize, dequantize, compute_amax, quantize_blocks, quantize_mxfp8,
-                    scale_from_amax
-  packing           PackedStates, pack_states, unpack_states
-  conversion        Fp8Rule (which GEMMs a framework's fp8_model converts)
-  kernels, export   HAS_CPU_KERNEL, HAS_CUDA_KERNEL, export_disabled_checks
-  Flax              jax_fp8.flax (linen), jax_fp8.flax.nnx, jax_fp8.flax.interop
+- **recipes**: `DelayedScaling`, `Float8CurrentScaling`, `Float8BlockScaling`,
+  `MXFP8BlockScaling`, `Format`, `fp8_max`, `scaled_max`; `Recipe` (the interface each
+  implements)
+- **state**: `ScalingState`, `update_states`, `amax_and_scale_update`, `reduce_amaxes`
+- **training ops**: `Fp8Meta`, `fp8_dot_general`, `fp8_einsum`, `new_fp8_state`,
+  `combine_fp8_grads`, `AmaxGrad`, `fp8_grads_from_cotangents`, `amax_cotangents`,
+  `frozen_scales`, `check_fp8_updated`
+- **quantization**: `quantize`, `dequantize`, `compute_amax`, `quantize_blocks`,
+  `quantize_mxfp8`, `scale_from_amax`
+- **packing**: `PackedStates`, `pack_states`, `unpack_states`
+- **conversion**: `Fp8Rule` (which GEMMs a framework's `fp8_model` converts)
+- **kernels, export**: `HAS_CPU_KERNEL`, `HAS_CUDA_KERNEL`, `export_disabled_checks`
+- **frameworks**: `jax_fp8.flax` (linen), `jax_fp8.flax.nnx`, `jax_fp8.flax.interop`,
+  `jax_fp8.equinox`
 """
 
 # grouped_gemm: registers jax_fp8_grouped_gemm (its FFI target is in every module's table).

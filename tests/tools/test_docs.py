@@ -53,6 +53,7 @@ def _built_site():
 def _site():
     pytest.importorskip("mkdocs")
     pytest.importorskip("mkdocstrings_handlers.python")
+    pytest.importorskip("material")  # the theme (mkdocs-material, in the docs extra)
     code, output, site = _built_site()
     assert code == 0, "mkdocs build --strict failed:\n" + output[-20000:]
     return site

@@ -4,13 +4,15 @@ Usage:
 
     model = MyModel(...)   # built with jax_fp8.flax.nnx.Fp8Linear, or
                            # nnx.Linear(..., dot_general=Fp8DotGeneral(recipe))
-    optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    optimizer = Fp8Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param, recipe=recipe)
 
     @nnx.jit
     def train_step(model, optimizer, x, y):
         loss, grads = fp8_value_and_grad(loss_fn)(model, x, y)   # params and Fp8States
-        apply_gradients(model, optimizer, grads, recipe)  # optimizer + ONE update_states
+        optimizer.update(model, grads)        # optax + ONE fused FP8 update
         return loss
+
+(or ``apply_gradients(model, optimizer, grads, recipe)`` with a plain ``nnx.Optimizer``).
 
 Every FP8 tensor's state is an `Fp8State` variable (an ``nnx.Variable`` subtype) holding a
 `ScalingState`; ``nnx.Optimizer(..., wrt=nnx.Param)`` never touches it. A module called
