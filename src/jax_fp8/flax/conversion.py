@@ -10,9 +10,9 @@ import flax.linen as nn
 from flax import nnx
 
 from jax_fp8.flax import linen_conversion, nnx_conversion
-from jax_fp8.flax.rules import AUTO_MIN_FP8_FLOPS, Fp8Rule, as_rules
+from jax_fp8.flax.rules import AUTO_MIN_FP8_FLOPS, Fp8ConversionWarning, Fp8Rule, as_rules
 
-__all__ = ["AUTO_MIN_FP8_FLOPS", "Fp8Rule", "fp8_model"]
+__all__ = ["AUTO_MIN_FP8_FLOPS", "Fp8ConversionWarning", "Fp8Rule", "fp8_model"]
 
 
 def fp8_model(model: Any, rules: Fp8Rule | Sequence[Fp8Rule] | None = None, *example_args: Any,
