@@ -302,7 +302,7 @@ def note_gemm(site: Site, kind: str, lhs, rhs, flops: int) -> None:
         dtype = np.dtype(jnp.result_type(lhs, rhs)).name
         note(site, KEPT_SCOPE,
              f"its {kind} of {flops} FLOPs (2 * batch * M * N * K, shapes {tuple(lhs.shape)} "
-             f"and {tuple(rhs.shape)}) is below the rule's min_fp8_flops ({minimum:g}): it "
+             f"and {tuple(rhs.shape)}) is below the rule's min_fp8_flops ({minimum:.0f}): it "
              f"runs in {dtype}. Lower min_fp8_flops (0: every GEMM in FP8)")
     else:
         note(site, None)

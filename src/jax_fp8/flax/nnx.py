@@ -144,8 +144,11 @@ class Fp8DotGeneral(_Fp8Base):
         del kwargs  # out_sharding, ...
         self._report("dot_general", lhs, rhs,
                      lambda: gemm_flops(lhs.shape, rhs.shape, dimension_numbers))
-        out, meta = fp8_dot_general(lhs, rhs, dimension_numbers, self.meta, precision,
-                                    preferred_element_type, min_fp8_flops=self.min_fp8_flops)
+        # Its own GEMMs are not a converted module's (fp8_model's interception).
+        with interception.running(None):
+            out, meta = fp8_dot_general(lhs, rhs, dimension_numbers, self.meta, precision,
+                                        preferred_element_type,
+                                        min_fp8_flops=self.min_fp8_flops)
         self._thread(meta)
         return out
 
@@ -161,9 +164,10 @@ class Fp8Einsum(_Fp8Base):
         if explicit is not None:
             self._report("einsum", lhs, rhs, lambda: interception.einsum_flops(
                 explicit, jnp.shape(lhs), jnp.shape(rhs)))
-        out, meta = fp8_einsum(eqn, lhs, rhs, self.meta,
-                               preferred_element_type=preferred_element_type,
-                               min_fp8_flops=self.min_fp8_flops)
+        with interception.running(None):
+            out, meta = fp8_einsum(eqn, lhs, rhs, self.meta,
+                                   preferred_element_type=preferred_element_type,
+                                   min_fp8_flops=self.min_fp8_flops)
         self._thread(meta)
         return out
 
