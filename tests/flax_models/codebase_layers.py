@@ -298,8 +298,10 @@ class NnxDenseGeneral(nnx.Module):
 
     def __init__(self, in_features_shape, out_features_shape, axis=-1,
                  weight_dtype=jnp.float32, dtype=jnp.float32,
-                 kernel_init=nd_dense_init(1.0, 'fan_in', 'truncated_normal'),
-                 kernel_axes=(), matmul_precision='default', fp8=None, *, rngs):
+                 kernel_init=None, kernel_axes=(), matmul_precision='default', fp8=None, *,
+                 rngs):
+        if kernel_init is None:
+            kernel_init = nd_dense_init(1.0, 'fan_in', 'truncated_normal')
         self.in_features_shape = _canonicalize_tuple(in_features_shape)
         self.out_features_shape = _canonicalize_tuple(out_features_shape)
         self.axis = _canonicalize_tuple(axis)

@@ -23,8 +23,7 @@ from flax.linen import dtypes
 import codebase_layers as cl
 import jax_fp8
 from jax_fp8.devtools import explain, hlo
-from jax_fp8.flax import Fp8Rule, fp8_model
-from jax_fp8.flax import nnx as fnnx
+from jax_fp8.flax import Fp8Rule, fp8_model, nnx as fnnx
 
 RECIPES = {"delayed": jax_fp8.DelayedScaling(history_len=4),
            "current": jax_fp8.Float8CurrentScaling(),

@@ -18,8 +18,7 @@ from flax import nnx
 
 import jax_fp8
 from jax_fp8.devtools import explain
-from jax_fp8.flax import Fp8ConversionWarning, Fp8DotGeneral, Fp8Rule, fp8_model
-from jax_fp8.flax import nnx as fnnx
+from jax_fp8.flax import Fp8ConversionWarning, Fp8DotGeneral, Fp8Rule, fp8_model, nnx as fnnx
 from jax_fp8.interception import KEPT_SCOPES
 
 
@@ -83,7 +82,8 @@ def test_linen_weight_not_followed_warns_once_and_explain_says_why(module):
             assert not caught                          # once
     rows = gemm_rows(model.apply, variables, x)
     assert [r.lowering for r in rows] == ["fp8", "float32"]
-    assert rows[1].why == KEPT_SCOPES["fp8_model_no_weight"] and rows[1].where.startswith("Model/proj")
+    assert rows[1].why == KEPT_SCOPES["fp8_model_no_weight"]
+    assert rows[1].where.startswith("Model/proj")
     with warnings.catch_warnings():                    # a filter silences it
         warnings.simplefilter("error")
         warnings.simplefilter("ignore", Fp8ConversionWarning)
