@@ -123,7 +123,7 @@ for codebase in ("t5x", "maxtext", "nnx"):
     for name in RECIPES:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with mesh, nn_partitioning.axis_rules(RULES[codebase]):
+            with jax.set_mesh(mesh), nn_partitioning.axis_rules(RULES[codebase]):
                 if codebase == "nnx":
                     count, got, want, constraints = nnx_case(name)
                 else:
