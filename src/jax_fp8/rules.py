@@ -57,7 +57,7 @@ class Fp8Rule:
         product, known at trace time) run in the operands' dtype (the FP8 layers'
         attribute of that name). 0 (the default, as the hand-written FP8 layers): every
         GEMM in FP8. ``"auto"``: the recipe's `AUTO_MIN_FP8_FLOPS`, below which FP8 does
-        not pay on an H200 (the casts, amaxes and transposes cost more than the faster
+        not pay (the casts, amaxes and transposes cost more than the faster
         GEMMs save), so that converting a model does not make it slower. A GEMM kept
         below it is reported (`Fp8ConversionWarning`, ``jax_fp8.devtools.explain``).
       activations: False (the default): only GEMMs with a parameter operand become FP8
