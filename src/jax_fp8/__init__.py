@@ -13,7 +13,8 @@ Public API (reference: ``docs/reference/``, built by ``mkdocs build``; the arith
 - **quantization**: `quantize`, `dequantize`, `compute_amax`, `quantize_blocks`,
   `quantize_mxfp8`, `scale_from_amax`
 - **packing**: `PackedStates`, `pack_states`, `unpack_states`
-- **conversion**: `Fp8Rule` (which GEMMs a framework's `fp8_model` converts)
+- **conversion**: `Fp8Rule` (which GEMMs a framework's `fp8_model` converts),
+  `Fp8ConversionWarning` (a matched module that runs no GEMM in FP8)
 - **kernels, export**: `HAS_CPU_KERNEL`, `HAS_CUDA_KERNEL`, `export_disabled_checks`
 - **frameworks**: `jax_fp8.flax` (linen), `jax_fp8.flax.nnx`, `jax_fp8.flax.interop`,
   `jax_fp8.equinox`
@@ -45,7 +46,7 @@ from jax_fp8.recipes import (
     MXFP8BlockScaling,
 )
 from jax_fp8.recipes.mxfp8 import quantize_mxfp8
-from jax_fp8.rules import Fp8Rule
+from jax_fp8.rules import Fp8ConversionWarning, Fp8Rule
 from jax_fp8.state import ScalingState
 from jax_fp8.update import amax_and_scale_update, reduce_amaxes, update_states
 
@@ -57,6 +58,7 @@ __all__ = [
     "Float8BlockScaling",
     "Float8CurrentScaling",
     "Format",
+    "Fp8ConversionWarning",
     "Fp8Meta",
     "Fp8Rule",
     "HAS_CPU_KERNEL",

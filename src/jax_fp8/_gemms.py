@@ -119,6 +119,11 @@ def gemm_sizes(a_shape, b_shape, dimension_numbers):
                                      (a_shape, a_c)))
 
 
+# The name scope of a product of FP8-quantized operands widened by `keep_fp8` (what
+# jax_fp8.devtools.explain reads).
+WIDENED_SCOPE = "fp8_operands_widened"
+
+
 def keep_fp8(q_a, q_b, dimension_numbers, out_dtype):
     """q_a, q_b as the GEMM must see them. Where XLA:GPU runs no FP8 GEMM (a size not a
     multiple of 16, or two E5M2 operands) it widens the FP8 operands itself, and two
@@ -159,8 +164,9 @@ def gemm(q_a, q_b, dimension_numbers, scale_inv_a, scale_inv_b, out_dtype, preci
     factor = dequantization_factors(scale_inv_a, scale_inv_b)
     q_a, q_b = keep_fp8(q_a, q_b, dimension_numbers, out_dtype)
     if not (_is_fp8(q_a) and _is_fp8(q_b)):   # widened by keep_fp8
-        return _scaled_product(q_a, q_b, factor, dimension_numbers, precision, out_dtype,
-                               out_sharding)
+        with jax.named_scope(WIDENED_SCOPE):
+            return _scaled_product(q_a, q_b, factor, dimension_numbers, precision, out_dtype,
+                                   out_sharding)
     return _fp8_product(q_a, q_b, factor, dimension_numbers=dimension_numbers,
                         precision=precision, out_dtype=out_dtype, out_sharding=out_sharding)
 

@@ -5,27 +5,73 @@ are replaced by functions that hand a GEMM of a matched module (the innermost `S
 `running`) to the FP8 GEMM the site's converter creates for it; everything else goes to
 the original functions. A framework adapter (``jax_fp8.flax``) says which module is
 running and which of its arrays are weights; this module knows no framework.
+
+A weight is recognised by where it came from (`follow`): the parameter itself, or an
+array made from it by the operations that carry a weight's values to a GEMM unchanged but
+for their dtype, layout or placement (`FOLLOWED`: a cast between floating dtypes, a
+reshape, a transpose, a squeeze or a size-preserving broadcast, a copy, a sharding
+constraint), as the large linen codebases write a projection
+(``jnp.asarray(kernel, dtype)``, ``jnp.reshape``, ``with_sharding_constraint`` between
+``self.param`` and ``lax.dot_general``). While a converting call runs, those primitives'
+``bind`` record which of their results come from a tracked parameter (`track`).
+
+What a matched module leaves out of FP8 (a GEMM below the rule's ``min_fp8_flops``, no
+operand it can follow to a parameter, operands of a dtype the recipe does not take) is
+reported once as a `jax_fp8.Fp8ConversionWarning` (`reporting`), and the GEMM runs under
+a name scope that ``jax_fp8.devtools.explain`` reads (`KEPT_SCOPES`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
+import os
 import string
+import sys
 import threading
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from jax_fp8.rules import Fp8Rule
+from jax_fp8.dot_general import KEPT_SCOPE, gemm_flops
+from jax_fp8.recipes.delayed import DelayedScaling
+from jax_fp8.rules import Fp8ConversionWarning, Fp8Rule
 
-__all__ = ["ORIGINAL", "Site", "explicit_einsum", "local", "patched", "running"]
+__all__ = ["FOLLOWED", "KEPT_SCOPES", "ORIGINAL", "Site", "einsum_flops", "explicit_einsum",
+           "follow", "local", "note", "note_gemm", "patched", "reporting", "running", "track",
+           "weight_of"]
 
 ORIGINAL = {"dot_general": jax.lax.dot_general, "einsum": jnp.einsum}
+_HERE = os.path.dirname(os.path.abspath(__file__))
 _FLOATS = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
+_FLOAT64 = np.dtype(np.float64)
+
+# The primitives a weight is followed through (by name, what the conversion calls them):
+# JAX's public primitives, each checked at import (a JAX without one fails here, loudly).
+FOLLOWED = {prim: name for prim, name in (
+    (lax.convert_element_type_p, "cast"), (lax.reshape_p, "reshape"),
+    (lax.transpose_p, "transpose"), (lax.squeeze_p, "squeeze"),
+    (lax.broadcast_in_dim_p, "broadcast"), (lax.copy_p, "copy"),
+    (lax.sharding_constraint_p, "sharding constraint"))}
+for _prim in FOLLOWED:
+    if not isinstance(_prim, jax.extend.core.Primitive) or not callable(_prim.bind):
+        raise ImportError(f"jax_fp8.interception follows weights through jax.lax's "
+                          f"{_prim!r}, which this jax ({jax.__version__}) does not have as "
+                          f"a primitive; install a jax version jax_fp8 supports")
+
+# The name scopes a GEMM a matched module leaves out of FP8 runs under, by reason (what
+# jax_fp8.devtools.explain says); a GEMM below min_fp8_flops runs under KEPT_SCOPE.
+KEPT_SCOPES = {
+    "fp8_model_no_weight": "kept by fp8_model: neither operand is one of the module's "
+                           "parameters as the conversion follows them",
+    "fp8_model_dtype": "kept by fp8_model: the recipe does not take its operands' dtype",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,13 +89,80 @@ class Site:
     convert: Any
     weights: tuple = ()          # (name, array) of the module's parameters (by identity)
     rhs_is_weight: bool = False  # a layer whose GEMM's rhs is its kernel (nn.Dense, ...)
+    path: str | None = None      # the module's path and type, for the report; None: no
+    module_type: str = ""        # report (e.g. while linen initializes)
 
 
-# This thread's converting call: its Sites (`running`), and what a framework adapter keeps
-# for it (the Flax adapter: the parameters its linen modules' ``self.param`` returned).
+# This thread's converting call: its Sites (`running`), the arrays followed to a parameter
+# (`track`), its report (`reporting`), and what a framework adapter keeps for it (the Flax
+# adapter: the parameters its linen modules' ``self.param`` returned).
 local = threading.local()
 _lock = threading.Lock()
-_installed: dict[tuple[int, str], tuple[int, Any]] = {}
+_installed: dict[tuple[int, str], tuple[int, Any, bool]] = {}
+_warned: set = set()   # (owner, path, reason) already reported in this process
+
+
+# ------------------------------------------------------------------ following a weight
+
+def _carries(prim, x, out, params) -> bool:
+    """Whether ``out = prim.bind(x, ...)`` holds x's values, only cast, laid out or placed
+    otherwise."""
+    if isinstance(out, (tuple, list)) or not hasattr(out, "shape"):
+        return False
+    if prim is lax.convert_element_type_p:
+        floats = _FLOATS | {_FLOAT64}
+        return np.dtype(x.dtype) in floats and np.dtype(out.dtype) in floats
+    if prim is lax.broadcast_in_dim_p:   # expand_dims: unit axes only
+        return int(np.prod(out.shape)) == int(np.prod(np.shape(x)))
+    return True
+
+
+def _following_bind(prim, original):
+    def bind(*args, **params):
+        out = original(*args, **params)
+        tracked = getattr(local, "tracked", None)
+        if tracked is not None and args:
+            entry = tracked.get(id(args[0]))
+            if entry is not None and entry[0] is args[0] and _carries(prim, args[0], out,
+                                                                       params):
+                tracked[id(out)] = (out, args[0], FOLLOWED[prim])
+        return out
+    return bind
+
+
+_BINDS = [(prim, "bind", _following_bind(prim, prim.bind)) for prim in FOLLOWED]
+
+
+def track(*arrays) -> None:
+    """Marks ``arrays`` (a running module's parameters) as the start of the chains
+    `follow` walks back, for this thread's converting call."""
+    tracked = getattr(local, "tracked", None)
+    if tracked is None:
+        return
+    for x in arrays:
+        if hasattr(x, "dtype") and id(x) not in tracked:
+            tracked[id(x)] = (x, None, None)
+
+
+def follow(x) -> tuple[Any, tuple[str, ...]]:
+    """``(origin, steps)``: the tracked array ``x`` was made from through `FOLLOWED`
+    operations (``x`` itself, no steps, for an array made otherwise), and those steps
+    in the order they ran (e.g. ``("cast", "reshape", "sharding constraint")``)."""
+    tracked = getattr(local, "tracked", None) or {}
+    steps: list[str] = []
+    while True:
+        entry = tracked.get(id(x))
+        if entry is None or entry[0] is not x or entry[1] is None:
+            return x, tuple(reversed(steps))
+        steps.append(entry[2])
+        x = entry[1]
+
+
+def weight_of(site: Site, x) -> str | None:
+    """The name of the parameter of ``site``'s module that ``x`` is, directly or through
+    `FOLLOWED` operations (`follow`); None for any other array."""
+    origin = follow(x)[0]
+    return next((name for name, w in site.weights if origin is w), None)
 
 
 def _frames() -> list:
@@ -78,27 +191,31 @@ def patched(extra: Sequence[tuple[Any, str, Any]] = ()):
     attribute over threads: other threads see the original behaviour, since the
     replacements act only where a converted method runs (`running`)."""
     patches = [(jax.lax, "dot_general", _converting_dot_general),
-               (jnp, "einsum", _converting_einsum), *extra]
+               (jnp, "einsum", _converting_einsum), *_BINDS, *extra]
     with _lock:
         for owner, name, replacement in patches:
             key = (id(owner), name)
-            if _installed.get(key, (0, None))[0] == 0:
-                _installed[key] = (0, getattr(owner, name))
+            if _installed.get(key, (0, None, False))[0] == 0:
+                own = name in getattr(owner, "__dict__", {})
+                _installed[key] = (0, getattr(owner, name), own)
                 setattr(owner, name, replacement)
-            count, original = _installed[key]
-            _installed[key] = (count + 1, original)
+            count, original, own = _installed[key]
+            _installed[key] = (count + 1, original, own)
     try:
         yield
     finally:
         with _lock:
             for owner, name, _ in patches:
                 key = (id(owner), name)
-                count, original = _installed[key]
+                count, original, own = _installed[key]
                 if count == 1:
-                    setattr(owner, name, original)
+                    if own or isinstance(owner, type) or not hasattr(owner, "__dict__"):
+                        setattr(owner, name, original)
+                    else:   # a method of the class (a primitive's bind): uncovered again
+                        delattr(owner, name)
                     del _installed[key]
                 else:
-                    _installed[key] = (count - 1, original)
+                    _installed[key] = (count - 1, original, own)
 
 
 def _innermost() -> Site | None:
@@ -107,33 +224,190 @@ def _innermost() -> Site | None:
     return site() if callable(site) else site
 
 
-def _weight_of(site: Site, x) -> str | None:
-    return next((name for name, w in site.weights if x is w), None)
+def _takes(rule: Fp8Rule, dtype) -> bool:
+    """Whether the rule's recipe takes operands of ``dtype``: float32, bfloat16, float16;
+    delayed scaling float64 too (as its layers do, under x64)."""
+    return dtype in _FLOATS or (dtype == _FLOAT64 and isinstance(rule.recipe, DelayedScaling))
 
 
-def _weight_side(site: Site, lhs, rhs) -> tuple[str, str | None] | None:
-    """("rhs" / "lhs", the parameter's name or None): the operand to quantize as the
-    kernel and the weight it is; None: leave the GEMM alone."""
-    for x in (lhs, rhs):
-        if not hasattr(x, "dtype") or np.dtype(x.dtype) not in _FLOATS:
-            return None
+def _weight_side(site: Site, lhs, rhs) -> tuple[tuple[str, str | None] | None, str | None]:
+    """``((side, weight), None)``: convert, quantizing ``side`` ("rhs" / "lhs") as the
+    kernel, the parameter ``weight`` (None: a layer's kernel, or an activation); or
+    ``(None, scope)``: leave the GEMM alone, for the reason `KEPT_SCOPES` ``scope`` gives
+    (None: not a GEMM the conversion is about, e.g. two activations)."""
+    if not all(hasattr(x, "dtype") for x in (lhs, rhs)):
+        return None, None
+    found: tuple[str, str | None] | None = None
     if site.rhs_is_weight:
-        return "rhs", None
-    for side, x in (("rhs", rhs), ("lhs", lhs)):
-        name = _weight_of(site, x)
-        if name is not None:
-            return side, name
-    return ("rhs", None) if site.rule.activations else None
+        found = ("rhs", None)
+    else:
+        for side, x in (("rhs", rhs), ("lhs", lhs)):
+            name = weight_of(site, x)
+            if name is not None:
+                found = (side, name)
+                break
+    dtypes = {np.dtype(x.dtype) for x in (lhs, rhs)}
+    floating = all(jnp.issubdtype(d, jnp.floating) for d in dtypes)
+    if found is None:
+        if site.rule.activations and all(_takes(site.rule, d) for d in dtypes):
+            return ("rhs", None), None
+        # A module holding a weight whose GEMM has none of its weights as an operand.
+        weights = any(getattr(w, "ndim", 0) >= 2 for _, w in site.weights)
+        return None, ("fp8_model_no_weight" if weights and floating and len(dtypes) == 1
+                      and _takes(site.rule, dtypes.pop()) else None)
+    if not all(_takes(site.rule, d) for d in dtypes):
+        return None, "fp8_model_dtype" if floating else None
+    return found, None
 
+
+def _why(scope: str, site: Site, lhs, rhs, kind: str) -> str:
+    if scope == "fp8_model_dtype":
+        names = ", ".join(sorted({np.dtype(x.dtype).name for x in (lhs, rhs)}))
+        return (f"its {kind} has {names} operands, which {type(site.rule.recipe).__name__} "
+                f"does not take (float32, bfloat16, float16; delayed scaling also float64): "
+                f"it runs in {names}. Cast the model to a dtype the recipe takes, or use "
+                f"DelayedScaling")
+    names = ", ".join(repr(n) for n in dict.fromkeys(
+        n for n, w in site.weights if getattr(w, "ndim", 0) >= 2))
+    return (f"neither operand of its {kind} is one of its parameters ({names}) as the "
+            f"conversion follows them: the parameter itself, or made from it by casts, "
+            f"reshapes, transposes, squeezes and sharding constraints only; a weight "
+            f"changed otherwise before the GEMM (scaled, sliced, concatenated, ...) is not "
+            f"recognised. Give the GEMM the parameter (through those operations), or "
+            f"convert every GEMM of the module with Fp8Rule(activations=True)")
+
+
+def _kept(site: Site, scope: str, kind: str, lhs, rhs, original):
+    note(site, scope, _why(scope, site, lhs, rhs, kind))
+    with jax.named_scope(scope):   # what jax_fp8.devtools.explain reads
+        return original()
+
+
+def einsum_flops(eqn: str, lhs_shape, rhs_shape) -> int:
+    """`gemm_flops` of the explicit two-operand einsum ``eqn`` (`explicit_einsum`)."""
+    ins, res = eqn.split("->")
+    a, b = ins.split(",")
+    contracted = [i for i, c in enumerate(a) if c in b and c not in res]
+    batch = [i for i, c in enumerate(a) if c in b and c in res]
+    return gemm_flops(lhs_shape, rhs_shape,
+                      ((contracted, [b.index(a[i]) for i in contracted]),
+                       (batch, [b.index(a[i]) for i in batch])))
+
+
+def note_gemm(site: Site, kind: str, lhs, rhs, flops: int) -> None:
+    """Records for the report a GEMM of ``site``'s module that its FP8 layer runs: in FP8,
+    or kept below the rule's ``min_fp8_flops``."""
+    minimum = float(site.rule.min_fp8_flops)
+    if flops < minimum:
+        dtype = np.dtype(jnp.result_type(lhs, rhs)).name
+        note(site, KEPT_SCOPE,
+             f"its {kind} of {flops} FLOPs (2 * batch * M * N * K, shapes {tuple(lhs.shape)} "
+             f"and {tuple(rhs.shape)}) is below the rule's min_fp8_flops ({minimum:.0f}): it "
+             f"runs in {dtype}. Lower min_fp8_flops (0: every GEMM in FP8)")
+    else:
+        note(site, None)
+
+
+# ------------------------------------------------------------------------- the report
+
+@contextlib.contextmanager
+def reporting(owner: Any, label: str):
+    """The report of one converting call (for nested calls, the outermost's): the arrays
+    followed to parameters (`track`) live for it, and at its end every module that a
+    rule matched and that ran no GEMM in FP8 is reported, once per ``owner`` (the
+    converted model or class), module path and reason, as an `Fp8ConversionWarning`
+    naming ``label`` (the model)."""
+    if getattr(local, "report", None) is not None:
+        yield
+        return
+    local.report, local.tracked = {}, {}
+    try:
+        yield
+    except BaseException:
+        local.report = local.tracked = None
+        raise
+    report, local.report, local.tracked = local.report, None, None
+    for path, entry in report.items():
+        if not entry["fp8"]:
+            for reason, text in entry["reasons"].items():
+                _warn(owner, label, path, entry, reason, text)
+
+
+def note(site: Site, reason: str | None, text: str = "") -> None:
+    """Records for the report that a GEMM of ``site``'s module ran in FP8 (``reason``
+    None) or was kept, for ``reason`` (a `KEPT_SCOPES` key or ``KEPT_SCOPE``) explained by
+    ``text``. Outside `reporting` a kept GEMM is reported at once."""
+    if site.path is None:
+        return
+    report = getattr(local, "report", None)
+    entry: dict[str, Any] = {"type": site.module_type, "rule": site.rule, "fp8": False,
+                             "reasons": {}}
+    if report is not None:
+        entry = report.setdefault(site.path, entry)
+    if reason is None:
+        entry["fp8"] = True
+    elif reason not in entry["reasons"]:
+        entry["reasons"][reason] = text
+        if report is None:
+            _warn(site.rule, "the model", site.path, entry, reason, text)
+
+
+def _warn(owner, label, path, entry, reason, text) -> None:
+    key = (owner, path, reason)
+    with _lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    where = f"module {path!r}" if path else "the root module"
+    warnings.warn(f"jax_fp8 fp8_model({label}): {where} ({entry['type']}), matched by "
+                  f"{entry['rule']!r}, runs no GEMM in FP8: {text}.",
+                  Fp8ConversionWarning, stacklevel=_caller_level())
+
+
+def _package_dir(name: str) -> str | None:
+    spec = importlib.util.find_spec(name)
+    origin = getattr(spec, "origin", None)
+    return None if origin is None else os.path.dirname(os.path.abspath(origin)) + os.sep
+
+
+# The frames a warning skips: jax_fp8's, JAX's and the frameworks' (the converted model's
+# call goes through them).
+_LIBRARIES = tuple(d for d in (_HERE + os.sep, *map(_package_dir, ("jax", "flax", "equinox")))
+                   if d is not None)
+
+
+def _caller_level() -> int:
+    """The stacklevel of the first frame outside jax_fp8, Flax and JAX: the user's call
+    that ran the converted model."""
+    frame: Any = sys._getframe(1)  # noqa: SLF001  (Python's, not JAX's)
+    level = 1
+    while frame is not None and (frame.f_code.co_filename.startswith(_LIBRARIES)
+                                 or frame.f_code.co_filename == contextlib.__file__):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+# ---------------------------------------------------------------------- the GEMM calls
 
 def _converting_dot_general(lhs, rhs, dimension_numbers, precision=None,
                             preferred_element_type=None, **kwargs):
-    site = _innermost()
-    found = None if site is None else _weight_side(site, lhs, rhs)
-    if found is None:
+    def original():
         return ORIGINAL["dot_general"](lhs, rhs, dimension_numbers, precision=precision,
                                         preferred_element_type=preferred_element_type,
                                         **kwargs)
+
+    site = _innermost()
+    if site is None:
+        return original()
+    found, scope = _weight_side(site, lhs, rhs)
+    if found is None:
+        return original() if scope is None else _kept(site, scope, "dot_general", lhs, rhs,
+                                                      original)
+    try:
+        flops = gemm_flops(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
+    except (TypeError, ValueError):
+        flops = 0
+    note_gemm(site, "dot_general", lhs, rhs, flops)
     with running(None):
         return _swapped_dot_general(site, *found, lhs, rhs, dimension_numbers, precision,
                                     preferred_element_type)
@@ -210,12 +484,15 @@ def _converting_einsum(subscripts, *operands, out=None, optimize="auto", precisi
             or out is not None:
         return original()
     lhs, rhs = operands
-    found = _weight_side(site, lhs, rhs)
-    eqn = None if found is None else explicit_einsum(subscripts, jnp.shape(lhs),
-                                                     jnp.shape(rhs))
+    found, scope = _weight_side(site, lhs, rhs)
+    eqn = explicit_einsum(subscripts, jnp.shape(lhs), jnp.shape(rhs))
     if eqn is None:
         return original()
+    if found is None:
+        return original() if scope is None else _kept(site, scope, "einsum", lhs, rhs,
+                                                      original)
     side, weight = found
+    note_gemm(site, "einsum", lhs, rhs, einsum_flops(eqn, jnp.shape(lhs), jnp.shape(rhs)))
     if side == "lhs":
         ins, res = eqn.split("->")
         a, b = ins.split(",")

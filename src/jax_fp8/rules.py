@@ -14,7 +14,20 @@ from jax_fp8 import recipe as recipe_lib
 from jax_fp8.dot_general import check_min_fp8_flops
 from jax_fp8.recipes.delayed import DelayedScaling
 
-__all__ = ["AUTO_MIN_FP8_FLOPS", "Fp8Rule", "as_rules", "rule_for"]
+__all__ = ["AUTO_MIN_FP8_FLOPS", "Fp8ConversionWarning", "Fp8Rule", "as_rules", "rule_for"]
+
+
+class Fp8ConversionWarning(UserWarning):
+    """A module a rule of `fp8_model` matched runs its GEMMs outside FP8.
+
+    Emitted once per converted model, module and reason, at the first call (trace) of the
+    converted model that shows it (linen: an ``apply``, not ``init``): the message names
+    the module's path, the rule and why (a GEMM below the rule's ``min_fp8_flops``,
+    neither operand a parameter the conversion follows, operands of a dtype the recipe
+    does not take). ``jax_fp8.devtools.explain`` gives the same reason per GEMM. Filter it
+    as any warning: ``warnings.filterwarnings("ignore", category=Fp8ConversionWarning)``,
+    or ``"error"`` to make it an exception.
+    """
 
 
 
@@ -42,11 +55,11 @@ class Fp8Rule:
         e.g. for an LM head).
       min_fp8_flops: GEMMs with fewer FLOPs (``2 * batch * M * N * K`` of the forward
         product, known at trace time) run in the operands' dtype (the FP8 layers'
-        attribute of that name); 0: all in FP8. ``"auto"`` (the default): the recipe's
-        `AUTO_MIN_FP8_FLOPS`, below which FP8 does not pay (the casts, amaxes and
-        transposes cost more than the faster GEMMs save), so that converting a model
-        does not make it slower. ``jax_fp8.devtools.explain`` lists which GEMMs
-        of a converted model run in FP8 and which were kept.
+        attribute of that name). 0 (the default, as the hand-written FP8 layers): every
+        GEMM in FP8. ``"auto"``: the recipe's `AUTO_MIN_FP8_FLOPS`, below which FP8 does
+        not pay (the casts, amaxes and transposes cost more than the faster
+        GEMMs save), so that converting a model does not make it slower. A GEMM kept
+        below it is reported (`Fp8ConversionWarning`, ``jax_fp8.devtools.explain``).
       activations: False (the default): only GEMMs with a parameter operand become FP8
         (a layer's kernel; in a hand-written module, an array the module read from its
         own ``params``). True: every GEMM of the matched modules, the attention scores
@@ -58,7 +71,7 @@ class Fp8Rule:
 
     path: str = ".*"
     recipe: Any = DelayedScaling()
-    min_fp8_flops: float | str = "auto"
+    min_fp8_flops: float | str = 0
     activations: bool = False
 
     def __post_init__(self):

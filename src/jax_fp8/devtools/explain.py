@@ -31,8 +31,10 @@ import jax.extend.core
 import numpy as np
 
 from jax_fp8 import recipe as recipe_lib
+from jax_fp8._gemms import WIDENED_SCOPE
 from jax_fp8._primitives import base
 from jax_fp8.dot_general import KEPT_SCOPE
+from jax_fp8.interception import KEPT_SCOPES
 
 __all__ = ["Row", "explain", "table"]
 
@@ -49,7 +51,8 @@ class Row:
     operands: the operand types, e.g. ``("bfloat16[8192,4096]", "float8_e4m3fn[...]")``.
     lowering: for a primitive ``"kernel"``, ``"partitioned"`` or ``"reference"``; for a
       computation with a version per platform ``"variant"`` (its platform's) or
-      ``"reference"``; for a GEMM ``"fp8"``, the element type it runs in, or what a
+      ``"reference"``; for a GEMM ``"fp8"``, the element type it runs in (a GEMM of
+      FP8-quantized operands widened to it: ``"fp8 operands in float32"``), or what a
       recipe's own GEMM is (``"mxfp8"`` native, ``"mxfp8 emulated"``).
     why: the reason, in words.
     flops: a GEMM's FLOPs (``2 * batch * M * N * K``), 0 for a primitive.
@@ -183,15 +186,35 @@ def _gemm_row(where, avals, dimension_numbers) -> Row:
         why = reason()
     elif fp8:
         lowering, why = "fp8", "FP8 GEMM"
-    elif KEPT_SCOPE in where.split("/"):
+    elif _in_scope(WIDENED_SCOPE, where):
+        lowering = f"fp8 operands in {np.dtype(lhs.dtype)}"
+        why = ("FP8-quantized operands, widened and multiplied in their result's dtype: a "
+               "size of the GEMM (M, N or K) is not a multiple of 16, or both operands "
+               "are E5M2, which FP8 GEMMs do not take")
+    elif _in_scope(KEPT_SCOPE, where):
         lowering = str(np.dtype(lhs.dtype))
         why = "kept in its operands' dtype: fewer FLOPs than the layer's min_fp8_flops"
+    elif any(_in_scope(s, where) for s in KEPT_SCOPES):
+        lowering = str(np.dtype(lhs.dtype))
+        why = next(text for s, text in KEPT_SCOPES.items() if _in_scope(s, where))
     else:
         lowering, why = str(np.dtype(lhs.dtype)), "not an FP8 GEMM"
-    where = "/".join(p for p in where.split("/") if p != KEPT_SCOPE)
+    for name in (KEPT_SCOPE, WIDENED_SCOPE, *KEPT_SCOPES):
+        where = _without_scope(name, where)
     if scope is not None:
         where = re.sub(rf"(^|/){re.escape(scope)}(?=$|/)|\({re.escape(scope)}\)", r"\1", where)
     return Row("gemm", "dot_general", where, (_fmt(lhs), _fmt(rhs)), lowering, why, flops)
+
+
+def _in_scope(name: str, where: str) -> bool:
+    """Whether ``where`` runs inside the name scope ``name`` (bare, or inside the
+    transformations around it: ``"transpose(jvp(name))"``)."""
+    return re.search(rf"(^|[/(]){re.escape(name)}($|[/)])", where) is not None
+
+
+def _without_scope(name: str, where: str) -> str:
+    where = "/".join(p for p in where.split("/") if p != name)
+    return re.sub(rf"\({re.escape(name)}\)", "", where)
 
 
 def _fmt(aval) -> str:

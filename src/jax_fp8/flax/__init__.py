@@ -20,7 +20,7 @@ from jax_fp8.flax import (
     serialization,  # noqa: F401  (msgpack support)
 )
 from jax_fp8.flax.checkpointing import orbax_restore
-from jax_fp8.flax.conversion import Fp8Rule, fp8_model
+from jax_fp8.flax.conversion import Fp8ConversionWarning, Fp8Rule, fp8_model
 from jax_fp8.flax.linen import (
     FP8_COLLECTION,
     Fp8DotGeneral,
@@ -30,6 +30,6 @@ from jax_fp8.flax.linen import (
     split_fp8,
 )
 
-__all__ = ["FP8_COLLECTION", "Fp8DotGeneral", "Fp8Einsum", "Fp8Rule", "Fp8TrainState",
-           "fp8_model", "interop", "fp8_value_and_grad", "nnx", "orbax_restore",
+__all__ = ["FP8_COLLECTION", "Fp8ConversionWarning", "Fp8DotGeneral", "Fp8Einsum", "Fp8Rule",
+           "Fp8TrainState", "fp8_model", "interop", "fp8_value_and_grad", "nnx", "orbax_restore",
            "split_fp8"]

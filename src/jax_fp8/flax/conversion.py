@@ -10,9 +10,9 @@ import flax.linen as nn
 from flax import nnx
 
 from jax_fp8.flax import linen_conversion, nnx_conversion
-from jax_fp8.flax.rules import AUTO_MIN_FP8_FLOPS, Fp8Rule, as_rules
+from jax_fp8.flax.rules import AUTO_MIN_FP8_FLOPS, Fp8ConversionWarning, Fp8Rule, as_rules
 
-__all__ = ["AUTO_MIN_FP8_FLOPS", "Fp8Rule", "fp8_model"]
+__all__ = ["AUTO_MIN_FP8_FLOPS", "Fp8ConversionWarning", "Fp8Rule", "fp8_model"]
 
 
 def fp8_model(model: Any, rules: Fp8Rule | Sequence[Fp8Rule] | None = None, *example_args: Any,
@@ -29,8 +29,10 @@ def fp8_model(model: Any, rules: Fp8Rule | Sequence[Fp8Rule] | None = None, *exa
     dot_general_cls=Fp8DotGeneral)``). This covers ``nn.Dense``, ``nn.DenseGeneral``,
     ``nn.Einsum`` (their kernel is the rhs), ``nn.MultiHeadDotProductAttention``'s
     projections (``DenseGeneral``s) and hand-written modules' ``dot_general`` / ``einsum``
-    of an activation and a parameter (the array the module's ``self.param`` returned, a
-    partitioned parameter's under a mesh included; the parameter quantized as the
+    of an activation and a parameter (the array the module's ``self.param`` returned, or
+    made from it by casts, reshapes, transposes, squeezes and sharding constraints,
+    `jax_fp8.interception.FOLLOWED`, as T5X's and MaxText's ``DenseGeneral`` write it;
+    partitioned parameters under a mesh included; the GEMM's operand quantized as the
     kernel, whichever side it is on). Such a GEMM of the parameter ``w`` gets the state
     of ``w``, the module ``<module>/w_fp8`` (the variables of an ``Fp8Einsum`` /
     ``Fp8DotGeneral`` of that name), whatever GEMMs ran before it; every GEMM of ``w`` in
@@ -57,8 +59,13 @@ def fp8_model(model: Any, rules: Fp8Rule | Sequence[Fp8Rule] | None = None, *exa
     layers and GEMMs that stay as they are, as for linen.
 
     In both, the first matching rule decides, a rule with ``recipe=None`` keeps its
-    layers as they are, and by default (``Fp8Rule.min_fp8_flops="auto"``) a GEMM too
-    small for FP8 to pay runs in its dtype (``jax_fp8.devtools.explain`` lists them).
+    layers as they are, and every matched GEMM runs in FP8 unless its rule's
+    ``min_fp8_flops`` keeps it (``"auto"``: too small for FP8 to pay). A matched module
+    that runs no GEMM in FP8 (below ``min_fp8_flops``, no operand followed to a
+    parameter, operands of a dtype the recipe does not take) is reported once as a
+    `jax_fp8.Fp8ConversionWarning` naming the module, the rule and why (linen: at the
+    first ``apply``; NNX: at the first call); ``jax_fp8.devtools.explain`` gives each
+    GEMM's reason.
 
     Args:
       model: a linen module (unbound), e.g. ``nn.MultiHeadDotProductAttention(4)`` or a

@@ -21,7 +21,7 @@ from typing import Any, cast
 import flax.linen as nn
 from flax import errors as flax_errors
 
-from jax_fp8.flax.rules import Fp8Rule, Site, local, patched, rule_for, running
+from jax_fp8.flax.rules import Fp8Rule, Site, local, patched, reporting, rule_for, running
 
 __all__ = ["convert"]
 
@@ -129,9 +129,13 @@ def _linen_site(rules, module) -> Site | None:
     rule = None if path is None else rule_for(rules, path)
     if rule is None or _keeps_own_gemm(module):
         return None
+    # Reported from an apply, not while init creates the variables (often at a batch
+    # size of its own).
     return Site(rule, functools.partial(_linen_convert, module, rule),
                 weights=_linen_weights(module),
-                rhs_is_weight=isinstance(module, _LINEN_LAYERS))
+                rhs_is_weight=isinstance(module, _LINEN_LAYERS),
+                path=None if module.is_initializing() else path,
+                module_type=type(module).__name__)
 
 
 def _linen_interceptor(rules):
@@ -172,7 +176,8 @@ def _converting_method(method, rules):
             return method(self, *args, **kwargs)
         local.converting, local.params = 1, {}
         try:
-            with patched(), nn.intercept_methods(interceptor), \
+            with reporting(type(self), type(self).__name__), patched(), \
+                    nn.intercept_methods(interceptor), \
                     running(functools.partial(_linen_site, rules, self)):
                 return method(self, *args, **kwargs)
         finally:

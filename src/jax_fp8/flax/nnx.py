@@ -37,10 +37,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from jax_fp8 import meta as meta_lib, recipe as recipe_lib, state as state_lib
-from jax_fp8.dot_general import check_min_fp8_flops, fp8_dot_general
+from jax_fp8 import interception, meta as meta_lib, recipe as recipe_lib, state as state_lib
+from jax_fp8.dot_general import check_min_fp8_flops, fp8_dot_general, gemm_flops
 from jax_fp8.einsum import fp8_einsum
 from jax_fp8.flax import multi_steps
 from jax_fp8.meta import Fp8Meta, new_fp8_state
@@ -98,6 +99,16 @@ class _Fp8Base(nnx.Module):
             self.kernel = Fp8State(meta.kernel)
             self.grad = Fp8State(meta.grad)
 
+    def _report(self, kind: str, lhs, rhs, flops) -> None:
+        # The FP8 layer fp8_model gave a module: reported (Fp8ConversionWarning) when it
+        # keeps a GEMM below min_fp8_flops. Its report: (path, module type, rule), static.
+        report = getattr(self, "_fp8_report", None)
+        if report is not None and self.min_fp8_flops:
+            path, module_type, rule = report
+            interception.note_gemm(interception.Site(rule, None, path=path,
+                                                     module_type=module_type),
+                                   kind, lhs, rhs, flops())
+
     @property
     def meta(self) -> Fp8Meta:
         if self.stateless_recipe is not None:
@@ -133,8 +144,13 @@ class Fp8DotGeneral(_Fp8Base):
                  precision: Any = None, preferred_element_type: Any = None,
                  **kwargs: Any) -> jax.Array:
         del kwargs  # out_sharding, ...
-        out, meta = fp8_dot_general(lhs, rhs, dimension_numbers, self.meta, precision,
-                                    preferred_element_type, min_fp8_flops=self.min_fp8_flops)
+        self._report("dot_general", lhs, rhs,
+                     lambda: gemm_flops(lhs.shape, rhs.shape, dimension_numbers))
+        # Its own GEMMs are not a converted module's (fp8_model's interception).
+        with interception.running(None):
+            out, meta = fp8_dot_general(lhs, rhs, dimension_numbers, self.meta, precision,
+                                        preferred_element_type,
+                                        min_fp8_flops=self.min_fp8_flops)
         self._thread(meta)
         return out
 
@@ -146,9 +162,14 @@ class Fp8Einsum(_Fp8Base):
     def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array, precision: Any = None,
                  preferred_element_type: Any = None, **kwargs: Any) -> jax.Array:
         del precision, kwargs  # out_sharding (nnx.Einsum passes it to its einsum_op), ...
-        out, meta = fp8_einsum(eqn, lhs, rhs, self.meta,
-                               preferred_element_type=preferred_element_type,
-                               min_fp8_flops=self.min_fp8_flops)
+        explicit = interception.explicit_einsum(eqn, jnp.shape(lhs), jnp.shape(rhs))
+        if explicit is not None:
+            self._report("einsum", lhs, rhs, lambda: interception.einsum_flops(
+                explicit, jnp.shape(lhs), jnp.shape(rhs)))
+        with interception.running(None):
+            out, meta = fp8_einsum(eqn, lhs, rhs, self.meta,
+                                   preferred_element_type=preferred_element_type,
+                                   min_fp8_flops=self.min_fp8_flops)
         self._thread(meta)
         return out
 

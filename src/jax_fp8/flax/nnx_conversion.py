@@ -5,6 +5,7 @@ rules: flax/rules.py)."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,7 @@ def _stacked(layer, lead: tuple):
     return layer
 
 
-def _convert(module, rule) -> bool:
+def _convert(module, rule, path: str) -> bool:
     """Gives one ``nnx.Linear`` / ``LinearGeneral`` / ``Einsum`` an FP8 GEMM of ``rule``;
     False where the module keeps its own (a custom ``dot_general`` / ``einsum_op``)."""
     kernel = _get(module.kernel)
@@ -51,9 +52,10 @@ def _convert(module, rule) -> bool:
         layer, lead, attr = Fp8Einsum, kernel.shape[:kernel.ndim - n], "einsum_op"
     else:
         return False
+    fp8: Any = layer(rule.recipe, min_fp8_flops=rule.min_fp8_flops)
+    fp8._fp8_report = (path, type(module).__name__, rule)  # noqa: SLF001  (static)
     # nnx.data: the attribute, a function before, now holds a module (as in Fp8Linear).
-    setattr(module, attr, nnx.data(_stacked(
-        layer(rule.recipe, min_fp8_flops=rule.min_fp8_flops), tuple(lead))))
+    setattr(module, attr, nnx.data(_stacked(fp8, tuple(lead))))
     return True
 
 
@@ -115,9 +117,13 @@ def _converting_call(method, rule):
             with rules_lib.running(None):
                 return method(self, *args, **kwargs)
         counts = {"dot_general": 0, "einsum": 0}
+        weights = _own_params(self)
+        path = getattr(self, "_fp8_path", None)
         site = rules_lib.Site(rule, functools.partial(_raw_convert, self, rule, counts),
-                               weights=_own_params(self))
-        with rules_lib.patched(), rules_lib.running(site):
+                               weights=weights, path=path, module_type=type(self).__name__)
+        with rules_lib.reporting(getattr(self, "_fp8_root", type(self)), type(self).__name__), \
+                rules_lib.patched(), rules_lib.running(site):
+            rules_lib.track(*(w for _, w in weights))
             return method(self, *args, **kwargs)
     return converting
 
@@ -133,19 +139,25 @@ def _converting_class(cls, rule):
 def convert(model: nnx.Module, rules=None, *example_args, **example_kwargs):
     """`jax_fp8.flax.fp8_model` for an NNX ``model``: converted in place and returned."""
     rules = rules_lib.as_rules(rules)
+    # What a converted module reports under (Fp8ConversionWarning): once per model.
+    root = f"{type(model).__name__} at {id(model):#x}"
     for path, module in list(nnx.iter_modules(model)):
-        rule = rules_lib.rule_for(rules, "/".join(str(p) for p in path))
+        name = "/".join(str(p) for p in path)
+        rule = rules_lib.rule_for(rules, name)
         if isinstance(module, (Fp8DotGeneral, Fp8Einsum)):
             continue
         if isinstance(module, _LAYERS):
             if rule is not None:
-                _convert(module, rule)
+                _convert(module, rule, name)
         else:   # its __call__ converts its own GEMMs (rule None: marks them unconverted)
             cls = getattr(type(module), "_fp8_unconverted", type(module))
             # Flax's own modules have no GEMM of a parameter but those of their layers.
             if not cls.__module__.startswith("flax.") and \
                     any("__call__" in vars(k) for k in cls.__mro__[:-1]):
                 module.__class__ = _converting_class(cls, rule)
+                # Static attributes: they survive nnx.split / merge (jit, scan, ...).
+                setattr(module, "_fp8_path", name)  # noqa: B010
+                setattr(module, "_fp8_root", root)  # noqa: B010
     if example_args or example_kwargs:
         model(*example_args, **example_kwargs)
     return model
