@@ -7,7 +7,8 @@ Public API (reference: ``docs/reference/``, built by ``mkdocs build``; the arith
                     MXFP8BlockScaling, Format,
                     fp8_max, scaled_max; Recipe (the interface each implements)
   state             ScalingState, update_states, amax_and_scale_update, reduce_amaxes
-  training ops      Fp8Meta, fp8_dot_general, fp8_einsum, new_fp8_state, combine_fp8_grads,
+  training ops      Fp8Meta, fp8_dot_general, fp8_einsum, fp8_ragged_dot,
+                    fp8_ragged_dot_general, new_fp8_state, combine_fp8_grads,
                     AmaxGrad, fp8_grads_from_cotangents, amax_cotangents, frozen_scales,
                     check_fp8_updated
   quantization      quantize, dequantize, compute_amax, quantize_blocks, quantize_mxfp8,
@@ -36,6 +37,7 @@ from jax_fp8.meta import (
 )
 from jax_fp8.packing import PackedStates, pack_states, unpack_states
 from jax_fp8.quantization import compute_amax, dequantize, quantize
+from jax_fp8.ragged_dot import fp8_ragged_dot, fp8_ragged_dot_general
 from jax_fp8.recipe import Format, Recipe, fp8_max, scaled_max
 from jax_fp8.recipes import (
     DelayedScaling,
@@ -74,6 +76,8 @@ __all__ = [
     "fp8_dot_general",
     "fp8_einsum",
     "fp8_grads_from_cotangents",
+    "fp8_ragged_dot",
+    "fp8_ragged_dot_general",
     "fp8_max",
     "frozen_scales",
     "new_fp8_state",

@@ -110,29 +110,32 @@ def clamped_group_ends(group_sizes, m: int):
     return ends.astype(jnp.int32)
 
 
-def reference(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, *, out_dtype, kernel=False):
-    """The module's numbers in jax.numpy: steps 1-4 of the module docstring."""
-    del kernel
-    m, n = lhs.shape[0], rhs.shape[1]
-    if rhs.shape[0] == 0 or m == 0:
-        return jnp.zeros((m, n), out_dtype)
-    ends = clamped_group_ends(group_sizes, m)
+def row_groups(ends, m: int):
+    """The group of each of m rows (int32 [m]) for the clamped group ends: G for the rows
+    past the last group."""
     rows = jnp.arange(m, dtype=jnp.int32)
-    group = jnp.searchsorted(ends, rows, side="right")           # G for rows past the groups
-    inside = rows < ends[-1]
+    return jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)
+
+
+def ragged_product(lhs, rhs, ends, precision=None):
+    """acc [M, N] float32: each row of lhs [M, K] times its group's rhs[g] [N, K] (groups as
+    the clamped `ends` say), the rows past the last group 0; IEEE for infinities and NaNs,
+    which stay in their group's rows. lhs and rhs: FP8 (exact products) or float32."""
+    m, n = lhs.shape[0], rhs.shape[1]
+    group = row_groups(ends, m)
 
     def ragged(_):
         sizes = jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
         numbers = lax.RaggedDotDimensionNumbers(
             dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=(0,),
             rhs_group_dimensions=(0,))
-        return lax.ragged_dot_general(lhs, rhs, sizes, numbers,
+        return lax.ragged_dot_general(lhs, rhs, sizes, numbers, precision=precision,
                                       preferred_element_type=jnp.float32)
 
     def per_group(_):
         # Each group's rows from its own dense product: IEEE for every row.
         def body(g, acc):
-            prod = lax.dot_general(lhs, rhs[g], (((1,), (1,)), ((), ())),
+            prod = lax.dot_general(lhs, rhs[g], (((1,), (1,)), ((), ())), precision=precision,
                                    preferred_element_type=jnp.float32)
             return jnp.where((group == g)[:, None], prod, acc)
         return lax.fori_loop(0, rhs.shape[0], body, jnp.zeros((m, n), jnp.float32))
@@ -141,7 +144,19 @@ def reference(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, *, out_dtype,
     # lhs, not the products), so an infinite or NaN weight of one expert would reach every
     # group's rows as 0 * inf = NaN; such weights take the per-group loop (G times the
     # FLOPs, only then).
-    acc = lax.cond(jnp.all(jnp.isfinite(rhs)), ragged, per_group, None)
+    return lax.cond(jnp.all(jnp.isfinite(rhs)), ragged, per_group, None)
+
+
+def reference(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, *, out_dtype, kernel=False):
+    """The module's numbers in jax.numpy: steps 1-4 of the module docstring."""
+    del kernel
+    m, n = lhs.shape[0], rhs.shape[1]
+    if rhs.shape[0] == 0 or m == 0:
+        return jnp.zeros((m, n), out_dtype)
+    ends = clamped_group_ends(group_sizes, m)
+    group = row_groups(ends, m)
+    inside = jnp.arange(m, dtype=jnp.int32) < ends[-1]
+    acc = ragged_product(lhs, rhs, ends)
     alpha = lhs_scale_inv * rhs_scale_inv
     row_alpha = jnp.where(inside, alpha[jnp.minimum(group, alpha.shape[0] - 1)], 0.0)
     out = jnp.where(inside[:, None], acc * row_alpha[:, None], 0.0)
