@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
-from jax_fp8 import _grouped
+from jax_fp8 import _compat, _grouped
 from jax_fp8.dot_general import KEPT_SCOPE, check_meta, check_min_fp8_flops
 from jax_fp8.meta import Fp8Meta
 
@@ -64,7 +64,8 @@ def fp8_ragged_dot(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, meta:
     ``ragged_dot_general`` of the FP8 operands; block scaling and MXFP8 multiply the
     operands dequantized per block in float32 (the block GEMM reference's numbers).
     Differentiable once, as `jax_fp8.fp8_dot_general` (the same meta threading rules);
-    ``group_sizes`` gets no gradient.
+    ``group_sizes`` gets no gradient. Under ``jax.vmap`` it raises NotImplementedError
+    (as ``jax.lax.ragged_dot`` does): merge the batch into the tokens, or ``jax.lax.map``.
 
     Args:
       precision: ignored (FP8 GEMMs have one precision), except by a GEMM kept out of FP8.
@@ -86,6 +87,11 @@ def fp8_ragged_dot(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, meta:
                                   "local experts instead")
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     sizes = _grouped.check_operands(lhs, rhs, jnp.asarray(group_sizes))
+    if any(_compat.batched_here(a) for a in (lhs, rhs, sizes, *jax.tree.leaves(meta))):
+        raise NotImplementedError(
+            "fp8_ragged_dot under jax.vmap: a grouped GEMM has no batching rule (nor has "
+            "jax.lax.ragged_dot). Merge the batch into the token axis (every example's "
+            "tokens sorted by expert, one group_sizes) or map over it with jax.lax.map")
     recipe = check_meta(meta, "meta", shape=(rhs.shape[0],))
     out_dtype = np.dtype(preferred_element_type if preferred_element_type is not None
                          else jnp.result_type(lhs, rhs))
