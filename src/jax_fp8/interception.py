@@ -25,6 +25,10 @@ from jax_fp8.rules import Fp8Rule
 __all__ = ["ORIGINAL", "Site", "explicit_einsum", "local", "patched", "running"]
 
 ORIGINAL = {"dot_general": jax.lax.dot_general, "einsum": jnp.einsum}
+# Further (owner, attribute, replacement) that `patched` installs with the two above (each
+# a GEMM function a module of its own intercepts: jax_fp8.interception_ragged's
+# jax.lax.ragged_dot).
+PATCHES: list[tuple[Any, str, Any]] = []
 _FLOATS = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
 
 
@@ -78,7 +82,7 @@ def patched(extra: Sequence[tuple[Any, str, Any]] = ()):
     attribute over threads: other threads see the original behaviour, since the
     replacements act only where a converted method runs (`running`)."""
     patches = [(jax.lax, "dot_general", _converting_dot_general),
-               (jnp, "einsum", _converting_einsum), *extra]
+               (jnp, "einsum", _converting_einsum), *PATCHES, *extra]
     with _lock:
         for owner, name, replacement in patches:
             key = (id(owner), name)
