@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_fp8 import recipe as recipe_lib
 from jax_fp8._primitives import grouped_gemm as gg
 from jax_fp8._primitives.exact import U32, abs_bits, from_bits, to_bits, widen
 
@@ -157,8 +158,20 @@ def token_dequantize(blocks: Blocks, q, scale_inv, seg):
     return blocks.dequantize_elements(q, scale_inv[seg])
 
 
+# The name scope of a blocked recipe's grouped GEMMs (what jax_fp8.devtools.explain reads).
+EMULATED_SCOPE = "grouped_blocks_emulated"
+recipe_lib.GEMM_SCOPES[EMULATED_SCOPE] = (
+    "blocks emulated", lambda: ("block-scaled grouped GEMM (block scaling / MXFP8): each "
+                                "operand dequantized per block, one float32 ragged_dot"))
+
+
 def blocked_forward(blocks: Blocks, fwd_dtype, x, w, ends, out_dtype, keep):
     """out [M, N] of x [M, K] . w[g] [K, N] per group, and the backward's residuals."""
+    with jax.named_scope(EMULATED_SCOPE):
+        return _blocked_forward(blocks, fwd_dtype, x, w, ends, out_dtype, keep)
+
+
+def _blocked_forward(blocks: Blocks, fwd_dtype, x, w, ends, out_dtype, keep):
     qx, sx = blocks.quantize(x, "x", fwd_dtype)                      # blocks along K
     qw, sw = blocks.quantize(jnp.swapaxes(w, 1, 2), "w", fwd_dtype)  # [G, N, K]
     acc = gg.ragged_product(blocks.dequantize(qx, sx, "x"), blocks.dequantize(qw, sw, "w"),
@@ -173,6 +186,11 @@ def blocked_forward(blocks: Blocks, fwd_dtype, x, w, ends, out_dtype, keep):
 
 def blocked_backward(blocks: Blocks, bwd_dtype, residuals, g, ends, x_dtype, w_dtype):
     """(dx [M, K], dw [G, K, N]) for the output gradient g [M, N]."""
+    with jax.named_scope(EMULATED_SCOPE):
+        return _blocked_backward(blocks, bwd_dtype, residuals, g, ends, x_dtype, w_dtype)
+
+
+def _blocked_backward(blocks: Blocks, bwd_dtype, residuals, g, ends, x_dtype, w_dtype):
     (qx_t, sx_t, seg), qw_kn, sw_kn = residuals
     qg, sg = blocks.quantize(g, "grad", bwd_dtype)                   # blocks along N
     dx = gg.ragged_product(blocks.dequantize(qg, sg, "grad"),

@@ -335,3 +335,30 @@ def test_ragged_dot_general_forms():
     contracting = jax.lax.RaggedDotDimensionNumbers((((0,), (0,)), ((), ())), (0,), ())
     with pytest.raises(NotImplementedError, match="mixture-of-experts form"):
         jax_fp8.fp8_ragged_dot_general(x, x, SIZES, contracting, meta)
+
+
+def test_explain_reports_the_grouped_gemms():
+    """explain's rows: the grouped GEMM primitive twice (forward, input gradient) and the
+    weight gradient an FP8 ragged_dot_general of 2 * M * K * N FLOPs; block scaling's
+    grouped GEMMs named as emulated; a plain ragged_dot not FP8."""
+    from jax_fp8.devtools import explain
+    x, w = _x_w(jnp.bfloat16)
+
+    def step(x, w, meta):
+        def loss(x, w, meta):
+            return jnp.sum(jax_fp8.fp8_ragged_dot(x, w, SIZES, meta)[0].astype(jnp.float32))
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(x, w, meta)
+
+    rows = explain.explain(step, x, w, jax_fp8.Fp8Meta.create(RECIPES["delayed"], shape=(G,)),
+                           platform="cuda")
+    grouped = [r for r in rows if r.name == "jax_fp8_grouped_gemm"]
+    assert [r.operands[:2] for r in grouped] == [
+        ("float8_e4m3fn[64,136]", "float8_e4m3fn[5,24,136]"),
+        ("float8_e5m2[64,24]", "float8_e4m3fn[5,136,24]")]
+    wgrad = [r for r in rows if r.name == "ragged_dot_general"]
+    assert [(r.lowering, r.flops) for r in wgrad] == [("fp8", 2 * M * K * N)]
+    rows = explain.explain(step, x, w, jax_fp8.Fp8Meta.create(RECIPES["block"]))
+    assert {r.lowering for r in rows if r.name == "ragged_dot_general"} == {"blocks emulated"}
+    plain = explain.explain(lambda x, w: jax.lax.ragged_dot(x, w, SIZES), x, w)
+    assert [(r.name, r.lowering, r.flops) for r in plain] == [
+        ("ragged_dot_general", "bfloat16", 2 * M * K * N)]
