@@ -216,3 +216,30 @@ def test_ragged_dot_of_activations_stays():
     assert "fp8_meta" not in variables
     np.testing.assert_array_equal(np.asarray(model.apply(variables, x, sizes)),
                                   np.asarray(Computed().apply(variables, x, sizes)))
+
+
+# --------------------------------------------------------------------------- Equinox
+
+def test_equinox_ragged_dot_stateless_recipe_and_delayed_refused():
+    """Equinox: a module's ragged_dot of its expert weight runs as fp8_ragged_dot for a
+    recipe without state (bit for bit the function); delayed scaling, whose state is one
+    per expert, is refused naming the fix."""
+    eqx = pytest.importorskip("equinox")
+    from jax_fp8 import equinox as jfe
+
+    class Experts(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x, sizes):
+            return jax.lax.ragged_dot(x, self.w, sizes)
+
+    w = jax.random.normal(jax.random.key(0), (4, D, F))
+    x, sizes = jax.random.normal(jax.random.key(1), (40, D)), jnp.array([10, 0, 20, 6],
+                                                                          jnp.int32)
+    recipe = jax_fp8.Float8CurrentScaling()
+    got = jfe.fp8_model(Experts(w), Fp8Rule(recipe=recipe, min_fp8_flops=0))(x, sizes)
+    want = jax_fp8.fp8_ragged_dot(x, w, sizes, jax_fp8.Fp8Meta.create(recipe))[0]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    converted = jfe.fp8_model(Experts(w), Fp8Rule(min_fp8_flops=0))
+    with pytest.raises(ValueError, match="one per expert"):
+        converted(x, sizes)
