@@ -57,9 +57,10 @@ def group_amax(x, group, groups: int):
     of the group holds a NaN (as a tensor's amax on the GPU), rows of group G (past the
     last group) left out. Taken on the bits of |x|, so every backend gives these bits."""
     row_max = jnp.max(_mag_bits(x), axis=tuple(range(1, x.ndim)), initial=U32(0))
+    # (segment_max of an empty segment is uint32's smallest value, 0: the bits of 0.0)
     per_group = jax.ops.segment_max(row_max, group, num_segments=groups + 1,
                                     indices_are_sorted=True)[:groups]
-    return from_bits(jnp.maximum(per_group, U32(0)))
+    return from_bits(per_group)
 
 
 def expert_amax(w):
@@ -146,9 +147,9 @@ def token_quantize(blocks: Blocks, x, ends, fp8_dtype):
     A block's amax is fmaxf(0, |x_i|...) over its values (NaN ignored)."""
     x32 = widen(x)
     seg, segments = token_blocks(ends, x.shape[0], blocks.block)
+    # (an empty segment's max is uint32's smallest value, 0: the bits of 0.0)
     amax = from_bits(jax.ops.segment_max(abs_bits(x32), seg, num_segments=segments + 1,
                                          indices_are_sorted=True))
-    amax = jnp.where(amax >= 0, amax, jnp.float32(0))   # empty segments: 0, not -inf
     q, _ = blocks.elements(x32, amax[seg], fp8_dtype)
     _, scale_inv = blocks.elements(jnp.zeros_like(amax), amax, fp8_dtype)
     return q, scale_inv, seg
