@@ -224,6 +224,7 @@ def scaled_ragged_dot(lhs, rhs, group_sizes, recipe, out_dtype):
     ``recipe`` (its ``ragged_forward`` / ``ragged_backward``), under one custom VJP. The
     groups are clamped as the grouped GEMM primitive clamps them."""
     ends = _grouped.clamped_group_ends(group_sizes, lhs.shape[0])
+    lhs, rhs = axis_types.vary_like([lhs, rhs])   # inside shard_map: as scaled_dot_general
     return _ragged_matmul(lhs, rhs, ends, recipe, np.dtype(out_dtype), np.dtype(lhs.dtype),
                           np.dtype(rhs.dtype))
 

@@ -49,3 +49,11 @@ def test_expert_weights_move_as_fp8(results, case):
                                                           2 * G * K * N // cols)]
     assert len(weight) >= 2, gathers
     assert all(b <= 4 * G for b in gathers.get("f32", [])), gathers   # scales only
+
+
+def test_shard_map_tokens_per_device(results):
+    """Inside shard_map, each device its own tokens and group sizes, every expert's weight
+    and state replicated: the weight gradient is summed and each expert's amaxes max-ed over
+    the devices, the bits of one device given all devices' rows of each expert as its
+    group."""
+    assert results["shard_map"]["same_bits"] == [True] * 4, results["shard_map"]

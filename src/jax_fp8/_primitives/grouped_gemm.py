@@ -63,7 +63,7 @@ from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_fp8 import _registration
-from jax_fp8._primitives import base, partition_specs as specs
+from jax_fp8._primitives import axis_types, base, partition_specs as specs
 
 TARGET = "jax_fp8_grouped_gemm"
 # "auto" (default): the CUDA kernel runs where it is built and takes the operands; "off":
@@ -144,7 +144,9 @@ def ragged_product(lhs, rhs, ends, precision=None):
             prod = lax.dot_general(lhs, rhs[g], (((1,), (1,)), ((), ())), precision=precision,
                                    preferred_element_type=jnp.float32)
             return jnp.where((group == g)[:, None], prod, acc)
-        return lax.fori_loop(0, rhs.shape[0], body, jnp.zeros((m, n), jnp.float32))
+        # (inside shard_map the carry varies as the operands do)
+        init = axis_types.vary_like([jnp.zeros((m, n), jnp.float32), lhs, rhs])[0]
+        return lax.fori_loop(0, rhs.shape[0], body, init)
 
     # jax's ragged_dot computes every row against every group's weights (masking the rows of
     # lhs, not the products), so an infinite or NaN weight of one expert would reach every

@@ -260,7 +260,8 @@ def _fp8_ragged_fwd_rule_impl(lhs, rhs, ends, meta, out_dtype):
     out = _grouped.grouped(q_lhs, jnp.swapaxes(q_rhs, 1, 2), ends,
                            _dequantization_factor(meta.input),
                            _dequantization_factor(meta.kernel), out_dtype)
-    return (out, meta), (q_lhs, q_rhs, ends, group, meta, amax_lhs, amax_rhs)
+    return (out, meta), (q_lhs, q_rhs, ends, group, meta, amax_lhs, amax_rhs,
+                         _empty_slice(lhs), _empty_slice(rhs))
 
 
 def _fp8_ragged_fwd_rule(lhs, rhs, ends, meta, out_dtype, lhs_dtype, rhs_dtype):
@@ -280,7 +281,7 @@ def _fp8_ragged_bwd(out_dtype, lhs_dtype, rhs_dtype, res, cts):
         aval: Any = g.aval
         g = jnp.zeros(aval.shape, aval.dtype)
     res, g = _ad.first_order_only((_ad.reveal(res), g), "fp8_ragged_dot")
-    q_lhs, q_rhs, ends, group, meta, amax_lhs, amax_rhs = res
+    q_lhs, q_rhs, ends, group, meta, amax_lhs, amax_rhs, lhs_like, rhs_like = res
     q_g = _quantize_rows(g, meta.grad, group)
     amax_g = _grouped.group_amax(g, group, ends.shape[0])
     si_in, si_kernel, si_grad = (_dequantization_factor(st)
@@ -290,6 +291,13 @@ def _fp8_ragged_bwd(out_dtype, lhs_dtype, rhs_dtype, res, cts):
     ct_meta_in = Fp8Meta(input=meta_lib.amax_cotangent(ct_meta.input, amax_lhs, meta.input),
                          kernel=meta_lib.amax_cotangent(ct_meta.kernel, amax_rhs, meta.kernel),
                          grad=meta_lib.amax_cotangent(ct_meta.grad, amax_g, meta.grad))
+    # Inside shard_map, as fp8_dot_general: gradients summed and amaxes max-ed over the
+    # manual axes their primals do not vary over (experts' weights and states replicated
+    # beside tokens per device).
+    grad_lhs = _to_primal_vma(grad_lhs, lhs_like, lax.psum)
+    grad_rhs = _to_primal_vma(grad_rhs, rhs_like, lax.psum)
+    ct_meta_in = jax.tree.map(
+        lambda ct, primal: _to_primal_vma(ct, primal, _pmax_ignoring_nan), ct_meta_in, meta)
     return grad_lhs, grad_rhs, None, ct_meta_in
 
 
