@@ -14,6 +14,8 @@ rounded to float32. The result then takes the same one or two float32 multiplies
 rounding on both sides.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -98,16 +100,18 @@ def _zero(meta):
     return jax.tree.map(jnp.zeros_like, meta)
 
 
+@functools.partial(jax.jit, static_argnums=(5,))
+def _run(x, w, sizes, meta, ct, out_dtype):
+    def fn(x, w, meta):
+        return jax_fp8.fp8_ragged_dot(x, w, sizes, meta, preferred_element_type=out_dtype)
+    (out, meta_out), vjp = jax.vjp(fn, x, w, meta)
+    dx, dw, dmeta = vjp((ct.astype(out.dtype), jax.tree.map(jnp.zeros_like, meta_out)))
+    return out, dx, dw, dmeta
+
+
 def run(x, w, sizes, meta, ct, out_dtype):
     """(out, dx, dw, the meta's cotangent) under jit."""
-    @jax.jit
-    def f(x, w, sizes, meta, ct):
-        def fn(x, w, meta):
-            return jax_fp8.fp8_ragged_dot(x, w, sizes, meta, preferred_element_type=out_dtype)
-        (out, meta_out), vjp = jax.vjp(fn, x, w, meta)
-        dx, dw, dmeta = vjp((ct.astype(out.dtype), jax.tree.map(jnp.zeros_like, meta_out)))
-        return out, dx, dw, dmeta
-    return f(x, w, jnp.asarray(sizes), meta, ct)
+    return _run(x, w, jnp.asarray(sizes), meta, ct, np.dtype(out_dtype))
 
 
 def assert_same(got, want, what):
@@ -128,6 +132,7 @@ def check(recipe, x, w, sizes, ct, meta, oracle, out_dtype, in_dtype):
     assert_same(dw, want_dw, "dw")
     if recipe.keeps_state:
         bnds = ref.bounds(sizes, x.shape[0])
+
         for role, amax in (("input", ref.group_amax(np.asarray(xi), bnds)),
                            ("kernel", ref.expert_amax(np.asarray(wi))),
                            ("grad", ref.group_amax(ct_seen, bnds))):
@@ -137,6 +142,7 @@ def check(recipe, x, w, sizes, ct, meta, oracle, out_dtype, in_dtype):
             # as the update's fmaxf would
             np.testing.assert_array_equal(h[:, 0], np.fmax(F32(0), amax), err_msg=role)
             np.testing.assert_array_equal(h[:, 1:], 0)
+    return np.asarray(out)
 
 
 FAMILIES = ("delayed", "current", "block", "mxfp8")
@@ -154,7 +160,7 @@ def test_every_recipe_bit_exact(name, out_dtype, in_dtype):
     check(recipe, x, w, SIZES, ct, meta, oracle, out_dtype, in_dtype)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", ["delayed", "block"])   # one per-group, one blocked
 @pytest.mark.parametrize("sizes", [[20, -3, 30, 40, 5],      # negative; past M: cut
                                    [0, 0, 0, 0, 0],          # no group: all zeros
                                    [64, 0, 0, 0, 0]])        # one group holds every row
@@ -185,9 +191,7 @@ def test_nan_and_inf_stay_in_their_group(name):
     ct[42:49, 2] = 0
     ct[45, 2] = -np.inf
     meta, oracle = meta_and_oracle(recipe, rng, ks)
-    check(recipe, x, w, SIZES, ct, meta, oracle, np.float32, np.float32)
-    out = np.asarray(run(jnp.asarray(x), jnp.asarray(w), SIZES, meta, jnp.asarray(ct),
-                         np.float32)[0])
+    out = check(recipe, x, w, SIZES, ct, meta, oracle, np.float32, np.float32)
     # (row 20, with the inf, is the recipe's: MXFP8 dequantizes 448 * 2**127 to inf)
     assert np.isnan(out[0]).all() and not np.isnan(np.delete(out[1:42], 19, 0)).any()
     assert np.isnan(out[42:49, 4]).all() and not np.isnan(np.delete(out[42:49], 4, 1)).any()
@@ -224,7 +228,7 @@ def _x_w(dtype=jnp.float32):
             jnp.asarray(rng.normal(size=(G, K, N)), dtype))
 
 
-@pytest.mark.parametrize("name", ["delayed", "current", "block", "mxfp8"])
+@pytest.mark.parametrize("name", ["delayed", "mxfp8"])
 def test_eager_equals_jit(name):
     recipe = RECIPES[name]
     x, w = _x_w()
@@ -234,7 +238,7 @@ def test_eager_equals_jit(name):
     np.testing.assert_array_equal(np.asarray(eager), np.asarray(jitted))
 
 
-@pytest.mark.parametrize("name", ["delayed", "block"])
+@pytest.mark.parametrize("name", ["delayed", "current"])
 def test_vmap_refused_naming_the_fix(name):
     """jax.lax.ragged_dot has no batching rule for a batch of token arrays; neither has the
     grouped GEMM: a clear error at trace time, and lax.map gives each element's GEMM."""
