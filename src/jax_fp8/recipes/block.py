@@ -112,7 +112,6 @@ class Float8BlockScaling(StatelessRecipe):
         # On a mesh with Explicit axes each gradient is typed as its primal.
         return typed(dx, types.x), typed(dw, types.w)
 
-
     # ----------------------------------------------- grouped GEMMs (fp8_ragged_dot)
     # The input's and the gradient's 1 x 128 blocks run along K (N) within a row, so never
     # cross a group; each expert's weight has its own tiles (the leading axis G); the

@@ -84,7 +84,6 @@ class Float8CurrentScaling(StatelessRecipe):
                          out_sharding=_gemms.permuted_sharding(qw, (0, 1), like=(qx, qg)))
         return dx, dw
 
-
     # ----------------------------------------------- grouped GEMMs (fp8_ragged_dot)
     # One scale per group of rows (the input, the gradient) and per expert (the weight),
     # each from its own amax (jax_fp8._grouped.group_amax: NaN-propagating, exact).

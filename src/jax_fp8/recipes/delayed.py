@@ -111,7 +111,6 @@ class DelayedScaling(recipe_lib.Recipe):
         return _fp8_dot(lhs, rhs, meta, dimension_numbers, out_dtype, np.dtype(lhs.dtype),
                         np.dtype(rhs.dtype))
 
-
     def ragged_dot(self, lhs, rhs, group_sizes, meta, out_dtype):
         meta_lib.claim(meta, "fp8_ragged_dot", (lhs, rhs))
         ends = _grouped.clamped_group_ends(group_sizes, lhs.shape[0])

@@ -91,7 +91,6 @@ class MXFP8BlockScaling(StatelessRecipe):
         dw = _gemm(qx_t, sx_t, qg_t, sg_t, w_dtype)        # [K, M] . [N, M]^T
         return typed(dx, types.x), typed(dw, types.w)
 
-
     # ----------------------------------------------- grouped GEMMs (fp8_ragged_dot)
     # Every operand in 1 x 32 blocks along its GEMM's contraction: the input's and the
     # gradient's along K (N) within a row, each expert's weight its own; the weight
