@@ -198,6 +198,40 @@ def test_nan_and_inf_stay_in_their_group(name):
     np.testing.assert_array_equal(out[49:], 0)
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_random_operands_within_the_gemm_bound(name):
+    """Random operands (no exact sums): each group's product is its GEMM's float32 sum of
+    the dequantized products, within the bound of the block GEMM's reference,
+    |out - E| <= (K + 4) u S (1 + u) + u |E| (u = 2**-24, float32 out), E the oracle's
+    product (exact in float64, rounded to float32: one more u |E|) and S the same product
+    of |x| and |w| (quantization is symmetric: |q(x)| = q(|x|), the same scales)."""
+    recipe = RECIPES[name]
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((M, K)) * np.exp(rng.standard_normal((M, 1)))).astype(F32)
+    w = rng.standard_normal((G, K, N)).astype(F32)
+    _, oracle = meta_and_oracle(recipe, rng, (np.zeros(G), np.zeros(G), np.zeros(G)))
+    meta = jax_fp8.Fp8Meta.create(recipe, shape=(G,))
+    if recipe.keeps_state:   # scales 448 / amax of each group and expert, not powers of 2
+        bnds = ref.bounds(SIZES, M)
+        amax_x, amax_w = ref.group_amax(x, bnds), ref.expert_amax(w)
+        with np.errstate(divide="ignore"):
+            inv_x = F32(448) / amax_x
+        scales = {"input": np.where(amax_x > 0, inv_x, 1).astype(F32),
+                  "kernel": (F32(448) / amax_w).astype(F32), "grad": np.ones(G, F32)}
+        oracle = ref.PerGroup(oracle.fwd, oracle.bwd, scales=scales)
+        meta = jax_fp8.Fp8Meta(**{
+            r: ScalingState(getattr(meta, r).amax_history, jnp.asarray(scales[r]),
+                            jnp.asarray(F32(1) / scales[r]), fp8_dtype=getattr(meta, r).fp8_dtype)
+            for r in jax_fp8.Fp8Meta.STATES})
+    got = np.asarray(jax.jit(lambda x, w, m: jax_fp8.fp8_ragged_dot(x, w, SIZES, m)[0])(
+        x, w, meta)).astype(np.float64)
+    want = oracle.forward(x, w, SIZES, np.float32)[0].astype(np.float64)
+    s = oracle.forward(np.abs(x), np.abs(w), SIZES, np.float32)[0].astype(np.float64)
+    u = 2.0 ** -24
+    bound = (K + 4) * u * s * (1 + u) + 2 * u * np.abs(want)
+    assert (np.abs(got - want) <= bound).all(), float(np.max(np.abs(got - want) - bound))
+
+
 def test_empty_group_keeps_its_delayed_state():
     """An empty group's input and gradient amaxes are 0, so the fused update keeps their
     scales (one update_states for the [G, L] states); the others move."""
