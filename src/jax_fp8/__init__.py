@@ -7,7 +7,8 @@ Public API (reference: ``docs/reference/``, built by ``mkdocs build``; the arith
   `MXFP8BlockScaling`, `Format`, `fp8_max`, `scaled_max`; `Recipe` (the interface each
   implements)
 - **state**: `ScalingState`, `update_states`, `amax_and_scale_update`, `reduce_amaxes`
-- **training ops**: `Fp8Meta`, `fp8_dot_general`, `fp8_einsum`, `new_fp8_state`,
+- **training ops**: `Fp8Meta`, `fp8_dot_general`, `fp8_einsum`, `fp8_ragged_dot`,
+  `fp8_ragged_dot_general`, `new_fp8_state`,
   `combine_fp8_grads`, `AmaxGrad`, `fp8_grads_from_cotangents`, `amax_cotangents`,
   `frozen_scales`, `check_fp8_updated`
 - **quantization**: `quantize`, `dequantize`, `compute_amax`, `quantize_blocks`,
@@ -21,6 +22,8 @@ Public API (reference: ``docs/reference/``, built by ``mkdocs build``; the arith
 """
 
 # grouped_gemm: registers jax_fp8_grouped_gemm (its FFI target is in every module's table).
+# interception_ragged: the converters' interception of jax.lax.ragged_dot.
+from jax_fp8 import interception_ragged as _interception_ragged  # noqa: F401
 from jax_fp8._primitives import grouped_gemm as _grouped_gemm  # noqa: F401
 from jax_fp8._registration import HAS_CPU_KERNEL, HAS_CUDA_KERNEL, export_disabled_checks
 from jax_fp8.blockwise import quantize_blocks, scale_from_amax
@@ -38,6 +41,7 @@ from jax_fp8.meta import (
 )
 from jax_fp8.packing import PackedStates, pack_states, unpack_states
 from jax_fp8.quantization import compute_amax, dequantize, quantize
+from jax_fp8.ragged_dot import fp8_ragged_dot, fp8_ragged_dot_general
 from jax_fp8.recipe import Format, Recipe, fp8_max, scaled_max
 from jax_fp8.recipes import (
     DelayedScaling,
@@ -77,6 +81,8 @@ __all__ = [
     "fp8_dot_general",
     "fp8_einsum",
     "fp8_grads_from_cotangents",
+    "fp8_ragged_dot",
+    "fp8_ragged_dot_general",
     "fp8_max",
     "frozen_scales",
     "new_fp8_state",

@@ -22,15 +22,16 @@ from jax_fp8.meta import Fp8Meta
 __all__ = ["fp8_dot_general", "gemm_flops"]
 
 
-def check_meta(meta, name: str = "meta") -> recipe_lib.Recipe:
+def check_meta(meta, name: str = "meta", shape: tuple = ()) -> recipe_lib.Recipe:
     """The recipe that runs `meta` (its own, or for a meta of states the recipe that keeps
-    state), once that recipe has checked it; TypeError / ValueError otherwise."""
+    state), once that recipe has checked it (states of leading axes ``shape``); TypeError /
+    ValueError otherwise."""
     if not isinstance(meta, Fp8Meta):
         raise TypeError(f"{name} must be a jax_fp8.Fp8Meta, got {type(meta).__name__}")
     if meta.recipe is not None:
         recipe_lib.check_recipe(meta.recipe, f"{name}.recipe")
     recipe = meta.recipe if meta.recipe is not None else recipe_lib.of_states()
-    recipe.check_meta(meta, name)
+    recipe.check_meta(meta, name, shape=shape)
     return recipe
 
 

@@ -49,6 +49,10 @@ __all__ = ["FOLLOWED", "KEPT_SCOPES", "ORIGINAL", "Site", "einsum_flops", "expli
 
 ORIGINAL = {"dot_general": jax.lax.dot_general, "einsum": jnp.einsum}
 _HERE = os.path.dirname(os.path.abspath(__file__))
+# Further (owner, attribute, replacement) that `patched` installs with the two above (each
+# a GEMM function a module of its own intercepts: jax_fp8.interception_ragged's
+# jax.lax.ragged_dot).
+PATCHES: list[tuple[Any, str, Any]] = []
 _FLOATS = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
 _FLOAT64 = np.dtype(np.float64)
 
@@ -191,7 +195,7 @@ def patched(extra: Sequence[tuple[Any, str, Any]] = ()):
     attribute over threads: other threads see the original behaviour, since the
     replacements act only where a converted method runs (`running`)."""
     patches = [(jax.lax, "dot_general", _converting_dot_general),
-               (jnp, "einsum", _converting_einsum), *_BINDS, *extra]
+               (jnp, "einsum", _converting_einsum), *_BINDS, *PATCHES, *extra]
     with _lock:
         for owner, name, replacement in patches:
             key = (id(owner), name)

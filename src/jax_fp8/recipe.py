@@ -129,8 +129,9 @@ class Recipe(abc.ABC):
         """The `jax_fp8.Fp8Meta` of one GEMM (``shape``: leading axes of its states)."""
 
     @abc.abstractmethod
-    def check_meta(self, meta: Any, name: str = "meta") -> None:
-        """Raises TypeError / ValueError when ``meta`` is not a meta of this recipe."""
+    def check_meta(self, meta: Any, name: str = "meta", shape: tuple = ()) -> None:
+        """Raises TypeError / ValueError when ``meta`` is not a meta of this recipe for a
+        GEMM whose states have leading axes ``shape`` (``(G,)`` for a grouped GEMM)."""
 
     @abc.abstractmethod
     def dot_general(self, lhs: Any, rhs: Any, dimension_numbers: Any, meta: Any,
@@ -140,6 +141,16 @@ class Recipe(abc.ABC):
         Called by `jax_fp8.fp8_dot_general` with canonical ``dimension_numbers``, floating
         float32 / bfloat16 operands and a float32 / bfloat16 ``out_dtype`` (float16 runs
         as float32 around it), and a ``meta`` that passed `check_meta`."""
+
+    def ragged_dot(self, lhs: Any, rhs: Any, group_sizes: Any, meta: Any,
+                   out_dtype: np.dtype) -> tuple[Any, Any]:
+        """The recipe's FP8 ``lax.ragged_dot`` (G GEMMs, docs/moe.md) with its custom VJP:
+        ``(out, meta)``.
+
+        Called by `jax_fp8.fp8_ragged_dot` with lhs [M, K] and rhs [G, K, N] (float32 /
+        bfloat16 / float16), int32 ``group_sizes`` [G], an ``out_dtype`` of bfloat16,
+        float16 or float32, and a ``meta`` that passed ``check_meta(meta, shape=(G,))``."""
+        raise NotImplementedError(f"{type(self).__name__} has no grouped (ragged_dot) GEMM")
 
     def replace(self, **changes: Any) -> Any:
         """A copy with the given fields replaced (as ``dataclasses.replace``)."""

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_fp8 import _ad, recipe as recipe_lib
+from jax_fp8 import _ad, _grouped, recipe as recipe_lib
 from jax_fp8._primitives import axis_types, block_quantize as bq
 from jax_fp8.meta import Fp8Meta
 
@@ -55,7 +55,8 @@ class StatelessRecipe(recipe_lib.Recipe):
         del shape, history_len  # nothing to keep
         return Fp8Meta(recipe=self)
 
-    def check_meta(self, meta, name="meta"):
+    def check_meta(self, meta, name="meta", shape=()):
+        del shape  # no states
         for field in Fp8Meta.STATES:
             if getattr(meta, field) is not None:
                 raise TypeError(f"{name}.{field} must be None for {type(self).__name__} "
@@ -63,6 +64,18 @@ class StatelessRecipe(recipe_lib.Recipe):
 
     def dot_general(self, lhs, rhs, dimension_numbers, meta, out_dtype):
         return scaled_dot_general(lhs, rhs, dimension_numbers, self, out_dtype), meta
+
+    def ragged_dot(self, lhs, rhs, group_sizes, meta, out_dtype):
+        return scaled_ragged_dot(lhs, rhs, group_sizes, self, out_dtype), meta
+
+    def ragged_forward(self, x, w, ends, out_dtype, keep: bool):
+        """x [M, K] . w[g] [K, N] per group of rows (`jax_fp8._grouped`; ``ends``: the
+        clamped group ends, int32 [G]) -> ([M, N] in out_dtype, residuals or None)."""
+        raise NotImplementedError(f"{type(self).__name__} has no grouped (ragged_dot) GEMM")
+
+    def ragged_backward(self, residuals, g, ends, x_dtype, w_dtype):
+        """The gradients (dx [M, K] in x_dtype, dw [G, K, N] in w_dtype) for g [M, N]."""
+        raise NotImplementedError(f"{type(self).__name__} has no grouped (ragged_dot) GEMM")
 
     @abc.abstractmethod
     def matmul_forward(self, x, w, out_dtype, keep: bool):
@@ -199,6 +212,44 @@ def _bwd(recipe, out_dtype, x_dtype, w_dtype, residuals, g):
 
 
 _fp8_matmul.defvjp(_fwd, _bwd)
+
+
+# ---------------------------------------------------------------- grouped GEMMs (MoE)
+
+_RAGGED_OP = "fp8_ragged_dot (a recipe without state)"
+
+
+def scaled_ragged_dot(lhs, rhs, group_sizes, recipe, out_dtype):
+    """``lax.ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G])`` with FP8 GEMMs per
+    ``recipe`` (its ``ragged_forward`` / ``ragged_backward``), under one custom VJP. The
+    groups are clamped as the grouped GEMM primitive clamps them."""
+    ends = _grouped.clamped_group_ends(group_sizes, lhs.shape[0])
+    lhs, rhs = axis_types.vary_like([lhs, rhs])   # inside shard_map: as scaled_dot_general
+    return _ragged_matmul(lhs, rhs, ends, recipe, np.dtype(out_dtype), np.dtype(lhs.dtype),
+                          np.dtype(rhs.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _ragged_matmul(x, w, ends, recipe, out_dtype, x_dtype, w_dtype):
+    del x_dtype, w_dtype
+    return recipe.ragged_forward(x, w, ends, out_dtype, keep=False)[0]
+
+
+def _ragged_fwd(x, w, ends, recipe, out_dtype, x_dtype, w_dtype):
+    del x_dtype, w_dtype
+    x, w = _ad.first_order_only((x, w), _RAGGED_OP)
+    out, residuals = recipe.ragged_forward(x, w, ends, out_dtype, keep=True)
+    return out, _ad.hide((residuals, ends))
+
+
+def _ragged_bwd(recipe, out_dtype, x_dtype, w_dtype, residuals, g):
+    del out_dtype
+    (residuals, ends), g = _ad.first_order_only((_ad.reveal(residuals), g), _RAGGED_OP)
+    dx, dw = recipe.ragged_backward(residuals, g, ends, x_dtype, w_dtype)
+    return dx, dw, None
+
+
+_ragged_matmul.defvjp(_ragged_fwd, _ragged_bwd)
 
 
 # ------------------------------------------------------------ shardings of the gradients

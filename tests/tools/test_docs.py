@@ -296,7 +296,7 @@ def _snippets(md):
 # Pages whose ```python blocks run as written, each block on its own (as a reader pastes
 # one block into a fresh interpreter).
 SNIPPET_PAGES = ("README.md", "docs/reference/nnx.md", "docs/convert.md",
-                 "docs/training_loops.md")
+                 "docs/training_loops.md", "docs/moe.md")
 
 
 def _snippet_cases():

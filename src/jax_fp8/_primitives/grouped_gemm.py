@@ -38,6 +38,11 @@ axis contiguous (transposed copies of both), and then each group's operands star
 column offset_g, which TMA can load only where offset_g is a multiple of 16 (every group
 size a multiple of 16 tokens); routed group sizes are arbitrary.
 
+Under a jit over several devices (and on meshes with Explicit axes) each device runs this
+GEMM on the rows of lhs it holds (`PARTITIONING`): M keeps lhs's sharding, N rhs's; the
+experts' axis G and K are gathered, as FP8, and each device's group sizes are the global
+groups clamped to its rows (computed on the device), so every row's bits are one device's.
+
 The kernel is **on by default** wherever it is built and takes the operands (measured:
 docs/benchmarks.md, "Grouped FP8 GEMMs"); ``JAX_FP8_GROUPED_GEMM=off`` in the environment
 (read where `grouped_gemm` is traced) or ``implementation="jnp"`` runs the reference, and
@@ -55,9 +60,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.interpreters import mlir
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_fp8 import _registration
-from jax_fp8._primitives import base
+from jax_fp8._primitives import axis_types, base, partition_specs as specs
 
 TARGET = "jax_fp8_grouped_gemm"
 # "auto" (default): the CUDA kernel runs where it is built and takes the operands; "off":
@@ -110,6 +116,45 @@ def clamped_group_ends(group_sizes, m: int):
     return ends.astype(jnp.int32)
 
 
+def row_groups(ends, m: int):
+    """The group of each of m rows (int32 [m]) for the clamped group ends: G for the rows
+    past the last group."""
+    rows = jnp.arange(m, dtype=jnp.int32)
+    return jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)
+
+
+def ragged_product(lhs, rhs, ends, precision=None):
+    """acc [M, N] float32: each row of lhs [M, K] times its group's rhs[g] [N, K] (groups as
+    the clamped `ends` say), the rows past the last group 0; IEEE for infinities and NaNs,
+    which stay in their group's rows. lhs and rhs: FP8 (exact products) or float32."""
+    m, n = lhs.shape[0], rhs.shape[1]
+    group = row_groups(ends, m)
+
+    def ragged(_):
+        sizes = jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
+        numbers = lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=(0,),
+            rhs_group_dimensions=(0,))
+        return lax.ragged_dot_general(lhs, rhs, sizes, numbers, precision=precision,
+                                      preferred_element_type=jnp.float32)
+
+    def per_group(_):
+        # Each group's rows from its own dense product: IEEE for every row.
+        def body(g, acc):
+            prod = lax.dot_general(lhs, rhs[g], (((1,), (1,)), ((), ())), precision=precision,
+                                   preferred_element_type=jnp.float32)
+            return jnp.where((group == g)[:, None], prod, acc)
+        # (inside shard_map the carry varies as the operands do)
+        init = axis_types.vary_like([jnp.zeros((m, n), jnp.float32), lhs, rhs])[0]
+        return lax.fori_loop(0, rhs.shape[0], body, init)
+
+    # jax's ragged_dot computes every row against every group's weights (masking the rows of
+    # lhs, not the products), so an infinite or NaN weight of one expert would reach every
+    # group's rows as 0 * inf = NaN; such weights take the per-group loop (G times the
+    # FLOPs, only then).
+    return lax.cond(jnp.all(jnp.isfinite(rhs)), ragged, per_group, None)
+
+
 def reference(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, *, out_dtype, kernel=False):
     """The module's numbers in jax.numpy: steps 1-4 of the module docstring."""
     del kernel
@@ -117,31 +162,9 @@ def reference(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, *, out_dtype,
     if rhs.shape[0] == 0 or m == 0:
         return jnp.zeros((m, n), out_dtype)
     ends = clamped_group_ends(group_sizes, m)
-    rows = jnp.arange(m, dtype=jnp.int32)
-    group = jnp.searchsorted(ends, rows, side="right")           # G for rows past the groups
-    inside = rows < ends[-1]
-
-    def ragged(_):
-        sizes = jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
-        numbers = lax.RaggedDotDimensionNumbers(
-            dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=(0,),
-            rhs_group_dimensions=(0,))
-        return lax.ragged_dot_general(lhs, rhs, sizes, numbers,
-                                      preferred_element_type=jnp.float32)
-
-    def per_group(_):
-        # Each group's rows from its own dense product: IEEE for every row.
-        def body(g, acc):
-            prod = lax.dot_general(lhs, rhs[g], (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-            return jnp.where((group == g)[:, None], prod, acc)
-        return lax.fori_loop(0, rhs.shape[0], body, jnp.zeros((m, n), jnp.float32))
-
-    # jax's ragged_dot computes every row against every group's weights (masking the rows of
-    # lhs, not the products), so an infinite or NaN weight of one expert would reach every
-    # group's rows as 0 * inf = NaN; such weights take the per-group loop (G times the
-    # FLOPs, only then).
-    acc = lax.cond(jnp.all(jnp.isfinite(rhs)), ragged, per_group, None)
+    group = row_groups(ends, m)
+    inside = jnp.arange(m, dtype=jnp.int32) < ends[-1]
+    acc = ragged_product(lhs, rhs, ends)
     alpha = lhs_scale_inv * rhs_scale_inv
     row_alpha = jnp.where(inside, alpha[jnp.minimum(group, alpha.shape[0] - 1)], 0.0)
     out = jnp.where(inside[:, None], acc * row_alpha[:, None], 0.0)
@@ -225,11 +248,66 @@ def _kernel_lowering(ctx, *operands, **params):
                           multiple_results=False)(ctx, *operands)
 
 
-# Differentiated and batched as the reference; no partitioning rule yet (under a jit over
-# several devices XLA partitions the reference).
+# ----------------------------------------------------------------------- partitioning
+# Under a jit over several devices each device runs the grouped GEMM on the rows of lhs it
+# holds (M keeps its sharding: tokens data-parallel) against every expert's weight, N
+# keeping rhs's sharding (column-parallel experts); the experts' axis G and K are gathered,
+# as FP8 (1 byte a value: experts' weights sharded over devices, FSDP-style, move as FP8).
+# A device's rows [r0, r0 + M_local) meet the groups clamped to them: its group sizes are
+# computed on the device from the global ones, so the bits of every row are one device's.
+
+def _grouped_specs(mesh, lhs_shape, lhs_spec, rhs_shape, rhs_spec):
+    """(m, n) PartitionSpec entries: lhs's M where its shards are even, rhs's N where they
+    are and its mesh axes are not M's."""
+    used: set = set()
+
+    def take(entry, size):
+        axes = specs.spec_axes(entry)
+        if not axes or used & set(axes) or size % specs.axes_size(mesh, axes):
+            return None
+        used.update(axes)
+        return entry
+
+    return take(lhs_spec[0], lhs_shape[0]), take(rhs_spec[1], rhs_shape[1])
+
+
+def _grouped_shardings(params, mesh, arg_shapes):
+    del params
+    lhs, rhs = arg_shapes[:2]
+    m, n = _grouped_specs(mesh, lhs.shape, specs.padded_spec(lhs.sharding, 2), rhs.shape,
+                          specs.padded_spec(rhs.sharding, 3))
+    named = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
+    return ((named(m, None), named(None, n, None), named(), named(), named()),
+            named(m, n))
+
+
+def _grouped_local(bind, operands, *, mesh, shardings, params):
+    """One device's rows: the global groups clamped to them."""
+    lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv = operands
+    m_axes = specs.spec_axes(specs.padded_spec(shardings[0], 2)[0])
+    if not m_axes:
+        return bind(*operands, **params)
+    local_m = lhs.shape[0]
+    ends = clamped_group_ends(group_sizes, local_m * specs.axes_size(mesh, m_axes))
+    starts = ends - jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
+    first = lax.axis_index(m_axes).astype(jnp.int32) * local_m
+    local = (jnp.clip(ends - first, 0, local_m) - jnp.clip(starts - first, 0, local_m))
+    return bind(lhs, rhs, local.astype(jnp.int32), lhs_scale_inv, rhs_scale_inv, **params)
+
+
+def _grouped_rule(params, operand_types):
+    del params, operand_types
+    return "m k, g n k, g, g, g -> m n", {"need_replication_factors": ("k", "g")}
+
+
+PARTITIONING = base.Partitioning(_grouped_shardings, _grouped_rule, local=_grouped_local,
+                                 needs_kernel=False, explicit=True)
+
+# Differentiated and batched as the reference.
 grouped_gemm_p = base.register(base.Spec(
     TARGET, _abstract_eval, reference, cache_reference=True, jvp="reference", batch="reference",
-    kernels={"cuda": base.Kernel(_kernel_lowering, refuses=_refuses)}, same_varying=True))
+    kernels={"cuda": base.Kernel(_kernel_lowering, refuses=_refuses)}, same_varying=True,
+    partitioning=PARTITIONING))
 
 
 def kernel_switch() -> bool:

@@ -12,7 +12,8 @@ remat, scan, cond, shard_map and custom-derivative body): each jax_fp8 primitive
 decision that lowering it makes (``jax_fp8._primitives.base.decide``: the kernel, one
 partitioned call per device, or the jax.numpy reference), each jax_fp8 computation with a
 version per platform the version that lowers (``base.decide_platform``), and each
-``dot_general`` says whether it is an FP8 GEMM. Of a ``lax.platform_dependent``, only the
+``dot_general`` (and ``ragged_dot_general``, a mixture-of-experts layer's grouped GEMM) says
+whether it is an FP8 GEMM. Of a ``lax.platform_dependent``, only the
 branch of the platform is walked (the others are never lowered). Nothing is compiled or
 run. To run the reference everywhere, set ``JAX_FP8_IMPLEMENTATION=jnp`` in the
 environment before importing jax_fp8.
@@ -44,8 +45,11 @@ class Row:
     """One decision of a program.
 
     kind: "primitive" (a jax_fp8 primitive), "platform" (a jax_fp8 computation with a
-      version per platform) or "gemm" (a ``dot_general``).
-    name: the primitive's or the computation's name, or "dot_general".
+      version per platform) or "gemm" (a ``dot_general`` or ``ragged_dot_general``).
+    name: the primitive's or the computation's name, "dot_general" or
+      "ragged_dot_general" (a grouped GEMM: ``jax.lax.ragged_dot``'s, or the weight
+      gradient of `jax_fp8.fp8_ragged_dot`; the FP8 forward and input gradient of its
+      per-group scaled recipes are the grouped GEMM primitive's rows).
     where: the module / name-scope path it is called from, with the transformations
       around it (e.g. ``"transpose(jvp(Model))/mlp/Fp8DotGeneral_0"``); "" at the top.
     operands: the operand types, e.g. ``("bfloat16[8192,4096]", "float8_e4m3fn[...]")``.
@@ -55,7 +59,8 @@ class Row:
       FP8-quantized operands widened to it: ``"fp8 operands in float32"``), or what a
       recipe's own GEMM is (``"mxfp8"`` native, ``"mxfp8 emulated"``).
     why: the reason, in words.
-    flops: a GEMM's FLOPs (``2 * batch * M * N * K``), 0 for a primitive.
+    flops: a GEMM's FLOPs (``2 * batch * M * N * K``; a grouped GEMM's ``2 * M * K * N``,
+      each row multiplied by one group's weight), 0 for a primitive.
     """
     kind: str
     name: str
@@ -130,6 +135,9 @@ def _walk(jaxpr, where: str, platform: str, num_devices: int, rows: list) -> Non
             rows.append(Row("primitive", name, here, tuple(map(_fmt, avals)), how, why))
         elif name == "dot_general":
             rows.append(_gemm_row(here, avals, eqn.params["dimension_numbers"]))
+        elif name == "ragged_dot_general":   # a grouped GEMM (jax.lax.ragged_dot)
+            rows.append(_gemm_row(here, avals[:2], eqn.params[
+                "ragged_dot_dimension_numbers"].dot_dimension_numbers, name=name))
         elif name in recipe_lib.GEMM_PRIMITIVES:     # a recipe's GEMM of its own
             lowering, reason = recipe_lib.GEMM_PRIMITIVES[name]
             rows.append(Row("gemm", name, here, tuple(map(_fmt, avals)), lowering, reason()))
@@ -169,13 +177,21 @@ def _platform_branch(branches_platforms, platform: str) -> int | None:
     return next((i for i, p in enumerate(branches_platforms) if p is None), None)
 
 
-def _gemm_row(where, avals, dimension_numbers) -> Row:
+def _gemm_row(where, avals, dimension_numbers, name: str = "dot_general") -> Row:
     (lc, rc), (lb, rb) = dimension_numbers
     lhs, rhs = avals
     free = lambda a, c, b: math.prod(d for i, d in enumerate(a.shape)  # noqa: E731
                                      if i not in c and i not in b)
-    flops = (2 * math.prod(lhs.shape[i] for i in lb) * math.prod(lhs.shape[i] for i in lc)
-             * free(lhs, lc, lb) * free(rhs, rc, rb))
+    if name == "ragged_dot_general":
+        # each row (each value along the ragged axis) meets one group: the group axis of
+        # rhs ([G, K, N]) is not counted; ragged along the contraction, nothing is.
+        free_rhs = math.prod(rhs.shape) // math.prod(rhs.shape[i] for i in rc)
+        if rhs.ndim == lhs.ndim + 1 - len(lc) + len(rc):   # rhs has a group axis
+            free_rhs //= rhs.shape[0]
+        flops = 2 * math.prod(lhs.shape) * free_rhs
+    else:
+        flops = (2 * math.prod(lhs.shape[i] for i in lb) * math.prod(lhs.shape[i] for i in lc)
+                 * free(lhs, lc, lb) * free(rhs, rc, rb))
     fp8 = all(np.dtype(a.dtype).itemsize == 1 and "float8" in np.dtype(a.dtype).name
               for a in avals)
     # A scope is named bare, or inside the transformations around it ("jvp(name)").
@@ -203,7 +219,7 @@ def _gemm_row(where, avals, dimension_numbers) -> Row:
         where = _without_scope(name, where)
     if scope is not None:
         where = re.sub(rf"(^|/){re.escape(scope)}(?=$|/)|\({re.escape(scope)}\)", r"\1", where)
-    return Row("gemm", "dot_general", where, (_fmt(lhs), _fmt(rhs)), lowering, why, flops)
+    return Row("gemm", name, where, (_fmt(lhs), _fmt(rhs)), lowering, why, flops)
 
 
 def _in_scope(name: str, where: str) -> bool:

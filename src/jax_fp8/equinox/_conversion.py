@@ -17,6 +17,7 @@ from jax_fp8.equinox._gemm import fp8_gemm
 from jax_fp8.equinox._linear import Fp8Linear
 from jax_fp8.equinox._state import Fp8State
 from jax_fp8.meta import Fp8Meta
+from jax_fp8.ragged_dot import fp8_ragged_dot
 from jax_fp8.recipe import DelayedScaling
 
 __all__ = ["fp8_model"]
@@ -65,6 +66,9 @@ def _converting_call(call):
         weights = tuple((name, getattr(self, name)) for name in states)
 
         def convert(kind, gemm_args, precision, preferred_element_type, weight):
+            if kind == "ragged_dot":
+                return _ragged_dot(self, current, gemm_args, precision,
+                                   preferred_element_type, weight)
             if kind == "dot_general":
                 lhs, rhs, spec = gemm_args
             else:
@@ -84,6 +88,28 @@ def _converting_call(call):
         with interception.patched(), interception.running(site):
             return call(self, *args, **kwargs)
     return converting
+
+
+def _ragged_dot(module, current, gemm_args, precision, preferred_element_type, weight):
+    """A ``jax.lax.ragged_dot`` of the expert weight ``weight`` (a mixture-of-experts
+    layer): `jax_fp8.fp8_ragged_dot` with the weight's meta, for a recipe without state. A
+    delayed-scaling state would be one per expert, which the states made at conversion
+    (one per weight, before any call) are not."""
+    rule = module._fp8_rule  # noqa: SLF001
+    meta = current[weight]
+    if not meta.stateless:
+        raise ValueError(
+            f"jax_fp8.equinox.fp8_model: {type(module).__name__} multiplies its weight "
+            f"{weight!r} in a jax.lax.ragged_dot (a mixture-of-experts layer), whose "
+            f"delayed-scaling state is one per expert; the Equinox converter makes one state "
+            f"per weight. Convert this module with a recipe without state "
+            f"(Float8CurrentScaling(), Float8BlockScaling(), MXFP8BlockScaling()), or "
+            f"exclude it with Fp8Rule(path=..., recipe=None) before the other rules")
+    lhs, rhs, group_sizes = gemm_args
+    out, _ = fp8_ragged_dot(lhs, rhs, group_sizes, meta, precision=precision,
+                            preferred_element_type=preferred_element_type,
+                            min_fp8_flops=rule.min_fp8_flops)
+    return out
 
 
 @functools.cache

@@ -71,6 +71,7 @@ from jax_fp8.einsum import fp8_einsum
 from jax_fp8.flax import multi_steps
 from jax_fp8.meta import Fp8Meta, new_fp8_state, scales_frozen
 from jax_fp8.packing import PackedStates, pack_states, unpack_states
+from jax_fp8.ragged_dot import fp8_ragged_dot
 from jax_fp8.recipe import Recipe
 from jax_fp8.recipes.delayed import DelayedScaling
 from jax_fp8.state import ScalingState
@@ -120,13 +121,14 @@ def _check_collection_reaches(module: nn.Module, collection: str, op: str) -> No
                                      fix=fix.format(c=collection)))
 
 
-def _meta_variables(module: nn.Module, recipe, collection, op: str | None = None):
+def _meta_variables(module: nn.Module, recipe, collection, op: str | None = None,
+                    shape: tuple = ()):
     recipe_lib.check_recipe(recipe, "recipe")
     if not recipe.keeps_state:
         return None  # scales from the operands: no state
     _check_collection_reaches(module, collection, op or type(module).__name__)
     dtypes = recipe.state_dtypes()
-    return [module.variable(collection, name, ScalingState.create, (), recipe.history_len,
+    return [module.variable(collection, name, ScalingState.create, shape, recipe.history_len,
                             dtypes[name]) for name in Fp8Meta.STATES]
 
 
@@ -444,8 +446,10 @@ class _WeightFp8(nn.Module):
     operand: its variables are those of an `Fp8DotGeneral` / `Fp8Einsum` of that name
     (``input``, ``kernel``, ``grad``), whichever of the two GEMMs a call is; the weight is
     the rhs (the kernel). Calls: ``("dot_general", (lhs, rhs, dimension_numbers),
-    precision, preferred_element_type)`` or ``("einsum", (eqn, lhs, rhs), ...)``.
-    Attributes as `Fp8DotGeneral`'s.
+    precision, preferred_element_type)``, ``("einsum", (eqn, lhs, rhs), ...)`` or
+    ``("ragged_dot", (lhs, rhs, group_sizes), ...)``: a mixture-of-experts layer's grouped
+    GEMM (`jax_fp8.fp8_ragged_dot`) of an expert weight rhs [G, K, N], whose states are one
+    per expert (leading axis G). Attributes as `Fp8DotGeneral`'s.
     """
 
     recipe: Recipe = DelayedScaling()
@@ -455,10 +459,15 @@ class _WeightFp8(nn.Module):
     @nn.compact
     def __call__(self, kind: str, args: tuple[Any, Any, Any], precision=None,
                  preferred_element_type=None):
-        op = "Fp8DotGeneral" if kind == "dot_general" else "Fp8Einsum"
-        vs = _meta_variables(self, self.recipe, self.collection, op)
+        op = {"dot_general": "Fp8DotGeneral", "einsum": "Fp8Einsum"}.get(kind, "fp8_ragged_dot")
+        shape = (args[1].shape[0],) if kind == "ragged_dot" else ()
+        vs = _meta_variables(self, self.recipe, self.collection, op, shape)
         used = _read(self, vs, self.recipe, self.collection, op)
-        if kind == "dot_general":
+        if kind == "ragged_dot":
+            out, meta = fp8_ragged_dot(*args, used, precision=precision,
+                                       preferred_element_type=preferred_element_type,
+                                       min_fp8_flops=self.min_fp8_flops)
+        elif kind == "dot_general":
             out, meta = fp8_dot_general(*args, used, precision, preferred_element_type,
                                         min_fp8_flops=self.min_fp8_flops)
         else:

@@ -45,6 +45,7 @@ from jax_fp8.dot_general import check_min_fp8_flops, fp8_dot_general, gemm_flops
 from jax_fp8.einsum import fp8_einsum
 from jax_fp8.flax import multi_steps
 from jax_fp8.meta import Fp8Meta, new_fp8_state
+from jax_fp8.ragged_dot import fp8_ragged_dot
 from jax_fp8.recipe import check_recipe
 from jax_fp8.state import ScalingState
 
@@ -170,6 +171,32 @@ class Fp8Einsum(_Fp8Base):
             out, meta = fp8_einsum(eqn, lhs, rhs, self.meta,
                                    preferred_element_type=preferred_element_type,
                                    min_fp8_flops=self.min_fp8_flops)
+        self._thread(meta)
+        return out
+
+
+class Fp8RaggedDot(_Fp8Base):
+    """A stateful FP8 ``jax.lax.ragged_dot`` of a mixture-of-experts layer's expert weights
+    (`jax_fp8.fp8_ragged_dot`): ``Fp8RaggedDot(recipe, num_groups=G)(x, w, group_sizes)``
+    for x [M, K] and w [G, K, N]. Delayed scaling keeps one state per expert (leading axis
+    G) for the input, the weight and the gradient."""
+
+    def __init__(self, recipe=None, *unexpected, num_groups: int, min_fp8_flops: float = 0,
+                 **unexpected_kw):
+        super().__init__(recipe, *unexpected, min_fp8_flops=min_fp8_flops, **unexpected_kw)
+        if self.stateless_recipe is None:
+            for name in Fp8Meta.STATES:
+                var = getattr(self, name)
+                var.set_value(jax.tree.map(
+                    lambda x: jax.numpy.array(jax.numpy.broadcast_to(
+                        x, (int(num_groups),) + x.shape)), _get(var)))
+
+    def __call__(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+                 precision: Any = None, preferred_element_type: Any = None,
+                 **kwargs: Any) -> jax.Array:
+        out, meta = fp8_ragged_dot(lhs, rhs, group_sizes, self.meta, precision=precision,
+                                   preferred_element_type=preferred_element_type,
+                                   min_fp8_flops=self.min_fp8_flops, **kwargs)
         self._thread(meta)
         return out
 
@@ -398,6 +425,6 @@ def check_fp8_updated(model: nnx.Module) -> None:
 
 
 
-__all__ = ["Fp8DotGeneral", "Fp8Einsum", "Fp8Grad", "Fp8Linear", "Fp8Optimizer",
+__all__ = ["Fp8DotGeneral", "Fp8Einsum", "Fp8Grad", "Fp8Linear", "Fp8Optimizer", "Fp8RaggedDot",
            "Fp8Pending", "Fp8State", "ScalingState", "apply_gradients", "check_fp8_updated",
            "fp8_state", "fp8_value_and_grad", "update_fp8"]

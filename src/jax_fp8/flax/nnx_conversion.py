@@ -14,7 +14,7 @@ from flax import nnx
 from jax_fp8.dot_general import fp8_dot_general
 from jax_fp8.einsum import fp8_einsum
 from jax_fp8.flax import rules as rules_lib
-from jax_fp8.flax.nnx import Fp8DotGeneral, Fp8Einsum, _Fp8Base, _get
+from jax_fp8.flax.nnx import Fp8DotGeneral, Fp8Einsum, Fp8RaggedDot, _Fp8Base, _get
 
 __all__ = ["convert"]
 
@@ -74,7 +74,8 @@ def _raw_convert(module, rule, counts, kind, args, precision, preferred_element_
     eager call: ``<weight>_fp8`` for a GEMM of its parameter ``<weight>`` (every GEMM of
     that weight shares and threads its state), else (two activations)
     ``Fp8DotGeneral_<i>`` / ``Fp8Einsum_<i>``, the i-th of its kind in the call."""
-    cls = Fp8DotGeneral if kind == "dot_general" else Fp8Einsum
+    cls: type[_Fp8Base] = {"dot_general": Fp8DotGeneral, "einsum": Fp8Einsum}.get(
+        kind, Fp8RaggedDot)
     if weight is not None:
         name = f"{weight}_fp8"
     else:
@@ -90,7 +91,8 @@ def _raw_convert(module, rule, counts, kind, args, precision, preferred_element_
                 f"Convert with example inputs, fp8_model(model, rules, *inputs), which calls "
                 f"the model once to create them, or exclude the module with "
                 f"Fp8Rule(path=..., recipe=None) before the other rules")
-        layer = cls(rule.recipe, min_fp8_flops=rule.min_fp8_flops)
+        groups = {"num_groups": args[1].shape[0]} if cls is Fp8RaggedDot else {}
+        layer = cls(rule.recipe, min_fp8_flops=rule.min_fp8_flops, **groups)
         setattr(module, name, nnx.data(layer))
     elif not isinstance(layer, _Fp8Base):
         raise TypeError(
@@ -99,6 +101,11 @@ def _raw_convert(module, rule, counts, kind, args, precision, preferred_element_
             f"the module with Fp8Rule(path=..., recipe=None) before the other rules")
     if isinstance(layer, cls):
         return layer(*args, precision=precision, preferred_element_type=preferred_element_type)
+    if isinstance(layer, Fp8RaggedDot) or cls is Fp8RaggedDot:
+        raise TypeError(
+            f"jax_fp8.flax.fp8_model: {type(module).__name__} multiplies its parameter "
+            f"{weight!r} both in a ragged_dot (one FP8 state per expert) and in another GEMM "
+            f"(one state); exclude the module with Fp8Rule(path=..., recipe=None)")
     # The weight's state was made by a GEMM of the other kind: the same state, threaded.
     if kind == "dot_general":
         out, meta = fp8_dot_general(*args, layer.meta, precision, preferred_element_type,

@@ -22,8 +22,11 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from jax_fp8 import recipe as recipe_lib
+import jax.numpy as jnp
+
+from jax_fp8 import _grouped, recipe as recipe_lib
 from jax_fp8._primitives import block_gemm as gemm_lib, block_quantize as bq
+from jax_fp8._primitives.exact import up_scaled
 from jax_fp8.recipe import Format
 from jax_fp8.scaled_dot import StatelessRecipe, Types, explicit_type, typed
 
@@ -108,6 +111,50 @@ class Float8BlockScaling(StatelessRecipe):
         dw = _gemm(qx_t, sx_t, qg_t, sg_t, xr, gr, w_dtype)     # [K, M] . [N, M]^T
         # On a mesh with Explicit axes each gradient is typed as its primal.
         return typed(dx, types.x), typed(dw, types.w)
+
+    # ----------------------------------------------- grouped GEMMs (fp8_ragged_dot)
+    # The input's and the gradient's 1 x 128 blocks run along K (N) within a row, so never
+    # cross a group; each expert's weight has its own tiles (the leading axis G); the
+    # weight gradient's token-axis blocks are cut at group boundaries (_grouped).
+
+    def _blocks(self) -> _grouped.Blocks:
+        for role in ("x", "grad"):
+            if self.block_shape(role) != (1, 128):
+                raise ValueError(
+                    f"fp8_ragged_dot: Float8BlockScaling with {role}_block_scaling_dim=2 "
+                    f"would give the {'input' if role == 'x' else 'gradient'} 128 x 128 tiles "
+                    f"spanning two experts' tokens; a grouped GEMM takes "
+                    f"{role}_block_scaling_dim=1 (1 x 128 blocks, the default)")
+
+        def quantize(a, role, fp8_dtype):
+            return bq.block_quantize(a, block_rows=self.block_shape(role)[0],
+                                     fp8_dtype=fp8_dtype,
+                                     power_of_2_scale=self.power_of_2_scale,
+                                     amax_epsilon=self.amax_epsilon)
+
+        def elements(x32, amax, fp8_dtype):
+            scale = bq.scale_from_amax_f32(amax, recipe_lib.fp8_max(fp8_dtype),
+                                           self.amax_epsilon, self.power_of_2_scale)
+            inverse = bq.pow2_inverse(scale) if self.power_of_2_scale else \
+                bq.scale_inverse(scale)
+            return bq.cast_scaled(x32, scale, fp8_dtype), inverse
+
+        def dequantize_elements(q, scale_inv):
+            s, f = up_scaled(scale_inv)
+            return (q.astype(jnp.float32) * s) * f
+
+        return _grouped.Blocks(
+            block=bq.BLOCK, quantize=quantize,
+            dequantize=lambda q, s, role: gemm_lib.dequantize(q, s, self.block_shape(role)[0]),
+            elements=elements, dequantize_elements=dequantize_elements)
+
+    def ragged_forward(self, x, w, ends, out_dtype, keep):
+        return _grouped.blocked_forward(self._blocks(), self.fp8_format.fwd_dtype, x, w, ends,
+                                        out_dtype, keep)
+
+    def ragged_backward(self, residuals, g, ends, x_dtype, w_dtype):
+        return _grouped.blocked_backward(self._blocks(), self.fp8_format.bwd_dtype, residuals,
+                                         g, ends, x_dtype, w_dtype)
 
 
 def _gemm(a, sa, b, sb, ra, rb, out_dtype):

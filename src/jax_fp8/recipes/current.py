@@ -18,10 +18,11 @@ import dataclasses
 from typing import ClassVar
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
-from jax_fp8 import _gemms, current, recipe as recipe_lib
-from jax_fp8._primitives import layout
+from jax_fp8 import _gemms, _grouped, current, recipe as recipe_lib
+from jax_fp8._primitives import block_quantize as bq, layout
 from jax_fp8.recipe import Format
 from jax_fp8.scaled_dot import StatelessRecipe
 
@@ -81,6 +82,38 @@ class Float8CurrentScaling(StatelessRecipe):
         dw = _gemms.gemm(layout.rotate_axes(qx, 1), layout.rotate_axes(qg, 1), _TN, sx, sg,
                          w_dtype, precision=hi,                             # [K, M] . [N, M]^T
                          out_sharding=_gemms.permuted_sharding(qw, (0, 1), like=(qx, qg)))
+        return dx, dw
+
+    # ----------------------------------------------- grouped GEMMs (fp8_ragged_dot)
+    # One scale per group of rows (the input, the gradient) and per expert (the weight),
+    # each from its own amax (jax_fp8._grouped.group_amax: NaN-propagating, exact).
+
+    def _quantize_groups(self, a, ends, fp8_dtype):
+        """a [M, C] quantized with its rows' group's scale: (q, scale_inv [G])."""
+        group = _grouped.row_groups(ends, a.shape[0])
+        scale = self._scale(_grouped.group_amax(a, group, ends.shape[0]), fp8_dtype)
+        q = bq.cast_scaled(bq.widen(a), _grouped.rows_of(scale, group)[:, None], fp8_dtype)
+        return q, bq.scale_inverse(scale)
+
+    def _scale(self, amax, fp8_dtype):
+        return bq.scale_from_amax_f32(amax, recipe_lib.fp8_max(fp8_dtype), self.amax_epsilon,
+                                      self.power_of_2_scale)
+
+    def ragged_forward(self, x, w, ends, out_dtype, keep):
+        x, w = lax.stop_gradient(x), lax.stop_gradient(w)
+        fwd = self.fp8_format.fwd_dtype
+        qx, sx = self._quantize_groups(x, ends, fwd)
+        scale_w = self._scale(_grouped.expert_amax(w), fwd)
+        qw = bq.cast_scaled(bq.widen(w), scale_w[:, None, None], fwd)          # [G, K, N]
+        sw = bq.scale_inverse(scale_w)
+        out = _grouped.grouped(qx, jnp.swapaxes(qw, 1, 2), ends, sx, sw, out_dtype)
+        return out, ((qx, sx, qw, sw) if keep else None)
+
+    def ragged_backward(self, residuals, g, ends, x_dtype, w_dtype):
+        qx, sx, qw, sw = residuals
+        qg, sg = self._quantize_groups(g, ends, self.fp8_format.bwd_dtype)
+        dx = _grouped.grouped(qg, qw, ends, sg, sw, x_dtype)           # [M, N] . [G, K, N]
+        dw = _grouped.scaled_wgrad(qx, qg, ends, sx, sg, w_dtype)      # [G, K, N]
         return dx, dw
 
 

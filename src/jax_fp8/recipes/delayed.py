@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from jax_fp8 import _ad, _gemms, meta as meta_lib, recipe as recipe_lib
+from jax_fp8 import _ad, _gemms, _grouped, meta as meta_lib, recipe as recipe_lib
 from jax_fp8._primitives import amax as amax_lib, layout
 from jax_fp8.current import scale_inverse
 from jax_fp8.meta import Fp8Meta
@@ -78,7 +78,7 @@ class DelayedScaling(recipe_lib.Recipe):
                        kernel=ScalingState.create(shape, n, dtypes["kernel"]),
                        grad=ScalingState.create(shape, n, dtypes["grad"]))
 
-    def check_meta(self, meta, name="meta") -> None:
+    def check_meta(self, meta, name="meta", shape=()) -> None:
         if meta.recipe is not None:
             raise TypeError(f"{name}.recipe: a delayed-scaling meta holds states, not a "
                             f"recipe; make it with Fp8Meta.create(DelayedScaling(...))")
@@ -92,8 +92,15 @@ class DelayedScaling(recipe_lib.Recipe):
                 if not hasattr(leaf, "shape") or getattr(leaf, "dtype", None) != jnp.float32:
                     raise TypeError(f"{name}.{field}.{leaf_name} must be a float32 array, got "
                                     f"{getattr(leaf, 'dtype', type(leaf).__name__)}")
-            if tuple(st.scale.shape) != () or tuple(st.scale_inv.shape) != () \
-                    or st.amax_history.ndim != 1:
+            shape = tuple(shape)
+            if tuple(st.scale.shape) != shape or tuple(st.scale_inv.shape) != shape \
+                    or st.amax_history.ndim != len(shape) + 1:
+                if shape:
+                    raise ValueError(
+                        f"{name}.{field} must hold one state per expert (scale shape "
+                        f"{shape}, history {list(shape) + ['L']}), got scale shape "
+                        f"{tuple(st.scale.shape)}; make it with "
+                        f"Fp8Meta.create(DelayedScaling(...), shape={shape})")
                 raise ValueError(f"{name}.{field} must be the state of one tensor (scale "
                                  f"shape (), history [L]), got scale shape "
                                  f"{tuple(st.scale.shape)}; for stacked layers slice the meta "
@@ -103,6 +110,12 @@ class DelayedScaling(recipe_lib.Recipe):
         meta_lib.claim(meta, "fp8_dot_general", (lhs, rhs))
         return _fp8_dot(lhs, rhs, meta, dimension_numbers, out_dtype, np.dtype(lhs.dtype),
                         np.dtype(rhs.dtype))
+
+    def ragged_dot(self, lhs, rhs, group_sizes, meta, out_dtype):
+        meta_lib.claim(meta, "fp8_ragged_dot", (lhs, rhs))
+        ends = _grouped.clamped_group_ends(group_sizes, lhs.shape[0])
+        return _fp8_ragged(lhs, rhs, ends, meta, out_dtype, np.dtype(lhs.dtype),
+                           np.dtype(rhs.dtype))
 
 
 # ------------------------------------------------------------- the GEMM and its custom VJP
@@ -210,3 +223,81 @@ def _fwd_rule(lhs, rhs, meta, dimension_numbers, out_dtype, lhs_dtype, rhs_dtype
 # symbolic_zeros: the backward rule sees which cotangents are known zeros (an unused
 # threaded meta), see meta.amax_cotangent.
 _fp8_dot.defvjp(_fwd_rule, _bwd, symbolic_zeros=True)
+
+
+# ---------------------------------------------------- the grouped GEMM (fp8_ragged_dot)
+# One state per expert for the input, the kernel and the gradient (leading axis G): group
+# g's rows are quantized with meta.input's scale [g] (the gradient's with meta.grad's),
+# expert g's weight with meta.kernel's; the amaxes observed are per group of rows (0 for
+# an empty group) and per expert (jax_fp8._grouped.group_amax / expert_amax).
+
+def _quantize_rows(x, state, group):
+    """x [M, C] quantized with the scale of each row's group (the saturating cast of
+    `jax_fp8.quantize`)."""
+    fmax = np.float32(recipe_lib.fp8_max(state.fp8_dtype))
+    scale = _grouped.rows_of(state.scale.astype(jnp.float32), group)[:, None]
+    return jnp.clip(x.astype(jnp.float32) * scale, -fmax, fmax).astype(state.fp8_dtype)
+
+
+def _ragged_fwd(lhs, rhs, ends, meta):
+    group = _grouped.row_groups(ends, lhs.shape[0])
+    groups = ends.shape[0]
+    q_lhs = _quantize_rows(lhs, meta.input, group)
+    q_rhs = quantize(rhs, meta.kernel)                               # [G, K, N]
+    return q_lhs, q_rhs, group, (_grouped.group_amax(lhs, group, groups),
+                                 _grouped.expert_amax(rhs))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fp8_ragged(lhs, rhs, ends, meta, out_dtype, lhs_dtype, rhs_dtype):
+    del lhs_dtype, rhs_dtype
+    return _fp8_ragged_fwd_rule_impl(lhs, rhs, ends, meta, out_dtype)[0]
+
+
+def _fp8_ragged_fwd_rule_impl(lhs, rhs, ends, meta, out_dtype):
+    q_lhs, q_rhs, group, (amax_lhs, amax_rhs) = _ragged_fwd(lhs, rhs, ends, meta)
+    out = _grouped.grouped(q_lhs, jnp.swapaxes(q_rhs, 1, 2), ends,
+                           _dequantization_factor(meta.input),
+                           _dequantization_factor(meta.kernel), out_dtype)
+    return (out, meta), (q_lhs, q_rhs, ends, group, meta, amax_lhs, amax_rhs,
+                         _empty_slice(lhs), _empty_slice(rhs))
+
+
+def _fp8_ragged_fwd_rule(lhs, rhs, ends, meta, out_dtype, lhs_dtype, rhs_dtype):
+    del lhs_dtype, rhs_dtype
+    lhs, rhs, ends, meta = jax.tree.map(
+        lambda p: p.value, (lhs, rhs, ends, meta),
+        is_leaf=lambda p: isinstance(p, jax.custom_derivatives.CustomVJPPrimal))
+    lhs, rhs, meta = _ad.first_order_only((lhs, rhs, meta), "fp8_ragged_dot")
+    out, res = _fp8_ragged_fwd_rule_impl(lhs, rhs, ends, meta, out_dtype)
+    return out, _ad.hide(res)
+
+
+def _fp8_ragged_bwd(out_dtype, lhs_dtype, rhs_dtype, res, cts):
+    del out_dtype
+    g, ct_meta = cts
+    if isinstance(g, SymbolicZero):  # only the threaded meta is used downstream
+        aval: Any = g.aval
+        g = jnp.zeros(aval.shape, aval.dtype)
+    res, g = _ad.first_order_only((_ad.reveal(res), g), "fp8_ragged_dot")
+    q_lhs, q_rhs, ends, group, meta, amax_lhs, amax_rhs, lhs_like, rhs_like = res
+    q_g = _quantize_rows(g, meta.grad, group)
+    amax_g = _grouped.group_amax(g, group, ends.shape[0])
+    si_in, si_kernel, si_grad = (_dequantization_factor(st)
+                                 for st in (meta.input, meta.kernel, meta.grad))
+    grad_lhs = _grouped.grouped(q_g, q_rhs, ends, si_grad, si_kernel, lhs_dtype)
+    grad_rhs = _grouped.scaled_wgrad(q_lhs, q_g, ends, si_in, si_grad, rhs_dtype)
+    ct_meta_in = Fp8Meta(input=meta_lib.amax_cotangent(ct_meta.input, amax_lhs, meta.input),
+                         kernel=meta_lib.amax_cotangent(ct_meta.kernel, amax_rhs, meta.kernel),
+                         grad=meta_lib.amax_cotangent(ct_meta.grad, amax_g, meta.grad))
+    # Inside shard_map, as fp8_dot_general: gradients summed and amaxes max-ed over the
+    # manual axes their primals do not vary over (experts' weights and states replicated
+    # beside tokens per device).
+    grad_lhs = _to_primal_vma(grad_lhs, lhs_like, lax.psum)
+    grad_rhs = _to_primal_vma(grad_rhs, rhs_like, lax.psum)
+    ct_meta_in = jax.tree.map(
+        lambda ct, primal: _to_primal_vma(ct, primal, _pmax_ignoring_nan), ct_meta_in, meta)
+    return grad_lhs, grad_rhs, None, ct_meta_in
+
+
+_fp8_ragged.defvjp(_fp8_ragged_fwd_rule, _fp8_ragged_bwd, symbolic_zeros=True)

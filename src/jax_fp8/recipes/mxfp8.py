@@ -33,7 +33,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
-from jax_fp8 import _registration, current, recipe as recipe_lib
+from jax_fp8 import _grouped, _registration, current, recipe as recipe_lib
 from jax_fp8._primitives import axis_types
 from jax_fp8._primitives.exact import U32, abs_bits, cast_scaled, from_bits, up_scaled, widen
 from jax_fp8._primitives.quotient import product_bits
@@ -90,6 +90,39 @@ class MXFP8BlockScaling(StatelessRecipe):
         dx = _gemm(qg, sg, qw_kn, sw_kn, x_dtype)          # [M, N] . [K, N]^T
         dw = _gemm(qx_t, sx_t, qg_t, sg_t, w_dtype)        # [K, M] . [N, M]^T
         return typed(dx, types.x), typed(dw, types.w)
+
+    # ----------------------------------------------- grouped GEMMs (fp8_ragged_dot)
+    # Every operand in 1 x 32 blocks along its GEMM's contraction: the input's and the
+    # gradient's along K (N) within a row, each expert's weight its own; the weight
+    # gradient's along the tokens, cut at group boundaries (_grouped).
+
+    def ragged_forward(self, x, w, ends, out_dtype, keep):
+        return _grouped.blocked_forward(_BLOCKS, self.fp8_format.fwd_dtype, x, w, ends,
+                                        out_dtype, keep)
+
+    def ragged_backward(self, residuals, g, ends, x_dtype, w_dtype):
+        return _grouped.blocked_backward(_BLOCKS, self.fp8_format.bwd_dtype, residuals, g,
+                                         ends, x_dtype, w_dtype)
+
+
+def _elements(x32, amax, fp8_dtype):
+    """x32 quantized with the E8M0 scale of a block whose amax is `amax` (broadcast), as
+    `quantize_mxfp8` quantizes each value: (q, scale_inv float8_e8m0fnu)."""
+    x32, amax = jnp.broadcast_arrays(x32, amax)
+    e = _e8m0(amax, fp8_dtype)
+    pre, factor = _scale(e)
+    nan = (lax.bitcast_convert_type(x32, jnp.uint32) & U32(0x7FFFFFFF)) > U32(0x7F800000)
+    xs = jnp.where(pre & ~nan, x32 * _F32(2.0 ** -64), x32)
+    return (cast_scaled(xs, factor, fp8_dtype),
+            lax.bitcast_convert_type(e.astype(jnp.uint8), E8M0))
+
+
+def _dequantize_elements(q, scale_inv):
+    """q * scale_inv elementwise (scale_inv E8M0), as `dequantize_mxfp8`."""
+    e = lax.bitcast_convert_type(scale_inv, jnp.uint8).astype(jnp.uint32)
+    s = from_bits(jnp.where(e == 255, U32(0x7FC00000),
+                            jnp.where(e == 0, U32(0x400000), e << 23)))
+    return q.astype(jnp.float32) * s
 
 
 # ----------------------------------------------------------------------------- quantize
@@ -250,3 +283,9 @@ recipe_lib.GEMM_SCOPES[EMULATED_SCOPE] = (
                                f"dequantized per 1x32 block, one float32 dot"))
 recipe_lib.GEMM_PRIMITIVES["scaled_matmul_wrapper"] = (
     "mxfp8", lambda: f"native MXFP8 GEMM (jax.nn.scaled_matmul, cuDNN; {native_status()[1]})")
+
+
+_BLOCKS = _grouped.Blocks(
+    block=BLOCK, quantize=lambda a, role, fp8_dtype: quantize_mxfp8(a, fp8_dtype),
+    dequantize=lambda q, s, role: dequantize_mxfp8(q, s), elements=_elements,
+    dequantize_elements=_dequantize_elements)
