@@ -195,8 +195,8 @@ def _gemm_row(where, avals, dimension_numbers, name: str = "dot_general") -> Row
     fp8 = all(np.dtype(a.dtype).itemsize == 1 and "float8" in np.dtype(a.dtype).name
               for a in avals)
     # A scope is named bare, or inside the transformations around it ("jvp(name)").
-    scope = next((name for name in recipe_lib.GEMM_SCOPES
-                  if re.search(rf"(^|[/(]){re.escape(name)}($|[/)])", where)), None)
+    scope = next((s for s in recipe_lib.GEMM_SCOPES
+                  if re.search(rf"(^|[/(]){re.escape(s)}($|[/)])", where)), None)
     if scope is not None:
         lowering, reason = recipe_lib.GEMM_SCOPES[scope]
         why = reason()
@@ -215,8 +215,8 @@ def _gemm_row(where, avals, dimension_numbers, name: str = "dot_general") -> Row
         why = next(text for s, text in KEPT_SCOPES.items() if _in_scope(s, where))
     else:
         lowering, why = str(np.dtype(lhs.dtype)), "not an FP8 GEMM"
-    for name in (KEPT_SCOPE, WIDENED_SCOPE, *KEPT_SCOPES):
-        where = _without_scope(name, where)
+    for scope_name in (KEPT_SCOPE, WIDENED_SCOPE, *KEPT_SCOPES):
+        where = _without_scope(scope_name, where)
     if scope is not None:
         where = re.sub(rf"(^|/){re.escape(scope)}(?=$|/)|\({re.escape(scope)}\)", r"\1", where)
     return Row("gemm", name, where, (_fmt(lhs), _fmt(rhs)), lowering, why, flops)
