@@ -51,6 +51,7 @@
 #include "block_quantize_cuda.h"
 #include "block_scale_layout.h"
 #include "scaling_math.h"
+#include "type_dispatch.h"
 
 namespace jax_fp8 {
 namespace {
@@ -643,12 +644,6 @@ cudaError_t LaunchTyped(cudaStream_t stream, const BlockQuantizeArgs& a) {
   return cudaGetLastError();
 }
 
-template <typename In>
-cudaError_t LaunchForFp8(cudaStream_t stream, const BlockQuantizeArgs& a) {
-  return a.fp8_type == Fp8Type::kE5M2 ? LaunchTyped<In, Fp8Type::kE5M2>(stream, a)
-                                      : LaunchTyped<In, Fp8Type::kE4M3FN>(stream, a);
-}
-
 }  // namespace
 
 bool BlockQuantizeSupports(int64_t batch, int64_t rows, int64_t cols) {
@@ -660,12 +655,9 @@ cudaError_t LaunchBlockQuantize(cudaStream_t stream, const BlockQuantizeArgs& a)
   if (!BlockQuantizeSupports(a.batch, a.rows, a.cols) || (!a.q && !a.q_t)) {
     return cudaErrorInvalidValue;
   }
-  switch (a.in_type) {
-    case InType::kF32: return LaunchForFp8<float>(stream, a);
-    case InType::kBF16: return LaunchForFp8<__nv_bfloat16>(stream, a);
-    case InType::kF16: return LaunchForFp8<__half>(stream, a);
-  }
-  return cudaErrorInvalidValue;
+  return DispatchTypes(a.in_type, a.fp8_type, cudaErrorInvalidValue, [&](auto in, auto fp8) {
+    return LaunchTyped<typename decltype(in)::type, decltype(fp8)::value>(stream, a);
+  });
 }
 
 }  // namespace jax_fp8

@@ -13,6 +13,7 @@
 #include <cuda_fp8.h>
 
 #include "transpose_cuda.h"
+#include "type_dispatch.h"
 
 namespace jax_fp8 {
 namespace {
@@ -200,16 +201,6 @@ cudaError_t LaunchQuantizeTransposeTyped(cudaStream_t stream, const void* x, con
   return cudaGetLastError();
 }
 
-template <typename In>
-cudaError_t LaunchForFp8(Fp8Type fp8_type, cudaStream_t stream, const void* x, const float* scale,
-                         void* q, void* q_t, float* amax, int64_t rows, int64_t cols,
-                         float fp8_max) {
-  return fp8_type == Fp8Type::kE5M2 ? LaunchQuantizeTransposeTyped<In, Fp8Type::kE5M2>(
-                                          stream, x, scale, q, q_t, amax, rows, cols, fp8_max)
-                                    : LaunchQuantizeTransposeTyped<In, Fp8Type::kE4M3FN>(
-                                          stream, x, scale, q, q_t, amax, rows, cols, fp8_max);
-}
-
 }  // namespace
 
 bool TransposeBytesSupports(int64_t batch, int64_t rows, int64_t cols) {
@@ -233,16 +224,10 @@ cudaError_t LaunchQuantizeTranspose(cudaStream_t stream, InType in_type, Fp8Type
   // The amax is an atomic max over the blocks, from zero (max |x| >= 0).
   cudaError_t err = cudaMemsetAsync(amax, 0, sizeof(float), stream);
   if (err != cudaSuccess) return err;
-  switch (in_type) {
-    case InType::kF32:
-      return LaunchForFp8<float>(fp8_type, stream, x, scale, q, q_t, amax, rows, cols, fp8_max);
-    case InType::kBF16:
-      return LaunchForFp8<__nv_bfloat16>(fp8_type, stream, x, scale, q, q_t, amax, rows, cols,
-                                         fp8_max);
-    case InType::kF16:
-      return LaunchForFp8<__half>(fp8_type, stream, x, scale, q, q_t, amax, rows, cols, fp8_max);
-  }
-  return cudaErrorInvalidValue;
+  return DispatchTypes(in_type, fp8_type, cudaErrorInvalidValue, [&](auto in, auto fp8) {
+    return LaunchQuantizeTransposeTyped<typename decltype(in)::type, decltype(fp8)::value>(
+        stream, x, scale, q, q_t, amax, rows, cols, fp8_max);
+  });
 }
 
 }  // namespace jax_fp8
