@@ -34,7 +34,7 @@ struct LtHeuristic {
   int reserved[4];
 };
 constexpr LtStatus kLtSuccess = 0;
-constexpr int32_t kCompute32F = 68;                                    // CUBLAS_COMPUTE_32F
+constexpr int32_t kCompute32F = 68;  // CUBLAS_COMPUTE_32F
 constexpr int32_t kOpN = 0, kOpT = 1;
 constexpr int32_t kDescTransA = 3, kDescTransB = 4, kDescAScalePointer = 17,
                   kDescBScalePointer = 18, kDescAScaleMode = 31, kDescBScaleMode = 32;
@@ -160,9 +160,8 @@ uint32_t Alignment(const void* p, int64_t batch_stride_bytes, int64_t batch) {
 Plan* FindPlan(const Gemm& g, const uint32_t (&align)[5], int32_t device) {
   std::lock_guard<std::mutex> lt_lock(g_lt_mu);
   if (g_lt_version == 0) return nullptr;
-  const PlanKey key{device,   g.m,      g.n,      g.k,      g.a_type,
-                    g.b_type, g.out_type, g.a_tile, g.b_tile, align[0],
-                    align[1], align[2], align[3], align[4]};
+  const PlanKey key{device,   g.m,      g.n,      g.k,      g.a_type, g.b_type, g.out_type,
+                    g.a_tile, g.b_tile, align[0], align[1], align[2], align[3], align[4]};
   std::lock_guard<std::mutex> lock(g_plans_mu);
   std::unique_ptr<Plan>& slot = g_plans[key];
   if (!slot) {

@@ -17,8 +17,8 @@ namespace jax_fp8 {
 // cudaDataType_t codes of the operand and output types.
 constexpr int32_t kR32F = 0, kR16BF = 14, kR8FE4M3 = 28, kR8FE5M2 = 29;
 
-struct Gemm {  // one GEMM of a batch, as cuBLASLt sees it
-  int64_t m, n, k;        // row-major out [m, n] = a [m, k] . b [n, k]^T
+struct Gemm {       // one GEMM of a batch, as cuBLASLt sees it
+  int64_t m, n, k;  // row-major out [m, n] = a [m, k] . b [n, k]^T
   int32_t a_type, b_type, out_type;
   bool a_tile, b_tile;
   const void *a, *b, *a_scale, *b_scale;

@@ -22,8 +22,7 @@ constexpr const char* kName = "jax_fp8_block_gemm";
 
 // The `kernel` attribute: the table's choice, cuBLASLt (else the plain kernel), the plain
 // kernel, or CUTLASS configuration i as kKernelCutlass + i.
-constexpr int32_t kKernelAuto = 0, kKernelCublasLt = 1, kKernelFallback = 2,
-                  kKernelCutlass = 100;
+constexpr int32_t kKernelAuto = 0, kKernelCublasLt = 1, kKernelFallback = 2, kKernelCutlass = 100;
 
 ffi::Error Invalid(const std::string& msg) { return InvalidArgument(kName, msg); }
 
@@ -59,8 +58,8 @@ ffi::ErrorOr<int> CutlassChoice(const Call& c, int32_t kernel) {
     return ffi::Unexpected(Invalid("kernel names no compiled CUTLASS configuration"));
   }
   if (!CutlassTakes(i, c.cg, c.e4m3, c.align)) {
-    return ffi::Unexpected(Invalid(std::string("CUTLASS configuration ") +
-                                   CutlassConfigAt(i).name + " does not take this GEMM"));
+    return ffi::Unexpected(Invalid(std::string("CUTLASS configuration ") + CutlassConfigAt(i).name +
+                                   " does not take this GEMM"));
   }
   return i;
 }
@@ -84,10 +83,20 @@ ffi::ErrorOr<Call> Decode(ffi::AnyBuffer a, ffi::AnyBuffer a_scale, ffi::AnyBuff
   };
   const ffi::DataType ot = out->element_type();
   Call c{};
-  c.g = Gemm{m, n, k, fp8(a.element_type()), fp8(b.element_type()),
-             ot == ffi::DataType::BF16 ? kR16BF : kR32F, a_block_rows == 128,
-             b_block_rows == 128, a.untyped_data(), b.untyped_data(), a_scale.untyped_data(),
-             b_scale.untyped_data(), out->untyped_data(), workspace->size_bytes()};
+  c.g = Gemm{m,
+             n,
+             k,
+             fp8(a.element_type()),
+             fp8(b.element_type()),
+             ot == ffi::DataType::BF16 ? kR16BF : kR32F,
+             a_block_rows == 128,
+             b_block_rows == 128,
+             a.untyped_data(),
+             b.untyped_data(),
+             a_scale.untyped_data(),
+             b_scale.untyped_data(),
+             out->untyped_data(),
+             workspace->size_bytes()};
   if (c.g.a_type < 0 || c.g.b_type < 0) {
     return ffi::Unexpected(Invalid("a and b must be f8e4m3fn or f8e5m2"));
   }
@@ -99,7 +108,8 @@ ffi::ErrorOr<Call> Decode(ffi::AnyBuffer a, ffi::AnyBuffer a_scale, ffi::AnyBuff
   }
   const GemmScaleDims sa = GemmScaleLayout(m, k, c.g.a_tile);
   const GemmScaleDims sb = GemmScaleLayout(n, k, c.g.b_tile);
-  if (a_scale.element_type() != ffi::DataType::F32 || b_scale.element_type() != ffi::DataType::F32 ||
+  if (a_scale.element_type() != ffi::DataType::F32 ||
+      b_scale.element_type() != ffi::DataType::F32 ||
       !DimsEqual(a_scale.dimensions(), lead, {sa.outer, sa.ld}) ||
       !DimsEqual(b_scale.dimensions(), lead, {sb.outer, sb.ld})) {
     return ffi::Unexpected(
@@ -115,10 +125,22 @@ ffi::ErrorOr<Call> Decode(ffi::AnyBuffer a, ffi::AnyBuffer a_scale, ffi::AnyBuff
   c.align[2] = Alignment(c.g.out, m * n * static_cast<int64_t>(c.batch.out_bytes), batch);
   c.align[3] = Alignment(c.g.a_scale, c.batch.a_scale_size * 4, batch);
   c.align[4] = Alignment(c.g.b_scale, c.batch.b_scale_size * 4, batch);
-  c.cg = CutlassGemm{m, n, k, batch, c.g.a, c.g.b,
-                     static_cast<const float*>(c.g.a_scale), static_cast<const float*>(c.g.b_scale),
-                     c.g.out, sa.ld, sb.ld, c.batch.a_scale_size, c.batch.b_scale_size,
-                     c.g.a_tile, c.g.b_tile, ot == ffi::DataType::BF16};
+  c.cg = CutlassGemm{m,
+                     n,
+                     k,
+                     batch,
+                     c.g.a,
+                     c.g.b,
+                     static_cast<const float*>(c.g.a_scale),
+                     static_cast<const float*>(c.g.b_scale),
+                     c.g.out,
+                     sa.ld,
+                     sb.ld,
+                     c.batch.a_scale_size,
+                     c.batch.b_scale_size,
+                     c.g.a_tile,
+                     c.g.b_tile,
+                     ot == ffi::DataType::BF16};
   c.e4m3 = c.g.a_type == kR8FE4M3 && c.g.b_type == kR8FE4M3;
   return c;
 }
@@ -194,11 +216,21 @@ ffi::Error BlockGemmExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   const float* psb = static_cast<const float*>(g.b_scale);
   uint8_t* po = static_cast<uint8_t*>(g.out);
   for (int64_t i = 0; i < c.batch.count; ++i) {
-    const BlockGemmArgs args{pa + i * g.m * g.k, psa + i * c.batch.a_scale_size,
-                             g.a_type == kR8FE5M2, g.a_tile, c.sa_ld, pb + i * g.n * g.k,
-                             psb + i * c.batch.b_scale_size, g.b_type == kR8FE5M2, g.b_tile,
-                             c.sb_ld, po + i * g.m * g.n * c.batch.out_bytes,
-                             g.out_type == kR16BF, g.m, g.n, g.k};
+    const BlockGemmArgs args{pa + i * g.m * g.k,
+                             psa + i * c.batch.a_scale_size,
+                             g.a_type == kR8FE5M2,
+                             g.a_tile,
+                             c.sa_ld,
+                             pb + i * g.n * g.k,
+                             psb + i * c.batch.b_scale_size,
+                             g.b_type == kR8FE5M2,
+                             g.b_tile,
+                             c.sb_ld,
+                             po + i * g.m * g.n * c.batch.out_bytes,
+                             g.out_type == kR16BF,
+                             g.m,
+                             g.n,
+                             g.k};
     const ffi::Error err = LaunchStatus(kName, LaunchBlockGemmFallback(stream, args));
     if (err.failure()) return err;
   }
@@ -207,18 +239,18 @@ ffi::Error BlockGemmExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
 
 }  // namespace
 
-#define JAX_FP8_BLOCK_GEMM_BINDING(stage)                 \
-  ffi::Ffi::Bind<stage>()                                 \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()           \
-      .Ctx<ffi::DeviceOrdinal>()                          \
-      .Arg<ffi::AnyBuffer>()                              \
-      .Arg<ffi::AnyBuffer>()                              \
-      .Arg<ffi::AnyBuffer>()                              \
-      .Arg<ffi::AnyBuffer>()                              \
-      .Ret<ffi::AnyBuffer>()                              \
-      .Ret<ffi::AnyBuffer>()                              \
-      .Attr<int32_t>("a_block_rows")                      \
-      .Attr<int32_t>("b_block_rows")                      \
+#define JAX_FP8_BLOCK_GEMM_BINDING(stage)       \
+  ffi::Ffi::Bind<stage>()                       \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>() \
+      .Ctx<ffi::DeviceOrdinal>()                \
+      .Arg<ffi::AnyBuffer>()                    \
+      .Arg<ffi::AnyBuffer>()                    \
+      .Arg<ffi::AnyBuffer>()                    \
+      .Arg<ffi::AnyBuffer>()                    \
+      .Ret<ffi::AnyBuffer>()                    \
+      .Ret<ffi::AnyBuffer>()                    \
+      .Attr<int32_t>("a_block_rows")            \
+      .Attr<int32_t>("b_block_rows")            \
       .Attr<int32_t>("kernel")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp8BlockGemmInitializeCuda, BlockGemmInitialize,

@@ -12,10 +12,10 @@ namespace jax_fp8 {
 extern const CutlassConfig kTileCoop128x128C1Bf16, kTileCoop128x128C2Bf16, kTilePp64x128C1Bf16,
     kTileCoop128x128C1F32, kBlockCoop128x128C1F32, kBlockPp64x128C1F32, kBlockCoop128x128C1Bf16;
 namespace {
-const CutlassConfig* const kConfigs[] = {
-    &kTileCoop128x128C1Bf16, &kTileCoop128x128C2Bf16, &kTilePp64x128C1Bf16,
-    &kTileCoop128x128C1F32,  &kBlockCoop128x128C1F32, &kBlockPp64x128C1F32,
-    &kBlockCoop128x128C1Bf16};
+const CutlassConfig* const kConfigs[] = {&kTileCoop128x128C1Bf16, &kTileCoop128x128C2Bf16,
+                                         &kTilePp64x128C1Bf16,    &kTileCoop128x128C1F32,
+                                         &kBlockCoop128x128C1F32, &kBlockPp64x128C1F32,
+                                         &kBlockCoop128x128C1Bf16};
 constexpr int kCount = sizeof(kConfigs) / sizeof(kConfigs[0]);
 }  // namespace
 #elif defined(JAX_FP8_HAS_CUTLASS)  // the configurations the table below runs
@@ -38,8 +38,8 @@ bool CutlassTakes(int i, const CutlassGemm& g, bool e4m3_operands, const uint32_
   if (i < 0 || i >= kCount || !e4m3_operands) return false;
   const CutlassConfig& c = *kConfigs[i];
   const int64_t out_vec = c.out_bf16 ? 8 : 4;  // output elements in 16 bytes (TMA store)
-  return !g.a_tile && c.b_tile == g.b_tile && c.out_bf16 == g.out_bf16 && g.m > 0 && g.n > 0 && g.k > 0 &&
-         g.batch > 0 && g.m <= INT_MAX && g.n <= INT_MAX && g.k <= INT_MAX &&
+  return !g.a_tile && c.b_tile == g.b_tile && c.out_bf16 == g.out_bf16 && g.m > 0 && g.n > 0 &&
+         g.k > 0 && g.batch > 0 && g.m <= INT_MAX && g.n <= INT_MAX && g.k <= INT_MAX &&
          g.batch <= INT_MAX && g.a_scale_size <= INT_MAX && g.b_scale_size <= INT_MAX &&
          g.k % 16 == 0 && g.n % out_vec == 0 && align[0] >= 16 && align[1] >= 16 &&
          align[2] >= 16 && align[3] >= 16 && align[4] >= 4;

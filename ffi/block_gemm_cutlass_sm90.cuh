@@ -38,18 +38,18 @@ struct BlockScaledGemm {
   static constexpr int kAlignD = 16 / sizeof(ElementD);
 
   // a: 1 x 128 blocks, M-major; b: 128 x 128 tiles K-major, or 1 x 128 blocks N-major.
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<
-      1, kGranN, 128, cute::GMMA::Major::MN,
-      kGranN == 1 ? cute::GMMA::Major::MN : cute::GMMA::Major::K>;
+  using ScaleConfig =
+      cutlass::detail::Sm90BlockwiseScaleConfig<1, kGranN, 128, cute::GMMA::Major::MN,
+                                                kGranN == 1 ? cute::GMMA::Major::MN
+                                                            : cute::GMMA::Major::K>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 
   using MainloopSchedule =
       std::conditional_t<kPingpong, cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8Blockwise,
                          cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise>;
-  using EpilogueSchedule =
-      std::conditional_t<kPingpong, cutlass::epilogue::TmaWarpSpecialized,
-                         cutlass::epilogue::TmaWarpSpecializedCooperative>;
+  using EpilogueSchedule = std::conditional_t<kPingpong, cutlass::epilogue::TmaWarpSpecialized,
+                                              cutlass::epilogue::TmaWarpSpecializedCooperative>;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -61,13 +61,13 @@ struct BlockScaledGemm {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA,
       cute::tuple<LayoutA, LayoutSFA>, kAlignAB, ElementB, cute::tuple<LayoutB, LayoutSFB>,
       kAlignAB, float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<
-          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
       MainloopSchedule>::CollectiveOp;
 
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>,
-                                                      CollectiveMainloop, CollectiveEpilogue,
-                                                      cutlass::gemm::PersistentScheduler>;
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
+                                           CollectiveEpilogue, cutlass::gemm::PersistentScheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::StrideA;
   using StrideB = typename Kernel::StrideB;
@@ -106,11 +106,11 @@ struct BlockScaledGemm {
     StrideB sb = make_stride(g.k, Int<1>{}, g.n * g.k);
     StrideD sd = make_stride(g.n, Int<1>{}, g.m * g.n);
     // a: [Kb, ld] per GEMM (rows contiguous)
-    LayoutSFA lsa = make_layout(
-        make_shape(make_shape(Int<1>{}, m), make_shape(Int<128>{}, kb), l),
-        make_stride(make_stride(Int<0>{}, Int<1>{}),
-                    make_stride(Int<0>{}, static_cast<int32_t>(g.a_scale_ld)),
-                    static_cast<int32_t>(g.a_scale_size)));
+    LayoutSFA lsa =
+        make_layout(make_shape(make_shape(Int<1>{}, m), make_shape(Int<128>{}, kb), l),
+                    make_stride(make_stride(Int<0>{}, Int<1>{}),
+                                make_stride(Int<0>{}, static_cast<int32_t>(g.a_scale_ld)),
+                                static_cast<int32_t>(g.a_scale_size)));
     LayoutSFB lsb;
     if constexpr (kGranN == 1) {  // b: [Kb, ld], rows contiguous
       lsb = make_layout(make_shape(make_shape(Int<1>{}, n), make_shape(Int<128>{}, kb), l),
@@ -126,8 +126,8 @@ struct BlockScaledGemm {
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         {m, n, k, l},
-        {static_cast<const ElementA*>(g.a), sa, static_cast<const ElementB*>(g.b), sb,
-         g.a_scale, lsa, g.b_scale, lsb},
+        {static_cast<const ElementA*>(g.a), sa, static_cast<const ElementB*>(g.b), sb, g.a_scale,
+         lsa, g.b_scale, lsb},
         {{}, nullptr, sd, static_cast<ElementD*>(g.out), sd},
         hw[device]};
     args.epilogue.thread.alpha = 1.0f;
@@ -155,11 +155,14 @@ struct BlockScaledGemm {
 }  // namespace jax_fp8
 
 // Defines `extern const CutlassConfig <symbol>` for one instantiation.
-#define JAX_FP8_CUTLASS_CONFIG(symbol, name, b_tile, out_bf16, ...)                     \
-  namespace jax_fp8 {                                                                   \
-  using symbol##_t = sm90::BlockScaledGemm<__VA_ARGS__>;                                \
-  extern const CutlassConfig symbol;                                                    \
-  const CutlassConfig symbol{name, b_tile, out_bf16,                                    \
-                             cute::size<0>(typename symbol##_t::Kernel::TileShape{}),   \
-                             &symbol##_t::Prepare, &symbol##_t::Run};                   \
+#define JAX_FP8_CUTLASS_CONFIG(symbol, name, b_tile, out_bf16, ...)                   \
+  namespace jax_fp8 {                                                                 \
+  using symbol##_t = sm90::BlockScaledGemm<__VA_ARGS__>;                              \
+  extern const CutlassConfig symbol;                                                  \
+  const CutlassConfig symbol{name,                                                    \
+                             b_tile,                                                  \
+                             out_bf16,                                                \
+                             cute::size<0>(typename symbol##_t::Kernel::TileShape{}), \
+                             &symbol##_t::Prepare,                                    \
+                             &symbol##_t::Run};                                       \
   }

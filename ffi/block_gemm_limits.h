@@ -13,15 +13,15 @@ namespace jax_fp8 {
 // scale tiles where a_tile / b_tile (else 1 x 128 blocks), into a result of out_type (the
 // custom call's: a float16 result is written as float32 and converted by XLA).
 inline bool BlockGemmSupports(xla::ffi::DataType a_type, xla::ffi::DataType b_type,
-                              xla::ffi::DataType out_type, bool a_tile, bool b_tile,
-                              int64_t batch, int64_t m, int64_t n, int64_t k) {
+                              xla::ffi::DataType out_type, bool a_tile, bool b_tile, int64_t batch,
+                              int64_t m, int64_t n, int64_t k) {
   using xla::ffi::DataType;
   const auto fp8 = [](DataType t) { return t == DataType::F8E4M3FN || t == DataType::F8E5M2; };
   return fp8(a_type) && fp8(b_type) &&
          !(a_type == DataType::F8E5M2 && b_type == DataType::F8E5M2) &&  // no E5M2 x E5M2
          !(a_tile && b_tile) &&  // at most one operand in 128 x 128 tiles
-         (out_type == DataType::BF16 || out_type == DataType::F32) &&
-         batch > 0 && m > 0 && n > 0 && k > 0 &&
+         (out_type == DataType::BF16 || out_type == DataType::F32) && batch > 0 && m > 0 && n > 0 &&
+         k > 0 &&
          // 16-byte aligned leading dimensions: K bytes of FP8, M and N elements of the output
          k % 16 == 0 && m % 8 == 0 && n % 8 == 0;
 }

@@ -1,5 +1,6 @@
-// CUTLASS block-scaled GEMM configuration "block_coop_128x128_c1_f32": b in 1 x 128 blocks (weight gradient), float32 out,
-// 128x128x128 CTA tile, 1x1x1 cluster, cooperative (block_gemm_cutlass_sm90.cuh).
+// CUTLASS block-scaled GEMM configuration "block_coop_128x128_c1_f32": b in 1 x 128 blocks (weight
+// gradient), float32 out, 128x128x128 CTA tile, 1x1x1 cluster, cooperative
+// (block_gemm_cutlass_sm90.cuh).
 #include "block_gemm_cutlass_sm90.cuh"
 
 JAX_FP8_CUTLASS_CONFIG(kBlockCoop128x128C1F32, "block_coop_128x128_c1_f32", false, false, 1, float,

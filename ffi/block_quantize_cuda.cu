@@ -51,6 +51,7 @@
 #include "block_quantize_cuda.h"
 #include "block_scale_layout.h"
 #include "scaling_math.h"
+#include "type_dispatch.h"
 
 namespace jax_fp8 {
 namespace {
@@ -175,8 +176,8 @@ __device__ __forceinline__ uint32_t FixNaN(uint32_t word, const uint32_t (&raw)[
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     if ((raw[k] & In4<In>::kAbs) > In4<In>::kInf) {
-      const uint32_t byte = (kFp8 == Fp8Type::kE5M2 ? 0x7Eu : 0x7Fu) |
-                            ((raw[k] & In4<In>::kSign) ? 0x80u : 0u);
+      const uint32_t byte =
+          (kFp8 == Fp8Type::kE5M2 ? 0x7Eu : 0x7Fu) | ((raw[k] & In4<In>::kSign) ? 0x80u : 0u);
       word = (word & ~(0xFFu << (8 * k))) | (byte << (8 * k));
     }
   }
@@ -199,9 +200,9 @@ __device__ __forceinline__ uint32_t QuantRow(const uint32_t (&w)[In4<In>::kWords
 template <typename In, Fp8Type kFp8, bool kFixNaN>
 __device__ __forceinline__ uint32_t QuantCol(const uint32_t (&v)[kRows][In4<In>::kWords], int q,
                                              int j, float s) {
-  uint32_t word = Cvt2<kFp8>(Value<In>(v[4 * q], j) * s, Value<In>(v[4 * q + 1], j) * s) |
-                  (Cvt2<kFp8>(Value<In>(v[4 * q + 2], j) * s, Value<In>(v[4 * q + 3], j) * s)
-                   << 16);
+  uint32_t word =
+      Cvt2<kFp8>(Value<In>(v[4 * q], j) * s, Value<In>(v[4 * q + 1], j) * s) |
+      (Cvt2<kFp8>(Value<In>(v[4 * q + 2], j) * s, Value<In>(v[4 * q + 3], j) * s) << 16);
   if constexpr (kFixNaN) {
     const uint32_t raw[4] = {Raw<In>(v[4 * q], j), Raw<In>(v[4 * q + 1], j),
                              Raw<In>(v[4 * q + 2], j), Raw<In>(v[4 * q + 3], j)};
@@ -333,8 +334,8 @@ struct ScaleOut {
 // i counts rows (1-D) or row tiles (2-D) of an operand with `n_i` of them; j its K tiles.
 inline ScaleOut MakeScaleOut(float* p, int64_t n_i, int64_t n_j, bool tile_2d, bool gemm) {
   if (!gemm) return {p, n_j, 1, n_i * n_j};
-  const GemmScaleDims g = GemmScaleLayout(tile_2d ? n_i * kScaleBlock : n_i, n_j * kScaleBlock,
-                                          tile_2d);
+  const GemmScaleDims g =
+      GemmScaleLayout(tile_2d ? n_i * kScaleBlock : n_i, n_j * kScaleBlock, tile_2d);
   if (tile_2d) return {p, g.ld, 1, g.outer * g.ld};
   return {p, 1, g.ld, g.outer * g.ld};
 }
@@ -410,8 +411,8 @@ __global__ void __launch_bounds__(kThreads, In4<In>::kBits == 32 ? 2 : 4)
       m = 0u;
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) m = max(m, sm.warp_max[w]);
-      const float s = ScaleFromAmax(Widen<In>(Unpack<In>(m)), p.fp8_max, a.amax_epsilon,
-                                    a.power_of_2_scale);
+      const float s =
+          ScaleFromAmax(Widen<In>(Unpack<In>(m)), p.fp8_max, a.amax_epsilon, a.power_of_2_scale);
       if (tid == 0) {
         const float inv = scale_inverse(s);
         if (rowwise) {
@@ -537,8 +538,7 @@ __global__ void __launch_bounds__(kThreads, In4<In>::kBits == 32 ? 2 : 4)
         uint32_t m = 0u;
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) m = max(m, sm.u.col_part[w][j]);
-        const float s = ScaleFromAmax(Widen<In>(m), p.fp8_max, a.amax_epsilon,
-                                      a.power_of_2_scale);
+        const float s = ScaleFromAmax(Widen<In>(m), p.fp8_max, a.amax_epsilon, a.power_of_2_scale);
         sm.col_scale[j] = s;
         const int64_t cc = col0 + j;
         if (cc < cols) {
@@ -588,7 +588,7 @@ __global__ void __launch_bounds__(kThreads, In4<In>::kBits == 32 ? 2 : 4)
       }
     }
     if (colwise) {
-      __syncthreads();  // the shared tile is complete
+      __syncthreads();         // the shared tile is complete
       const int ch = tid % 8;  // 16-byte chunk of a q_t row: tile rows 16 ch .. 16 ch + 15
       const int64_t r = row0 + 16 * ch;
       const int n_bytes = Clamp(rows - r, 16);
@@ -644,12 +644,6 @@ cudaError_t LaunchTyped(cudaStream_t stream, const BlockQuantizeArgs& a) {
   return cudaGetLastError();
 }
 
-template <typename In>
-cudaError_t LaunchForFp8(cudaStream_t stream, const BlockQuantizeArgs& a) {
-  return a.fp8_type == Fp8Type::kE5M2 ? LaunchTyped<In, Fp8Type::kE5M2>(stream, a)
-                                      : LaunchTyped<In, Fp8Type::kE4M3FN>(stream, a);
-}
-
 }  // namespace
 
 bool BlockQuantizeSupports(int64_t batch, int64_t rows, int64_t cols) {
@@ -661,12 +655,9 @@ cudaError_t LaunchBlockQuantize(cudaStream_t stream, const BlockQuantizeArgs& a)
   if (!BlockQuantizeSupports(a.batch, a.rows, a.cols) || (!a.q && !a.q_t)) {
     return cudaErrorInvalidValue;
   }
-  switch (a.in_type) {
-    case InType::kF32: return LaunchForFp8<float>(stream, a);
-    case InType::kBF16: return LaunchForFp8<__nv_bfloat16>(stream, a);
-    case InType::kF16: return LaunchForFp8<__half>(stream, a);
-  }
-  return cudaErrorInvalidValue;
+  return DispatchTypes(a.in_type, a.fp8_type, cudaErrorInvalidValue, [&](auto in, auto fp8) {
+    return LaunchTyped<typename decltype(in)::type, decltype(fp8)::value>(stream, a);
+  });
 }
 
 }  // namespace jax_fp8

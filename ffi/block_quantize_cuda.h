@@ -16,7 +16,7 @@ struct BlockQuantizeArgs {
   Fp8Type fp8_type;
   const void* x;  // [batch, rows, cols]
   int64_t batch, rows, cols;
-  bool tile_2d;   // 128 x 128 tiles; else 1 x 128 blocks along the last axis
+  bool tile_2d;  // 128 x 128 tiles; else 1 x 128 blocks along the last axis
   // Row-wise: q [batch, rows, cols], scale_inv [batch, rows or ceil(rows/128), ceil(cols/128)].
   void* q;
   float* scale_inv;

@@ -5,8 +5,8 @@
 
 #include <cuda_runtime.h>
 
-#include "handler_util.h"
 #include "element_types.h"
+#include "handler_util.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_fp8 {
@@ -35,8 +35,8 @@ inline bool DecodeFp8Type(xla::ffi::DataType t, Fp8Type* out) {
 inline xla::ffi::Error LaunchStatus(const char* target, cudaError_t err,
                                     const char* why = nullptr) {
   if (err == cudaSuccess) return xla::ffi::Error::Success();
-  return xla::ffi::Error::Internal(std::string(target) + ": CUDA launch failed: " +
-                                   (why ? why : cudaGetErrorString(err)));
+  return xla::ffi::Error::Internal(
+      std::string(target) + ": CUDA launch failed: " + (why ? why : cudaGetErrorString(err)));
 }
 
 }  // namespace jax_fp8

@@ -1,6 +1,7 @@
 #pragma once
 // The element types jax_fp8's CUDA kernels read (high-precision inputs) and write (FP8),
-// named once for the kernels and the FFI handlers that decode them (cuda_handler_util.h).
+// named once for the kernels and the FFI handlers that decode them (cuda_handler_util.h);
+// type_dispatch.h maps them to the kernels' C++ types.
 
 namespace jax_fp8 {
 

@@ -6,11 +6,10 @@
 namespace jax_fp8 {
 
 #if defined(JAX_FP8_HAS_CUTLASS)
-extern const GroupedGemmConfig kGroupedE4m3Bf16, kGroupedE4m3F32, kGroupedE5m2Bf16,
-    kGroupedE5m2F32;
+extern const GroupedGemmConfig kGroupedE4m3Bf16, kGroupedE4m3F32, kGroupedE5m2Bf16, kGroupedE5m2F32;
 namespace {
-const GroupedGemmConfig* const kConfigs[] = {&kGroupedE4m3Bf16, &kGroupedE4m3F32,
-                                             &kGroupedE5m2Bf16, &kGroupedE5m2F32};
+const GroupedGemmConfig* const kConfigs[] = {&kGroupedE4m3Bf16, &kGroupedE4m3F32, &kGroupedE5m2Bf16,
+                                             &kGroupedE5m2F32};
 constexpr int kCount = sizeof(kConfigs) / sizeof(kConfigs[0]);
 }  // namespace
 #else

@@ -56,20 +56,20 @@ ffi::ErrorOr<Call> Decode(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer
     return b.element_type() == t && b.dimensions().size() == 1 && b.dimensions()[0] == g;
   };
   if (!vector(group_sizes, ffi::DataType::S32)) {
-    return ffi::Unexpected(Invalid("group_sizes must be int32[G], G = rhs.shape[0] = " +
-                                   std::to_string(g) + ", got " +
-                                   ShapeString(group_sizes.dimensions())));
+    return ffi::Unexpected(
+        Invalid("group_sizes must be int32[G], G = rhs.shape[0] = " + std::to_string(g) + ", got " +
+                ShapeString(group_sizes.dimensions())));
   }
   if (!vector(lhs_scale_inv, ffi::DataType::F32) || !vector(rhs_scale_inv, ffi::DataType::F32)) {
-    return ffi::Unexpected(Invalid("lhs_scale_inv and rhs_scale_inv must be float32[G], G = " +
-                                   std::to_string(g)));
+    return ffi::Unexpected(
+        Invalid("lhs_scale_inv and rhs_scale_inv must be float32[G], G = " + std::to_string(g)));
   }
   if (!GroupedGemmSupports(lhs.element_type(), rhs.element_type(), ot, m, n, k, g)) {
-    return ffi::Unexpected(Invalid(
-        "this grouped GEMM is outside the kernel's limits (grouped_gemm_limits.h: E4M3 or "
-        "E5M2 lhs x E4M3 rhs, K % 16 == 0, N % 8 (bf16 out) or N % 4 (f32 out) == 0, "
-        "1 <= G <= 2^20, sizes below 2^31), got lhs " + ShapeString(ld) + ", rhs " +
-        ShapeString(rd)));
+    return ffi::Unexpected(
+        Invalid("this grouped GEMM is outside the kernel's limits (grouped_gemm_limits.h: E4M3 or "
+                "E5M2 lhs x E4M3 rhs, K % 16 == 0, N % 8 (bf16 out) or N % 4 (f32 out) == 0, "
+                "1 <= G <= 2^20, sizes below 2^31), got lhs " +
+                ShapeString(ld) + ", rhs " + ShapeString(rd)));
   }
   const int64_t need = GroupedGemmWorkspaceBytes(g);
   if (workspace->element_type() != ffi::DataType::U8 || workspace->dimensions().size() != 1 ||

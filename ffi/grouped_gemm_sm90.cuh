@@ -81,8 +81,8 @@ __global__ void __launch_bounds__(kSetupThreads)
     const int64_t start = carry + before > c.m ? c.m : carry + before;
     const int64_t end = carry + scan[t] > c.m ? c.m : carry + scan[t];
     if (g < c.groups) {
-      a.shapes[g] = Shape3{static_cast<int>(end - start), static_cast<int>(c.n),
-                           static_cast<int>(c.k)};
+      a.shapes[g] =
+          Shape3{static_cast<int>(end - start), static_cast<int>(c.n), static_cast<int>(c.k)};
       a.ptr_a[g] = static_cast<const EA*>(c.lhs) + start * c.k;
       a.ptr_b[g] = static_cast<const EB*>(c.rhs) + g * c.n * c.k;
       a.ptr_d[g] = static_cast<ED*>(c.out) + start * c.n;
@@ -117,7 +117,8 @@ inline size_t AlignUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 template <class ElementA_, class ElementD_>
 struct GroupedGemm {
-  using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
+  using ProblemShape =
+      cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
   using Shape3 = typename ProblemShape::UnderlyingProblemShape;
   using ElementA = ElementA_;
   using ElementB = cutlass::float_e4m3_t;
@@ -142,12 +143,12 @@ struct GroupedGemm {
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA*, kAlignAB, ElementB,
       LayoutB*, kAlignAB, float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<
-          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
 
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
-                                                      CollectiveEpilogue>;
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
   using StrideB = typename Kernel::InternalStrideB;
@@ -228,11 +229,11 @@ struct GroupedGemm {
     const int64_t row_vectors = c.n * static_cast<int64_t>(sizeof(ElementD)) / 16;
     const int64_t vectors = c.m * row_vectors;
     const int64_t blocks = (vectors + 255) / 256;
-    const int zero_blocks = static_cast<int>(blocks < 4 * hw[device].sm_count
-                                                 ? blocks : 4 * hw[device].sm_count);
+    const int zero_blocks =
+        static_cast<int>(blocks < 4 * hw[device].sm_count ? blocks : 4 * hw[device].sm_count);
     if (zero_blocks > 0) {
-      GroupedGemmZeroKernel<ElementD><<<zero_blocks, 256, 0, stream>>>(
-          static_cast<uint4*>(c.out), a.rows, row_vectors, c.m);
+      GroupedGemmZeroKernel<ElementD>
+          <<<zero_blocks, 256, 0, stream>>>(static_cast<uint4*>(c.out), a.rows, row_vectors, c.m);
       if (cudaError_t err = cudaGetLastError()) return err;
     }
 
@@ -277,9 +278,9 @@ struct GroupedGemm {
 
 // Defines `extern const GroupedGemmConfig <symbol>` for one instantiation.
 #define JAX_FP8_GROUPED_GEMM_CONFIG(symbol, name, lhs_e5m2, out_bf16, ElementA, ElementD) \
-  namespace jax_fp8 {                                                                    \
-  using symbol##_t = sm90::GroupedGemm<ElementA, ElementD>;                              \
-  extern const GroupedGemmConfig symbol;                                                 \
-  const GroupedGemmConfig symbol{name, lhs_e5m2, out_bf16, &symbol##_t::Prepare,         \
-                                 &symbol##_t::Run};                                      \
+  namespace jax_fp8 {                                                                     \
+  using symbol##_t = sm90::GroupedGemm<ElementA, ElementD>;                               \
+  extern const GroupedGemmConfig symbol;                                                  \
+  const GroupedGemmConfig symbol{name, lhs_e5m2, out_bf16, &symbol##_t::Prepare,          \
+                                 &symbol##_t::Run};                                       \
   }

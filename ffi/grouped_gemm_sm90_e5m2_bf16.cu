@@ -2,4 +2,5 @@
 // (grouped_gemm_sm90.cuh).
 #include "grouped_gemm_sm90.cuh"
 
-JAX_FP8_GROUPED_GEMM_CONFIG(kGroupedE5m2Bf16, "e5m2_bf16", true, true, cutlass::float_e5m2_t, cutlass::bfloat16_t)
+JAX_FP8_GROUPED_GEMM_CONFIG(kGroupedE5m2Bf16, "e5m2_bf16", true, true, cutlass::float_e5m2_t,
+                            cutlass::bfloat16_t)

@@ -35,8 +35,8 @@ inline xla::ffi::ErrorOr<SplitRows> DecodeSplitRows(xla::ffi::AnyBuffer src,
   if (src.element_type() != ffi::DataType::F32 || src.dimensions().size() != 1) {
     return ffi::Unexpected(InvalidArgument(kName, "the operand must be float32[R]"));
   }
-  SplitRows call{static_cast<const float*>(src.untyped_data()),
-                 std::vector<float*>(pieces.size()), std::vector<int64_t>(pieces.size())};
+  SplitRows call{static_cast<const float*>(src.untyped_data()), std::vector<float*>(pieces.size()),
+                 std::vector<int64_t>(pieces.size())};
   int64_t total = 0;
   for (size_t k = 0; k < pieces.size(); ++k) {
     auto piece = pieces.get<ffi::AnyBuffer>(k);
@@ -50,9 +50,9 @@ inline xla::ffi::ErrorOr<SplitRows> DecodeSplitRows(xla::ffi::AnyBuffer src,
     total += call.counts[k];
   }
   if (total != src.dimensions()[0]) {
-    return ffi::Unexpected(InvalidArgument(
-        kName, "the results hold " + std::to_string(total) + " floats, the operand " +
-                   std::to_string(src.dimensions()[0])));
+    return ffi::Unexpected(InvalidArgument(kName, "the results hold " + std::to_string(total) +
+                                                      " floats, the operand " +
+                                                      std::to_string(src.dimensions()[0])));
   }
   return call;
 }

@@ -41,6 +41,8 @@ struct Handler {
 };
 
 #define JAX_FP8_ADDRESS(symbol) reinterpret_cast<void*>(&jax_fp8::symbol)
+// Unformatted: clang-format would space out the braces of these initializers.
+// clang-format off
 #if defined(JAX_FP8_CUDA_MODULE)
 #define JAX_FP8_CPU(symbol) Handler{true, nullptr}
 #define JAX_FP8_CUDA(symbol) Handler{true, JAX_FP8_ADDRESS(symbol)}
@@ -49,12 +51,13 @@ struct Handler {
 #define JAX_FP8_CUDA(symbol) Handler{true, nullptr}
 #endif
 #define JAX_FP8_NONE Handler{false, nullptr}
+// clang-format on
 
 struct Target {
   const char* name;
   Handler cpu, cuda;
-  Handler cuda_initialize;   // an initialize stage, registered as a handler bundle with `cuda`
-  const char* cuda_kernel;   // the __global__ function it launches, as profiles name it
+  Handler cuda_initialize;  // an initialize stage, registered as a handler bundle with `cuda`
+  const char* cuda_kernel;  // the __global__ function it launches, as profiles name it
 };
 
 // Every custom-call target jax_fp8 emits. Elsewhere (a platform without a handler) the
@@ -62,8 +65,8 @@ struct Target {
 const Target kTargets[] = {
     {"jax_fp8_update", JAX_FP8_CPU(JaxFp8UpdateCpu), JAX_FP8_CUDA(JaxFp8UpdateCuda), JAX_FP8_NONE,
      "UpdateKernel"},
-    {"jax_fp8_transpose_bytes", JAX_FP8_NONE, JAX_FP8_CUDA(JaxFp8TransposeBytesCuda),
-     JAX_FP8_NONE, "TransposeBytesKernel"},
+    {"jax_fp8_transpose_bytes", JAX_FP8_NONE, JAX_FP8_CUDA(JaxFp8TransposeBytesCuda), JAX_FP8_NONE,
+     "TransposeBytesKernel"},
     {"jax_fp8_quantize_transpose", JAX_FP8_NONE, JAX_FP8_CUDA(JaxFp8QuantizeTransposeCuda),
      JAX_FP8_NONE, "QuantizeTransposeKernel"},
     {"jax_fp8_block_quantize", JAX_FP8_NONE, JAX_FP8_CUDA(JaxFp8BlockQuantizeCuda), JAX_FP8_NONE,
@@ -131,8 +134,7 @@ NB_MODULE(JAX_FP8_MODULE_NAME, m) {
       [](const std::string& a_type, const std::string& b_type, const std::string& out_type,
          bool a_tile, bool b_tile, int64_t batch, int64_t m, int64_t n, int64_t k) {
         return jax_fp8::BlockGemmSupports(DataTypeNamed(a_type), DataTypeNamed(b_type),
-                                          DataTypeNamed(out_type), a_tile, b_tile, batch, m, n,
-                                          k);
+                                          DataTypeNamed(out_type), a_tile, b_tile, batch, m, n, k);
       },
       nb::arg("a_type"), nb::arg("b_type"), nb::arg("out_type"), nb::arg("a_tile"),
       nb::arg("b_tile"), nb::arg("batch"), nb::arg("m"), nb::arg("n"), nb::arg("k"));

@@ -32,7 +32,8 @@ static_assert(sizeof(SplitParams<kMaxPiecesPerLaunch>) <= 32764,
 constexpr int kSmallLaunch = 64;  // a smaller parameter block for calls with few pieces
 
 template <int K>
-__global__ void __launch_bounds__(kThreads) SplitRowsKernel(const __grid_constant__ SplitParams<K> p) {
+__global__ void __launch_bounds__(kThreads)
+    SplitRowsKernel(const __grid_constant__ SplitParams<K> p) {
   const uint32_t k = blockIdx.x * kPiecesPerBlock + threadIdx.x / 32;
   if (k >= p.num_pieces) return;
   const float* src = p.src + p.start[k];

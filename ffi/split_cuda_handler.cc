@@ -13,18 +13,16 @@ ffi::Error SplitRowsImpl(cudaStream_t stream, ffi::AnyBuffer src, ffi::Remaining
   auto call = DecodeSplitRows(src, pieces);
   if (!call.has_value()) return call.error();
   const char* why = nullptr;
-  const cudaError_t err = LaunchSplitRows(stream, call->src, call->dsts.data(),
-                                          call->counts.data(), call->dsts.size(), &why);
+  const cudaError_t err = LaunchSplitRows(stream, call->src, call->dsts.data(), call->counts.data(),
+                                          call->dsts.size(), &why);
   return LaunchStatus("jax_fp8_split_rows", err, why);
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp8SplitRowsCuda, SplitRowsImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .RemainingRets(),
-                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFp8SplitRowsCuda, SplitRowsImpl,
+    ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Arg<ffi::AnyBuffer>().RemainingRets(),
+    {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_fp8

@@ -10,13 +10,13 @@ namespace jax_fp8 {
 // of one state array, flattened). In place (the state outputs alias their inputs) the
 // out pointers are null or equal to the inputs; out of place they are the results'.
 struct TensorGroup {
-  float* history;      // [count, len], read (and written, in place)
-  float* scale;        // [count], read (and written, in place)
-  float* scale_inv;    // [count], written only
-  const float* amax;   // [count], or nullptr when no amax was given
+  float* history;     // [count, len], read (and written, in place)
+  float* scale;       // [count], read (and written, in place)
+  float* scale_inv;   // [count], written only
+  const float* amax;  // [count], or nullptr when no amax was given
   int64_t count;
   int64_t len;
-  float scaled_max;    // float32(fp8_max) * float32(2^-margin)
+  float scaled_max;              // float32(fp8_max) * float32(2^-margin)
   float* history_out = nullptr;  // [count, len]; nullptr: `history`
   float* scale_out = nullptr;    // [count]; nullptr: `scale`
 

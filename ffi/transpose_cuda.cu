@@ -13,6 +13,7 @@
 #include <cuda_fp8.h>
 
 #include "transpose_cuda.h"
+#include "type_dispatch.h"
 
 namespace jax_fp8 {
 namespace {
@@ -46,8 +47,8 @@ __device__ __forceinline__ void StoreTransposed4x4(Tile& tile, const uint32_t v[
 
 // Phase 2 (after __syncthreads): a warp writes one output row (128 bytes) per step.
 __device__ __forceinline__ void WriteTile(const Tile& tile, uint32_t* dst, int64_t row0,
-                                          int64_t col0, int64_t rows, int64_t cols,
-                                          int warp, int lane) {
+                                          int64_t col0, int64_t rows, int64_t cols, int warp,
+                                          int lane) {
   const int64_t out_words = rows / 4;
   const int64_t out_word = row0 / 4 + lane;
 #pragma unroll 4
@@ -60,8 +61,8 @@ __device__ __forceinline__ void WriteTile(const Tile& tile, uint32_t* dst, int64
 }
 
 __global__ void __launch_bounds__(kThreads)
-    TransposeBytesKernel(const uint32_t* __restrict__ in, uint32_t* __restrict__ out,
-                         int64_t rows, int64_t cols) {
+    TransposeBytesKernel(const uint32_t* __restrict__ in, uint32_t* __restrict__ out, int64_t rows,
+                         int64_t cols) {
   __shared__ Tile tile;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t in_words = cols / 4;
@@ -121,8 +122,7 @@ template <Fp8Type kFp8>
 __device__ __forceinline__ uint32_t QuantizeByte(float x, float scale, float fp8_max) {
   float y = x * scale;
   y = y > fp8_max ? fp8_max : (y < -fp8_max ? -fp8_max : y);
-  return __nv_cvt_float_to_fp8(y, __NV_SATFINITE,
-                               kFp8 == Fp8Type::kE5M2 ? __NV_E5M2 : __NV_E4M3);
+  return __nv_cvt_float_to_fp8(y, __NV_SATFINITE, kFp8 == Fp8Type::kE5M2 ? __NV_E5M2 : __NV_E4M3);
 }
 
 template <typename In, Fp8Type kFp8>
@@ -201,17 +201,6 @@ cudaError_t LaunchQuantizeTransposeTyped(cudaStream_t stream, const void* x, con
   return cudaGetLastError();
 }
 
-template <typename In>
-cudaError_t LaunchForFp8(Fp8Type fp8_type, cudaStream_t stream, const void* x,
-                         const float* scale, void* q, void* q_t, float* amax, int64_t rows,
-                         int64_t cols, float fp8_max) {
-  return fp8_type == Fp8Type::kE5M2
-             ? LaunchQuantizeTransposeTyped<In, Fp8Type::kE5M2>(stream, x, scale, q, q_t, amax,
-                                                                rows, cols, fp8_max)
-             : LaunchQuantizeTransposeTyped<In, Fp8Type::kE4M3FN>(stream, x, scale, q, q_t,
-                                                                  amax, rows, cols, fp8_max);
-}
-
 }  // namespace
 
 bool TransposeBytesSupports(int64_t batch, int64_t rows, int64_t cols) {
@@ -220,8 +209,8 @@ bool TransposeBytesSupports(int64_t batch, int64_t rows, int64_t cols) {
          (cols + kTileBytes - 1) / kTileBytes <= INT32_MAX;
 }
 
-cudaError_t LaunchTransposeBytes(cudaStream_t stream, const void* in, void* out,
-                                 int64_t batch, int64_t rows, int64_t cols) {
+cudaError_t LaunchTransposeBytes(cudaStream_t stream, const void* in, void* out, int64_t batch,
+                                 int64_t rows, int64_t cols) {
   if (!TransposeBytesSupports(batch, rows, cols)) return cudaErrorInvalidValue;
   TransposeBytesKernel<<<TileGrid(batch, rows, cols), kThreads, 0, stream>>>(
       static_cast<const uint32_t*>(in), static_cast<uint32_t*>(out), rows, cols);
@@ -235,15 +224,10 @@ cudaError_t LaunchQuantizeTranspose(cudaStream_t stream, InType in_type, Fp8Type
   // The amax is an atomic max over the blocks, from zero (max |x| >= 0).
   cudaError_t err = cudaMemsetAsync(amax, 0, sizeof(float), stream);
   if (err != cudaSuccess) return err;
-  switch (in_type) {
-    case InType::kF32:
-      return LaunchForFp8<float>(fp8_type, stream, x, scale, q, q_t, amax, rows, cols, fp8_max);
-    case InType::kBF16:
-      return LaunchForFp8<__nv_bfloat16>(fp8_type, stream, x, scale, q, q_t, amax, rows, cols, fp8_max);
-    case InType::kF16:
-      return LaunchForFp8<__half>(fp8_type, stream, x, scale, q, q_t, amax, rows, cols, fp8_max);
-  }
-  return cudaErrorInvalidValue;
+  return DispatchTypes(in_type, fp8_type, cudaErrorInvalidValue, [&](auto in, auto fp8) {
+    return LaunchQuantizeTransposeTyped<typename decltype(in)::type, decltype(fp8)::value>(
+        stream, x, scale, q, q_t, amax, rows, cols, fp8_max);
+  });
 }
 
 }  // namespace jax_fp8

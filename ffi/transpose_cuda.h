@@ -16,8 +16,8 @@ namespace jax_fp8 {
 bool TransposeBytesSupports(int64_t batch, int64_t rows, int64_t cols);
 
 // out[b, c, r] = in[b, r, c] for 1-byte elements.
-cudaError_t LaunchTransposeBytes(cudaStream_t stream, const void* in, void* out,
-                                 int64_t batch, int64_t rows, int64_t cols);
+cudaError_t LaunchTransposeBytes(cudaStream_t stream, const void* in, void* out, int64_t batch,
+                                 int64_t rows, int64_t cols);
 
 // For x [rows, cols] of `in_type` and the float32 scalar *scale, in one pass:
 //   q   [rows, cols] = saturate_cast<fp8>(float32(x) * scale)   (NaN stays NaN)

@@ -40,12 +40,12 @@ ffi::Error TransposeBytesImpl(cudaStream_t stream, ffi::AnyBuffer in,
   if (!TransposeBytesSupports(batch, rows, cols)) {
     return ffi::Error::InvalidArgument(
         "jax_fp8_transpose_bytes: sizes not supported (the last two axes must be multiples "
-        "of 4): " + std::to_string(batch) + " x " + std::to_string(rows) + " x " +
-        std::to_string(cols));
+        "of 4): " +
+        std::to_string(batch) + " x " + std::to_string(rows) + " x " + std::to_string(cols));
   }
-  return LaunchStatus("jax_fp8_transpose_bytes",
-                      LaunchTransposeBytes(stream, in.untyped_data(), out->untyped_data(), batch,
-                                           rows, cols));
+  return LaunchStatus(
+      "jax_fp8_transpose_bytes",
+      LaunchTransposeBytes(stream, in.untyped_data(), out->untyped_data(), batch, rows, cols));
 }
 
 ffi::Error QuantizeTransposeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer scale,
@@ -73,15 +73,14 @@ ffi::Error QuantizeTransposeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   }
   const int64_t rows = dims[0], cols = dims[1];
   if (!TransposeBytesSupports(1, rows, cols)) {
-    return InvalidArgument(kName, "sizes not supported: " + std::to_string(rows) + " x " +
-                                      std::to_string(cols));
+    return InvalidArgument(
+        kName, "sizes not supported: " + std::to_string(rows) + " x " + std::to_string(cols));
   }
-  return LaunchStatus(
-      kName, LaunchQuantizeTranspose(stream, in_type, fp8_type, x.untyped_data(),
-                                     static_cast<const float*>(scale.untyped_data()),
-                                     q->untyped_data(), q_t->untyped_data(),
-                                     static_cast<float*>(amax->untyped_data()), rows, cols,
-                                     fp8_max));
+  return LaunchStatus(kName, LaunchQuantizeTranspose(
+                                 stream, in_type, fp8_type, x.untyped_data(),
+                                 static_cast<const float*>(scale.untyped_data()), q->untyped_data(),
+                                 q_t->untyped_data(), static_cast<float*>(amax->untyped_data()),
+                                 rows, cols, fp8_max));
 }
 
 }  // namespace

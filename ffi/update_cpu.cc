@@ -9,8 +9,8 @@
 #include <xmmintrin.h>
 #endif
 
-#include "update_decode.h"
 #include "scaling_math.h"
+#include "update_decode.h"
 
 namespace jax_fp8 {
 namespace {
@@ -85,9 +85,8 @@ void UpdateTensor(const float* h, float* h_out, const float* scale, float* scale
 }
 
 ffi::Error UpdateCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
-                         ffi::Span<const float> scaled_max, int32_t algo,
-                         bool power_of_2_scale, bool skip_unused, bool has_scale_inv,
-                         bool has_amax, bool in_place) {
+                         ffi::Span<const float> scaled_max, int32_t algo, bool power_of_2_scale,
+                         bool skip_unused, bool has_scale_inv, bool has_amax, bool in_place) {
   auto opt = DecodeOptions(algo, power_of_2_scale, skip_unused);
   if (!opt.has_value()) return opt.error();
   auto groups = DecodeGroups(args, rets, scaled_max, has_scale_inv, has_amax, in_place);
@@ -106,7 +105,8 @@ ffi::Error UpdateCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp8UpdateCpu, UpdateCpuImpl,
-                              JAX_FP8_UPDATE_ATTRS(ffi::Ffi::Bind().RemainingArgs().RemainingRets()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFp8UpdateCpu, UpdateCpuImpl,
+    JAX_FP8_UPDATE_ATTRS(ffi::Ffi::Bind().RemainingArgs().RemainingRets()));
 
 }  // namespace jax_fp8

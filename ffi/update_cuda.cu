@@ -8,8 +8,9 @@
 // per-group scaled fp8 max is an index into a 16-entry table. Where the call's
 // buffers span more than 2^32 floats (16 GB: a large model's state next to amaxes
 // XLA placed in its temporary buffer), the offsets are 64-bit and a launch takes
-// ~580 groups. In place the output offsets equal the input ones. A new chunk (one more launch) starts only when a limit is hit: group
-// count, more than 16 distinct scaled maxima, or 2^31 blocks.
+// ~580 groups. In place the output offsets equal the input ones. A new chunk (one more launch)
+// starts only when a limit is hit: group count, more than 16 distinct scaled maxima, or 2^31
+// blocks.
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -22,9 +23,9 @@ namespace {
 // 128 threads x 8 values cover a 1024-long history in one pass, and 16 such blocks
 // fit on an SM.
 constexpr int kMaxThreads = 128;
-constexpr int kValuesPerThread = 8;    // history values each thread holds per pass
+constexpr int kValuesPerThread = 8;  // history values each thread holds per pass
 constexpr int kMaxScaledMax = 16;
-constexpr uint32_t kLenBits = 28;      // len_fmt = len << 4 | scaled_max index
+constexpr uint32_t kLenBits = 28;  // len_fmt = len << 4 | scaled_max index
 
 template <int K, typename Off>
 struct LaunchParams {
@@ -33,9 +34,9 @@ struct LaunchParams {
   uint32_t num_groups;
   uint32_t has_amax;
   float scaled_max[kMaxScaledMax];
-  uint32_t block_start[K + 1];         // first block of each group; [num_groups] = total
+  uint32_t block_start[K + 1];  // first block of each group; [num_groups] = total
   Off history[K], scale[K], scale_inv[K], amax[K];  // offsets from base, in floats
-  Off history_out[K], scale_out[K];   // the results' (= history, scale in place)
+  Off history_out[K], scale_out[K];                 // the results' (= history, scale in place)
   uint32_t len_fmt[K];
 };
 static_assert(sizeof(LaunchParams<kMaxGroupsPerLaunch, uint32_t>) <= 32764,
@@ -67,7 +68,10 @@ __device__ __forceinline__ int FindGroup(const LaunchParams<K, Off>& p, uint32_t
   int lo = 0;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
-    if (p.block_start[mid] <= b) lo = mid; else hi = mid - 1;
+    if (p.block_start[mid] <= b)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   return lo;
 }
@@ -99,7 +103,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   // Every thread reads the staging slot before any thread writes slot 0.
   const float h0 = merge_amax(hist[0], amax);
   if (is_unused(h0, p.opt)) {  // uniform across the block
-    if (hist_out != hist) {  // out of place: the history is copied unchanged
+    if (hist_out != hist) {    // out of place: the history is copied unchanged
       for (int64_t j = threadIdx.x; j < len; j += blockDim.x) hist_out[j] = hist[j];
     }
     if (threadIdx.x == 0) {
@@ -142,10 +146,10 @@ __global__ void __launch_bounds__(kMaxThreads)
 
 // Lowest and highest address of a group's buffers.
 void GroupSpan(const TensorGroup& g, uintptr_t* lo, uintptr_t* hi) {
-  for (const void* ptr : {static_cast<const void*>(g.history), static_cast<const void*>(g.scale),
-                          static_cast<const void*>(g.scale_inv), static_cast<const void*>(g.amax),
-                          static_cast<const void*>(g.HistoryOut()),
-                          static_cast<const void*>(g.ScaleOut())}) {
+  for (const void* ptr :
+       {static_cast<const void*>(g.history), static_cast<const void*>(g.scale),
+        static_cast<const void*>(g.scale_inv), static_cast<const void*>(g.amax),
+        static_cast<const void*>(g.HistoryOut()), static_cast<const void*>(g.ScaleOut())}) {
     if (ptr == nullptr) continue;
     *lo = std::min(*lo, reinterpret_cast<uintptr_t>(ptr));
     *hi = std::max(*hi, reinterpret_cast<uintptr_t>(ptr));
@@ -258,11 +262,10 @@ cudaError_t LaunchUpdate(cudaStream_t stream, const TensorGroup* groups, size_t 
       ++first;
       continue;
     } else if (wide) {
-      err = nonempty <= kSmallLaunch
-                ? LaunchChunk<kSmallLaunch, uint64_t>(stream, groups, &first, num_groups, opt,
-                                                      has_amax)
-                : LaunchChunk<kMaxGroupsPerWideLaunch, uint64_t>(stream, groups, &first,
-                                                                 num_groups, opt, has_amax);
+      err = nonempty <= kSmallLaunch ? LaunchChunk<kSmallLaunch, uint64_t>(
+                                           stream, groups, &first, num_groups, opt, has_amax)
+                                     : LaunchChunk<kMaxGroupsPerWideLaunch, uint64_t>(
+                                           stream, groups, &first, num_groups, opt, has_amax);
     } else if (nonempty <= kSmallLaunch) {
       err = LaunchChunk<kSmallLaunch, uint32_t>(stream, groups, &first, num_groups, opt, has_amax);
     } else {

@@ -3,8 +3,8 @@
 // XLA FFI handler that calls it.
 #pragma once
 
-#include <cstddef>
 #include <cuda_runtime_api.h>
+#include <cstddef>
 
 #include "scaling_math.h"
 #include "tensor_group.h"

@@ -5,16 +5,15 @@
 #include <string>
 
 #include "cuda_handler_util.h"
-#include "update_decode.h"
 #include "update_cuda.h"
+#include "update_decode.h"
 
 namespace jax_fp8 {
 namespace {
 
 ffi::Error UpdateCudaImpl(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                          ffi::Span<const float> scaled_max, int32_t algo,
-                          bool power_of_2_scale, bool skip_unused, bool has_scale_inv,
-                          bool has_amax, bool in_place) {
+                          ffi::Span<const float> scaled_max, int32_t algo, bool power_of_2_scale,
+                          bool skip_unused, bool has_scale_inv, bool has_amax, bool in_place) {
   auto opt = DecodeOptions(algo, power_of_2_scale, skip_unused);
   if (!opt.has_value()) return opt.error();
   auto groups = DecodeGroups(args, rets, scaled_max, has_scale_inv, has_amax, in_place);
@@ -28,10 +27,8 @@ ffi::Error UpdateCudaImpl(cudaStream_t stream, ffi::RemainingArgs args, ffi::Rem
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFp8UpdateCuda, UpdateCudaImpl,
-    JAX_FP8_UPDATE_ATTRS(ffi::Ffi::Bind()
-                             .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                             .RemainingArgs()
-                             .RemainingRets()),
+    JAX_FP8_UPDATE_ATTRS(
+        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().RemainingArgs().RemainingRets()),
     {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_fp8

@@ -22,14 +22,14 @@ namespace jax_fp8 {
 
 namespace ffi = xla::ffi;
 
-#define JAX_FP8_UPDATE_ATTRS(binding)                       \
-  (binding)                                                 \
-      .Attr<ffi::Span<const float>>("scaled_max")           \
-      .Attr<int32_t>("amax_compute_algo")                   \
-      .Attr<bool>("power_of_2_scale")                       \
-      .Attr<bool>("skip_unused")                            \
-      .Attr<bool>("has_scale_inv")                          \
-      .Attr<bool>("has_amax")                               \
+#define JAX_FP8_UPDATE_ATTRS(binding)             \
+  (binding)                                       \
+      .Attr<ffi::Span<const float>>("scaled_max") \
+      .Attr<int32_t>("amax_compute_algo")         \
+      .Attr<bool>("power_of_2_scale")             \
+      .Attr<bool>("skip_unused")                  \
+      .Attr<bool>("has_scale_inv")                \
+      .Attr<bool>("has_amax")                     \
       .Attr<bool>("in_place")
 
 inline ffi::Error InvalidArg(const std::string& msg) {
@@ -63,17 +63,18 @@ inline ffi::ErrorOr<ffi::AnyBuffer> F32Ret(ffi::RemainingRets& rets, size_t i) {
   return **buf;
 }
 
-inline ffi::ErrorOr<std::vector<TensorGroup>> DecodeGroups(
-    ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Span<const float> scaled_max,
-    bool has_scale_inv, bool has_amax, bool in_place) {
+inline ffi::ErrorOr<std::vector<TensorGroup>> DecodeGroups(ffi::RemainingArgs args,
+                                                           ffi::RemainingRets rets,
+                                                           ffi::Span<const float> scaled_max,
+                                                           bool has_scale_inv, bool has_amax,
+                                                           bool in_place) {
   const size_t g_count = scaled_max.size();
   const size_t want_args = g_count * (2 + (has_scale_inv ? 1 : 0) + (has_amax ? 1 : 0));
   if (args.size() != want_args || rets.size() != 3 * g_count) {
     return ffi::Unexpected(InvalidArg(
-        "expected " + std::to_string(want_args) + " operands and " +
-        std::to_string(3 * g_count) + " results for " + std::to_string(g_count) +
-        " states, got " + std::to_string(args.size()) + " and " +
-        std::to_string(rets.size())));
+        "expected " + std::to_string(want_args) + " operands and " + std::to_string(3 * g_count) +
+        " results for " + std::to_string(g_count) + " states, got " + std::to_string(args.size()) +
+        " and " + std::to_string(rets.size())));
   }
   std::vector<TensorGroup> groups;
   groups.reserve(g_count);
@@ -103,9 +104,9 @@ inline ffi::ErrorOr<std::vector<TensorGroup>> DecodeGroups(
     const bool aliased = hist_out->untyped_data() == hist->untyped_data() &&
                          scale_out->untyped_data() == scale->untyped_data();
     if (in_place != aliased) {
-      return ffi::Unexpected(InvalidArg(
-          which + (in_place ? "state results must alias their operands"
-                            : "out-of-place results must not alias their operands")));
+      return ffi::Unexpected(
+          InvalidArg(which + (in_place ? "state results must alias their operands"
+                                       : "out-of-place results must not alias their operands")));
     }
     const float* amax = nullptr;
     size_t next = 2 * g_count;
@@ -114,7 +115,8 @@ inline ffi::ErrorOr<std::vector<TensorGroup>> DecodeGroups(
       if (!sinv.has_value()) return ffi::Unexpected(sinv.error());
       if (sinv->element_count() != static_cast<size_t>(count) ||
           (in_place && sinv->untyped_data() != sinv_out->untyped_data())) {
-        return ffi::Unexpected(InvalidArg(which + "scale_inv must match scale and alias its result"));
+        return ffi::Unexpected(
+            InvalidArg(which + "scale_inv must match scale and alias its result"));
       }
       next += g_count;
     }
@@ -128,9 +130,8 @@ inline ffi::ErrorOr<std::vector<TensorGroup>> DecodeGroups(
     }
     groups.push_back(TensorGroup{static_cast<float*>(hist->untyped_data()),
                                  static_cast<float*>(scale->untyped_data()),
-                                 static_cast<float*>(sinv_out->untyped_data()), amax, count,
-                                 len, scaled_max[g],
-                                 static_cast<float*>(hist_out->untyped_data()),
+                                 static_cast<float*>(sinv_out->untyped_data()), amax, count, len,
+                                 scaled_max[g], static_cast<float*>(hist_out->untyped_data()),
                                  static_cast<float*>(scale_out->untyped_data())});
   }
   return groups;
