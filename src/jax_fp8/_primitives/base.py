@@ -132,6 +132,8 @@ class Spec:
       and check them in abstract evaluation.
     cache_reference: lower the reference through one jit per parameters, so that many
       same-shaped calls trace it once.
+    reference_where(*avals, **params): None, or why these operands get the reference on
+      every platform and under any jit (asked by `decide` before kernels and partitioning).
     """
     name: str
     abstract_eval: Callable
@@ -145,6 +147,7 @@ class Spec:
     partitioning: Partitioning | None = None
     same_varying: bool = False
     cache_reference: bool = False
+    reference_where: Callable = _no_reason
 
 
 SPECS: dict[str, Spec] = {}
@@ -179,6 +182,9 @@ def decide(spec: Spec, platform: str | None, avals, implementation: str, params:
     `PARTITIONED` or `REFERENCE`, the reason in words)."""
     if implementation == "jnp":
         return REFERENCE, _jnp_reason()
+    forced = spec.reference_where(*avals, **params)
+    if forced:
+        return REFERENCE, forced
     kernel = None if platform is None else spec.kernels.get(platform)
     if kernel is None:
         no_kernel = f"no {platform or 'such'} kernel"
@@ -318,18 +324,22 @@ def register(spec: Spec) -> Primitive:
 
 
 def eager_impl(prim):
-    """An impl rule that runs `prim` as a compiled one-primitive program, also under
-    ``jax.disable_jit()`` (which would otherwise turn the jit back into this impl)."""
+    """An impl rule that runs `prim` as a compiled one-primitive program (`compiled_call`)."""
+    return functools.partial(compiled_call, prim.bind)
 
-    @functools.cache
-    def compiled(params):
-        return jax.jit(functools.partial(prim.bind, **dict(params)))
 
-    def impl(*args, **params):
-        with jax.disable_jit(False):
-            return compiled(_static(params))(*args)
+def compiled_call(fn: Callable, *operands, **params):
+    """``fn(*operands, **params)`` run as one compiled program, also eagerly and under
+    ``jax.disable_jit()`` (which would otherwise run it op by op, or turn a primitive's
+    jit back into its impl): one jit per `fn` and static (hashable) `params`, kept for the
+    life of the process. The one cache of eager compiled programs."""
+    with jax.disable_jit(False):
+        return _compiled(fn, _static(params))(*operands)
 
-    return impl
+
+@functools.cache
+def _compiled(fn: Callable, static: tuple):
+    return jax.jit(functools.partial(fn, **dict(static)))
 
 
 def _static(params: dict) -> tuple:
