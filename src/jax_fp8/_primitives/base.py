@@ -54,8 +54,8 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_fp8 import _compat, _registration
-from jax_fp8._primitives import axis_types
+from jax_fp8 import _registration
+from jax_fp8._primitives import axis_types, jax_compat
 from jax_fp8._primitives.decision import (  # noqa: F401 (the frame's names, re-exported)
     choose,
     decide,
@@ -185,7 +185,7 @@ def register(spec: Spec) -> Primitive:
         ad.primitive_jvps[prim] = {"zero": rules.jvp_zero,
                                    "reference": rules.jvp_reference}[spec.jvp]
     if spec.partitioning is not None:
-        _compat.require_devices_during_lowering(prim)
+        jax_compat.require_devices_during_lowering(prim)
     return prim
 
 
