@@ -1,5 +1,6 @@
 """Every JAX name jax_fp8 reads that JAX does not make public, and the shims across JAX versions,
-in one place.
+in one place (the primitive frame's own live below it, in ``_primitives/jax_compat.py``, and
+are re-exported here).
 
 The guards that stop a training loop from silently skipping the FP8 update read JAX's
 traces: which trace a tracer belongs to, whether it differentiates, and which
