@@ -1,5 +1,6 @@
 """Every JAX name jax_fp8 reads that JAX does not make public, and the shims across JAX versions,
-in one place.
+in one place (the primitive frame's own live below it, in ``_primitives/jax_compat.py``, and
+are re-exported here).
 
 The guards that stop a training loop from silently skipping the FP8 update read JAX's
 traces: which trace a tracer belongs to, whether it differentiates, and which
@@ -13,6 +14,15 @@ from __future__ import annotations
 
 import jax
 
+# The names the primitive frame reads live below it, in jax_fp8._primitives.jax_compat (the
+# frame imports nothing above itself); re-exported here with the rest.
+from jax_fp8._primitives.jax_compat import (
+    EXPLICIT,
+    missing as _frame_missing,
+    pvary,
+    require_devices_during_lowering,
+)
+
 __all__ = ["EXPLICIT", "axis_names", "batched_here", "is_batch_trace", "check", "current_trace",
            "is_differentiation_trace", "jit_key_flag", "parent_trace", "pvary",
            "require_devices_during_lowering", "staged_argument", "traced_for", "trace_of"]
@@ -23,22 +33,19 @@ _MISSING = ("jax_fp8 needs {what} of this jax ({version}), which it no longer ha
 
 
 def _load():
-    from jax._src import config, core, dispatch
+    from jax._src import config, core
     from jax._src.interpreters import ad, batching
-    return config, core, dispatch, ad, batching
+    return config, core, ad, batching
 
 
 try:
-    _config, _core, _dispatch, _ad, _batching = _load()
+    _config, _core, _ad, _batching = _load()
 except ImportError as err:  # pragma: no cover - a JAX that moved these modules
     raise ImportError(_MISSING.format(what=f"jax._src ({err})", version=jax.__version__)) from err
 
 # The differentiation traces: forward-mode JVP, and linearize (jax.grad / jax.vjp).
 _AD_TRACE_TYPES = tuple(getattr(_ad, name) for name in ("JVPTrace", "LinearizeTrace")
                         if hasattr(_ad, name))
-
-# Meshes with Explicit axes (sharding in types); None on a jax without them.
-EXPLICIT = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
 
 
 def check() -> None:
@@ -47,11 +54,9 @@ def check() -> None:
              "jax._src.interpreters.ad.JVPTrace": hasattr(_ad, "JVPTrace"),
              "jax._src.interpreters.ad.LinearizeTrace": hasattr(_ad, "LinearizeTrace"),
              "jax._src.interpreters.batching.BatchTrace": hasattr(_batching, "BatchTrace"),
-             "jax._src.dispatch.prim_requires_devices_during_lowering":
-                 hasattr(_dispatch, "prim_requires_devices_during_lowering"),
              "jax._src.config.bool_state": hasattr(_config, "bool_state"),
              "jax._src.core.get_axis_env": hasattr(_core, "get_axis_env")}
-    missing = [name for name, ok in needs.items() if not ok]
+    missing = [name for name, ok in needs.items() if not ok] + _frame_missing()
     if missing:
         raise ImportError(_MISSING.format(what=", ".join(missing), version=jax.__version__))
 
@@ -112,19 +117,6 @@ def staged_argument(x) -> str | None:
     if var is None or not invars or not names or len(names) != len(invars):
         return None
     return next((names[i] for i, v in enumerate(invars) if v is var), None)
-
-
-def pvary(x, axes):
-    """``x`` made to vary over the manual mesh axes `axes` (inside shard_map)."""
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(x, axes, to="varying")
-    return getattr(jax.lax, "pvary")(x, axes)  # noqa: B009 (older jax; not in the stubs)
-
-
-def require_devices_during_lowering(prim) -> None:
-    """custom_partitioning needs the device assignment when it is lowered; JAX provides it
-    only for the primitives in this (internal) set, as for custom_partitioning's own."""
-    _dispatch.prim_requires_devices_during_lowering.add(prim)
 
 
 def jit_key_flag(name: str, help: str):

@@ -119,9 +119,19 @@ def gemm_sizes(a_shape, b_shape, dimension_numbers):
                                      (a_shape, a_c)))
 
 
-# The name scope of a product of FP8-quantized operands widened by `keep_fp8` (what
-# jax_fp8.devtools.explain reads).
+# The name scope of a product of FP8-quantized operands widened by `keep_fp8`, and why
+# (jax_fp8.devtools.explain reads both: the scope marks the GEMM, the reason is its row's).
 WIDENED_SCOPE = "fp8_operands_widened"
+WIDENED_REASON = ("FP8-quantized operands, widened and multiplied in their result's dtype: a "
+                  "size of the GEMM (M, N or K) is not a multiple of 16, or both operands "
+                  "are E5M2, which FP8 GEMMs do not take")
+
+
+def widens(a_dtype, b_dtype, a_shape, b_shape, dimension_numbers) -> bool:
+    """Whether `keep_fp8` widens these FP8 operands (`WIDENED_REASON`): the one decision."""
+    _, *sizes = gemm_sizes(a_shape, b_shape, dimension_numbers)
+    e5m2 = np.dtype(jnp.float8_e5m2)
+    return (np.dtype(a_dtype) == np.dtype(b_dtype) == e5m2) or any(d % 16 for d in sizes)
 
 
 def keep_fp8(q_a, q_b, dimension_numbers, out_dtype):
@@ -135,9 +145,7 @@ def keep_fp8(q_a, q_b, dimension_numbers, out_dtype):
     keeps the FP8 values and they are widened explicitly, exactly, to bfloat16 for a
     bfloat16 result and to float32 otherwise; sizes the FP8 GEMM takes (every multiple of
     16) go straight in."""
-    _, *sizes = gemm_sizes(q_a.shape, q_b.shape, dimension_numbers)
-    both_e5m2 = np.dtype(q_a.dtype) == np.dtype(q_b.dtype) == np.dtype(jnp.float8_e5m2)
-    if both_e5m2 or any(d % 16 for d in sizes):
+    if widens(q_a.dtype, q_b.dtype, q_a.shape, q_b.shape, dimension_numbers):
         wide = jnp.bfloat16 if np.dtype(out_dtype) == np.dtype(jnp.bfloat16) else jnp.float32
         q_a, q_b = lax.optimization_barrier((q_a, q_b))
         return q_a.astype(wide), q_b.astype(wide)

@@ -10,6 +10,7 @@ CPU kernel even from a CUDA-enabled build.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 
 import jax
@@ -70,12 +71,18 @@ def export_disabled_checks() -> list:
 
 def local_gpu_capabilities() -> list[str]:
     """The distinct compute capabilities ("9.0", ...) of this process's local GPUs, sorted;
-    empty where JAX has no GPU backend."""
+    empty where JAX has no GPU backend. Probed once per process (every gate on the GPUs'
+    generation asks this)."""
+    return list(_local_gpu_capabilities())
+
+
+@functools.cache
+def _local_gpu_capabilities() -> tuple[str, ...]:
     try:
         gpus = jax.local_devices(backend="gpu")
     except RuntimeError:
-        return []
-    return sorted({str(getattr(d, "compute_capability", "")) for d in gpus})
+        return ()
+    return tuple(sorted({str(getattr(d, "compute_capability", "")) for d in gpus}))
 
 
 def local_gpus_are_sm90() -> tuple[bool, list[str]]:

@@ -10,15 +10,13 @@ arithmetic after it is the exact one (docs/semantics.md, "Scale from an amax").
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
 from jax_fp8 import quantization, recipe as recipe_lib
-from jax_fp8._primitives import block_quantize as bq
+from jax_fp8._primitives import base, block_quantize as bq
 
 __all__ = ["quantize_current", "scale_from_amax", "scale_inverse"]
 
@@ -75,18 +73,11 @@ def quantize_current(x, fp8_dtype=jnp.float8_e4m3fn, *, power_of_2_scale=False,
     x = jax.lax.stop_gradient(_operand(x, min_ndim=0))
     opts = _options(fp8_dtype, power_of_2_scale, amax_epsilon)
     amax = quantization.compute_amax(x)
-    with jax.disable_jit(False):  # one compiled program also when eager (as the primitives)
-        return _cast_current(tuple(sorted(opts.items())))(x, amax)
+    # one compiled program also when eager (as the primitives)
+    return base.compiled_call(_cast_current, x, amax, **opts)
 
 
-@functools.cache
-def _cast_current(opts):
-    opts = dict(opts)
-
-    @jax.jit
-    def cast(x, amax):
-        scale = bq.scale_from_amax_f32(amax, recipe_lib.fp8_max(opts["fp8_dtype"]),
-                                       opts["amax_epsilon"], opts["power_of_2_scale"])
-        return bq.cast_scaled(bq.widen(x), scale, opts["fp8_dtype"]), bq.scale_inverse(scale)
-
-    return cast
+def _cast_current(x, amax, *, fp8_dtype, power_of_2_scale, amax_epsilon):
+    scale = bq.scale_from_amax_f32(amax, recipe_lib.fp8_max(fp8_dtype), amax_epsilon,
+                                   power_of_2_scale)
+    return bq.cast_scaled(bq.widen(x), scale, fp8_dtype), bq.scale_inverse(scale)

@@ -55,8 +55,10 @@ def canonical_dimension_numbers(dimension_numbers, lhs_ndim, rhs_ndim):
     return dn
 
 
-# The name scope of a GEMM that min_fp8_flops keeps in its operands' dtype.
+# The name scope of a GEMM that min_fp8_flops keeps in its operands' dtype, and why
+# (jax_fp8.devtools.explain reads both).
 KEPT_SCOPE = "below_min_fp8_flops"
+KEPT_REASON = "kept in its operands' dtype: fewer FLOPs than the layer's min_fp8_flops"
 
 
 def gemm_flops(lhs_shape, rhs_shape, dimension_numbers) -> int:

@@ -13,7 +13,9 @@ import textwrap
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jax_fp8
 from jax_fp8._primitives import base
@@ -142,3 +144,49 @@ def test_one_switch_runs_the_reference_everywhere():
     out = subprocess.run([sys.executable, "-c", "import jax_fp8"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "JAX_FP8_IMPLEMENTATION must be one of" in out.stderr
+
+
+def test_decisions_once_made_in_wrappers_are_rows_with_their_reasons():
+    """The amax inside shard_map and on a mesh with Explicit axes, the byte transpose on
+    such a mesh and a split into one piece: each a row of its primitive with the reason
+    its decision gives, and the numbers of the XLA ops it stands for."""
+    from jax_fp8._primitives import amax, layout, split
+
+    cpu = jax.devices("cpu")[:1]
+    x = jnp.asarray(np.arange(-24.0, 24.0, dtype=np.float32).reshape(8, 6))
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,),
+                         devices=cpu)
+    auto = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=cpu)
+    per_device = jax.shard_map(lambda x: amax.amax(x)[None], mesh=auto, in_specs=P("data"),
+                               out_specs=P("data"))
+    rows = explain.explain(per_device, x)
+    assert [(r.name, r.lowering) for r in rows] == [("jax_fp8_amax", "reference")]
+    assert rows[0].why.startswith("inside shard_map")
+    np.testing.assert_array_equal(jax.jit(per_device)(x), [24.0])
+
+    q = x.astype(jnp.float8_e4m3fn).reshape(2, 4, 6)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("data", None)))
+        qs = jax.device_put(q, jax.sharding.NamedSharding(mesh, P("data", None, None)))
+        rows = explain.explain(lambda x, q: (amax.amax(x), layout.rotate_axes(q, 1)), xs, qs,
+                               platform="cuda")
+        got_amax, got_t = jax.jit(lambda x, q: (amax.amax(x), layout.rotate_axes(q, 1)))(xs, qs)
+    assert [(r.name, r.lowering) for r in rows] == [("jax_fp8_amax", "reference"),
+                                                    ("jax_fp8_transpose_bytes", "reference")]
+    assert all("mesh with Explicit axes" in r.why for r in rows)
+    assert float(got_amax) == 24.0
+    assert got_t.sharding.spec == P(None, None, "data")
+    np.testing.assert_array_equal(np.asarray(got_t).view(np.uint8),
+                                  np.transpose(np.asarray(q).view(np.uint8), (1, 2, 0)))
+
+    a = jnp.arange(10.0, dtype=jnp.float32)
+    for sizes, kernel in (((10,), False), ((4, 6), jax_fp8.HAS_CPU_KERNEL)):
+        rows = explain.explain(lambda a, sizes=sizes: split.split_rows(a, sizes), a,
+                               platform="cpu")
+        assert [(r.name, r.lowering) for r in rows] == [
+            ("jax_fp8_split_rows", "kernel" if kernel else "reference")]
+        text = jax.jit(lambda a, sizes=sizes: split.split_rows(a, sizes)).lower(a).as_text()
+        assert ("jax_fp8_split_rows" in text) == kernel
+    assert explain.explain(lambda a: split.split_rows(a, (10,)), a, platform="cpu")[0].why == \
+        "one piece: the slice is the vector itself"

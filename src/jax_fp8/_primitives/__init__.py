@@ -1,8 +1,11 @@
 """The JAX primitives of jax_fp8 and their lowerings to the FFI kernels in ``ffi/``.
 
 ``base``: the frame each primitive is declared in (registration, eager impl, batching,
-JVP, partitioning, shard_map's varying axes, Explicit meshes), the one choice of lowering
-per platform, and computations in XLA ops with a version per platform (``ByPlatform``).
+JVP, partitioning, shard_map's varying axes, Explicit meshes), re-exporting its parts:
+``spec`` (the declaration), ``decision`` (the one choice of lowering per platform, which
+``jax_fp8.devtools.explain`` reports) and ``platforms`` (computations in XLA ops with a
+version per platform, ``ByPlatform``); ``kernel_types`` declares the element types the
+kernels read and write.
 The primitives, each with its partitioning rule: ``update`` (the fused scaling update,
 partitioned per device along its states' leading axes), ``amax`` (a tensor's amax with
 one all-reduce per step under sharding), ``layout`` (FP8 byte transposes and the

@@ -37,11 +37,31 @@ def _sharding_rule(params, operand_types):
     return " ".join(factors) + " -> ", {"reduction_factors": tuple(factors)}
 
 
+def _abstract_eval(x):
+    # (x.update keeps shard_map's manual-axis type of x on the result; on a mesh with
+    # Explicit axes the scalar is typed replicated on it, as jnp.max's is.)
+    if axis_types.on_explicit_mesh(x):
+        return x.update(shape=(), dtype=np.float32, weak_type=False,
+                        sharding=NamedSharding(x.sharding.mesh, PartitionSpec()))
+    return x.update(shape=(), dtype=np.float32, weak_type=False)
+
+
+def _reference_where(x):
+    """Where the max runs as XLA's own reduction in the caller's types, and why."""
+    if axis_types.varying_axes(x):
+        return ("inside shard_map: each device's own amax (the caller reduces it across "
+                "devices)")
+    if axis_types.on_explicit_mesh(x):
+        # custom_partitioning's pmax there lowers (jax 0.11) to an all-reduce whose
+        # reducer XLA's CPU backend rejects.
+        return ("on a mesh with Explicit axes: JAX types the max itself (a replicated "
+                "scalar, its own all-reduce)")
+    return None
+
+
 amax_p = base.register(base.Spec(
-    "jax_fp8_amax",
-    # (x.update keeps shard_map's manual-axis type of x on the result.)
-    lambda x: x.update(shape=(), dtype=np.float32, weak_type=False),
-    _local_amax, batch="reference", jvp="reference",
+    "jax_fp8_amax", _abstract_eval, _local_amax, batch="reference", jvp="reference",
+    reference_where=_reference_where,
     partitioning=base.Partitioning(
         _shardings, _sharding_rule, combine=lambda m, mesh: jax.lax.pmax(m, mesh.axis_names),
         supports=lambda x: x.ndim > 0, needs_kernel=False)))
@@ -50,14 +70,10 @@ varying_axes = axis_types.varying_axes
 
 
 def amax(x) -> jax.Array:
-    """max |x| over the whole tensor as a float32 scalar (NaN propagates)."""
-    if varying_axes(x) or axis_types.on_explicit_mesh(x):
-        # Inside shard_map a per-device value: plain jnp keeps its manual-axis type
-        # (the user, or fp8_dot_general's backward, reduces it across devices). On a
-        # mesh with Explicit axes JAX types the max itself (replicated result, its own
-        # all-reduce); custom_partitioning's pmax there lowers, on jax 0.11, to an
-        # all-reduce whose reducer XLA's CPU backend rejects.
-        return _local_amax(x)
+    """max |x| over the whole tensor as a float32 scalar (NaN propagates).
+
+    Inside shard_map a per-device value (the user, or fp8_dot_general's backward, reduces
+    it across devices); on a mesh with Explicit axes typed replicated (`_reference_where`)."""
     return amax_p.bind(x)
 
 

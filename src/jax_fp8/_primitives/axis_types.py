@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax
 
-from jax_fp8 import _compat
+from jax_fp8._primitives import jax_compat
 
 
 def varying_axes(x) -> frozenset:
@@ -33,7 +33,7 @@ def vary_like(arrays) -> list:
     out = []
     for a in arrays:
         missing = tuple(sorted(union - varying_axes(a)))
-        out.append(_compat.pvary(a, missing) if missing else a)
+        out.append(jax_compat.pvary(a, missing) if missing else a)
     return out
 
 
@@ -58,5 +58,5 @@ def on_explicit_mesh(x) -> bool:
     mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
     if mesh is None or getattr(mesh, "empty", True):
         return False
-    return _compat.EXPLICIT is not None and _compat.EXPLICIT in tuple(getattr(mesh, "axis_types",
-                                                                               ()))
+    explicit = jax_compat.EXPLICIT
+    return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()))

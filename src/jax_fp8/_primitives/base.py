@@ -20,6 +20,11 @@ Every primitive takes the parameter ``implementation``, one of `IMPLEMENTATIONS`
 lowering, ``jax_fp8.devtools.explain`` for a whole program); `kernels_on` says which
 primitives have a kernel on a platform in this process.
 
+The frame is in four modules, whose names this one re-exports: ``spec`` (the declaration:
+`Spec`, `Kernel`, `Partitioning`, the implementations), ``decision`` (`decide`),
+``platforms`` (`ByPlatform`) and this one (`register`: the primitive, its binding on
+Explicit meshes and inside shard_map, its rules, `compiled_call`).
+
 A computation in XLA ops with a version per platform and no kernel (the FP8 GEMM's
 accumulation, named as a dot algorithm only on CUDA) is a `ByPlatform`: `by_platform`
 makes it a function whose version is chosen where it is lowered, `decide_platform` says
@@ -40,181 +45,48 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, cast
 
 import jax
-from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_fp8 import _compat, _registration
-from jax_fp8._primitives import axis_types
-
-IMPLEMENTATIONS = ("auto", "jnp")
-# The one switch that runs the reference everywhere: JAX_FP8_IMPLEMENTATION=jnp in the
-# environment (read at import) is the implementation of every primitive bound without one.
-ENV = "JAX_FP8_IMPLEMENTATION"
-DEFAULT = os.environ.get(ENV, "auto")
-if DEFAULT not in IMPLEMENTATIONS:
-    raise ValueError(f"{ENV} must be one of {IMPLEMENTATIONS}, got {DEFAULT!r}")
-# Inside a partitioned lowering: the kernel on one device's shards, never partitioned again.
-PER_DEVICE = "per_device"
-REFERENCE, KERNEL, PARTITIONED = "reference", "kernel", "partitioned"
-
-
-def _always(*avals, **params) -> bool:
-    del avals, params
-    return True
-
-
-def _no_reason(*avals, **params) -> None:
-    del avals, params
-    return None
-
-
-@dataclasses.dataclass(frozen=True)
-class Kernel:
-    """A custom-call lowering on one platform: ``lower(ctx, *operands, **params)`` emits
-    it; ``supports(*avals, **params)`` says whether it applies (else the reference runs);
-    ``refuses(*avals, **params)``: None where it may run, else why not, in words (the
-    reason `decide` gives: a kernel switched off, or the operands it does not take)."""
-    lower: Callable
-    supports: Callable = _always
-    refuses: Callable = _no_reason
-
-
-@dataclasses.dataclass(frozen=True)
-class Partitioning:
-    """custom_partitioning rules for a jit over several devices: each device binds the
-    primitive (``PER_DEVICE``) on the shards it holds, then ``combine(results, mesh)``.
-
-    ``shardings(params, mesh, arg_shapes)`` -> (operand shardings, result shardings);
-    ``rule(params, operand_types)`` -> (Shardy rule, its keyword arguments);
-    ``combine(results, mesh)``: applied to each device's results (e.g. a collective);
-    ``local(bind, operands, *, mesh, shardings, params)``: instead of bind + combine,
-    each device's whole computation, given ``bind(*operands, **params)`` (the primitive
-    on one device) and the operand shardings `shardings` returned;
-    ``supports(*avals, **params)``: whether to partition these operands; ``needs_kernel``:
-    partition only on platforms with the kernel (elsewhere XLA shards the reference);
-    ``explicit``: on meshes with Explicit axes run per device under shard_map with the
-    same shardings (else the primitive sees the Explicit-typed operands itself).
-    """
-    shardings: Callable
-    rule: Callable
-    combine: Callable | None = None
-    supports: Callable = _always
-    needs_kernel: bool = True
-    local: Callable | None = None
-    explicit: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class Spec:
-    """A primitive's declaration.
-
-    name: the primitive's name, also its FFI target's (ffi/module.cc).
-    abstract_eval(*avals, **params): the result avals (checks the operands).
-    reference(*operands, **params): the jax.numpy reference.
-    reference_lowering(ctx, *operands, **params): an MLIR rule standing for the reference
-      where there is none in jax.numpy.
-    kernels: {platform ("cpu", "cuda"): Kernel}.
-    batch: "leading_axes" (move the batched axis of every operand to the front and bind once:
-      for primitives whose leading axes are independent tensors), "reference" (vmap the
-      reference) or a batching rule ``(args, dims, **params)``.
-    jvp: "zero" (results are not differentiated), "reference" (differentiate the
-      reference) or "linear" (with ``transpose(cts, *operands, **params)``).
-    partitioning: how it partitions under a jit over several devices, or None.
-    same_varying: align the operands' varying manual axes (inside shard_map) at bind,
-      and check them in abstract evaluation.
-    cache_reference: lower the reference through one jit per parameters, so that many
-      same-shaped calls trace it once.
-    """
-    name: str
-    abstract_eval: Callable
-    reference: Callable | None = None
-    reference_lowering: Callable | None = None
-    kernels: Mapping[str, Kernel] = dataclasses.field(default_factory=dict)
-    multiple_results: bool = False
-    batch: str | Callable = "leading_axes"
-    jvp: str = "zero"
-    transpose: Callable | None = None
-    partitioning: Partitioning | None = None
-    same_varying: bool = False
-    cache_reference: bool = False
-
-
-SPECS: dict[str, Spec] = {}
-
-
-def kernels_on(platform: str) -> tuple[str, ...]:
-    """The primitives whose kernel this process can emit on `platform` ("cpu", "cuda")."""
-    return tuple(name for name, spec in SPECS.items()
-                 if platform in spec.kernels and _registration.has_kernel(name, platform))
-
-
-def partition_devices(ctx) -> int:
-    """The devices a jit being lowered runs over (1 inside shard_map or pmap, and when
-    lowering for ``jax.export``: custom_partitioning runs a Python callback inside XLA's
-    partitioner, which a serialized program cannot carry; there the bare custom call is
-    emitted and XLA's partitioner gathers its (small) operands instead: same bits)."""
-    params = getattr(ctx.module_context, "lowering_parameters", None)
-    if getattr(params, "for_export", False):
-        return 1
-    return getattr(ctx.module_context.axis_context, "num_devices", 1)
-
-
-def needs_partitioning(ctx) -> bool:
-    """True under a jit over several devices (`partition_devices`)."""
-    return partition_devices(ctx) > 1
-
-
-def decide(spec: Spec, platform: str | None, avals, implementation: str, params: dict,
-           num_devices: int = 1) -> tuple[str, str]:
-    """Which lowering of `spec` runs on `platform` (None: one without a kernel) for
-    operands `avals` under a jit over `num_devices` devices, and why: (`KERNEL`,
-    `PARTITIONED` or `REFERENCE`, the reason in words)."""
-    if implementation == "jnp":
-        return REFERENCE, _jnp_reason()
-    kernel = None if platform is None else spec.kernels.get(platform)
-    if kernel is None:
-        no_kernel = f"no {platform or 'such'} kernel"
-    elif not _registration.has_kernel(spec.name, platform):
-        kernel, no_kernel = None, f"the {platform} kernel is not built in this process"
-    if implementation != PER_DEVICE and num_devices > 1:
-        part = spec.partitioning
-        if part is None:
-            return REFERENCE, (f"a jit over {num_devices} devices and no partitioning rule: "
-                               "XLA partitions the reference")
-        if kernel is None and part.needs_kernel:
-            return REFERENCE, (f"a jit over {num_devices} devices and {no_kernel}: XLA "
-                               "partitions the reference")
-        if not part.supports(*avals, **params):
-            return REFERENCE, (f"a jit over {num_devices} devices; the partitioning rule "
-                               "does not take these operands: XLA partitions the reference")
-        what = "the kernel" if kernel is not None else "the reference"
-        return PARTITIONED, f"a jit over {num_devices} devices: each runs {what} on its shards"
-    if kernel is None:
-        return REFERENCE, no_kernel
-    refused = kernel.refuses(*avals, **params)
-    if refused:
-        return REFERENCE, refused
-    if not kernel.supports(*avals, **params):
-        return REFERENCE, f"the {platform} kernel does not take these operands"
-    return KERNEL, f"the {platform} kernel"
-
-
-def _jnp_reason() -> str:
-    return "implementation='jnp'" + (f" ({ENV}=jnp)" if DEFAULT == "jnp" else "")
-
-
-def choose(spec: Spec, platform: str | None, ctx, implementation: str, params: dict) -> str:
-    """Which lowering of `spec` runs on `platform` in lowering context `ctx` (`decide`)."""
-    return decide(spec, platform, ctx.avals_in, implementation, params,
-                  partition_devices(ctx))[0]
+from jax_fp8 import _registration
+from jax_fp8._primitives import axis_types, jax_compat
+from jax_fp8._primitives.decision import (  # noqa: F401 (the frame's names, re-exported)
+    choose,
+    decide,
+    jnp_reason,
+    needs_partitioning,
+    partition_devices,
+)
+from jax_fp8._primitives.platforms import (  # noqa: F401
+    BY_PLATFORM,
+    VARIANT,
+    ByPlatform,
+    Variant,
+    by_platform,
+    decide_platform,
+    device_platform,
+)
+from jax_fp8._primitives.spec import (  # noqa: F401
+    DEFAULT,
+    ENV,
+    IMPLEMENTATIONS,
+    KERNEL,
+    PARTITIONED,
+    PER_DEVICE,
+    REFERENCE,
+    SPECS,
+    Kernel,
+    Partitioning,
+    Spec,
+    kernels_on,
+    static_params,
+)
 
 
 class _Primitive(Primitive):
@@ -313,27 +185,27 @@ def register(spec: Spec) -> Primitive:
         ad.primitive_jvps[prim] = {"zero": rules.jvp_zero,
                                    "reference": rules.jvp_reference}[spec.jvp]
     if spec.partitioning is not None:
-        _compat.require_devices_during_lowering(prim)
+        jax_compat.require_devices_during_lowering(prim)
     return prim
 
 
 def eager_impl(prim):
-    """An impl rule that runs `prim` as a compiled one-primitive program, also under
-    ``jax.disable_jit()`` (which would otherwise turn the jit back into this impl)."""
-
-    @functools.cache
-    def compiled(params):
-        return jax.jit(functools.partial(prim.bind, **dict(params)))
-
-    def impl(*args, **params):
-        with jax.disable_jit(False):
-            return compiled(_static(params))(*args)
-
-    return impl
+    """An impl rule that runs `prim` as a compiled one-primitive program (`compiled_call`)."""
+    return functools.partial(compiled_call, prim.bind)
 
 
-def _static(params: dict) -> tuple:
-    return tuple(sorted(params.items()))
+def compiled_call(fn: Callable, *operands, **params):
+    """``fn(*operands, **params)`` run as one compiled program, also eagerly and under
+    ``jax.disable_jit()`` (which would otherwise run it op by op, or turn a primitive's
+    jit back into its impl): one jit per `fn` and static (hashable) `params`, kept for the
+    life of the process. The one cache of eager compiled programs."""
+    with jax.disable_jit(False):
+        return _compiled(fn, static_params(params))(*operands)
+
+
+@functools.cache
+def _compiled(fn: Callable, static: tuple):
+    return jax.jit(functools.partial(fn, **dict(static)))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -360,7 +232,7 @@ class _Rules:
         if how == KERNEL:
             return self.spec.kernels[platform].lower(ctx, *operands, **params)
         if how == PARTITIONED:
-            partitioned = functools.partial(self._partitioned(), _static(params))
+            partitioned = functools.partial(self._partitioned(), static_params(params))
 
             def fn(*ops):
                 with jax.named_scope(per_device_scope(self.spec.name)):
@@ -369,7 +241,7 @@ class _Rules:
             return self._lower_fun(fn)(ctx, *operands)
         if self.spec.reference_lowering is not None:
             return self.spec.reference_lowering(ctx, *operands, **params)
-        return self._lower_fun(self._reference(_static(params)))(ctx, *operands)
+        return self._lower_fun(self._reference(static_params(params)))(ctx, *operands)
 
     def _lower_fun(self, fn):
         if self.spec.multiple_results:
@@ -439,109 +311,3 @@ class _Rules:
         tangents = [ad.instantiate_zeros(t) for t in tangents]
         reference = cast(Callable, self.spec.reference)
         return jax.jvp(functools.partial(reference, **params), tuple(primals), tuple(tangents))
-
-
-# ------------------------------------------------------------------------ platform versions
-
-VARIANT = "variant"
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """One platform's version of a `ByPlatform` computation: ``fn(*operands, **params)``,
-    with the same results (shapes, types) as the reference, and what it does differently,
-    in words."""
-    fn: Callable
-    what: str
-
-
-@dataclasses.dataclass(frozen=True)
-class ByPlatform:
-    """A computation in XLA ops (no kernel, so XLA partitions it under any jit) with a
-    version per platform.
-
-    name: its name, also that of the jit it runs in (explain finds it by that name).
-    reference(*operands, **params): the version of every platform not in `variants`, and
-      of every platform under ``JAX_FP8_IMPLEMENTATION=jnp``.
-    variants: {platform ("cuda", ...): Variant}.
-    """
-    name: str
-    reference: Callable
-    variants: Mapping[str, Variant] = dataclasses.field(default_factory=dict)
-
-
-BY_PLATFORM: dict[str, ByPlatform] = {}
-
-
-def decide_platform(choice: ByPlatform, platform: str | None,
-                    implementation: str | None = None) -> tuple[str, str]:
-    """Which version of `choice` runs on `platform` (None: one of no variant) with
-    `implementation` (default `DEFAULT`), and why: (`VARIANT` or `REFERENCE`, the reason
-    in words)."""
-    if (implementation or DEFAULT) == "jnp":
-        return REFERENCE, _jnp_reason()
-    variant = None if platform is None else choice.variants.get(platform)
-    if variant is None:
-        return REFERENCE, f"no {platform or 'such'} variant"
-    return VARIANT, f"the {platform} variant: {variant.what}"
-
-
-def device_platform(device) -> str:
-    """The platform name lowering uses for `device`: "cuda" or "rocm" for a GPU, else
-    its platform ("cpu", "tpu")."""
-    if device.platform == "gpu":
-        version = str(getattr(device.client, "platform_version", "")).lower()
-        return "rocm" if "rocm" in version else "cuda"
-    return device.platform
-
-
-def _concrete_platform(x) -> str | None:
-    """The platform of a concrete array's device (as code run with jit disabled has);
-    None for a tracer or a non-array."""
-    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
-        return None
-    return device_platform(next(iter(x.devices())))
-
-
-def by_platform(choice: ByPlatform) -> Callable:
-    """`choice` as a function ``run(*operands, **params)``: the version `decide_platform`
-    picks for the platform it runs on. `params` are static (hashable); operands may be
-    pytrees of arrays.
-
-    Traced operands (in a jit, or under vmap or grad) go through one jit named
-    ``choice.name`` whose version is picked where it is lowered (``lax.platform_dependent``):
-    in a jit, for the platform that jit is lowered for (each of several, lowered for
-    several); for operands outside a jit, their device's. Concrete operands (jit disabled,
-    which would run that jit op by op on the default backend) take their device's version
-    directly, decided by the first operand.
-
-    Raises:
-      ValueError: where a primitive or another ByPlatform has that name.
-    """
-    if choice.name in BY_PLATFORM or choice.name in SPECS:
-        raise ValueError(f"{choice.name} is already registered")
-    BY_PLATFORM[choice.name] = choice
-
-    @functools.cache
-    def staged(static):
-        params = dict(static)
-        reference = functools.partial(choice.reference, **params)
-        variants = {p: functools.partial(v.fn, **params) for p, v in choice.variants.items()}
-
-        def run(*operands):
-            if DEFAULT == "jnp":
-                return reference(*operands)
-            return lax.platform_dependent(*operands, default=reference, **variants)
-
-        run.__name__ = run.__qualname__ = choice.name
-        return jax.jit(run)
-
-    def call(*operands, **params):
-        platform = _concrete_platform(operands[0])
-        if platform is None:
-            return staged(_static(params))(*operands)
-        how, _ = decide_platform(choice, platform)
-        fn = choice.variants[platform].fn if how == VARIANT else choice.reference
-        return fn(*operands, **params)
-
-    return call

@@ -43,7 +43,7 @@ from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_fp8 import _registration
-from jax_fp8._primitives import base, partition_specs as specs
+from jax_fp8._primitives import base, kernel_types, partition_specs as specs
 from jax_fp8._primitives.block_quantize import (
     BLOCK,
     SCALE_LAYOUTS,
@@ -58,7 +58,6 @@ from jax_fp8._primitives.exact import up_scaled
 TARGET = "jax_fp8_block_gemm"
 WORKSPACE_BYTES = 32 * 1024 * 1024  # cuBLASLt's recommendation for Hopper
 MIN_CUBLASLT_VERSION = 120900
-_KERNEL_OUT = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
 
 
 
@@ -109,9 +108,17 @@ def reference(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype,
     return out.astype(out_dtype)
 
 
+def _sm90(what: str) -> tuple[bool, str]:
+    """(whether every local GPU is SM90, why not): the condition of `what`, from the one
+    probe of the local GPUs (`_registration.local_gpu_capabilities`)."""
+    sm90, caps = _registration.local_gpus_are_sm90()
+    return sm90, "" if sm90 else f"{what} need SM90 GPUs, found {caps}"
+
+
 @functools.cache
 def cublas_status() -> tuple[bool, str]:
-    """(whether the cuBLASLt path can run in this process, why not). Loads libcublasLt."""
+    """(whether the cuBLASLt path can run in this process, why not). Loads libcublasLt
+    (once: the cuBLASLt version and the GPUs are probed once per process)."""
     if not _registration.HAS_CUDA_KERNEL:
         return False, "the CUDA module was not built"
     path = _registration.cublaslt_path()
@@ -120,9 +127,9 @@ def cublas_status() -> tuple[bool, str]:
     version, error = importlib.import_module("jax_fp8._jax_fp8_cuda").load_cublaslt(path)
     if version < MIN_CUBLASLT_VERSION:
         return False, error or f"{path} is cuBLASLt {version}, block scaling needs >= 12.9"
-    sm90, caps = _registration.local_gpus_are_sm90()
+    sm90, why = _sm90("block-scaled cuBLASLt GEMMs")
     if not sm90:
-        return False, f"block-scaled cuBLASLt GEMMs need SM90 GPUs, found {caps}"
+        return False, why
     return True, f"{path} (cuBLASLt {version})"
 
 
@@ -146,9 +153,9 @@ def cutlass_status() -> tuple[bool, str]:
         return False, ("the CUDA module was built without CUTLASS (nvidia-cutlass's headers "
                        "were not found, or JAX_FP8_CUTLASS=OFF): block-scaled GEMMs run "
                        "through cuBLASLt")
-    sm90, caps = _registration.local_gpus_are_sm90()
+    sm90, why = _sm90("the CUTLASS kernels, built for sm_90a,")
     if not sm90:
-        return False, f"the CUTLASS kernels are built for sm_90a, found {caps}"
+        return False, why
     return True, f"{len(names)} CUTLASS sm_90a configurations: {', '.join(names)}"
 
 
@@ -163,9 +170,8 @@ def cublas_supports(a, b, a_block_rows, b_block_rows, out_dtype) -> bool:
     if module is None or not 0 <= batch < 2 ** 63:
         return False
     m, k = a.shape[-2:]
-    call_out = np.float32 if np.dtype(out_dtype) == np.float16 else out_dtype
     return module.block_gemm_supports(
-        np.dtype(a.dtype).name, np.dtype(b.dtype).name, np.dtype(call_out).name,
+        np.dtype(a.dtype).name, np.dtype(b.dtype).name, kernel_types.gemm_output(out_dtype).name,
         a_block_rows == BLOCK, b_block_rows == BLOCK, int(batch), int(m), int(b.shape[-2]),
         int(k))
 
@@ -194,8 +200,7 @@ def _ffi_gemm(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype, 
     GEMM)."""
     code = _kernel_code("fallback" if force_fallback else kernel)
     m, n = a.shape[-2], b.shape[-2]
-    # float16 out: cuBLASLt writes float32, one convert rounds it (as the reference does)
-    kernel_dtype = out_dtype if np.dtype(out_dtype) in _KERNEL_OUT else np.dtype(np.float32)
+    kernel_dtype = kernel_types.gemm_output(out_dtype)
     if scale_layout == "spec":
         a_scale = to_gemm_layout(a_scale, a_block_rows)
         b_scale = to_gemm_layout(b_scale, b_block_rows)
@@ -215,7 +220,14 @@ def _kernel_lowering(ctx, *operands, **params):
 
 def _kernel_supports(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype, **_):
     del a_scale, b_scale
-    return cublas_supports(a, b, a_block_rows, b_block_rows, out_dtype) and cublas_status()[0]
+    return cublas_supports(a, b, a_block_rows, b_block_rows, out_dtype)
+
+
+def _kernel_refuses(*avals, **params):
+    """Why the custom call cannot run in this process (`cublas_status`), else None."""
+    del avals, params
+    ok, why = cublas_status()
+    return None if ok else why
 
 
 # ----------------------------------------------------------------------- partitioning
@@ -299,7 +311,7 @@ PARTITIONING = base.Partitioning(_gemm_shardings, _gemm_rule, local=_gemm_local,
 # Differentiated as the reference; batched in front (leading axes are independent GEMMs).
 block_gemm_p = base.register(base.Spec(
     TARGET, _abstract_eval, reference, cache_reference=True, jvp="reference",
-    kernels={"cuda": base.Kernel(_kernel_lowering, _kernel_supports)},
+    kernels={"cuda": base.Kernel(_kernel_lowering, _kernel_supports, _kernel_refuses)},
     partitioning=PARTITIONING, same_varying=True))
 
 

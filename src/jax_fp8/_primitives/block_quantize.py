@@ -33,7 +33,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_fp8 import _registration, recipe as recipe_lib
-from jax_fp8._primitives import base, partition_specs as specs
+from jax_fp8._primitives import base, kernel_types, partition_specs as specs
 from jax_fp8._primitives.exact import (
     F32,
     U32,
@@ -47,8 +47,8 @@ from jax_fp8._primitives.exact import (
 )
 
 BLOCK = 128
-INPUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
-KERNEL_FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
+INPUT_DTYPES = kernel_types.WIDE_INPUTS   # what block quantization takes (its kernel reads)
+KERNEL_FP8 = kernel_types.FP8_OUTPUTS
 
 
 def scale_rows(m: int, block_rows: int) -> int:

@@ -63,7 +63,7 @@ from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_fp8 import _registration
-from jax_fp8._primitives import axis_types, base, partition_specs as specs
+from jax_fp8._primitives import axis_types, base, kernel_types, partition_specs as specs
 
 TARGET = "jax_fp8_grouped_gemm"
 # "auto" (default): the CUDA kernel runs where it is built and takes the operands; "off":
@@ -72,7 +72,6 @@ ENV = "JAX_FP8_GROUPED_GEMM"
 ENV_VALUES = ("auto", "off")
 IMPLEMENTATIONS = ("auto", "jnp", "cuda")
 OFF_REASON = f"the grouped GEMM kernel is switched off ({ENV}=off)"
-_KERNEL_OUT = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
 _OUT_TYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
 _MAX_ROWS = 2 ** 31 - 1
 
@@ -204,11 +203,11 @@ def kernel_supports(lhs, rhs, out_dtype) -> bool:
     module = _registration.CUDA_MODULE or _registration.CPU_MODULE
     if module is None or not hasattr(module, "grouped_gemm_supports"):
         return False
-    call_out = np.float32 if np.dtype(out_dtype) == np.float16 else out_dtype
     m, k = lhs.shape
     g, n, _ = rhs.shape
     return module.grouped_gemm_supports(np.dtype(lhs.dtype).name, np.dtype(rhs.dtype).name,
-                                        np.dtype(call_out).name, int(m), int(n), int(k), int(g))
+                                        kernel_types.gemm_output(out_dtype).name, int(m),
+                                        int(n), int(k), int(g))
 
 
 def workspace_bytes(groups: int) -> int:
@@ -235,8 +234,7 @@ def _ffi_grouped_gemm(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, *, ou
                       kernel):
     del kernel
     m, n, g = lhs.shape[0], rhs.shape[1], rhs.shape[0]
-    # float16 out: the kernel writes float32, one convert rounds it (as the reference does)
-    kernel_dtype = out_dtype if np.dtype(out_dtype) in _KERNEL_OUT else np.dtype(np.float32)
+    kernel_dtype = kernel_types.gemm_output(out_dtype)
     call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((m, n), kernel_dtype),
                                      jax.ShapeDtypeStruct((workspace_bytes(g),), jnp.uint8)))
     out, _ = call(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv)

@@ -5,20 +5,23 @@ needs the quantized kernel transposed (a Dense kernel [K, N] contracts over its 
 axis) and the kernel gradient needs the quantized input and the quantized gradient
 transposed. Two primitives, each one custom call on CUDA:
 
-* `jax_fp8_transpose_bytes`: [R, C] -> [C, R] for 1-byte (FP8) matrices; `rotate_axes`
-  applies it to [A..., B...] -> [B..., A...].
+* `jax_fp8_transpose_bytes`: [A..., B...] -> [B..., A...] for 1-byte (FP8) arrays (``k``
+  A axes; a matrix [R, C] -> [C, R]), on CUDA the array seen as the matrix [prod A,
+  prod B]; `rotate_axes` binds it.
 * `jax_fp8_quantize_transpose`: x [R, C] (f32/bf16/f16) and a scale -> the FP8 copy of
   x, that copy transposed and max |x|, from one read of x; `quantize_rotate` is the
   [A..., B...] form that `fp8_dot_general`'s backward uses for its incoming gradient.
 
 The bits are those of `lax.transpose`, `jax_fp8.quantize` and `compute_amax` (a NaN's
 payload aside). Every other platform, a jit over several devices (whose partitioner
-handles XLA's ops and the amax's one all-reduce), and sizes or types the kernels do not
-take lower to those XLA ops themselves.
+handles XLA's ops and the amax's one all-reduce), meshes with Explicit axes, and sizes or
+types the kernels do not take lower to those XLA ops themselves (`base.decide` says which
+and why; ``jax_fp8.devtools.explain`` reports it).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -26,12 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
+from jax.interpreters import mlir
+from jax.sharding import PartitionSpec
 
 from jax_fp8 import _registration, recipe as recipe_lib
-from jax_fp8._primitives import amax as amax_lib, axis_types, base
-
-_KERNEL_IN = {np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)}
-_KERNEL_FP8 = {np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)}
+from jax_fp8._primitives import amax as amax_lib, axis_types, base, kernel_types
 
 
 def kernel_supports(rows: int, cols: int) -> bool:
@@ -40,40 +42,80 @@ def kernel_supports(rows: int, cols: int) -> bool:
     return module is not None and module.transpose_bytes_supports(1, int(rows), int(cols))
 
 
-def _abstract_eval(x):
-    if x.ndim != 2 or np.dtype(x.dtype).itemsize != 1:
-        raise TypeError(f"jax_fp8_transpose_bytes: takes a matrix of a 1-byte type, got "
-                        f"{x.dtype}{list(x.shape)}")
-    return x.update(shape=(x.shape[1], x.shape[0]), weak_type=False)
+def _rotation(ndim: int, k: int) -> tuple[int, ...]:
+    """The permutation taking [A..., B...] (k A axes) to [B..., A...]."""
+    return tuple(range(k, ndim)) + tuple(range(k))
+
+
+def _abstract_eval(x, *, k=1):
+    if x.ndim < 2 or not 0 < k < x.ndim or np.dtype(x.dtype).itemsize != 1:
+        raise TypeError(f"jax_fp8_transpose_bytes: takes an array [A..., B...] of a 1-byte "
+                        f"type with 0 < k < rank A axes (a matrix: k = 1), got "
+                        f"{x.dtype}{list(x.shape)} and k = {k}")
+    perm = _rotation(x.ndim, k)
+    shape = tuple(x.shape[i] for i in perm)
+    if axis_types.on_explicit_mesh(x):   # the sharding rotates with the axes
+        spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+        sharding = x.sharding.update(spec=PartitionSpec(*(spec[i] for i in perm)))
+        return x.update(shape=shape, sharding=sharding, weak_type=False)
+    return x.update(shape=shape, weak_type=False)
+
+
+def _rotate(x, *, k=1):
+    return lax.transpose(x, _rotation(x.ndim, k))
 
 
 def _swap(x):
     return lax.transpose(x, (1, 0))
 
 
-# A transpose is linear: its tangent is transposed the same way, its cotangent back.
+def _ffi_rotate(x, *, k):
+    """The custom call on x seen as the matrix [prod A, prod B]."""
+    lead, trail = x.shape[:k], x.shape[k:]
+    rows, cols = math.prod(lead), math.prod(trail)
+    call = jax.ffi.ffi_call("jax_fp8_transpose_bytes", jax.ShapeDtypeStruct((cols, rows), x.dtype))
+    return call(x.reshape(rows, cols)).reshape(trail + lead)
+
+
+def _transpose_lowering(ctx, x, *, k=1):
+    return mlir.lower_fun(functools.partial(_ffi_rotate, k=k), multiple_results=False)(ctx, x)
+
+
+def _transpose_supports(x, *, k=1):
+    return kernel_supports(math.prod(x.shape[:k]), math.prod(x.shape[k:]))
+
+
+def _transpose_reference_where(x, *, k=1):
+    del k
+    if axis_types.on_explicit_mesh(x):
+        # (The kernel's matrix view would need sharding rules of its own for the reshapes.)
+        return "on a mesh with Explicit axes: XLA's transpose, its sharding rotated with it"
+    return None
+
+
+def _transpose_transpose(ct, x, *, k=1, **params):
+    del x
+    return [transpose_bytes_p.bind(ct, k=ct.ndim - k, **params)]
+
+
+# A transpose is linear: its tangent is rotated the same way, its cotangent back.
 transpose_bytes_p: Primitive = base.register(base.Spec(
-    "jax_fp8_transpose_bytes", _abstract_eval, _swap, batch="reference", jvp="linear",
-    transpose=lambda ct, x, **params: [transpose_bytes_p.bind(ct, **params)],
-    kernels={"cuda": base.Kernel(
-        lambda ctx, x: jax.ffi.ffi_lowering("jax_fp8_transpose_bytes")(ctx, x),
-        supports=lambda x: kernel_supports(*x.shape))}))
+    "jax_fp8_transpose_bytes", _abstract_eval, _rotate, batch="reference", jvp="linear",
+    transpose=_transpose_transpose, reference_where=_transpose_reference_where,
+    kernels={"cuda": base.Kernel(_transpose_lowering, supports=_transpose_supports)}))
 
 
 def rotate_axes(x, k: int):
     """x [A..., B...] -> [B..., A...] (k = number of A axes), i.e. lax.transpose(x,
-    (k, ..., n-1, 0, ..., k-1)): a matrix transpose of x seen as [prod A, prod B], which
-    runs as the byte-transpose kernel for FP8 arrays on CUDA."""
+    (k, ..., n-1, 0, ..., k-1)): for a 1-byte (FP8) x the byte-transpose primitive, whose
+    kernel on CUDA transposes x seen as the matrix [prod A, prod B]; other types (not the
+    kernel's operands) are lax.transpose."""
     n = x.ndim
-    perm = tuple(range(k, n)) + tuple(range(k))
     if k in (0, n):
         return x
-    if np.dtype(x.dtype).itemsize != 1 or axis_types.on_explicit_mesh(x):
-        # (On a mesh with Explicit axes the reshapes would need sharding rules of their own.)
-        return lax.transpose(x, perm)
-    lead, trail = x.shape[:k], x.shape[k:]
-    y = transpose_bytes_p.bind(x.reshape(math.prod(lead), math.prod(trail)))
-    return y.reshape(trail + lead)
+    if np.dtype(x.dtype).itemsize != 1:
+        return lax.transpose(x, _rotation(n, k))
+    return transpose_bytes_p.bind(x, k=int(k))
 
 
 # --------------------------------------------------------------------------- quantize
@@ -101,8 +143,8 @@ def _qt_reference(x, scale, *, fp8_dtype):
 
 def _qt_takes(x, scale, *, fp8_dtype):
     del scale
-    return (kernel_supports(*x.shape) and np.dtype(x.dtype) in _KERNEL_IN
-            and np.dtype(fp8_dtype) in _KERNEL_FP8)
+    return (kernel_supports(*x.shape) and np.dtype(x.dtype) in kernel_types.WIDE_INPUTS
+            and np.dtype(fp8_dtype) in kernel_types.FP8_OUTPUTS)
 
 
 def _qt_kernel(ctx, x, scale, *, fp8_dtype):
@@ -121,8 +163,8 @@ def quantize_rotate_applies(x, fp8_dtype) -> bool:
     """Whether quantize_rotate may take x: a tensor of a type the kernel reads, outside
     shard_map's per-device values and Explicit meshes (the kernel's amax is a plain
     scalar). Elsewhere callers quantize, take the amax and rotate_axes separately."""
-    return (x.ndim >= 2 and np.dtype(x.dtype) in _KERNEL_IN
-            and np.dtype(fp8_dtype) in _KERNEL_FP8
+    return (x.ndim >= 2 and np.dtype(x.dtype) in kernel_types.WIDE_INPUTS
+            and np.dtype(fp8_dtype) in kernel_types.FP8_OUTPUTS
             and not axis_types.varying_axes(x) and not axis_types.on_explicit_mesh(x))
 
 

@@ -42,7 +42,18 @@ def _transpose(cts, a, *, sizes, implementation):
     return [jnp.concatenate(pieces)]
 
 
-_KERNEL = base.Kernel(lambda ctx, a, *, sizes: jax.ffi.ffi_lowering("jax_fp8_split_rows")(ctx, a))
+def _refuses(a, *, sizes):
+    """Splits the kernels leave to XLA's slices, and why (the one decision of which runs)."""
+    del a
+    if len(sizes) < 2:
+        return "one piece: the slice is the vector itself"
+    if sum(sizes) >= 2 ** 31:
+        return "2**31 rows or more: the kernels' offsets are int32"
+    return None
+
+
+_KERNEL = base.Kernel(lambda ctx, a, *, sizes: jax.ffi.ffi_lowering("jax_fp8_split_rows")(ctx, a),
+                      refuses=_refuses)
 # A split is linear: its tangents are split the same way, its cotangents concatenated.
 split_rows_p = base.register(base.Spec(
     "jax_fp8_split_rows", _abstract_eval, _slices, multiple_results=True, batch="reference",
@@ -50,10 +61,11 @@ split_rows_p = base.register(base.Spec(
 
 
 def split_rows(a, sizes) -> list:
-    """a float32 [R] -> [a[0:n0], a[n0:n0 + n1], ...] for sizes (n0, n1, ...) summing to R;
-    other arrays (dtype, rank) are split with lax.slice_in_dim along axis 0."""
+    """a float32 [R] -> [a[0:n0], a[n0:n0 + n1], ...] for sizes (n0, n1, ...) summing to R
+    (the primitive: its kernel or slices, as `base.decide` says); other arrays (dtype,
+    rank), which are not the primitive's operands, are split with lax.slice_in_dim along
+    axis 0."""
     sizes = tuple(int(n) for n in sizes)
-    if (getattr(a, "ndim", None) != 1 or jnp.result_type(a) != np.float32
-            or len(sizes) < 2 or sum(sizes) >= 2**31):
+    if getattr(a, "ndim", None) != 1 or jnp.result_type(a) != np.float32 or not sizes:
         return _slices(a, sizes=sizes)
     return split_rows_p.bind(a, sizes=sizes)

@@ -32,9 +32,9 @@ import jax.extend.core
 import numpy as np
 
 from jax_fp8 import recipe as recipe_lib
-from jax_fp8._gemms import WIDENED_SCOPE
+from jax_fp8._gemms import WIDENED_REASON, WIDENED_SCOPE
 from jax_fp8._primitives import base
-from jax_fp8.dot_general import KEPT_SCOPE
+from jax_fp8.dot_general import KEPT_REASON, KEPT_SCOPE
 from jax_fp8.interception import KEPT_SCOPES
 
 __all__ = ["Row", "explain", "table"]
@@ -204,12 +204,10 @@ def _gemm_row(where, avals, dimension_numbers, name: str = "dot_general") -> Row
         lowering, why = "fp8", "FP8 GEMM"
     elif _in_scope(WIDENED_SCOPE, where):
         lowering = f"fp8 operands in {np.dtype(lhs.dtype)}"
-        why = ("FP8-quantized operands, widened and multiplied in their result's dtype: a "
-               "size of the GEMM (M, N or K) is not a multiple of 16, or both operands "
-               "are E5M2, which FP8 GEMMs do not take")
+        why = WIDENED_REASON
     elif _in_scope(KEPT_SCOPE, where):
         lowering = str(np.dtype(lhs.dtype))
-        why = "kept in its operands' dtype: fewer FLOPs than the layer's min_fp8_flops"
+        why = KEPT_REASON
     elif any(_in_scope(s, where) for s in KEPT_SCOPES):
         lowering = str(np.dtype(lhs.dtype))
         why = next(text for s, text in KEPT_SCOPES.items() if _in_scope(s, where))
