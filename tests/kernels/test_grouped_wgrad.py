@@ -28,7 +28,7 @@ import helpers
 from jax_fp8 import _registration
 from jax_fp8._primitives import base, grouped_gemm as gg, grouped_wgrad as gw
 from jax_fp8.devtools import explain
-from test_grouped_gemm import U, U_OUT, exact_values, integer_values, scales
+from test_grouped_gemm import U_OUT, U, exact_values, integer_values, scales
 
 F32 = np.float32
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
