@@ -259,11 +259,15 @@ def test_kernel_is_off_unless_switched_on():
                        else NOT_BUILT)
     assert gw._refuses(*_avals(), out_dtype=np.dtype(jnp.bfloat16), kernel=False) == \
         gw.OFF_REASON
-    rows = explain.explain(lambda *a: gw.grouped_wgrad(*a, out_dtype=jnp.bfloat16),
-                           *_avals(), platform="cuda", num_devices=8)
-    (row,) = [r for r in rows if r.name == gw.TARGET]
-    assert (row.lowering, row.why) == (base.REFERENCE, "a jit over 8 devices and no "
-                                       "partitioning rule: XLA partitions the reference")
+    # under a jit over 8 devices: XLA partitions the reference unless the kernel is asked for
+    for impl, want in (("auto", (base.REFERENCE, "a jit over 8 devices; the partitioning rule "
+                                 "does not take these operands: XLA partitions the reference")),
+                       ("cuda", (base.PARTITIONED, "a jit over 8 devices: each runs the "))):
+        rows = explain.explain(lambda *a: gw.grouped_wgrad(
+            *a, out_dtype=jnp.bfloat16, implementation=impl),  # noqa: B023
+            *_avals(), platform="cuda", num_devices=8)
+        (row,) = [r for r in rows if r.name == gw.TARGET]
+        assert row.lowering == want[0] and row.why.startswith(want[1]), row
 
 
 def test_an_invalid_switch_is_refused_at_import():

@@ -39,10 +39,12 @@ jax_fp8 is imported (`KERNEL_ON`): the reference is the default. ``implementatio
 runs the reference whatever the switch says; ``explain``'s row for the primitive says which
 runs and why.
 
-Under a jit over several devices there is no partitioning rule: XLA partitions the
-reference (rows sharded across devices: each device's partial sums, summed in float32 by a
-collective, then scaled and rounded once), and ``explain`` says so. Inside ``shard_map`` the
-kernel runs on each device's rows.
+Under a jit over several devices with the kernel asked for (`PARTITIONING`), each device
+runs this primitive on the rows it holds with unit scales (its float32 partial sums of the
+global groups clamped to its rows), one float32 all-reduce sums them, and each device
+scales and rounds once; with the kernel off XLA partitions the reference (the same
+arithmetic). ``explain`` says which. Inside ``shard_map`` the primitive runs on each
+device's rows.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_fp8 import _registration
-from jax_fp8._primitives import base, grouped_gemm as gg
+from jax_fp8._primitives import base, grouped_gemm as gg, partition_specs as specs
 
 TARGET = "jax_fp8_grouped_wgrad"
 # "1": the CUDA kernel runs where it is built and takes the operands; "0" (the default): the
@@ -255,11 +257,73 @@ def _kernel_lowering(ctx, *operands, **params):
                           multiple_results=False)(ctx, *operands)
 
 
-# Differentiated and batched as the reference. No partitioning rule: under a jit over
-# several devices XLA partitions the reference (base.decide says so).
+# ----------------------------------------------------------------------- partitioning
+# With the kernel asked for (the switch on, or implementation="cuda"), under a jit over
+# several devices each device runs the primitive (the kernel where it runs, else the
+# reference) on the rows of lhs and grad it holds, with unit scales: its float32 partial
+# sums acc_d[g] over its rows of each group (the global groups clamped to its rows, computed
+# on the device, as the grouped GEMM's rule does). One float32 all-reduce sums them over the
+# devices holding the rows, then each device scales and rounds once: out[g] =
+# (sum_d acc_d[g]) * alpha_g. K and N are gathered (FP8); the result is replicated. With the
+# kernel off XLA partitions the reference (the same arithmetic: partial sums, one
+# all-reduce, one scale and rounding).
+
+def _m_entry(mesh, lhs):
+    """lhs's M sharding entry where its shards are even, else None."""
+    entry = specs.padded_spec(lhs.sharding, 2)[0]
+    axes = specs.spec_axes(entry)
+    if not axes or lhs.shape[0] % specs.axes_size(mesh, axes):
+        return None
+    return entry
+
+
+def _wgrad_shardings(params, mesh, arg_shapes):
+    del params
+    m = _m_entry(mesh, arg_shapes[0])
+    named = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
+    return ((named(m, None), named(m, None), named(), named(), named()),
+            named(None, None, None))
+
+
+def _wgrad_local(bind, operands, *, mesh, shardings, params):
+    """One device's rows: its partial sums of the global groups clamped to them, summed
+    over the devices in float32, then scaled and rounded once."""
+    lhs, grad, group_sizes, lhs_scale_inv, grad_scale_inv = operands
+    m_axes = specs.spec_axes(specs.padded_spec(shardings[0], 2)[0])
+    if not m_axes:
+        return bind(*operands, **params)
+    local_m = lhs.shape[0]
+    ends = gg.clamped_group_ends(group_sizes, local_m * specs.axes_size(mesh, m_axes))
+    starts = ends - jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
+    first = lax.axis_index(m_axes).astype(jnp.int32) * local_m
+    local = (jnp.clip(ends - first, 0, local_m) - jnp.clip(starts - first, 0, local_m))
+    ones = jnp.ones_like(lhs_scale_inv)
+    acc = bind(lhs, grad, local.astype(jnp.int32), ones, ones,
+               **dict(params, out_dtype=np.dtype(np.float32)))     # acc * (1 * 1): exact
+    acc = lax.psum(acc, m_axes)
+    alpha = lhs_scale_inv * grad_scale_inv
+    return (acc * alpha[:, None, None]).astype(params["out_dtype"])
+
+
+def _wgrad_rule(params, operand_types):
+    del params, operand_types
+    return "m k, m n, g, g, g -> g k n", {"reduction_factors": ("m",)}
+
+
+def _wgrad_partitions(*avals, kernel, **params) -> bool:
+    """Partition (per device, then one all-reduce) only with the kernel asked for."""
+    del avals, params
+    return kernel
+
+
+PARTITIONING = base.Partitioning(_wgrad_shardings, _wgrad_rule, local=_wgrad_local,
+                                 supports=_wgrad_partitions, needs_kernel=False)
+
+# Differentiated and batched as the reference.
 grouped_wgrad_p = base.register(base.Spec(
     TARGET, _abstract_eval, reference, cache_reference=True, jvp="reference", batch="reference",
-    kernels={"cuda": base.Kernel(_kernel_lowering, refuses=_refuses)}, same_varying=True))
+    kernels={"cuda": base.Kernel(_kernel_lowering, refuses=_refuses)}, same_varying=True,
+    partitioning=PARTITIONING))
 
 
 def grouped_wgrad(lhs, grad, group_sizes, lhs_scale_inv, grad_scale_inv, *, out_dtype,
