@@ -124,6 +124,13 @@ def test_padded_transpose_layout(case):
         assert (starts % 16 == 0).all()
 
 
+def test_padded_transpose_of_no_rows():
+    ends = gg.clamped_group_ends(jnp.asarray([0, 3], jnp.int32), 0)
+    got = gw.pad_transpose(np.zeros((0, 8), np.dtype(E4M3)), ends, gw.padded_columns(0, 2))
+    assert got.shape == (8, 48)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.zeros((8, 48), np.uint8))
+
+
 def test_padded_columns_bound_every_layout():
     """sum of ceil16(m_g) + 16 <= Mp for sizes summing to at most M (G groups): the groups'
     columns end before the last 16, whatever the sizes."""

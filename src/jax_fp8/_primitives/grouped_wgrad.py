@@ -161,6 +161,8 @@ def pad_transpose(x, ends, mp: int):
     [pstart_g, pstart_g + m_g) (`column_starts`), every other column 0 (rows past the last
     group are not copied). A gather and a transpose of the bytes."""
     groups = ends.shape[0]
+    if x.shape[0] == 0 or groups == 0:
+        return jnp.zeros((x.shape[1], mp), x.dtype)
     sizes = jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
     starts = ends - sizes
     pstart = column_starts(ends)
