@@ -334,8 +334,8 @@ for name, recipe in (("delayed", jax_fp8.DelayedScaling(history_len=4)),
     text = jax.jit(step).trace(x, w, meta).lower(lowering_platforms=("cuda",)).as_text()
     rows = explain.explain(step, x, w, meta, platform="cuda")
     out[name] = {
-        "gemm_calls": text.count('custom_call_target="jax_fp8_grouped_gemm"'),
-        "wgrad_calls": text.count('custom_call_target="jax_fp8_grouped_wgrad"'),
+        "gemm_calls": text.count("stablehlo.custom_call @jax_fp8_grouped_gemm("),
+        "wgrad_calls": text.count("stablehlo.custom_call @jax_fp8_grouped_wgrad("),
         "rows": [(r.name, r.lowering, r.why) for r in rows
                  if r.name in (gg.TARGET, gw.TARGET)],
     }
@@ -514,3 +514,27 @@ def test_gpu_refused_sizes_fall_back(gpu_device):
         lambda *a: gw.grouped_wgrad(*a, out_dtype=jnp.bfloat16, implementation="cuda"),
         *jax.device_put(ops, gpu_device)) if r.name == gw.TARGET]
     assert "does not take these operands" in row.why
+
+
+def test_kernel_wrapper_lowered_for_cuda():
+    """The kernel's lowering (the padded transpose in XLA, then the custom call), lowered for
+    CUDA without a GPU: one custom call of the padded FP8 operands [K, Mp] and [N, Mp], the
+    clamped sizes and the scales, into [G, K, N] and the grouped GEMM's workspace; float16
+    out through the kernel's float32."""
+    if not hasattr(_registration.CPU_MODULE or _registration.CUDA_MODULE,
+                   "grouped_gemm_workspace_bytes"):
+        pytest.skip("the built module predates the grouped GEMM")
+    m, k, n, g = 40, 24, 16, 5
+    mp = gw.padded_columns(m, g)
+    for out_dtype, kernel_out in ((jnp.bfloat16, "bf16"), (np.float16, "f32")):
+        fn = jax.jit(functools.partial(gw._ffi_grouped_wgrad, out_dtype=np.dtype(out_dtype),
+                                       kernel=True))
+        text = fn.trace(*_avals(m=m, k=k, n=n, g=g)).lower(
+            lowering_platforms=("cuda",)).as_text()
+        calls = [ln for ln in text.splitlines()
+                 if "stablehlo.custom_call @jax_fp8_grouped_wgrad(" in ln]
+        assert len(calls) == 1, calls
+        (line,) = calls
+        assert (f"(tensor<{k}x{mp}xf8E4M3FN>, tensor<{n}x{mp}xf8E5M2>, tensor<{g}xi32>, "
+                f"tensor<{g}xf32>, tensor<{g}xf32>) -> (tensor<{g}x{k}x{n}x{kernel_out}>, "
+                f"tensor<{gg.workspace_bytes(g)}xui8>)") in line, line
