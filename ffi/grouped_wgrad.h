@@ -20,7 +20,8 @@
 // every other column 0. mp % 16 == 0 and mp >= 16 * (groups + 1); the sizes are clamped to
 // the capacity mp - 16 * (groups + 1), so the groups' columns end before the last 16
 // columns, which are 0: an empty group reads them (a contraction of 16 zeros), never a
-// contraction of length 0.
+// contraction of length 0. Each group's GEMM contracts over ceil16(size_g) columns (its
+// tokens and the zero columns after them: the same sums, a contraction of 16-byte rows).
 #include <cstddef>
 #include <cstdint>
 

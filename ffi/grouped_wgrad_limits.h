@@ -4,8 +4,8 @@
 // grouped_wgrad_supports (module.cc); it needs no CUDA. The workspace is the grouped GEMM's
 // (grouped_gemm_workspace.h: the same per-group arrays).
 //
-// CUTLASS's per-group problem is (M, N, K) = (k, n, size_g): A = lhs_t's columns of the
-// group (rows of mp bytes), B = grad_t's, D = out[g] [k, n]. TMA needs 16-byte row strides
+// CUTLASS's per-group problem is (M, N, K) = (k, n, ceil16(size_g)): A = lhs_t's columns
+// of the group (rows of mp bytes), B = grad_t's, D = out[g] [k, n]. TMA needs 16-byte row strides
 // and starts: mp % 16 == 0 (the padded token axis; each group starts on a 16-column
 // boundary) and output rows of 16-byte multiples (n % 8 == 0 for bf16, n % 4 == 0 for
 // float32, so that out[g] = out + g * k * n is aligned too).

@@ -2,9 +2,10 @@
 // One configuration of jax_fp8_grouped_wgrad's kernel (grouped_wgrad.h): the grouped GEMM
 // of grouped_gemm_sm90.cuh (CUTLASS's SM90 ptr-array grouped GEMM, the FP8 mainloop that
 // promotes into float32, alpha_g per group in the epilogue) on per-group problems
-// (M, N, K) = (k, n, size_g): A_g = lhs_t + pstart_g (row-major [k, size_g], row stride mp),
-// B_g = grad_t + pstart_g (column-major [size_g, n]: each of the n rows of grad_t holds the
-// group's tokens contiguous, stride mp), D_g = out + g * k * n (row-major [k, n]).
+// (M, N, K) = (k, n, ceil16(size_g)): A_g = lhs_t + pstart_g (row-major [k, K], row stride
+// mp), B_g = grad_t + pstart_g (column-major [K, n]: each of the n rows of grad_t holds the
+// group's tokens contiguous, stride mp), D_g = out + g * k * n (row-major [k, n]); the
+// columns past the group's tokens up to ceil16(size_g) are 0.
 // Included by one .cu file per operand / output type.
 //
 // Before it, GroupedWgradSetupKernel turns group_sizes into CUTLASS's per-group arrays on
@@ -57,7 +58,8 @@ __global__ void __launch_bounds__(kSetupThreads)
     const int64_t start = carry + before > cap ? cap : carry + before;
     const int64_t end = carry + scan[t] > cap ? cap : carry + scan[t];
     const int64_t size = end - start;
-    padded[t] = (size + 15) / 16 * 16;
+    const int64_t padded_size = (size + 15) / 16 * 16;
+    padded[t] = padded_size;
     __syncthreads();
     for (int d = 1; d < kSetupThreads; d <<= 1) {
       const int64_t add = t >= d ? padded[t - d] : 0;
@@ -67,9 +69,12 @@ __global__ void __launch_bounds__(kSetupThreads)
     }
     const int64_t pstart = padded_carry + (t == 0 ? 0 : padded[t - 1]);
     if (g < c.groups) {
+      // K = ceil16(size): the group's padding columns are 0, so the contraction is the
+      // same and every group's K is a multiple of 16 FP8 values (16 bytes), the operands'
+      // alignment; an empty group reads the last 16 columns, which are 0.
       const int64_t column = size > 0 ? pstart : zero_column;
       a.shapes[g] = Shape3{static_cast<int>(c.k), static_cast<int>(c.n),
-                           static_cast<int>(size > 0 ? size : 16)};
+                           static_cast<int>(size > 0 ? padded_size : 16)};
       a.ptr_a[g] = static_cast<const EA*>(c.lhs_t) + column;
       a.ptr_b[g] = static_cast<const EB*>(c.grad_t) + column;
       a.ptr_d[g] = static_cast<ED*>(c.out) + g * c.k * c.n;

@@ -21,7 +21,8 @@ ragged along the contraction (`ragged_contract`), which XLA:GPU lowers by expand
 operands into zero-padded dense [M, G, .] tensors: memory G times the operands'.
 
 The CUDA kernel (ffi/grouped_wgrad_cuda.cc: the grouped GEMM's CUTLASS SM90 ptr-array kernel,
-ffi/grouped_wgrad_sm90.cuh) takes each group as one GEMM of (M, N, K) = (K, N, m_g). FP8
+ffi/grouped_wgrad_sm90.cuh) takes each group as one GEMM of (M, N, K) = (K, N,
+ceil16(m_g)) (the columns past its tokens are 0). FP8
 wgmma reads both operands K-major (the tokens contiguous), and TMA loads each group's operands
 only from 16-byte boundaries, so the wrapper below first builds, in XLA (a gather and a
 transpose of FP8 bytes, `pad_transpose`), lhs_t [K, Mp] and grad_t [N, Mp]: group g's tokens
