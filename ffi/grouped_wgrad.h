@@ -5,8 +5,8 @@
 // grouped_wgrad_sm90_*.cu, built only for sm_90a and only where CUTLASS's headers were
 // found: JAX_FP8_HAS_CUTLASS; else the table is empty and the custom call is never emitted).
 //
-// For each group g of consecutive token rows (sizes group_sizes [G], clamped in order as
-// grouped_gemm.h clamps them, to the capacity below):
+// For each group g of consecutive token rows (sizes group_sizes [G], clamped in order to m
+// rows as grouped_gemm.h clamps them):
 //   out[g] [k, n] = alpha_g * sum over the group's rows r of lhs[r, :]^T grad[r, :],
 //   alpha_g = lhs_scale_inv[g] * grad_scale_inv[g],
 // every product of FP8 values exact, summed in float32 by the tensor cores (promoted into a
@@ -17,9 +17,8 @@
 // in XLA): lhs_t [k, mp] and grad_t [n, mp], the tokens contiguous (K-major, as FP8 wgmma
 // reads both operands), group g's tokens in columns [pstart_g, pstart_g + size_g) with
 // pstart_g = sum over h < g of ceil16(size_h) (16-column, i.e. 16-byte, boundaries: TMA),
-// every other column 0. mp % 16 == 0 and mp >= 16 * (groups + 1); the sizes are clamped to
-// the capacity mp - 16 * (groups + 1), so the groups' columns end before the last 16
-// columns, which are 0: an empty group reads them (a contraction of 16 zeros), never a
+// every other column 0. mp % 16 == 0 and m <= mp - 16 * (groups + 1), so the groups'
+// columns end before the last 16 columns, which are 0: an empty group reads them (a contraction of 16 zeros), never a
 // contraction of length 0. Each group's GEMM contracts over ceil16(size_g) columns (its
 // tokens and the zero columns after them: the same sums, a contraction of 16-byte rows).
 #include <cstddef>
@@ -30,6 +29,7 @@
 namespace jax_fp8 {
 
 struct GroupedWgradCall {
+  int64_t m;  // the rows the sizes are clamped to: m <= mp - 16 * (groups + 1)
   int64_t k, n, mp, groups;
   const void* lhs_t;            // [k, mp], tokens contiguous
   const void* grad_t;           // [n, mp], tokens contiguous

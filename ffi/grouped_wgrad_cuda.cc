@@ -30,8 +30,8 @@ struct Call {
 
 ffi::ErrorOr<Call> Decode(ffi::AnyBuffer lhs_t, ffi::AnyBuffer grad_t, ffi::AnyBuffer group_sizes,
                           ffi::AnyBuffer lhs_scale_inv, ffi::AnyBuffer grad_scale_inv,
-                          ffi::Result<ffi::AnyBuffer>& out,
-                          ffi::Result<ffi::AnyBuffer>& workspace) {
+                          ffi::Result<ffi::AnyBuffer>& out, ffi::Result<ffi::AnyBuffer>& workspace,
+                          int64_t m) {
   const auto ld = lhs_t.dimensions(), gd = grad_t.dimensions(), od = out->dimensions();
   const std::string shapes = "need lhs_t [K, Mp], grad_t [N, Mp] and out [G, K, N], got lhs_t " +
                              ShapeString(ld) + ", grad_t " + ShapeString(gd) + ", out " +
@@ -68,6 +68,11 @@ ffi::ErrorOr<Call> Decode(ffi::AnyBuffer lhs_t, ffi::AnyBuffer grad_t, ffi::AnyB
         "lhs x E4M3 or E5M2 grad, Mp % 16 == 0 and Mp >= 16 * (G + 1), N % 8 (bf16 out) or "
         "N % 4 (f32 out) == 0, 1 <= G <= 2^20, K, N >= 1, sizes below 2^31), got " + shapes));
   }
+  if (m < 0 || m > mp - 16 * (g + 1)) {
+    return ffi::Unexpected(Invalid("the rows m = " + std::to_string(m) +
+                                   " must lie in [0, Mp - 16 * (G + 1)] = [0, " +
+                                   std::to_string(mp - 16 * (g + 1)) + "]"));
+  }
   const int64_t need = GroupedGemmWorkspaceBytes(g);
   if (workspace->element_type() != ffi::DataType::U8 || workspace->dimensions().size() != 1 ||
       workspace->dimensions()[0] != need) {
@@ -84,7 +89,8 @@ ffi::ErrorOr<Call> Decode(ffi::AnyBuffer lhs_t, ffi::AnyBuffer grad_t, ffi::AnyB
         "or JAX_FP8_CUTLASS=OFF)"));
   }
   Call call{};
-  call.c = GroupedWgradCall{k,
+  call.c = GroupedWgradCall{m,
+                            k,
                             n,
                             mp,
                             g,
@@ -104,8 +110,9 @@ ffi::Error GroupedWgradInitialize(cudaStream_t, int32_t device, ffi::AnyBuffer l
                                   ffi::AnyBuffer grad_t, ffi::AnyBuffer group_sizes,
                                   ffi::AnyBuffer lhs_scale_inv, ffi::AnyBuffer grad_scale_inv,
                                   ffi::Result<ffi::AnyBuffer> out,
-                                  ffi::Result<ffi::AnyBuffer> workspace) {
-  auto call = Decode(lhs_t, grad_t, group_sizes, lhs_scale_inv, grad_scale_inv, out, workspace);
+                                  ffi::Result<ffi::AnyBuffer> workspace, int64_t m) {
+  auto call =
+      Decode(lhs_t, grad_t, group_sizes, lhs_scale_inv, grad_scale_inv, out, workspace, m);
   if (!call.has_value()) return call.error();
   const int err = GroupedWgradConfigAt(call->config).prepare(device);
   if (err != 0) {
@@ -119,8 +126,9 @@ ffi::Error GroupedWgradExecute(cudaStream_t stream, int32_t device, ffi::AnyBuff
                                ffi::AnyBuffer grad_t, ffi::AnyBuffer group_sizes,
                                ffi::AnyBuffer lhs_scale_inv, ffi::AnyBuffer grad_scale_inv,
                                ffi::Result<ffi::AnyBuffer> out,
-                               ffi::Result<ffi::AnyBuffer> workspace) {
-  auto call = Decode(lhs_t, grad_t, group_sizes, lhs_scale_inv, grad_scale_inv, out, workspace);
+                               ffi::Result<ffi::AnyBuffer> workspace, int64_t m) {
+  auto call =
+      Decode(lhs_t, grad_t, group_sizes, lhs_scale_inv, grad_scale_inv, out, workspace, m);
   if (!call.has_value()) return call.error();
   const int err = GroupedWgradConfigAt(call->config).run(call->c, device, stream);
   if (err < 0) {
@@ -143,7 +151,8 @@ ffi::Error GroupedWgradExecute(cudaStream_t stream, int32_t device, ffi::AnyBuff
       .Arg<ffi::AnyBuffer>()                    \
       .Arg<ffi::AnyBuffer>()                    \
       .Ret<ffi::AnyBuffer>()                    \
-      .Ret<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()                    \
+      .Attr<int64_t>("m")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp8GroupedWgradInitializeCuda, GroupedWgradInitialize,
                               JAX_FP8_GROUPED_WGRAD_BINDING(ffi::ExecutionStage::kInitialize));

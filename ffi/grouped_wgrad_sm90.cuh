@@ -19,11 +19,11 @@
 namespace jax_fp8 {
 namespace sm90 {
 
-// Group g's tokens: sizes clamped to [0, cap] and their saturating (at cap) prefix sums, as
+// Group g's tokens: sizes clamped to [0, m] and their saturating (at m) prefix sums, as
 // GroupedGemmSetupKernel computes them (one block, Hillis-Steele scans of kSetupThreads
-// groups at a time, carries between chunks), cap = mp - 16 * (groups + 1); and the columns
-// of the padded operands: pstart_g = sum over h < g of ceil16(size_h) (a second scan, not
-// saturating: at most cap + 15 * groups < mp - 16).
+// groups at a time, carries between chunks); and the columns of the padded operands:
+// pstart_g = sum over h < g of ceil16(size_h) (a second scan, not saturating: at most
+// m + 15 * groups <= mp - 16, the handler checks m <= mp - 16 * (groups + 1)).
 template <class Shape3, class EA, class EB, class ED, class SA, class SB, class SD>
 __global__ void __launch_bounds__(kSetupThreads)
     GroupedWgradSetupKernel(GroupedWgradCall c, GroupArrays<Shape3, EA, EB, ED, SA, SB, SD> a) {
@@ -31,7 +31,7 @@ __global__ void __launch_bounds__(kSetupThreads)
   __shared__ int64_t padded[kSetupThreads];
   __shared__ int64_t carry, padded_carry;
   const int t = threadIdx.x;
-  const int64_t cap = c.mp - 16 * (c.groups + 1);  // >= 0 (grouped_wgrad_limits.h)
+  const int64_t cap = c.m;  // <= mp - 16 * (groups + 1) (grouped_wgrad_cuda.cc)
   const int64_t zero_column = c.mp - 16;
   if (t == 0) {
     carry = 0;

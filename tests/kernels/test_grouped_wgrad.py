@@ -519,8 +519,9 @@ def test_gpu_refused_sizes_fall_back(gpu_device):
 def test_kernel_wrapper_lowered_for_cuda():
     """The kernel's lowering (the padded transpose in XLA, then the custom call), lowered for
     CUDA without a GPU: one custom call of the padded FP8 operands [K, Mp] and [N, Mp], the
-    clamped sizes and the scales, into [G, K, N] and the grouped GEMM's workspace; float16
-    out through the kernel's float32."""
+    group sizes (clamped by the kernel to the attribute m = M, as the padded layout clamps
+    them) and the scales, into [G, K, N] and the grouped GEMM's workspace; float16 out
+    through the kernel's float32."""
     if not hasattr(_registration.CPU_MODULE or _registration.CUDA_MODULE,
                    "grouped_gemm_workspace_bytes"):
         pytest.skip("the built module predates the grouped GEMM")
@@ -538,3 +539,4 @@ def test_kernel_wrapper_lowered_for_cuda():
         assert (f"(tensor<{k}x{mp}xf8E4M3FN>, tensor<{n}x{mp}xf8E5M2>, tensor<{g}xi32>, "
                 f"tensor<{g}xf32>, tensor<{g}xf32>) -> (tensor<{g}x{k}x{n}x{kernel_out}>, "
                 f"tensor<{gg.workspace_bytes(g)}xui8>)") in line, line
+        assert f"m = {m} : i64" in line, line      # the kernel clamps the sizes to M rows

@@ -246,12 +246,12 @@ def _ffi_grouped_wgrad(lhs, grad, group_sizes, lhs_scale_inv, grad_scale_inv, *,
     ends = gg.clamped_group_ends(group_sizes, m)
     mp = padded_columns(m, g)
     lhs_t, grad_t = pad_transpose(lhs, ends, mp), pad_transpose(grad, ends, mp)
-    sizes = jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))       # clamped: sum <= M
     # float16 out: the kernel writes float32, one convert rounds it (as the reference does)
     kernel_dtype = out_dtype if np.dtype(out_dtype) in _KERNEL_OUT else np.dtype(np.float32)
     call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((g, k, n), kernel_dtype),
                                      jax.ShapeDtypeStruct((gg.workspace_bytes(g),), jnp.uint8)))
-    out, _ = call(lhs_t, grad_t, sizes, lhs_scale_inv, grad_scale_inv)
+    # the kernel clamps group_sizes to m rows as clamped_group_ends does (the same columns)
+    out, _ = call(lhs_t, grad_t, group_sizes, lhs_scale_inv, grad_scale_inv, m=np.int64(m))
     return out.astype(out_dtype)
 
 
