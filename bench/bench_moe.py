@@ -136,11 +136,19 @@ def grouped_lowering(loss, params, fp8, x):
     return got or (["blocks emulated (float32 dequantized ragged_dot)"] if emulated else [])
 
 
+def wgrad_lowering(loss, params, fp8, x):
+    """How the variant's weight gradients lower here (explain's rows of the grouped
+    weight-gradient primitive; none for the blocked recipes)."""
+    rows = explain.explain(jax.grad(loss, argnums=(0, 1, 2)), params, fp8, x)
+    return sorted({f"{r.lowering}: {r.why}" for r in rows if r.name == "jax_fp8_grouped_wgrad"})
+
+
 def run(model, variant, steps):
     params, x = init(model)
     step, loss, fp8 = make_step(model, variant)
     row = {"model": model, "variant": variant,
-           "grouped_lowering": grouped_lowering(loss, params, fp8, x)}
+           "grouped_lowering": grouped_lowering(loss, params, fp8, x),
+           "wgrad_lowering": wgrad_lowering(loss, params, fp8, x)}
     compiled = step.lower(params, fp8, x).compile()
     params, fp8, value, _ = step(params, fp8, x)
     jax.block_until_ready(value)
@@ -175,10 +183,12 @@ def table(rows):
         ref_t = ref and (ref.get("device_ms") or ref.get("wall_ms"))
         fmt = lambda v: "—" if v is None else f"{v:.3f}"  # noqa: E731
         over = (r["device_ms"] / r["floor_ms"]) if r.get("floor_ms") else None
+        lowering = r.get("grouped_lowering", []) + [
+            f"weight gradient {w}" for w in r.get("wgrad_lowering", [])]
         lines.append(f"| {r['model']} | {r['variant']} | {fmt(r.get('wall_ms'))} | "
                      f"{fmt(r.get('device_ms'))} | {fmt(r.get('floor_ms'))} | {fmt(over)} | "
                      f"{fmt(ref_t / t if ref_t and t else None)}x | "
-                     f"{'; '.join(r.get('grouped_lowering', [])) or '—'} |")
+                     f"{'; '.join(lowering) or '—'} |")
     errors = [(r["model"], r["variant"], r["error"]) for r in rows if "error" in r]
     if errors:
         lines += ["", "Failed:"] + [f"- {m} {v}: {e}" for m, v, e in errors]

@@ -136,7 +136,8 @@ def hlo_families(program, gemms=None) -> dict[str, str]:
             target = (re.search(r'custom_call_target="([^"]+)"', ins.line) or [None, ""])[1]
             if _ATTENTION_NAME.search(target):
                 out[key] = "attention"
-            elif target.startswith(("jax_fp8_block_gemm", "jax_fp8_grouped_gemm")):
+            elif target.startswith(("jax_fp8_block_gemm", "jax_fp8_grouped_gemm",
+                                     "jax_fp8_grouped_wgrad")):
                 out[key] = "fp8_gemm"
             elif target.startswith("jax_fp8"):
                 out[key] = "jax_fp8_kernels"

@@ -115,13 +115,13 @@ __global__ void GroupedGemmZeroKernel(uint4* out, const int64_t* rows, int64_t r
 
 inline size_t AlignUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
-template <class ElementA_, class ElementD_>
+template <class ElementA_, class ElementD_, class ElementB_ = cutlass::float_e4m3_t>
 struct GroupedGemm {
   using ProblemShape =
       cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
   using Shape3 = typename ProblemShape::UnderlyingProblemShape;
   using ElementA = ElementA_;
-  using ElementB = cutlass::float_e4m3_t;
+  using ElementB = ElementB_;
   using ElementD = ElementD_;
   using LayoutA = cutlass::layout::RowMajor;     // lhs rows [m_g, K], K contiguous
   using LayoutB = cutlass::layout::ColumnMajor;  // rhs[g] [N, K], K contiguous

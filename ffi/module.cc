@@ -11,6 +11,7 @@
 
 #include "block_gemm_limits.h"
 #include "grouped_gemm_limits.h"
+#include "grouped_wgrad_limits.h"
 
 #if defined(JAX_FP8_CUDA_MODULE)
 #include "block_gemm_cublaslt.h"
@@ -20,6 +21,8 @@
 #include "block_quantize_cuda_handler.h"
 #include "grouped_gemm.h"
 #include "grouped_gemm_cuda.h"
+#include "grouped_wgrad.h"
+#include "grouped_wgrad_cuda.h"
 #include "split_cuda_handler.h"
 #include "transpose_cuda.h"
 #include "transpose_cuda_handler.h"
@@ -75,6 +78,8 @@ const Target kTargets[] = {
      JAX_FP8_CUDA(JaxFp8BlockGemmInitializeCuda), "BlockGemmFallbackKernel"},
     {"jax_fp8_grouped_gemm", JAX_FP8_NONE, JAX_FP8_CUDA(JaxFp8GroupedGemmCuda),
      JAX_FP8_CUDA(JaxFp8GroupedGemmInitializeCuda), "GroupedGemmSetupKernel"},
+    {"jax_fp8_grouped_wgrad", JAX_FP8_NONE, JAX_FP8_CUDA(JaxFp8GroupedWgradCuda),
+     JAX_FP8_CUDA(JaxFp8GroupedWgradInitializeCuda), "GroupedWgradSetupKernel"},
     {"jax_fp8_split_rows", JAX_FP8_CPU(JaxFp8SplitRowsCpu), JAX_FP8_CUDA(JaxFp8SplitRowsCuda),
      JAX_FP8_NONE, "SplitRowsKernel"},
 };
@@ -150,6 +155,17 @@ NB_MODULE(JAX_FP8_MODULE_NAME, m) {
       nb::arg("lhs_type"), nb::arg("rhs_type"), nb::arg("out_type"), nb::arg("m"), nb::arg("n"),
       nb::arg("k"), nb::arg("groups"));
   m.def("grouped_gemm_workspace_bytes", &jax_fp8::GroupedGemmWorkspaceBytes, nb::arg("groups"));
+  // The weight gradients jax_fp8_grouped_wgrad's custom call takes (grouped_wgrad_limits.h;
+  // its workspace is the grouped GEMM's).
+  m.def(
+      "grouped_wgrad_supports",
+      [](const std::string& lhs_type, const std::string& grad_type, const std::string& out_type,
+         int64_t k, int64_t n, int64_t mp, int64_t groups) {
+        return jax_fp8::GroupedWgradSupports(DataTypeNamed(lhs_type), DataTypeNamed(grad_type),
+                                             DataTypeNamed(out_type), k, n, mp, groups);
+      },
+      nb::arg("lhs_type"), nb::arg("grad_type"), nb::arg("out_type"), nb::arg("k"), nb::arg("n"),
+      nb::arg("mp"), nb::arg("groups"));
 #if defined(JAX_FP8_CUDA_MODULE)
   // The sizes the transpose kernels take (one source: the launcher's own check).
   m.def("transpose_bytes_supports", &jax_fp8::TransposeBytesSupports, nb::arg("batch"),
@@ -180,6 +196,16 @@ NB_MODULE(JAX_FP8_MODULE_NAME, m) {
     for (int i = 0; i < jax_fp8::GroupedGemmConfigCount(); ++i) {
       const jax_fp8::GroupedGemmConfig& c = jax_fp8::GroupedGemmConfigAt(i);
       out.append(nb::make_tuple(c.name, c.lhs_e5m2, c.out_bf16));
+    }
+    return out;
+  });
+  // The weight-gradient configurations compiled into this module: [(name, grad E5M2, bf16
+  // out)] (empty when CUTLASS's headers were not found at build).
+  m.def("grouped_wgrad_configs", []() {
+    nb::list out;
+    for (int i = 0; i < jax_fp8::GroupedWgradConfigCount(); ++i) {
+      const jax_fp8::GroupedWgradConfig& c = jax_fp8::GroupedWgradConfigAt(i);
+      out.append(nb::make_tuple(c.name, c.grad_e5m2, c.out_bf16));
     }
     return out;
   });

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # compute-sanitizer (memcheck, racecheck, initcheck, synccheck) on jax_fp8's CUDA
 # kernels (the update, the FP8 transposes, block quantization, the block-scaled GEMM, the
-# packed state's split and the grouped GEMM), through the real JAX path
+# packed state's split, the grouped GEMM and its weight gradient), through the real JAX path
 # (scripts/sanitize_driver.py). Only jax_fp8's kernels are instrumented (XLA's own are
 # filtered out). Needs a GPU, compute-sanitizer and jax_fp8 installed with its CUDA
 # kernels; scripts/gpu_checks.sh runs it as its "sanitize" section.
@@ -16,9 +16,9 @@ status=0
 # "block_all" (memcheck of every kernel the block driver runs: cuBLASLt's block-scaled GEMM
 # kernels reading and writing the buffers our handler passes them), "split"
 # (SplitRowsKernel: a packed state's scale vectors cut into one buffer per state), "grouped"
-# (GroupedGemmSetupKernel, GroupedGemmZeroKernel) and "grouped_all" (memcheck of every
-# kernel the grouped driver runs: CUTLASS's grouped GEMM on the arrays the setup kernel
-# writes).
+# (GroupedGemmSetupKernel, GroupedGemmZeroKernel, GroupedWgradSetupKernel) and "grouped_all"
+# (memcheck of every kernel the grouped driver runs: CUTLASS's grouped GEMM on the arrays the
+# setup kernels write, for the forward / input gradient and the weight gradient).
 for target in ${SANITIZE_TARGETS:-update transpose block block_all split grouped grouped_all}; do
   tools=${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}
   case $target in
@@ -27,7 +27,7 @@ for target in ${SANITIZE_TARGETS:-update transpose block block_all split grouped
     block) filter=(--kernel-name kns=Block); driver=block_kernels; log_suffix=_block ;;
     block_all) filter=(); driver=block; log_suffix=_block_all; tools=memcheck ;;
     split) filter=(--kernel-name kns=SplitRowsKernel); driver=split; log_suffix=_split ;;
-    grouped) filter=(--kernel-name kns=GroupedGemm); driver=grouped; log_suffix=_grouped ;;
+    grouped) filter=(--kernel-name kns=Grouped); driver=grouped; log_suffix=_grouped ;;
     grouped_all) filter=(); driver=grouped; log_suffix=_grouped_all; tools=memcheck ;;
     *) echo "unknown target $target"; exit 2 ;;
   esac
@@ -39,7 +39,7 @@ for target in ${SANITIZE_TARGETS:-update transpose block block_all split grouped
       "${filter[@]}" --error-exitcode 3 \
       python3 "$here/sanitize_driver.py" "$driver" > "$log" 2>&1
     rc=$?
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|wide-span|block (quantize|gemm)|grouped gemm|sanitize driver done" "$log"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|wide-span|block (quantize|gemm)|grouped (gemm|wgrad)|sanitize driver done" "$log"
     [ $rc -eq 0 ] || { echo "$tool: exit $rc"; tail -20 "$log"; status=1; }
   done
 done

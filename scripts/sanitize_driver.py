@@ -15,7 +15,8 @@ and inf tiles, a batch) and the block-scaled GEMM's custom call (cuBLASLt's kern
 handler's own fallback kernel, 1x128 and 128x128 operands, ragged M/N/K). With "split":
 the kernel that cuts a packed state's scale vectors into one buffer per state. With
 "grouped": the grouped FP8 GEMM's custom call (its setup and zeroing kernels and CUTLASS's
-grouped GEMM).
+grouped GEMM) and the grouped weight gradient's (its setup kernel and CUTLASS's grouped GEMM
+on the padded, transposed operands).
 """
 
 import functools
@@ -107,6 +108,41 @@ if sys.argv[1:] == ["grouped"]:
                 assert np.array_equal(out, want.astype(out_dtype)), (m, n, k, g, lhs_type)
                 n_calls += 1
     print(f"grouped gemm: {n_calls} calls")
+    # The grouped weight gradient's custom call (setup kernel, CUTLASS's grouped GEMM on the
+    # padded operands built in XLA): uneven, empty, all-empty, negative and clamped groups,
+    # rows past the groups, more groups than one scan chunk (256), both gradient types and
+    # output types, K not a multiple of 16; bits checked on the host (small integers, groups
+    # of at most 40 rows below 2**9 in magnitude: every summation order is exact).
+    from jax_fp8._primitives import grouped_wgrad as gw
+    ok, why = gw.kernel_status()
+    assert ok, why
+    cases = [(40, 24, 16, (5, 0, 17, 1, 9)), (40, 24, 16, (0, 0, 0)),
+             (40, 32, 24, (30, 0, 30, 7)), (33, 16, 32, (10, -3, 12, -(2 ** 31), 2 ** 31 - 1)),
+             (700, 40, 32, tuple(int(v) for v in rng.integers(0, 4, 300))),
+             (257, 136, 264, (40, 1, 39, 0, 33))]
+    n_calls = 0
+    for m, k, n, sizes in cases:
+        g = len(sizes)
+        for grad_type in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+            for out_dtype in (jnp.bfloat16, np.float32):
+                lhs = rng.integers(-3, 4, (m, k)).astype(np.dtype(jnp.float8_e4m3fn))
+                grad = rng.integers(-3, 4, (m, n)).astype(np.dtype(grad_type))
+                ls = (2.0 ** rng.integers(-4, 5, g)).astype(np.float32)
+                gs = (2.0 ** rng.integers(-4, 5, g)).astype(np.float32)
+                out = np.asarray(gw.grouped_wgrad(
+                    jax.device_put(lhs), jax.device_put(grad),
+                    jax.device_put(np.asarray(sizes, np.int32)), jax.device_put(ls),
+                    jax.device_put(gs), out_dtype=out_dtype, implementation="cuda"))
+                want = np.zeros((g, k, n), np.float64)
+                start = 0
+                for i, size in enumerate(sizes):
+                    size = min(max(size, 0), m - start)
+                    want[i] = (lhs[start:start + size].astype(np.float64).T
+                               @ grad[start:start + size].astype(np.float64)) * (ls[i] * gs[i])
+                    start += size
+                assert np.array_equal(out, want.astype(out_dtype)), (m, k, n, g, grad_type)
+                n_calls += 1
+    print(f"grouped wgrad: {n_calls} calls")
     print("sanitize driver done")
     sys.exit(0)
 if sys.argv[1:] in (["block"], ["block_kernels"]):

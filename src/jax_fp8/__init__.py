@@ -21,10 +21,14 @@ Public API (reference: ``docs/reference/``, built by ``mkdocs build``; the arith
   `jax_fp8.equinox`
 """
 
-# grouped_gemm: registers jax_fp8_grouped_gemm (its FFI target is in every module's table).
+# grouped_gemm, grouped_wgrad: register jax_fp8_grouped_gemm and jax_fp8_grouped_wgrad (their
+# FFI targets are in every module's table).
 # interception_ragged: the converters' interception of jax.lax.ragged_dot.
 from jax_fp8 import interception_ragged as _interception_ragged  # noqa: F401
-from jax_fp8._primitives import grouped_gemm as _grouped_gemm  # noqa: F401
+from jax_fp8._primitives import (
+    grouped_gemm as _grouped_gemm,  # noqa: F401
+    grouped_wgrad as _grouped_wgrad,  # noqa: F401
+)
 from jax_fp8._registration import HAS_CPU_KERNEL, HAS_CUDA_KERNEL, export_disabled_checks
 from jax_fp8.blockwise import quantize_blocks, scale_from_amax
 from jax_fp8.dot_general import fp8_dot_general

@@ -12,8 +12,10 @@ none). Three GEMMs, each G GEMMs:
 
 Per-group scaled recipes (one scale per group of rows, one per expert: delayed and current
 scaling) run the forward and dgrad as the grouped FP8 GEMM primitive
-(`_primitives.grouped_gemm`, a CUTLASS kernel on SM90) and the wgrad as a float32-accumulated
-``ragged_dot_general`` of the FP8 operands (`ragged_contract`). Blocked recipes (block
+(`_primitives.grouped_gemm`, a CUTLASS kernel on SM90) and the wgrad as the grouped
+weight-gradient primitive (`_primitives.grouped_wgrad`: a float32-accumulated
+``ragged_dot_general`` of the FP8 operands, `ragged_contract`, or a CUTLASS kernel on SM90
+where switched on). Blocked recipes (block
 scaling, MXFP8) run each as the float32 product of the operands dequantized per block
 (`Blocks`), the block GEMM reference's numbers, with the token-axis blocks of the wgrad cut
 at group boundaries (`token_quantize`).
@@ -31,7 +33,7 @@ import numpy as np
 from jax import lax
 
 from jax_fp8 import recipe as recipe_lib
-from jax_fp8._primitives import grouped_gemm as gg
+from jax_fp8._primitives import grouped_gemm as gg, grouped_wgrad as gw
 from jax_fp8._primitives.exact import U32, abs_bits, from_bits, to_bits, widen
 
 _MAG = U32(0x7FFFFFFF)
@@ -75,24 +77,16 @@ def rows_of(values, group):
 
 # ------------------------------------------------------------------------------ GEMMs
 
-def ragged_contract(a, b, ends, precision=None):
-    """[G, K, N] float32: for each group g, a_g^T . b_g over the group's rows of a [M, K] and
-    b [M, N] (FP8 or float32); the rows past the last group take part in none. Both operands
-    are masked per group, so a NaN stays in its group."""
-    numbers = lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=(0,),
-        rhs_group_dimensions=())
-    return lax.ragged_dot_general(a, b, group_sizes_of(ends), numbers, precision=precision,
-                                  preferred_element_type=jnp.float32)
+ragged_contract = gw.ragged_contract
 
 
 def scaled_wgrad(q_a, q_b, ends, scale_inv_a, scale_inv_b, out_dtype):
     """drhs[g] = (sum over group g's rows of q_a^T q_b, float32) * (scale_inv_a[g] *
-    scale_inv_b[g]) rounded once to out_dtype: the grouped GEMM primitive's numbers for a
-    GEMM ragged along its contraction."""
-    acc = ragged_contract(q_a, q_b, ends)
-    alpha = scale_inv_a * scale_inv_b
-    return (acc * alpha[:, None, None]).astype(out_dtype)
+    scale_inv_b[g]) rounded once to out_dtype: the grouped weight-gradient primitive
+    (`_primitives.grouped_wgrad`: a CUTLASS kernel on SM90 where switched on, its reference
+    elsewhere)."""
+    return gw.grouped_wgrad(q_a, q_b, group_sizes_of(ends), scale_inv_a, scale_inv_b,
+                            out_dtype=out_dtype)
 
 
 def grouped(q_lhs, q_rhs_t, ends, scale_inv_lhs, scale_inv_rhs, out_dtype):

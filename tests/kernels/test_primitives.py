@@ -13,6 +13,7 @@ from jax_fp8._primitives import (
     block_gemm,
     block_quantize,
     grouped_gemm,
+    grouped_wgrad,
     layout,
     quotient,
     split,
@@ -22,7 +23,7 @@ from jax_fp8._primitives import (
 PRIMITIVES = {"jax_fp8_update", "jax_fp8_amax", "jax_fp8_amax_for_state",
               "jax_fp8_transpose_bytes", "jax_fp8_quantize_transpose", "jax_fp8_split_rows",
               "jax_fp8_block_quantize", "jax_fp8_block_gemm", "jax_fp8_quotient_bits",
-              "jax_fp8_product_bits", "jax_fp8_grouped_gemm"}
+              "jax_fp8_product_bits", "jax_fp8_grouped_gemm", "jax_fp8_grouped_wgrad"}
 E4M3 = jnp.float8_e4m3fn
 
 
@@ -58,6 +59,10 @@ def _calls(implementation):
         "jax_fp8_product_bits": lambda: quotient.product_bits_p.bind(x, x, x, **opts),
         "jax_fp8_grouped_gemm": lambda: grouped_gemm.grouped_gemm(
             q, jnp.stack([q, q[::-1]]), jnp.asarray([3, 5], jnp.int32),
+            jnp.ones((2,), jnp.float32), jnp.full((2,), 0.5, jnp.float32),
+            out_dtype=jnp.float32, **opts),
+        "jax_fp8_grouped_wgrad": lambda: grouped_wgrad.grouped_wgrad(
+            q, q[::-1].astype(jnp.float8_e5m2), jnp.asarray([3, 5], jnp.int32),
             jnp.ones((2,), jnp.float32), jnp.full((2,), 0.5, jnp.float32),
             out_dtype=jnp.float32, **opts),
     }

@@ -25,6 +25,7 @@ import pytest
 import jax_fp8
 import moe_reference as ref
 from jax_fp8 import Format
+from jax_fp8._primitives import grouped_wgrad as gw
 from jax_fp8.state import ScalingState
 
 F32 = np.float32
@@ -377,8 +378,8 @@ def test_ragged_dot_general_forms():
 
 def test_explain_reports_the_grouped_gemms():
     """explain's rows: the grouped GEMM primitive twice (forward, input gradient) and the
-    weight gradient an FP8 ragged_dot_general of 2 * M * K * N FLOPs; block scaling's
-    grouped GEMMs named as emulated; a plain ragged_dot not FP8."""
+    weight gradient the grouped weight-gradient primitive (its reference unless switched
+    on); block scaling's grouped GEMMs named as emulated; a plain ragged_dot not FP8."""
     from jax_fp8.devtools import explain
     x, w = _x_w(jnp.bfloat16)
 
@@ -393,8 +394,12 @@ def test_explain_reports_the_grouped_gemms():
     assert [r.operands[:2] for r in grouped] == [
         ("float8_e4m3fn[64,136]", "float8_e4m3fn[5,24,136]"),
         ("float8_e5m2[64,24]", "float8_e4m3fn[5,136,24]")]
-    wgrad = [r for r in rows if r.name == "ragged_dot_general"]
-    assert [(r.lowering, r.flops) for r in wgrad] == [("fp8", 2 * M * K * N)]
+    wgrad = [r for r in rows if r.name == "jax_fp8_grouped_wgrad"]
+    assert [r.operands[:2] for r in wgrad] == [("float8_e4m3fn[64,136]", "float8_e5m2[64,24]")]
+    if not gw.KERNEL_ON:     # the default: the reference, and why
+        assert [r.lowering for r in wgrad] == ["reference"]
+        assert wgrad[0].why in (gw.OFF_REASON, "the cuda kernel is not built in this process")
+    assert not [r for r in rows if r.name == "ragged_dot_general"]
     rows = explain.explain(step, x, w, jax_fp8.Fp8Meta.create(RECIPES["block"]))
     assert {r.lowering for r in rows if r.name == "ragged_dot_general"} == {"blocks emulated"}
     plain = explain.explain(lambda x, w: jax.lax.ragged_dot(x, w, SIZES), x, w)

@@ -33,10 +33,10 @@ N % 4 == 0 (float32 / float16 out), 1 <= G <= 2**20 (ffi/grouped_gemm_limits.h):
 every group's rows on 16-byte boundaries. Elsewhere the reference runs, and `explain` says why.
 
 The weight gradient of a grouped GEMM (ragged along the contraction: lhs_g^T . grad_g per
-group) is not this primitive. FP8 wgmma reads both operands K-major, so it needs the token
-axis contiguous (transposed copies of both), and then each group's operands start at
-column offset_g, which TMA can load only where offset_g is a multiple of 16 (every group
-size a multiple of 16 tokens); routed group sizes are arbitrary.
+group) is not this primitive but `grouped_wgrad`'s. FP8 wgmma reads both operands K-major,
+so it needs the token axis contiguous (transposed copies of both), and TMA loads each
+group's operands only from 16-byte boundaries: `grouped_wgrad` transposes and pads them
+per group (each group's tokens from a multiple of 16) and runs this kernel on them.
 
 Under a jit over several devices (and on meshes with Explicit axes) each device runs this
 GEMM on the rows of lhs it holds (`PARTITIONING`): M keeps lhs's sharding, N rhs's; the

@@ -1,0 +1,6 @@
+// jax_fp8_grouped_wgrad's configuration "e4m3_e5m2_bf16": E4M3 lhs x E5M2 grad, bf16 out
+// (grouped_wgrad_sm90.cuh).
+#include "grouped_wgrad_sm90.cuh"
+
+JAX_FP8_GROUPED_WGRAD_CONFIG(kGroupedWgradE4m3E5m2Bf16, "e4m3_e5m2_bf16", true, true,
+                             cutlass::float_e5m2_t, cutlass::bfloat16_t)
