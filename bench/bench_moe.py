@@ -202,9 +202,14 @@ def main(argv=None):
                         choices=sorted(MODELS))
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="tokens per step for every model (default: the model's)")
     parser.add_argument("--outdir", default="bench/results")
     args = parser.parse_args(argv)
     rows = []
+    if args.tokens is not None:
+        for model in args.models:
+            MODELS[model] = (*MODELS[model][:4], args.tokens)
     for model in args.models:
         for variant in args.variants:
             try:
