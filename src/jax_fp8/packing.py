@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export as jax_export
 
-from jax_fp8 import _compat, meta as meta_lib
+from jax_fp8 import _compat, _fp8_grads, _trace_checks, meta as meta_lib
 from jax_fp8._primitives import split as split_lib
 from jax_fp8.state import HoldsStates, ScalingState
 
@@ -163,16 +163,16 @@ class PackedStates(HoldsStates):
           ValueError: the groups are differentiated at a level outside a loop body
             (``lax.scan``, ``fori_loop``, ``while_loop``, ``nn.scan``) that unpacks them:
             JAX would sum the iterations' amaxes, where FP8 takes their max (the rule
-            an unpacked state follows, `jax_fp8.meta.claim`).
+            an unpacked state follows, `jax_fp8._trace_checks.claim`).
         """
-        meta_lib.check_not_closed_over_by_loop(
+        _trace_checks.check_not_closed_over_by_loop(
             jax.tree.leaves(self.groups),
-            meta_lib.CLOSED_OVER.format(what="the packed FP8 state", loop="{loop}"))
+            _trace_checks.CLOSED_OVER.format(what="the packed FP8 state", loop="{loop}"))
         pieces = []  # per group: its states' (history, scale, scale_inv), in row order
         for g, group in enumerate(self.groups):
             lead = [slot[2] for slot in self.layout.slots if slot and slot[0] == g]
             sizes = tuple(math.prod(shape) for shape in lead)
-            if isinstance(group, meta_lib.AmaxGrad):   # packed FP8 gradients
+            if isinstance(group, _fp8_grads.AmaxGrad):   # packed FP8 gradients
                 starts = np.cumsum((0,) + sizes)
                 pieces.append(iter(zip(lead, [group.amax[a:b] for a, b in
                                               zip(starts[:-1], starts[1:])])))
@@ -186,9 +186,9 @@ class PackedStates(HoldsStates):
                 leaves.append(next(others))
                 continue
             g = slot[0]
-            if isinstance(self.groups[g], meta_lib.AmaxGrad):
+            if isinstance(self.groups[g], _fp8_grads.AmaxGrad):
                 lead, amax = next(pieces[g])
-                leaves.append(meta_lib.AmaxGrad(amax.reshape(lead)))
+                leaves.append(_fp8_grads.AmaxGrad(amax.reshape(lead)))
                 continue
             lead, h, s, si = next(pieces[g])
             leaves.append(ScalingState(h.reshape(lead + h.shape[1:]), s.reshape(lead),
@@ -493,7 +493,7 @@ def unpack_states(tree: Any) -> Any:
 
     A `PackedCollection` is unpacked once per trace (its mapping view): two uses of one
     packed state in one differentiated function get the same states, so the second use
-    is refused as for an unpacked state (`jax_fp8.meta.claim`) instead of JAX adding
+    is refused as for an unpacked state (`jax_fp8._trace_checks.claim`) instead of JAX adding
     the two uses' amaxes through the packed arrays."""
     if isinstance(tree, PackedCollection):
         return dict(tree._view())

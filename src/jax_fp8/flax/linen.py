@@ -42,7 +42,7 @@ differentiated computation raises ValueError naming the mutable apply.
 A loop cannot skip the FP8 update silently: `Fp8TrainState.apply_gradients` refuses
 parameter gradients alone while the state holds delayed-scaling states, and
 differentiating the layers w.r.t. the parameters but not the FP8 collection raises at
-trace time (`jax_fp8.meta.claim`); `jax_fp8.frozen_scales` opts out of both. Under
+trace time (`jax_fp8._trace_checks.claim`); `jax_fp8.frozen_scales` opts out of both. Under
 ``optax.MultiSteps`` the amaxes of the microbatches are combined by max and the FP8
 state is updated once per optimizer step.
 
@@ -65,7 +65,7 @@ import jax.numpy as jnp
 from flax import struct
 from flax.training import train_state
 
-from jax_fp8 import _compat, meta as meta_lib, recipe as recipe_lib, state as state_lib
+from jax_fp8 import _compat, _fp8_grads, _trace_checks, recipe as recipe_lib, state as state_lib
 from jax_fp8.dot_general import fp8_dot_general
 from jax_fp8.einsum import fp8_einsum
 from jax_fp8.flax import multi_steps
@@ -259,7 +259,7 @@ def _check_lifted_read_once(module: nn.Module, meta: Fp8Meta, collection: str,
     # the variables live in (nn.vmap's axis None passes them as they are).
     trace = _compat.current_trace()
     while trace is not None:
-        if _compat.traced_for(trace) in meta_lib.BRANCHES:
+        if _compat.traced_for(trace) in _trace_checks.BRANCHES:
             return  # the branches of one nn.cond / nn.switch: only one runs
         if trace is own:
             break
@@ -299,11 +299,11 @@ def _check_not_broadcast(module: nn.Module, meta: Fp8Meta, collection: str, op: 
         trace = _compat.current_trace()
         while trace is not None and trace is not own:
             loop = _compat.traced_for(trace)
-            if loop in meta_lib.LOOPS:
+            if loop in _trace_checks.LOOPS:
                 where = _scope(module).path_text
                 if not any("(" in p for p in getattr(module.scope, "debug_path", ())):
                     # No lifted transform: a jax loop inside the loss closes over it.
-                    raise ValueError(f"{op} at {where}: " + meta_lib.CLOSED_OVER.format(
+                    raise ValueError(f"{op} at {where}: " + _trace_checks.CLOSED_OVER.format(
                         what=f"its FP8 state (the collection {collection!r})", loop=loop))
                 raise ValueError(_BROADCAST.format(op=op, where=where, c=collection,
                                                    loop=loop))
@@ -492,7 +492,7 @@ def _is_combined(grads, params, collection) -> bool:
     gradient of ``optax.LookaheadParams``' fast parameters)."""
     if not (isinstance(grads, Mapping) and set(grads) == {"params", collection}):
         return False
-    is_grad = lambda x: isinstance(x, meta_lib.AmaxGrad)  # noqa: E731
+    is_grad = lambda x: isinstance(x, _fp8_grads.AmaxGrad)  # noqa: E731
     return (jax.tree.structure(grads["params"]) == jax.tree.structure(params)  # type: ignore[operator]
             or any(is_grad(x) for x in jax.tree.leaves(grads[collection], is_leaf=is_grad)))
 
@@ -652,7 +652,7 @@ class Fp8TrainState(train_state.TrainState):
                 f"state.fp8: jax.value_and_grad(loss_fn, argnums=(0, 1))(state.params, "
                 f"state.fp8)). To keep the scales frozen on purpose, call it inside "
                 f"`with jax_fp8.frozen_scales():`.")
-        meta_lib.check_amaxes_reduced(axis_name, "Fp8TrainState.apply_gradients")
+        _trace_checks.check_amaxes_reduced(axis_name, "Fp8TrainState.apply_gradients")
         if self.fp8_pending is None:
             return new.replace(fp8=new_fp8_state(self.fp8, fp8_grads, self.recipe,
                                                  axis_name=axis_name))
@@ -683,6 +683,6 @@ def fp8_value_and_grad(loss_fn: Callable, has_aux: bool = False,
     def f(params, fp8, *args, **kwargs):
         value, (grads, fp8_grads) = vg(params, fp8, *args, **kwargs)
         return value, {"params": grads,
-                       collection: meta_lib.fp8_grads_from_cotangents(fp8_grads)}
+                       collection: _fp8_grads.fp8_grads_from_cotangents(fp8_grads)}
 
     return f

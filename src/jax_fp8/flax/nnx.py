@@ -40,7 +40,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_fp8 import interception, meta as meta_lib, recipe as recipe_lib, state as state_lib
+from jax_fp8 import (
+    _fp8_grads,
+    _trace_checks,
+    interception,
+    meta as meta_lib,
+    recipe as recipe_lib,
+    state as state_lib,
+)
 from jax_fp8.dot_general import check_min_fp8_flops, fp8_dot_general, gemm_flops
 from jax_fp8.einsum import fp8_einsum
 from jax_fp8.flax import multi_steps
@@ -125,7 +132,7 @@ class _Fp8Base(nnx.Module):
         if meta.stateless:
             return
         # The variables still hold the meta the call read: differentiated or not.
-        differentiated = any(meta_lib._ad_trace(x) is not None
+        differentiated = any(_trace_checks._ad_trace(x) is not None
                              for x in jax.tree.leaves(self.meta))
         for n in Fp8Meta.STATES:
             var = getattr(self, n)
@@ -243,7 +250,7 @@ def update_fp8(model: nnx.Module, fp8_grads: Any, recipe: recipe_lib.Recipe | No
     """
     if isinstance(fp8_grads, nnx.State):
         fp8_grads = fp8_state(fp8_grads)
-    meta_lib.check_amaxes_reduced(axis_name, "update_fp8")
+    _trace_checks.check_amaxes_reduced(axis_name, "update_fp8")
     new = new_fp8_state(fp8_state(model), fp8_grads, recipe, axis_name=axis_name)
     nnx.update(model, new)
     return new
@@ -290,7 +297,7 @@ def fp8_value_and_grad(loss_fn: Callable, has_aux: bool = False, wrt: Any = nnx.
     def f(*args, **kwargs):
         value, grads = value_and_grad(*args, **kwargs)
         return value, jax.tree.map(
-            lambda v: Fp8Grad(meta_lib.fp8_grads_from_cotangents(_get(v)))
+            lambda v: Fp8Grad(_fp8_grads.fp8_grads_from_cotangents(_get(v)))
             if isinstance(v, Fp8State) else v, grads, is_leaf=_is_variable)
 
     return f
@@ -325,7 +332,7 @@ def _step(model, optimizer, grads, recipe, optimizer_update, kwargs, axis_name=N
     # The recipe is checked before the optimizer steps, so a mismatch changes nothing.
     state_lib.check_states_follow(recipe_lib.default() if recipe is None else recipe,
                                   fp8_state(model), type(model).__name__)
-    if held and not meta_lib.holds_fp8_grads(fp8_grads) and not meta_lib.scales_frozen():
+    if held and not _fp8_grads.holds_fp8_grads(fp8_grads) and not _trace_checks.scales_frozen():
         raise ValueError(
             f"apply_gradients: grads has no FP8 gradients, but the model holds {len(held)} "
             "delayed-scaling states, whose scales would never change. Differentiate them "
@@ -333,7 +340,7 @@ def _step(model, optimizer, grads, recipe, optimizer_update, kwargs, axis_name=N
             "(or nnx.value_and_grad with argnums=nnx.DiffState(0, nnx.Any(nnx.Param, "
             "Fp8State))). To keep the scales frozen on purpose, call it inside "
             "`with jax_fp8.frozen_scales():`.")
-    if held and not meta_lib.scales_frozen() and \
+    if held and not _trace_checks.scales_frozen() and \
             multi_steps.find(getattr(optimizer, "opt_state", None), "apply_gradients") is not None:
         raise ValueError(
             "apply_gradients: the optimizer wraps optax.MultiSteps, which applies once per "
@@ -343,10 +350,10 @@ def _step(model, optimizer, grads, recipe, optimizer_update, kwargs, axis_name=N
             "of the microbatches' amaxes), or accumulate inside the step: a lax.scan over "
             "the microbatches, combining the FP8 gradients with jax_fp8.combine_fp8_grads "
             "(docs/semantics.md, \"Gradient accumulation\").")
-    if held and meta_lib.holds_fp8_grads(fp8_grads):
-        meta_lib.check_amaxes_reduced(axis_name, "apply_gradients")
+    if held and _fp8_grads.holds_fp8_grads(fp8_grads):
+        _trace_checks.check_amaxes_reduced(axis_name, "apply_gradients")
     optimizer_update(optimizer, model, param_grads, **kwargs)
-    if held and meta_lib.holds_fp8_grads(fp8_grads):
+    if held and _fp8_grads.holds_fp8_grads(fp8_grads):
         update_fp8(model, fp8_grads, recipe, axis_name=axis_name)
 
 
@@ -387,13 +394,13 @@ class Fp8Optimizer(nnx.Optimizer):
         states = fp8_state(model)
         state_lib.check_states_follow(recipe, states, type(model).__name__)
         fp8_grads, param_grads = _split(grads)
-        if meta_lib.scales_frozen():  # the FP8 state and its pending amaxes are kept
+        if _trace_checks.scales_frozen():  # the FP8 state and its pending amaxes are kept
             nnx.Optimizer.update(self, model, param_grads, **kwargs)
             return
-        if not meta_lib.holds_fp8_grads(fp8_grads):
+        if not _fp8_grads.holds_fp8_grads(fp8_grads):
             _step(model, self, grads, self.fp8_recipe, nnx.Optimizer.update, kwargs)
             return  # (raises)
-        meta_lib.check_amaxes_reduced(axis_name, "Fp8Optimizer.update")
+        _trace_checks.check_amaxes_reduced(axis_name, "Fp8Optimizer.update")
         before = multi_steps.gradient_step(self.opt_state, "Fp8Optimizer")
         nnx.Optimizer.update(self, model, param_grads, **kwargs)
         applied = multi_steps.gradient_step(self.opt_state, "Fp8Optimizer") != before

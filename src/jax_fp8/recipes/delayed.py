@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from jax_fp8 import _ad, _gemms, _grouped, meta as meta_lib, recipe as recipe_lib
+from jax_fp8 import _ad, _gemms, _grouped, _trace_checks, meta as meta_lib, recipe as recipe_lib
 from jax_fp8._primitives import amax as amax_lib, layout
 from jax_fp8.current import scale_inverse
 from jax_fp8.meta import Fp8Meta
@@ -107,12 +107,12 @@ class DelayedScaling(recipe_lib.Recipe):
                                  f"per layer (lax.scan xs / nn.scan)")
 
     def dot_general(self, lhs, rhs, dimension_numbers, meta, out_dtype):
-        meta_lib.claim(meta, "fp8_dot_general", (lhs, rhs))
+        _trace_checks.claim(meta, "fp8_dot_general", (lhs, rhs))
         return _fp8_dot(lhs, rhs, meta, dimension_numbers, out_dtype, np.dtype(lhs.dtype),
                         np.dtype(rhs.dtype))
 
     def ragged_dot(self, lhs, rhs, group_sizes, meta, out_dtype):
-        meta_lib.claim(meta, "fp8_ragged_dot", (lhs, rhs))
+        _trace_checks.claim(meta, "fp8_ragged_dot", (lhs, rhs))
         ends = _grouped.clamped_group_ends(group_sizes, lhs.shape[0])
         return _fp8_ragged(lhs, rhs, ends, meta, out_dtype, np.dtype(lhs.dtype),
                            np.dtype(rhs.dtype))
