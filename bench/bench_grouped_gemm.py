@@ -34,9 +34,7 @@ Writes ``grouped_gemm.json`` and ``grouped_gemm.md`` under ``--outdir``.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
 import statistics
 import sys
@@ -47,15 +45,12 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 from jax_fp8 import _gemms  # noqa: E402
 from jax_fp8._primitives import grouped_gemm as gg  # noqa: E402
 from jax_fp8.devtools import trace  # noqa: E402
 
-MODELS = {  # experts, d, ffn, tokens, top_k
-    "qwen3_moe": (128, 2048, 768, 4096, 8),
-    "deepseek": (256, 7168, 2048, 4096, 8),
-    "tiny": (4, 64, 32, 16, 2),
-}
+MODELS = {**common.MOE_MODELS, "tiny": (4, 2, 64, 32, 16)}  # experts, top_k, d, ffn, tokens
 NT = (((1,), (1,)), ((), ()))
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 COLUMNS = ("fp8_grouped", "bf16_ragged_dot", "reference", "dense_fp8_fast", "dense_fp8_f32acc")
@@ -63,13 +58,13 @@ COLUMNS = ("fp8_grouped", "bf16_ragged_dot", "reference", "dense_fp8_fast", "den
 
 def model_gemms(model):
     """[(name, lhs dtype, K, N)] of one MoE layer's expert GEMMs (forward and data gradient)."""
-    _, d, ffn, _, _ = MODELS[model]
+    _, _, d, ffn, _ = MODELS[model]
     return [("gate_up fwd", E4M3, d, 2 * ffn), ("down fwd", E4M3, ffn, d),
             ("gate_up dgrad", E5M2, 2 * ffn, d), ("down dgrad", E5M2, d, ffn)]
 
 
 def group_sizes(model):
-    experts, _, _, tokens, top_k = MODELS[model]
+    experts, top_k, _, _, tokens = MODELS[model]
     rng = np.random.default_rng(0)
     weights = rng.dirichlet(np.full(experts, 5.0))
     return rng.multinomial(tokens * top_k, weights).astype(np.int32)
@@ -203,30 +198,14 @@ def table(rows):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                epilog=__doc__[__doc__.index("Examples:"):],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="qwen3_moe,deepseek")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--outdir", default="bench/results/grouped_gemm")
-    args = p.parse_args(argv)
-    models = args.models.split(",")
-    unknown = sorted(set(models) - set(MODELS))
-    if unknown:
-        p.error(f"unknown models {unknown}: choose from {sorted(MODELS)}")
-    os.makedirs(args.outdir, exist_ok=True)
+    args = common.moe_args(__doc__, MODELS, 20, "bench/results/grouped_gemm", argv)
     print("grouped GEMM kernel:", gg.kernel_status(), flush=True)
-    rows = measure(models, args.steps)
+    rows = measure(args.models, args.steps)
     meta = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
             "steps": args.steps, "kernel_status": gg.kernel_status(),
             "kernel_configs": gg.kernel_configs(),
             "command": "python bench/bench_grouped_gemm.py " + " ".join(argv or sys.argv[1:])}
-    with open(os.path.join(args.outdir, "grouped_gemm.json"), "w") as fp:
-        json.dump({"meta": meta, "rows": rows}, fp, indent=1)
-    text = table(rows)
-    with open(os.path.join(args.outdir, "grouped_gemm.md"), "w") as fp:
-        fp.write(text)
-    print(text)
+    common.write_report(args.outdir, "grouped_gemm", {"meta": meta, "rows": rows}, table(rows))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ Writes ``moe.json`` and ``moe.md`` under ``--outdir``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -49,15 +48,12 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 import jax_fp8  # noqa: E402
 import llm_kernels  # noqa: E402
 from jax_fp8.devtools import explain, trace  # noqa: E402
 
-MODELS = {  # experts, top_k, d, ffn, tokens
-    "qwen3_moe": (128, 8, 2048, 768, 4096),
-    "deepseek": (256, 8, 7168, 2048, 4096),
-    "tiny": (8, 2, 64, 32, 32),
-}
+MODELS = {**common.MOE_MODELS, "tiny": (8, 2, 64, 32, 32)}  # experts, top_k, d, ffn, tokens
 RECIPES = {"delayed": jax_fp8.DelayedScaling(), "current": jax_fp8.Float8CurrentScaling(),
            "block": jax_fp8.Float8BlockScaling(), "mxfp8": jax_fp8.MXFP8BlockScaling()}
 VARIANTS = ("bf16", *RECIPES)
@@ -196,16 +192,11 @@ def table(rows):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["qwen3_moe", "deepseek"],
-                        choices=sorted(MODELS))
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--tokens", type=int, default=None,
-                        help="tokens per step for every model (default: the model's)")
-    parser.add_argument("--outdir", default="bench/results")
-    args = parser.parse_args(argv)
+    def extra(p):
+        p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+        p.add_argument("--tokens", type=int, default=None,
+                       help="tokens per step for every model (default: the model's)")
+    args = common.moe_args(__doc__, MODELS, 10, "bench/results", argv, extra=extra)
     rows = []
     if args.tokens is not None:
         for model in args.models:
@@ -219,14 +210,8 @@ def main(argv=None):
                              "error": f"{type(err).__name__}: {err}"[:300]})
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "top_kernels"}),
                   file=sys.stderr, flush=True)
-    os.makedirs(args.outdir, exist_ok=True)
-    md = table(rows)
-    with open(os.path.join(args.outdir, "moe.json"), "w") as f:
-        json.dump({"platform": jax.devices()[0].platform, "steps": args.steps, "rows": rows},
-                  f, indent=1)
-    with open(os.path.join(args.outdir, "moe.md"), "w") as f:
-        f.write(md + "\n")
-    print(md)
+    common.write_report(args.outdir, "moe", {"platform": jax.devices()[0].platform,
+                                             "steps": args.steps, "rows": rows}, table(rows))
 
 
 if __name__ == "__main__":

@@ -370,3 +370,52 @@ def subset_of(allowed, what):
                                              f"{','.join(allowed)}; got {text!r}")
         return out
     return parse
+
+
+# ------------------------------------------------------- mixture-of-experts benchmarks
+# The MoE layers that bench_moe.py and bench_grouped_gemm.py measure, as (experts, top_k,
+# d, expert ffn, tokens); each script adds its own CPU smoke model "tiny".
+MOE_MODELS = {
+    "qwen3_moe": (128, 8, 2048, 768, 4096),   # Qwen3-MoE-like
+    "deepseek": (256, 8, 7168, 2048, 4096),   # DeepSeek-V3-like
+}
+
+
+def moe_args(doc: str, models, steps: int, outdir: str, argv=None, extra=None):
+    """The command line of an MoE benchmark (the script's docstring ``doc`` gives its
+    help): ``--models`` (names of ``models``, comma- or space-separated; default
+    qwen3_moe and deepseek), ``--steps`` (default ``steps``), ``--outdir`` (default
+    ``outdir``), and what ``extra(parser)`` adds. Returns the parsed arguments, ``models``
+    a list; an unknown model is a usage error."""
+    parser = arg_parser(doc.splitlines()[0], doc)
+    parser.add_argument("--models", nargs="+", default=list(MOE_MODELS))
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--outdir", default=outdir)
+    if extra is not None:
+        extra(parser)
+    args = parser.parse_args(argv)
+    args.models = [m for text in args.models for m in text.split(",") if m]
+    unknown = sorted(set(args.models) - set(models))
+    if unknown:
+        parser.error(f"unknown models {unknown}: choose from {sorted(models)}")
+    return args
+
+
+def write_report(outdir: str, name: str, data, md: str) -> None:
+    """OUTDIR/NAME.json (``data``) and OUTDIR/NAME.md (the table ``md``), which is also
+    printed."""
+    md = md.rstrip("\n")
+    write_json(os.path.join(outdir, name + ".json"), data)
+    write_text(os.path.join(outdir, name + ".md"), md + "\n")
+    print(md, flush=True)
+
+
+def run_tiny(script: str, outdir, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python bench/SCRIPT --models tiny --steps 2 --outdir OUTDIR`` on CPU from the
+    repository root (a smoke run of an MoE benchmark); asserts that it exits 0."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, os.path.join("bench", script), "--models", "tiny",
+                           "--steps", "2", "--outdir", str(outdir)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc

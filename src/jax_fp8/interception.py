@@ -19,55 +19,47 @@ What a matched module leaves out of FP8 (a GEMM below the rule's ``min_fp8_flops
 operand it can follow to a parameter, operands of a dtype the recipe does not take) is
 reported once as a `jax_fp8.Fp8ConversionWarning` (`reporting`), and the GEMM runs under
 a name scope that ``jax_fp8.devtools.explain`` reads (`KEPT_SCOPES`).
+
+Following a weight is `jax_fp8._interception_follow`, the report
+`jax_fp8._interception_report`; this module re-exports their public names.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
-import os
 import string
-import sys
 import threading
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
+from jax_fp8._interception_follow import (
+    _BINDS,
+    _FLOAT64,
+    _FLOATS,
+    FOLLOWED,
+    follow,
+    local,
+    track,
+)
+from jax_fp8._interception_report import note, reporting
 from jax_fp8.dot_general import KEPT_SCOPE, gemm_flops
 from jax_fp8.recipes.delayed import DelayedScaling
-from jax_fp8.rules import Fp8ConversionWarning, Fp8Rule
+from jax_fp8.rules import Fp8Rule
 
 __all__ = ["FOLLOWED", "KEPT_SCOPES", "ORIGINAL", "Site", "einsum_flops", "explicit_einsum",
            "follow", "local", "note", "note_gemm", "patched", "reporting", "running", "track",
            "weight_of"]
 
 ORIGINAL = {"dot_general": jax.lax.dot_general, "einsum": jnp.einsum}
-_HERE = os.path.dirname(os.path.abspath(__file__))
 # Further (owner, attribute, replacement) that `patched` installs with the two above (each
 # a GEMM function a module of its own intercepts: jax_fp8.interception_ragged's
 # jax.lax.ragged_dot).
 PATCHES: list[tuple[Any, str, Any]] = []
-_FLOATS = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
-_FLOAT64 = np.dtype(np.float64)
-
-# The primitives a weight is followed through (by name, what the conversion calls them):
-# JAX's public primitives, each checked at import (a JAX without one fails here, loudly).
-FOLLOWED = {prim: name for prim, name in (
-    (lax.convert_element_type_p, "cast"), (lax.reshape_p, "reshape"),
-    (lax.transpose_p, "transpose"), (lax.squeeze_p, "squeeze"),
-    (lax.broadcast_in_dim_p, "broadcast"), (lax.copy_p, "copy"),
-    (lax.sharding_constraint_p, "sharding constraint"))}
-for _prim in FOLLOWED:
-    if not isinstance(_prim, jax.extend.core.Primitive) or not callable(_prim.bind):
-        raise ImportError(f"jax_fp8.interception follows weights through jax.lax's "
-                          f"{_prim!r}, which this jax ({jax.__version__}) does not have as "
-                          f"a primitive; install a jax version jax_fp8 supports")
 
 # The name scopes a GEMM a matched module leaves out of FP8 runs under, by reason (what
 # jax_fp8.devtools.explain says); a GEMM below min_fp8_flops runs under KEPT_SCOPE.
@@ -97,69 +89,8 @@ class Site:
     module_type: str = ""        # report (e.g. while linen initializes)
 
 
-# This thread's converting call: its Sites (`running`), the arrays followed to a parameter
-# (`track`), its report (`reporting`), and what a framework adapter keeps for it (the Flax
-# adapter: the parameters its linen modules' ``self.param`` returned).
-local = threading.local()
 _lock = threading.Lock()
 _installed: dict[tuple[int, str], tuple[int, Any, bool]] = {}
-_warned: set = set()   # (owner, path, reason) already reported in this process
-
-
-# ------------------------------------------------------------------ following a weight
-
-def _carries(prim, x, out, params) -> bool:
-    """Whether ``out = prim.bind(x, ...)`` holds x's values, only cast, laid out or placed
-    otherwise."""
-    if isinstance(out, (tuple, list)) or not hasattr(out, "shape"):
-        return False
-    if prim is lax.convert_element_type_p:
-        floats = _FLOATS | {_FLOAT64}
-        return np.dtype(x.dtype) in floats and np.dtype(out.dtype) in floats
-    if prim is lax.broadcast_in_dim_p:   # expand_dims: unit axes only
-        return int(np.prod(out.shape)) == int(np.prod(np.shape(x)))
-    return True
-
-
-def _following_bind(prim, original):
-    def bind(*args, **params):
-        out = original(*args, **params)
-        tracked = getattr(local, "tracked", None)
-        if tracked is not None and args:
-            entry = tracked.get(id(args[0]))
-            if entry is not None and entry[0] is args[0] and _carries(prim, args[0], out,
-                                                                       params):
-                tracked[id(out)] = (out, args[0], FOLLOWED[prim])
-        return out
-    return bind
-
-
-_BINDS = [(prim, "bind", _following_bind(prim, prim.bind)) for prim in FOLLOWED]
-
-
-def track(*arrays) -> None:
-    """Marks ``arrays`` (a running module's parameters) as the start of the chains
-    `follow` walks back, for this thread's converting call."""
-    tracked = getattr(local, "tracked", None)
-    if tracked is None:
-        return
-    for x in arrays:
-        if hasattr(x, "dtype") and id(x) not in tracked:
-            tracked[id(x)] = (x, None, None)
-
-
-def follow(x) -> tuple[Any, tuple[str, ...]]:
-    """``(origin, steps)``: the tracked array ``x`` was made from through `FOLLOWED`
-    operations (``x`` itself, no steps, for an array made otherwise), and those steps
-    in the order they ran (e.g. ``("cast", "reshape", "sharding constraint")``)."""
-    tracked = getattr(local, "tracked", None) or {}
-    steps: list[str] = []
-    while True:
-        entry = tracked.get(id(x))
-        if entry is None or entry[0] is not x or entry[1] is None:
-            return x, tuple(reversed(steps))
-        steps.append(entry[2])
-        x = entry[1]
 
 
 def weight_of(site: Site, x) -> str | None:
@@ -310,85 +241,6 @@ def note_gemm(site: Site, kind: str, lhs, rhs, flops: int) -> None:
              f"runs in {dtype}. Lower min_fp8_flops (0: every GEMM in FP8)")
     else:
         note(site, None)
-
-
-# ------------------------------------------------------------------------- the report
-
-@contextlib.contextmanager
-def reporting(owner: Any, label: str):
-    """The report of one converting call (for nested calls, the outermost's): the arrays
-    followed to parameters (`track`) live for it, and at its end every module that a
-    rule matched and that ran no GEMM in FP8 is reported, once per ``owner`` (the
-    converted model or class), module path and reason, as an `Fp8ConversionWarning`
-    naming ``label`` (the model)."""
-    if getattr(local, "report", None) is not None:
-        yield
-        return
-    local.report, local.tracked = {}, {}
-    try:
-        yield
-    except BaseException:
-        local.report = local.tracked = None
-        raise
-    report, local.report, local.tracked = local.report, None, None
-    for path, entry in report.items():
-        if not entry["fp8"]:
-            for reason, text in entry["reasons"].items():
-                _warn(owner, label, path, entry, reason, text)
-
-
-def note(site: Site, reason: str | None, text: str = "") -> None:
-    """Records for the report that a GEMM of ``site``'s module ran in FP8 (``reason``
-    None) or was kept, for ``reason`` (a `KEPT_SCOPES` key or ``KEPT_SCOPE``) explained by
-    ``text``. Outside `reporting` a kept GEMM is reported at once."""
-    if site.path is None:
-        return
-    report = getattr(local, "report", None)
-    entry: dict[str, Any] = {"type": site.module_type, "rule": site.rule, "fp8": False,
-                             "reasons": {}}
-    if report is not None:
-        entry = report.setdefault(site.path, entry)
-    if reason is None:
-        entry["fp8"] = True
-    elif reason not in entry["reasons"]:
-        entry["reasons"][reason] = text
-        if report is None:
-            _warn(site.rule, "the model", site.path, entry, reason, text)
-
-
-def _warn(owner, label, path, entry, reason, text) -> None:
-    key = (owner, path, reason)
-    with _lock:
-        if key in _warned:
-            return
-        _warned.add(key)
-    where = f"module {path!r}" if path else "the root module"
-    warnings.warn(f"jax_fp8 fp8_model({label}): {where} ({entry['type']}), matched by "
-                  f"{entry['rule']!r}, runs no GEMM in FP8: {text}.",
-                  Fp8ConversionWarning, stacklevel=_caller_level())
-
-
-def _package_dir(name: str) -> str | None:
-    spec = importlib.util.find_spec(name)
-    origin = getattr(spec, "origin", None)
-    return None if origin is None else os.path.dirname(os.path.abspath(origin)) + os.sep
-
-
-# The frames a warning skips: jax_fp8's, JAX's and the frameworks' (the converted model's
-# call goes through them).
-_LIBRARIES = tuple(d for d in (_HERE + os.sep, *map(_package_dir, ("jax", "flax", "equinox")))
-                   if d is not None)
-
-
-def _caller_level() -> int:
-    """The stacklevel of the first frame outside jax_fp8, Flax and JAX: the user's call
-    that ran the converted model."""
-    frame: Any = sys._getframe(1)  # noqa: SLF001  (Python's, not JAX's)
-    level = 1
-    while frame is not None and (frame.f_code.co_filename.startswith(_LIBRARIES)
-                                 or frame.f_code.co_filename == contextlib.__file__):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 # ---------------------------------------------------------------------- the GEMM calls

@@ -5,18 +5,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the repository
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import common  # noqa: E402
 
 
 def test_bench_grouped_gemm_tiny_run(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "bench/bench_grouped_gemm.py", "--models", "tiny",
-                           "--steps", "2", "--outdir", str(tmp_path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    proc = common.run_tiny("bench_grouped_gemm.py", tmp_path)
     data = json.loads((tmp_path / "grouped_gemm.json").read_text())
     rows = data["rows"]
     assert [r["gemm"] for r in rows] == ["gate_up fwd", "down fwd", "gate_up dgrad",

@@ -10,7 +10,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from jax_fp8 import meta as meta_lib
+from jax_fp8 import _trace_checks, meta as meta_lib
 from jax_fp8.equinox._state import FIX, Fp8Placeholder, Fp8State, is_fp8_node
 from jax_fp8.meta import combine_fp8_grads, new_fp8_state
 
@@ -41,7 +41,7 @@ def _new_states(model, grads, axis_name=None) -> list[Fp8State]:
     got = dict(fp8_states(grads))
     delayed = [(p, s) for p, s in held if not s.meta.stateless]
     missing = [p for p, _ in delayed if p not in got]
-    if missing and not meta_lib.scales_frozen():
+    if missing and not _trace_checks.scales_frozen():
         raise ValueError(
             f"jax_fp8.equinox.apply_updates: grads has no gradient for the FP8 state "
             f"{missing[0]} ({len(missing)} of the model's {len(delayed)} delayed-scaling "
@@ -52,7 +52,7 @@ def _new_states(model, grads, axis_name=None) -> list[Fp8State]:
             + FIX)
     if missing:
         return [s for _, s in held]
-    meta_lib.check_amaxes_reduced(axis_name, "jax_fp8.equinox.apply_updates")
+    _trace_checks.check_amaxes_reduced(axis_name, "jax_fp8.equinox.apply_updates")
     # ONE update_states call per recipe (a model converted with one recipe: one call).
     groups: dict = {}
     for i, (_, s) in enumerate(delayed):

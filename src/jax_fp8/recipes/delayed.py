@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from jax_fp8 import _ad, _gemms, _grouped, meta as meta_lib, recipe as recipe_lib
+from jax_fp8 import _ad, _gemms, _grouped, _trace_checks, meta as meta_lib, recipe as recipe_lib
 from jax_fp8._primitives import amax as amax_lib, layout
 from jax_fp8.current import scale_inverse
 from jax_fp8.meta import Fp8Meta
@@ -107,12 +107,12 @@ class DelayedScaling(recipe_lib.Recipe):
                                  f"per layer (lax.scan xs / nn.scan)")
 
     def dot_general(self, lhs, rhs, dimension_numbers, meta, out_dtype):
-        meta_lib.claim(meta, "fp8_dot_general", (lhs, rhs))
+        _trace_checks.claim(meta, "fp8_dot_general", (lhs, rhs))
         return _fp8_dot(lhs, rhs, meta, dimension_numbers, out_dtype, np.dtype(lhs.dtype),
                         np.dtype(rhs.dtype))
 
     def ragged_dot(self, lhs, rhs, group_sizes, meta, out_dtype):
-        meta_lib.claim(meta, "fp8_ragged_dot", (lhs, rhs))
+        _trace_checks.claim(meta, "fp8_ragged_dot", (lhs, rhs))
         ends = _grouped.clamped_group_ends(group_sizes, lhs.shape[0])
         return _fp8_ragged(lhs, rhs, ends, meta, out_dtype, np.dtype(lhs.dtype),
                            np.dtype(rhs.dtype))
@@ -161,6 +161,24 @@ def _pmax_ignoring_nan(x, axes):
     return lax.pmax(jnp.where(jnp.isnan(x), -jnp.inf, x), axes)
 
 
+def _bwd_tail(grad_lhs, grad_rhs, lhs_like, rhs_like, meta, ct_meta, amaxes):
+    """The end of a delayed-scaling GEMM's backward (dense and grouped): the meta's
+    cotangent, each state's staging slot fmax(downstream uses' amax, the ``amaxes``
+    (input, kernel, gradient) this use observed) (`jax_fp8.meta.amax_cotangent`); then,
+    inside shard_map (check_vma), the operand gradients summed and the amaxes max-ed over
+    the manual axes their primals (``lhs_like``, ``rhs_like``, ``meta``) do not vary over.
+    Returns (grad_lhs, grad_rhs, the meta's cotangent)."""
+    amax_lhs, amax_rhs, amax_g = amaxes
+    ct_meta_in = Fp8Meta(input=meta_lib.amax_cotangent(ct_meta.input, amax_lhs, meta.input),
+                         kernel=meta_lib.amax_cotangent(ct_meta.kernel, amax_rhs, meta.kernel),
+                         grad=meta_lib.amax_cotangent(ct_meta.grad, amax_g, meta.grad))
+    grad_lhs = _to_primal_vma(grad_lhs, lhs_like, lax.psum)
+    grad_rhs = _to_primal_vma(grad_rhs, rhs_like, lax.psum)
+    ct_meta_in = jax.tree.map(
+        lambda ct, primal: _to_primal_vma(ct, primal, _pmax_ignoring_nan), ct_meta_in, meta)
+    return grad_lhs, grad_rhs, ct_meta_in
+
+
 def _bwd(dimension_numbers, out_dtype, lhs_dtype, rhs_dtype, res, cts):
     g, ct_meta = cts
     if isinstance(g, SymbolicZero):  # only the threaded meta is used downstream
@@ -192,14 +210,8 @@ def _bwd(dimension_numbers, out_dtype, lhs_dtype, rhs_dtype, res, cts):
         grad_rhs = _gemms.kernel_grad(q_g, lhs_res, q_rhs, dimension_numbers, rhs_dtype,
                                       (_dequantization_factor(meta.input),
                                        _dequantization_factor(meta.grad)), g_t=g_t)
-    ct_meta_in = Fp8Meta(input=meta_lib.amax_cotangent(ct_meta.input, amax_lhs, meta.input),
-                         kernel=meta_lib.amax_cotangent(ct_meta.kernel, amax_rhs, meta.kernel),
-                         grad=meta_lib.amax_cotangent(ct_meta.grad, amax_g, meta.grad))
-    grad_lhs = _to_primal_vma(grad_lhs, lhs_like, lax.psum)
-    grad_rhs = _to_primal_vma(grad_rhs, rhs_like, lax.psum)
-    ct_meta_in = jax.tree.map(
-        lambda ct, primal: _to_primal_vma(ct, primal, _pmax_ignoring_nan), ct_meta_in, meta)
-    return grad_lhs, grad_rhs, ct_meta_in
+    return _bwd_tail(grad_lhs, grad_rhs, lhs_like, rhs_like, meta, ct_meta,
+                     (amax_lhs, amax_rhs, amax_g))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
@@ -287,16 +299,11 @@ def _fp8_ragged_bwd(out_dtype, lhs_dtype, rhs_dtype, res, cts):
                                  for st in (meta.input, meta.kernel, meta.grad))
     grad_lhs = _grouped.grouped(q_g, q_rhs, ends, si_grad, si_kernel, lhs_dtype)
     grad_rhs = _grouped.scaled_wgrad(q_lhs, q_g, ends, si_in, si_grad, rhs_dtype)
-    ct_meta_in = Fp8Meta(input=meta_lib.amax_cotangent(ct_meta.input, amax_lhs, meta.input),
-                         kernel=meta_lib.amax_cotangent(ct_meta.kernel, amax_rhs, meta.kernel),
-                         grad=meta_lib.amax_cotangent(ct_meta.grad, amax_g, meta.grad))
     # Inside shard_map, as fp8_dot_general: gradients summed and amaxes max-ed over the
     # manual axes their primals do not vary over (experts' weights and states replicated
     # beside tokens per device).
-    grad_lhs = _to_primal_vma(grad_lhs, lhs_like, lax.psum)
-    grad_rhs = _to_primal_vma(grad_rhs, rhs_like, lax.psum)
-    ct_meta_in = jax.tree.map(
-        lambda ct, primal: _to_primal_vma(ct, primal, _pmax_ignoring_nan), ct_meta_in, meta)
+    grad_lhs, grad_rhs, ct_meta_in = _bwd_tail(grad_lhs, grad_rhs, lhs_like, rhs_like, meta,
+                                               ct_meta, (amax_lhs, amax_rhs, amax_g))
     return grad_lhs, grad_rhs, None, ct_meta_in
 
 

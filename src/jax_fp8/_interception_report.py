@@ -1,0 +1,105 @@
+"""The report of a converting call: matched modules that run no GEMM in FP8.
+
+`reporting` spans one converting call (the arrays it follows to parameters live for
+it); `note` records, per module, whether a GEMM ran in FP8 or was kept and why; at the
+end every matched module that ran none in FP8 is warned about once, as an
+`Fp8ConversionWarning` pointing at the user's call. Part of `jax_fp8.interception`,
+which re-exports its public names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import sys
+import threading
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from jax_fp8._interception_follow import local
+from jax_fp8.rules import Fp8ConversionWarning
+
+if TYPE_CHECKING:
+    from jax_fp8.interception import Site
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_lock = threading.Lock()
+_warned: set = set()   # (owner, path, reason) already reported in this process
+
+
+@contextlib.contextmanager
+def reporting(owner: Any, label: str):
+    """The report of one converting call (for nested calls, the outermost's): the arrays
+    followed to parameters (`track`) live for it, and at its end every module that a
+    rule matched and that ran no GEMM in FP8 is reported, once per ``owner`` (the
+    converted model or class), module path and reason, as an `Fp8ConversionWarning`
+    naming ``label`` (the model)."""
+    if getattr(local, "report", None) is not None:
+        yield
+        return
+    local.report, local.tracked = {}, {}
+    try:
+        yield
+    except BaseException:
+        local.report = local.tracked = None
+        raise
+    report, local.report, local.tracked = local.report, None, None
+    for path, entry in report.items():
+        if not entry["fp8"]:
+            for reason, text in entry["reasons"].items():
+                _warn(owner, label, path, entry, reason, text)
+
+
+def note(site: Site, reason: str | None, text: str = "") -> None:
+    """Records for the report that a GEMM of ``site``'s module ran in FP8 (``reason``
+    None) or was kept, for ``reason`` (a `KEPT_SCOPES` key or ``KEPT_SCOPE``) explained by
+    ``text``. Outside `reporting` a kept GEMM is reported at once."""
+    if site.path is None:
+        return
+    report = getattr(local, "report", None)
+    entry: dict[str, Any] = {"type": site.module_type, "rule": site.rule, "fp8": False,
+                             "reasons": {}}
+    if report is not None:
+        entry = report.setdefault(site.path, entry)
+    if reason is None:
+        entry["fp8"] = True
+    elif reason not in entry["reasons"]:
+        entry["reasons"][reason] = text
+        if report is None:
+            _warn(site.rule, "the model", site.path, entry, reason, text)
+
+
+def _warn(owner, label, path, entry, reason, text) -> None:
+    key = (owner, path, reason)
+    with _lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    where = f"module {path!r}" if path else "the root module"
+    warnings.warn(f"jax_fp8 fp8_model({label}): {where} ({entry['type']}), matched by "
+                  f"{entry['rule']!r}, runs no GEMM in FP8: {text}.",
+                  Fp8ConversionWarning, stacklevel=_caller_level())
+
+
+def _package_dir(name: str) -> str | None:
+    spec = importlib.util.find_spec(name)
+    origin = getattr(spec, "origin", None)
+    return None if origin is None else os.path.dirname(os.path.abspath(origin)) + os.sep
+
+
+# The frames a warning skips: jax_fp8's, JAX's and the frameworks' (the converted model's
+# call goes through them).
+_LIBRARIES = tuple(d for d in (_HERE + os.sep, *map(_package_dir, ("jax", "flax", "equinox")))
+                   if d is not None)
+
+
+def _caller_level() -> int:
+    """The stacklevel of the first frame outside jax_fp8, Flax and JAX: the user's call
+    that ran the converted model."""
+    frame: Any = sys._getframe(1)  # noqa: SLF001  (Python's, not JAX's)
+    level = 1
+    while frame is not None and (frame.f_code.co_filename.startswith(_LIBRARIES)
+                                 or frame.f_code.co_filename == contextlib.__file__):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -1,0 +1,237 @@
+"""`Fp8TrainState`: Flax's ``TrainState`` plus the FP8 state, kept away from the optimizer.
+
+Also `fp8_value_and_grad` (the gradient w.r.t. the parameters and the FP8 state, the
+latter as FP8 gradients) and `split_fp8`. The layers whose state it holds are
+`jax_fp8.flax.linen`'s; every name here is importable from there and from
+`jax_fp8.flax`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from flax.training import train_state
+
+from jax_fp8 import _fp8_grads, _trace_checks, recipe as recipe_lib, state as state_lib
+from jax_fp8.flax import multi_steps
+from jax_fp8.flax._linen_variables import FP8_COLLECTION
+from jax_fp8.meta import new_fp8_state, scales_frozen
+from jax_fp8.packing import PackedStates, pack_states, unpack_states
+from jax_fp8.recipe import Recipe
+from jax_fp8.recipes.delayed import DelayedScaling
+
+
+def split_fp8(variables: Mapping[str, Any], collection: str = FP8_COLLECTION,
+              ) -> tuple[dict[str, Any], Any]:
+    """``{"params": p, "fp8_meta": f, ...}`` -> (everything but the FP8 collection, f)."""
+    variables = dict(variables)
+    fp8 = variables.pop(collection, {})
+    return variables, fp8
+
+
+def _is_combined(grads, params, collection) -> bool:
+    """True for the gradient of `fp8_value_and_grad`: {"params": ..., collection: ...}:
+    its parameter part of the structure of ``params``, or its FP8 part FP8 gradients
+    (`jax_fp8.AmaxGrad`s; the parameter part then is what the optimizer takes, e.g. the
+    gradient of ``optax.LookaheadParams``' fast parameters)."""
+    if not (isinstance(grads, Mapping) and set(grads) == {"params", collection}):
+        return False
+    is_grad = lambda x: isinstance(x, _fp8_grads.AmaxGrad)  # noqa: E731
+    return (jax.tree.structure(grads["params"]) == jax.tree.structure(params)  # type: ignore[operator]
+            or any(is_grad(x) for x in jax.tree.leaves(grads[collection], is_leaf=is_grad)))
+
+
+class Fp8TrainState(train_state.TrainState):
+    """``flax.training.train_state.TrainState`` plus the FP8 state, outside the optimizer.
+
+    ``params`` and ``opt_state`` are exactly those of a plain TrainState (the FP8
+    collection never reaches optax: no Adam moments, clipping or weight decay for it).
+    ``fp8`` holds the FP8 collection; `apply_gradients` replaces it with one fused
+    ``update_states`` call driven by the FP8 gradients. Under ``optax.MultiSteps``,
+    ``fp8_pending`` holds the max of the amaxes seen since the last optimizer step (a
+    list of float32 arrays, one per state of ``fp8`` in tree order); else None.
+    """
+
+    fp8: Any = None
+    # {FP8 dtype name: number of states}: in the tree (and so in every checkpoint), so a
+    # restore into a state of another FP8 format fails on the keys instead of relabelling.
+    fp8_formats: Any = None
+    fp8_pending: Any = None
+    recipe: Recipe = struct.field(
+        pytree_node=False, default=DelayedScaling())
+    fp8_collection: str = struct.field(pytree_node=False, default=FP8_COLLECTION)
+
+    @classmethod
+    def create(cls, *, apply_fn: Callable[..., Any], tx: Any, variables: Any = None,
+               params: Any = None, fp8: Any = None, recipe: recipe_lib.Recipe | None = None,
+               fp8_collection: str = FP8_COLLECTION, pack_fp8: bool = True,
+               **kwargs: Any) -> Fp8TrainState:
+        """From ``variables`` (as returned by ``model.init``), or ``params`` and ``fp8``.
+
+        Args:
+          apply_fn: the model's ``apply``.
+          tx: the optax transformation of the parameters (it never sees the FP8 state).
+          variables: ``model.init``'s result: ``"params"`` and the FP8 collection only,
+            else ValueError (pass ``params=`` and ``fp8=`` and keep other collections
+            yourself).
+          params: the parameters, in place of ``variables``.
+          fp8: the FP8 collection, with ``params`` (default: none).
+          recipe: the recipe the FP8 states were made by (default ``DelayedScaling()``):
+            every FP8 state must follow it (history length and FP8 dtypes; the layers'
+            ``recipe`` attribute), else ValueError. A current or blockwise recipe keeps
+            no state: the FP8 collection must then be empty.
+          fp8_collection: the name of the FP8 collection (the layers' ``collection``).
+          pack_fp8: keep the FP8 collection packed into one stacked state per (FP8
+            dtype, history length) (`jax_fp8.pack_states`, the default): the step then
+            takes 3 arrays per group instead of 3 per FP8 tensor, which cuts JAX's
+            per-argument host cost, the fused update runs on stacked states, and a
+            checkpoint records each group's FP8 dtype. The layers still see their own
+            states. False keeps the collection as the model made it.
+          **kwargs: other fields of Flax's ``TrainState``.
+
+        With ``tx`` an ``optax.MultiSteps`` (alone or inside a chain), the FP8 state is
+        updated once per optimizer step from the max of its microbatches' amaxes.
+        """
+        if variables is not None:
+            if params is not None or fp8 is not None:
+                raise ValueError("pass either variables, or params (and fp8), not both")
+            rest, fp8 = split_fp8(variables, fp8_collection)
+            if set(rest) != {"params"}:
+                raise ValueError(f"variables has collections {sorted(rest)}; expected only "
+                                 f"'params' and {fp8_collection!r}. Pass params= and fp8= "
+                                 "and keep the other collections yourself")
+            params = rest["params"]
+        recipe = recipe_lib.default() if recipe is None else recipe
+        recipe_lib.check_recipe(recipe, "recipe")
+        fp8 = {} if fp8 is None else fp8
+        state_lib.check_states_follow(recipe, fp8, "fp8")
+        counts: dict = {}
+        for _, dtype, _ in state_lib.states_info(fp8):
+            counts[dtype.name] = counts.get(dtype.name, 0) + 1
+        formats = {name: jnp.int32(n) for name, n in sorted(counts.items())}
+        if pack_fp8 and not isinstance(fp8, PackedStates):
+            fp8 = pack_states(fp8)
+        new = super().create(apply_fn=apply_fn, params=params, tx=tx, fp8=fp8,
+                             fp8_formats=formats, recipe=recipe,
+                             fp8_collection=fp8_collection, **kwargs)
+        if counts:
+            new = new.replace(fp8_pending=multi_steps.zero_pending(fp8, new.opt_state,
+                                                                   "Fp8TrainState"))
+        return new
+
+    def variables(self, params: Any = None, fp8: Any = None) -> dict:
+        """The model's variables; a packed FP8 state is handed to the layers unpacked."""
+        fp8 = self.fp8 if fp8 is None else fp8
+        return {"params": self.params if params is None else params,
+                self.fp8_collection: unpack_states(fp8)}
+
+    def apply_model(self, params: Any, fp8: Any, *args: Any,
+                    mutable: str | Sequence[str] = (), **kwargs: Any) -> Any:
+        """``apply_fn`` with the FP8 collection mutable (so reused modules thread their state).
+
+        For training (inside the loss) and evaluation alike:
+        ``state.apply_model(state.params, state.fp8, x)``. Returns the output; with extra
+        ``mutable`` collections, (output, their updates).
+        """
+        extra = [mutable] if isinstance(mutable, str) else list(mutable)
+        out, updates = self.apply_fn(self.variables(params, fp8), *args,
+                                     mutable=[self.fp8_collection, *extra], **kwargs)
+        if extra:
+            updates = dict(updates)
+            updates.pop(self.fp8_collection, None)
+            return out, updates
+        return out
+
+    def value_and_grad(self, loss_fn: Callable, has_aux: bool = False,
+                       ) -> Callable[..., tuple[Any, dict]]:
+        """``loss_fn(params, fp8, *args)`` -> f(*args) = ``(loss[, aux]), grads``.
+
+        The gradient is w.r.t. ``self.params`` and ``self.fp8``: ``grads`` is
+        ``{"params": ..., fp8_collection: ...}``, what `apply_gradients` takes as
+        ``grads=``. Inside ``loss_fn`` apply the model with
+        ``self.apply_model(params, fp8, ...)``.
+        """
+        vg = fp8_value_and_grad(loss_fn, has_aux, collection=self.fp8_collection)
+        return functools.partial(vg, self.params, self.fp8)
+
+    def apply_gradients(self, *, grads: Any, fp8_grads: Any = None,
+                        axis_name: Any = None, **kwargs: Any) -> Fp8TrainState:
+        """The optimizer step on ``params``, and the FP8 state from ONE ``update_states``.
+
+        Args:
+          grads: ``{"params": ..., fp8_collection: ...}`` as `value_and_grad` returns
+            them, or the gradient w.r.t. ``params`` alone with ``fp8_grads``.
+          fp8_grads: the gradient w.r.t. ``fp8`` (same structure as ``self.fp8``).
+          axis_name: inside ``jax.pmap`` (or ``shard_map``), the mapped axis (or axes)
+            whose devices' amaxes the update max-reduces first (one ``pmax``), so every
+            replica of the FP8 state gets the same update. Required under ``pmap``.
+
+        Raises:
+          ValueError: the state holds delayed-scaling states and no FP8 gradient was
+            given (their scales would never change), unless inside
+            `jax_fp8.frozen_scales`, where the FP8 state is kept as it is; or traced
+            inside ``jax.pmap`` without ``axis_name``.
+
+        Under ``optax.MultiSteps`` the FP8 gradients' amaxes are combined by max into
+        ``fp8_pending`` and the FP8 state is updated only when the optimizer applies.
+        """
+        if _is_combined(grads, self.params, self.fp8_collection):
+            if fp8_grads is not None:
+                raise ValueError("Fp8TrainState.apply_gradients: grads already holds the FP8 "
+                                 "gradients (as value_and_grad returns them); pass it "
+                                 "alone, without fp8_grads")
+            grads, fp8_grads = grads["params"], grads[self.fp8_collection]
+        new = super().apply_gradients(grads=grads, **kwargs)
+        if not state_lib.states_info(self.fp8):
+            return new  # no delayed-scaling state: nothing to update
+        if fp8_grads is None:
+            if scales_frozen():
+                return new
+            raise ValueError(
+                f"Fp8TrainState.apply_gradients: no FP8 gradients, but the state holds "
+                f"{len(state_lib.states_info(self.fp8))} delayed-scaling states, whose "
+                f"scales would never change. Pass grads={{'params': ..., "
+                f"{self.fp8_collection!r}: ...}} as `loss, grads = state.value_and_grad("
+                f"loss_fn)(...)` returns them, or fp8_grads= (the gradient w.r.t. "
+                f"state.fp8: jax.value_and_grad(loss_fn, argnums=(0, 1))(state.params, "
+                f"state.fp8)). To keep the scales frozen on purpose, call it inside "
+                f"`with jax_fp8.frozen_scales():`.")
+        _trace_checks.check_amaxes_reduced(axis_name, "Fp8TrainState.apply_gradients")
+        if self.fp8_pending is None:
+            return new.replace(fp8=new_fp8_state(self.fp8, fp8_grads, self.recipe,
+                                                 axis_name=axis_name))
+        state_lib.check_states_follow(self.recipe, self.fp8, "fp8")
+        if scales_frozen():
+            return new  # the FP8 state and its pending amaxes stay as they are
+        applied = (multi_steps.gradient_step(new.opt_state, "Fp8TrainState")
+                   != multi_steps.gradient_step(self.opt_state, "Fp8TrainState"))
+        fp8, pending = multi_steps.accumulate(self.fp8, fp8_grads, self.fp8_pending, applied,
+                                              self.recipe, axis_name)
+        return new.replace(fp8=fp8, fp8_pending=pending)
+
+
+def fp8_value_and_grad(loss_fn: Callable, has_aux: bool = False,
+                       collection: str = FP8_COLLECTION) -> Callable[..., tuple[Any, dict]]:
+    """``loss_fn(params, fp8, *args)`` -> f(params, fp8, *args) = ``(loss[, aux]), grads``.
+
+    ``grads`` is ``{"params": <gradient w.r.t. params>, collection: <FP8 gradients>}``,
+    what `Fp8TrainState.apply_gradients` takes as ``grads=`` (`Fp8TrainState.value_and_grad`
+    binds ``params`` and ``fp8`` to the state's). The FP8 gradients are `jax_fp8.AmaxGrad`s
+    (the structure of ``fp8``): they refuse arithmetic, so a transform written over all of
+    ``grads`` (a loss scale, a clip, a sum) raises at trace time instead of changing the
+    amaxes; apply such transforms to ``grads["params"]``. NNX's
+    `jax_fp8.flax.nnx.fp8_value_and_grad` returns the same ``(loss[, aux]), grads``.
+    """
+    vg = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=has_aux)
+
+    def f(params, fp8, *args, **kwargs):
+        value, (grads, fp8_grads) = vg(params, fp8, *args, **kwargs)
+        return value, {"params": grads,
+                       collection: _fp8_grads.fp8_grads_from_cotangents(fp8_grads)}
+
+    return f
