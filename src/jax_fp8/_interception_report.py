@@ -21,7 +21,7 @@ from jax_fp8._interception_follow import local
 from jax_fp8.rules import Fp8ConversionWarning
 
 if TYPE_CHECKING:
-    from jax_fp8.interception import Site
+    from jax_fp8._interception_site import Site
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _lock = threading.Lock()

@@ -27,7 +27,6 @@ Following a weight is `jax_fp8._interception_follow`, the report
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import string
 import threading
 from collections.abc import Sequence
@@ -47,6 +46,7 @@ from jax_fp8._interception_follow import (
     track,
 )
 from jax_fp8._interception_report import note, reporting
+from jax_fp8._interception_site import Site
 from jax_fp8.dot_general import KEPT_SCOPE, gemm_flops
 from jax_fp8.recipes.delayed import DelayedScaling
 from jax_fp8.rules import Fp8Rule
@@ -68,25 +68,6 @@ KEPT_SCOPES = {
                            "parameters as the conversion follows them",
     "fp8_model_dtype": "kept by fp8_model: the recipe does not take its operands' dtype",
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Site:
-    """How the GEMMs of one running module method are converted.
-
-    ``convert(kind, args, precision, preferred_element_type, weight)`` runs the FP8 GEMM
-    in the module's scope: kind "dot_general" with ``args = (lhs, rhs, dimension_numbers)``
-    or "einsum" with ``args = (eqn, lhs, rhs)``, the rhs quantized as the kernel;
-    ``weight`` is the name of the module's parameter the rhs is (its FP8 state is that
-    weight's), or None (a layer's kernel, or an activation).
-    """
-
-    rule: Fp8Rule
-    convert: Any
-    weights: tuple = ()          # (name, array) of the module's parameters (by identity)
-    rhs_is_weight: bool = False  # a layer whose GEMM's rhs is its kernel (nn.Dense, ...)
-    path: str | None = None      # the module's path and type, for the report; None: no
-    module_type: str = ""        # report (e.g. while linen initializes)
 
 
 _lock = threading.Lock()
