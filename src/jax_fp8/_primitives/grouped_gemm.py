@@ -72,36 +72,44 @@ ENV = "JAX_FP8_GROUPED_GEMM"
 ENV_VALUES = ("auto", "off")
 IMPLEMENTATIONS = ("auto", "jnp", "cuda")
 OFF_REASON = f"the grouped GEMM kernel is switched off ({ENV}=off)"
-_OUT_TYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
-_MAX_ROWS = 2 ** 31 - 1
+OUT_TYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
+MAX_ROWS = 2 ** 31 - 1   # group sizes are int32
 
 
-def _is_fp8(dtype) -> bool:
+def is_fp8(dtype) -> bool:
     return np.dtype(dtype).name.startswith("float8")
+
+
+def check_scales_and_out(name: str, g: int, scales, out_dtype) -> None:
+    """Raises unless each (label, aval) of ``scales`` is float32[g] (one scale inverse per
+    group) and ``out_dtype`` is one of `OUT_TYPES`: the checks a grouped GEMM primitive's
+    abstract evaluation shares."""
+    for label, s in scales:
+        if s.shape != (g,) or s.dtype != np.float32:
+            raise ValueError(f"{name}: {label} must be float32[{g}] (one per group), got "
+                             f"{s.dtype}{list(s.shape)}")
+    if np.dtype(out_dtype) not in OUT_TYPES:
+        raise TypeError(f"{name}: out_dtype must be one of bfloat16, float16, float32, got "
+                        f"{np.dtype(out_dtype)}")
 
 
 def _abstract_eval(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, *, out_dtype, kernel):
     del kernel
     name = TARGET
-    if lhs.ndim != 2 or rhs.ndim != 3 or not _is_fp8(lhs.dtype) or not _is_fp8(rhs.dtype):
+    if lhs.ndim != 2 or rhs.ndim != 3 or not is_fp8(lhs.dtype) or not is_fp8(rhs.dtype):
         raise TypeError(f"{name}: need FP8 lhs [M, K] and rhs [G, N, K], got "
                         f"{lhs.dtype}{list(lhs.shape)} and {rhs.dtype}{list(rhs.shape)}")
     if rhs.shape[2] != lhs.shape[1]:
         raise ValueError(f"{name}: lhs [M, K] and rhs [G, N, K] must share K, got "
                          f"{list(lhs.shape)} and {list(rhs.shape)}")
-    if lhs.shape[0] > _MAX_ROWS:
+    if lhs.shape[0] > MAX_ROWS:
         raise ValueError(f"{name}: M = {lhs.shape[0]} rows exceed int32 group sizes")
     g = rhs.shape[0]
     if group_sizes.shape != (g,) or group_sizes.dtype != np.int32:
         raise ValueError(f"{name}: group_sizes must be int32[{g}] (one size per group of "
                          f"rhs), got {group_sizes.dtype}{list(group_sizes.shape)}")
-    for label, s in (("lhs_scale_inv", lhs_scale_inv), ("rhs_scale_inv", rhs_scale_inv)):
-        if s.shape != (g,) or s.dtype != np.float32:
-            raise ValueError(f"{name}: {label} must be float32[{g}] (one per group), got "
-                             f"{s.dtype}{list(s.shape)}")
-    if np.dtype(out_dtype) not in _OUT_TYPES:
-        raise TypeError(f"{name}: out_dtype must be one of bfloat16, float16, float32, got "
-                        f"{np.dtype(out_dtype)}")
+    check_scales_and_out(name, g, (("lhs_scale_inv", lhs_scale_inv),
+                                   ("rhs_scale_inv", rhs_scale_inv)), out_dtype)
     return lhs.update(shape=(lhs.shape[0], rhs.shape[1]), dtype=np.dtype(out_dtype),
                       weak_type=False)
 

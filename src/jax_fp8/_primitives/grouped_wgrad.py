@@ -77,38 +77,27 @@ IMPLEMENTATIONS = ("auto", "jnp", "cuda")
 OFF_REASON = (f"the grouped weight-gradient kernel is off by default ({ENV}=1 when jax_fp8 is "
               "imported turns it on)")
 _KERNEL_OUT = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
-_OUT_TYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
-_MAX_ROWS = 2 ** 31 - 1
 _ALIGN = 16   # tokens per TMA boundary (16 bytes of FP8)
-
-
-def _is_fp8(dtype) -> bool:
-    return np.dtype(dtype).name.startswith("float8")
 
 
 def _abstract_eval(lhs, grad, group_sizes, lhs_scale_inv, grad_scale_inv, *, out_dtype,
                    kernel):
     del kernel
     name = TARGET
-    if lhs.ndim != 2 or grad.ndim != 2 or not _is_fp8(lhs.dtype) or not _is_fp8(grad.dtype):
+    if lhs.ndim != 2 or grad.ndim != 2 or not gg.is_fp8(lhs.dtype) or not gg.is_fp8(grad.dtype):
         raise TypeError(f"{name}: need FP8 lhs [M, K] and grad [M, N], got "
                         f"{lhs.dtype}{list(lhs.shape)} and {grad.dtype}{list(grad.shape)}")
     if lhs.shape[0] != grad.shape[0]:
         raise ValueError(f"{name}: lhs [M, K] and grad [M, N] must share M, got "
                          f"{list(lhs.shape)} and {list(grad.shape)}")
-    if lhs.shape[0] > _MAX_ROWS:
+    if lhs.shape[0] > gg.MAX_ROWS:
         raise ValueError(f"{name}: M = {lhs.shape[0]} rows exceed int32 group sizes")
     if group_sizes.ndim != 1 or group_sizes.dtype != np.int32:
         raise ValueError(f"{name}: group_sizes must be int32[G], got "
                          f"{group_sizes.dtype}{list(group_sizes.shape)}")
     g = group_sizes.shape[0]
-    for label, s in (("lhs_scale_inv", lhs_scale_inv), ("grad_scale_inv", grad_scale_inv)):
-        if s.shape != (g,) or s.dtype != np.float32:
-            raise ValueError(f"{name}: {label} must be float32[{g}] (one per group), got "
-                             f"{s.dtype}{list(s.shape)}")
-    if np.dtype(out_dtype) not in _OUT_TYPES:
-        raise TypeError(f"{name}: out_dtype must be one of bfloat16, float16, float32, got "
-                        f"{np.dtype(out_dtype)}")
+    gg.check_scales_and_out(name, g, (("lhs_scale_inv", lhs_scale_inv),
+                                      ("grad_scale_inv", grad_scale_inv)), out_dtype)
     # Not sharded along any axis (a jit over several devices partitions the reference).
     sharding = getattr(lhs, "sharding", None)
     extra = {} if sharding is None else {"sharding": NamedSharding(sharding.mesh,
