@@ -8,7 +8,6 @@
 // their padded strides: a's 1 x 128 blocks [Kb, ld] are "M-major" with stride ld along K
 // blocks; b's 128 x 128 tiles [Nb, ld] are "K-major" with stride ld along N tiles, b's
 // 1 x 128 blocks [Kb, ld] "N-major" like a's.
-#include <mutex>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -21,9 +20,12 @@
 #include "cutlass/kernel_hardware_info.h"
 
 #include "block_gemm_cutlass.h"
+#include "cutlass_launch.cuh"
 
 namespace jax_fp8 {
 namespace sm90 {
+// This unit's own (cutlass_launch.cuh says why).
+namespace {
 
 using namespace cute;
 
@@ -73,30 +75,8 @@ struct BlockScaledGemm {
   using StrideB = typename Kernel::StrideB;
   using StrideD = typename Kernel::StrideD;
 
-  static constexpr int kMaxDevices = 64;
-  static inline std::mutex mu;
-  static inline cutlass::KernelHardwareInfo hw[kMaxDevices];  // sm_count 0: not prepared
-
-  static int Prepare(int32_t device) {
-    if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
-    std::lock_guard<std::mutex> lock(mu);
-    if (hw[device].sm_count > 0) return 0;
-    int current = -1;
-    cudaGetDevice(&current);
-    if (current != device) cudaSetDevice(device);
-    int err = 0;
-    const int smem = static_cast<int>(Gemm::GemmKernel::SharedStorageSize);
-    if (smem >= (48 << 10)) {
-      err = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    }
-    cutlass::KernelHardwareInfo info{};
-    if (err == 0) info = cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(device);
-    if (current != device && current >= 0) cudaSetDevice(current);
-    if (err == 0 && info.sm_count <= 0) err = cudaErrorInvalidDevice;
-    if (err == 0) hw[device] = info;
-    return err;
-  }
+  using OnDevice = KernelOnDevice<Kernel>;
+  static int Prepare(int32_t device) { return OnDevice::Prepare(device); }
 
   static typename Gemm::Arguments Arguments(const CutlassGemm& g, int32_t device) {
     const int m = static_cast<int>(g.m), n = static_cast<int>(g.n), k = static_cast<int>(g.k);
@@ -129,7 +109,7 @@ struct BlockScaledGemm {
         {static_cast<const ElementA*>(g.a), sa, static_cast<const ElementB*>(g.b), sb, g.a_scale,
          lsa, g.b_scale, lsb},
         {{}, nullptr, sd, static_cast<ElementD*>(g.out), sd},
-        hw[device]};
+        OnDevice::hw[device]};
     args.epilogue.thread.alpha = 1.0f;
     args.epilogue.thread.beta = 0.0f;
     return args;
@@ -141,16 +121,12 @@ struct BlockScaledGemm {
     typename Gemm::Arguments args = Arguments(g, device);
     if (Gemm::get_workspace_size(args) > workspace_bytes) return -1;
     if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return -1;
-    typename Kernel::Params params = Kernel::to_underlying_arguments(args, workspace);
-    const cutlass::Status st = Gemm::run(params, stream);
-    if (st != cutlass::Status::kSuccess) {
-      const cudaError_t err = cudaGetLastError();
-      return err != cudaSuccess ? err : cudaErrorLaunchFailure;
-    }
-    return 0;
+    const typename Kernel::Params params = Kernel::to_underlying_arguments(args, workspace);
+    return OnDevice::Launch(params, stream);
   }
 };
 
+}  // namespace
 }  // namespace sm90
 }  // namespace jax_fp8
 

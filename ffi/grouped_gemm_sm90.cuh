@@ -9,7 +9,6 @@
 // Before it, GroupedGemmSetupKernel turns group_sizes into CUTLASS's per-group arrays on
 // the device (no host synchronization, so the custom call can be captured in a CUDA
 // graph), and GroupedGemmZeroKernel zeroes the output rows past the groups.
-#include <mutex>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -21,6 +20,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/kernel_hardware_info.h"
 
+#include "cutlass_launch.cuh"
 #include "grouped_gemm.h"
 #include "grouped_gemm_workspace.h"
 
@@ -30,6 +30,8 @@
 
 namespace jax_fp8 {
 namespace sm90 {
+// This unit's own (cutlass_launch.cuh says why).
+namespace {
 
 using namespace cute;
 
@@ -164,30 +166,8 @@ struct GroupedGemm {
   static_assert(128 + sizeof(int64_t) + 10 * 16 + 128 <= kGroupedGemmHeaderBytes,
                 "the fixed arrays outgrow grouped_gemm_limits.h's budget");
 
-  static constexpr int kMaxDevices = 64;
-  static inline std::mutex mu;
-  static inline cutlass::KernelHardwareInfo hw[kMaxDevices];  // sm_count 0: not prepared
-
-  static int Prepare(int32_t device) {
-    if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
-    std::lock_guard<std::mutex> lock(mu);
-    if (hw[device].sm_count > 0) return 0;
-    int current = -1;
-    cudaGetDevice(&current);
-    if (current != device) cudaSetDevice(device);
-    int err = 0;
-    const int smem = static_cast<int>(Kernel::SharedStorageSize);
-    if (smem >= (48 << 10)) {
-      err = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    }
-    cutlass::KernelHardwareInfo info{};
-    if (err == 0) info = cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(device);
-    if (current != device && current >= 0) cudaSetDevice(current);
-    if (err == 0 && info.sm_count <= 0) err = cudaErrorInvalidDevice;
-    if (err == 0) hw[device] = info;
-    return err;
-  }
+  using OnDevice = KernelOnDevice<Kernel>;
+  static int Prepare(int32_t device) { return OnDevice::Prepare(device); }
 
   // The arrays of `groups` groups at the front of the workspace (from its first 128-byte
   // boundary), then CUTLASS's workspace (128-byte aligned, as its TMA descriptors need);
@@ -229,8 +209,8 @@ struct GroupedGemm {
     const int64_t row_vectors = c.n * static_cast<int64_t>(sizeof(ElementD)) / 16;
     const int64_t vectors = c.m * row_vectors;
     const int64_t blocks = (vectors + 255) / 256;
-    const int zero_blocks =
-        static_cast<int>(blocks < 4 * hw[device].sm_count ? blocks : 4 * hw[device].sm_count);
+    const int zero_blocks = static_cast<int>(
+        blocks < 4 * OnDevice::hw[device].sm_count ? blocks : 4 * OnDevice::hw[device].sm_count);
     if (zero_blocks > 0) {
       GroupedGemmZeroKernel<ElementD>
           <<<zero_blocks, 256, 0, stream>>>(static_cast<uint4*>(c.out), a.rows, row_vectors, c.m);
@@ -254,7 +234,7 @@ struct GroupedGemm {
     args.epilogue.dC = a.stride_d;
     args.epilogue.ptr_D = a.ptr_d;
     args.epilogue.dD = a.stride_d;
-    args.hw_info = hw[device];
+    args.hw_info = OnDevice::hw[device];
 
     void* cutlass_workspace = static_cast<char*>(c.workspace) + arrays;
     if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return -1;
@@ -263,16 +243,12 @@ struct GroupedGemm {
         cutlass::Status::kSuccess) {
       return cudaErrorUnknown;
     }
-    typename Kernel::Params params = Kernel::to_underlying_arguments(args, cutlass_workspace);
-    const cutlass::Status st = Gemm::run(params, stream);
-    if (st != cutlass::Status::kSuccess) {
-      const cudaError_t err = cudaGetLastError();
-      return err != cudaSuccess ? err : cudaErrorLaunchFailure;
-    }
-    return 0;
+    const typename Kernel::Params params = Kernel::to_underlying_arguments(args, cutlass_workspace);
+    return OnDevice::Launch(params, stream);
   }
 };
 
+}  // namespace
 }  // namespace sm90
 }  // namespace jax_fp8
 

@@ -18,6 +18,8 @@
 
 namespace jax_fp8 {
 namespace sm90 {
+// This unit's own (cutlass_launch.cuh says why).
+namespace {
 
 // Group g's tokens: sizes clamped to [0, m] and their saturating (at m) prefix sums, as
 // GroupedGemmSetupKernel computes them (one block, Hillis-Steele scans of kSetupThreads
@@ -101,11 +103,12 @@ struct GroupedWgrad {
   using Base = GroupedGemm<ElementA, ElementD, ElementB>;
   using Gemm = typename Base::Gemm;
   using Kernel = typename Base::Kernel;
+  using OnDevice = typename Base::OnDevice;
 
-  static int Prepare(int32_t device) { return Base::Prepare(device); }
+  static int Prepare(int32_t device) { return OnDevice::Prepare(device); }
 
   static int Run(const GroupedWgradCall& c, int32_t device, cudaStream_t stream) {
-    if (int err = Base::Prepare(device)) return err;
+    if (int err = OnDevice::Prepare(device)) return err;
     if (c.k == 0 || c.n == 0 || c.groups == 0) return 0;
     typename Base::Arrays a;
     const size_t arrays = Base::Carve(c.workspace, c.groups, &a);
@@ -131,7 +134,7 @@ struct GroupedWgrad {
     args.epilogue.dC = a.stride_d;
     args.epilogue.ptr_D = a.ptr_d;
     args.epilogue.dD = a.stride_d;
-    args.hw_info = Base::hw[device];
+    args.hw_info = OnDevice::hw[device];
 
     void* cutlass_workspace = static_cast<char*>(c.workspace) + arrays;
     if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return -1;
@@ -140,16 +143,12 @@ struct GroupedWgrad {
         cutlass::Status::kSuccess) {
       return cudaErrorUnknown;
     }
-    typename Kernel::Params params = Kernel::to_underlying_arguments(args, cutlass_workspace);
-    const cutlass::Status st = Gemm::run(params, stream);
-    if (st != cutlass::Status::kSuccess) {
-      const cudaError_t err = cudaGetLastError();
-      return err != cudaSuccess ? err : cudaErrorLaunchFailure;
-    }
-    return 0;
+    const typename Kernel::Params params = Kernel::to_underlying_arguments(args, cutlass_workspace);
+    return OnDevice::Launch(params, stream);
   }
 };
 
+}  // namespace
 }  // namespace sm90
 }  // namespace jax_fp8
 
