@@ -117,6 +117,34 @@ __global__ void GroupedGemmZeroKernel(uint4* out, const int64_t* rows, int64_t r
 
 inline size_t AlignUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
+// The arrays of `groups` groups at the front of the workspace (from its first 128-byte
+// boundary), then CUTLASS's workspace (128-byte aligned, as its TMA descriptors need);
+// returns the bytes before CUTLASS's workspace.
+template <class Arrays>
+size_t CarveGroupArrays(void* workspace, int64_t groups, Arrays* a) {
+  const uintptr_t address = reinterpret_cast<uintptr_t>(workspace);
+  const size_t shift = AlignUp(address, 128) - address;
+  char* base = static_cast<char*>(workspace) + shift;
+  size_t off = 0;
+  auto take = [&](auto*& ptr, size_t each, size_t count) {
+    off = AlignUp(off, 16);
+    ptr = reinterpret_cast<std::remove_reference_t<decltype(ptr)>>(base + off);
+    off += each * count;
+  };
+  const size_t g = static_cast<size_t>(groups);
+  take(a->rows, sizeof(int64_t), 1);
+  take(a->shapes, sizeof(*a->shapes), g);
+  take(a->ptr_a, sizeof(void*), g);
+  take(a->ptr_b, sizeof(void*), g);
+  take(a->ptr_d, sizeof(void*), g);
+  take(a->stride_a, sizeof(*a->stride_a), g);
+  take(a->stride_b, sizeof(*a->stride_b), g);
+  take(a->stride_d, sizeof(*a->stride_d), g);
+  take(a->alpha, sizeof(float), g);
+  take(a->alpha_ptr, sizeof(float*), g);
+  return shift + AlignUp(off, 128);
+}
+
 template <class ElementA_, class ElementD_, class ElementB_ = cutlass::float_e4m3_t>
 struct GroupedGemm {
   using ProblemShape =
@@ -169,31 +197,8 @@ struct GroupedGemm {
   using OnDevice = KernelOnDevice<Kernel>;
   static int Prepare(int32_t device) { return OnDevice::Prepare(device); }
 
-  // The arrays of `groups` groups at the front of the workspace (from its first 128-byte
-  // boundary), then CUTLASS's workspace (128-byte aligned, as its TMA descriptors need);
-  // returns the bytes before CUTLASS's workspace.
   static size_t Carve(void* workspace, int64_t groups, Arrays* a) {
-    const uintptr_t address = reinterpret_cast<uintptr_t>(workspace);
-    const size_t shift = AlignUp(address, 128) - address;
-    char* base = static_cast<char*>(workspace) + shift;
-    size_t off = 0;
-    auto take = [&](auto*& ptr, size_t each, size_t count) {
-      off = AlignUp(off, 16);
-      ptr = reinterpret_cast<std::remove_reference_t<decltype(ptr)>>(base + off);
-      off += each * count;
-    };
-    const size_t g = static_cast<size_t>(groups);
-    take(a->rows, sizeof(int64_t), 1);
-    take(a->shapes, sizeof(Shape3), g);
-    take(a->ptr_a, sizeof(void*), g);
-    take(a->ptr_b, sizeof(void*), g);
-    take(a->ptr_d, sizeof(void*), g);
-    take(a->stride_a, sizeof(StrideA), g);
-    take(a->stride_b, sizeof(StrideB), g);
-    take(a->stride_d, sizeof(StrideD), g);
-    take(a->alpha, sizeof(float), g);
-    take(a->alpha_ptr, sizeof(float*), g);
-    return shift + AlignUp(off, 128);
+    return CarveGroupArrays(workspace, groups, a);
   }
 
   static int Run(const GroupedGemmCall& c, int32_t device, cudaStream_t stream) {

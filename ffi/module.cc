@@ -12,6 +12,7 @@
 #include "block_gemm_limits.h"
 #include "grouped_gemm_limits.h"
 #include "grouped_wgrad_limits.h"
+#include "ragged_dot_limits.h"
 
 #if defined(JAX_FP8_CUDA_MODULE)
 #include "block_gemm_cublaslt.h"
@@ -23,6 +24,8 @@
 #include "grouped_gemm_cuda.h"
 #include "grouped_wgrad.h"
 #include "grouped_wgrad_cuda.h"
+#include "ragged_dot.h"
+#include "ragged_dot_cuda.h"
 #include "split_cuda_handler.h"
 #include "transpose_cuda.h"
 #include "transpose_cuda_handler.h"
@@ -80,6 +83,8 @@ const Target kTargets[] = {
      JAX_FP8_CUDA(JaxFp8GroupedGemmInitializeCuda), "GroupedGemmSetupKernel"},
     {"jax_fp8_grouped_wgrad", JAX_FP8_NONE, JAX_FP8_CUDA(JaxFp8GroupedWgradCuda),
      JAX_FP8_CUDA(JaxFp8GroupedWgradInitializeCuda), "GroupedWgradSetupKernel"},
+    {"jax_fp8_ragged_dot", JAX_FP8_NONE, JAX_FP8_CUDA(JaxFp8RaggedDotCuda),
+     JAX_FP8_CUDA(JaxFp8RaggedDotInitializeCuda), "RaggedDotSetupKernel"},
     {"jax_fp8_split_rows", JAX_FP8_CPU(JaxFp8SplitRowsCpu), JAX_FP8_CUDA(JaxFp8SplitRowsCuda),
      JAX_FP8_NONE, "SplitRowsKernel"},
 };
@@ -166,6 +171,17 @@ NB_MODULE(JAX_FP8_MODULE_NAME, m) {
       },
       nb::arg("lhs_type"), nb::arg("grad_type"), nb::arg("out_type"), nb::arg("k"), nb::arg("n"),
       nb::arg("mp"), nb::arg("groups"));
+  // The 16-bit grouped GEMMs jax_fp8_ragged_dot's custom call takes (ragged_dot_limits.h;
+  // its workspace is the grouped GEMM's), `mode` a RaggedDotMode (ragged_dot.h).
+  m.def(
+      "ragged_dot_supports",
+      [](int mode, const std::string& in_type, const std::string& out_type, int64_t m, int64_t k,
+         int64_t n, int64_t groups) {
+        return jax_fp8::RaggedDotSupports(mode, DataTypeNamed(in_type), DataTypeNamed(out_type), m,
+                                          k, n, groups);
+      },
+      nb::arg("mode"), nb::arg("in_type"), nb::arg("out_type"), nb::arg("m"), nb::arg("k"),
+      nb::arg("n"), nb::arg("groups"));
 #if defined(JAX_FP8_CUDA_MODULE)
   // The sizes the transpose kernels take (one source: the launcher's own check).
   m.def("transpose_bytes_supports", &jax_fp8::TransposeBytesSupports, nb::arg("batch"),
@@ -206,6 +222,16 @@ NB_MODULE(JAX_FP8_MODULE_NAME, m) {
     for (int i = 0; i < jax_fp8::GroupedWgradConfigCount(); ++i) {
       const jax_fp8::GroupedWgradConfig& c = jax_fp8::GroupedWgradConfigAt(i);
       out.append(nb::make_tuple(c.name, c.grad_e5m2, c.out_bf16));
+    }
+    return out;
+  });
+  // The 16-bit grouped GEMM configurations compiled into this module: [(name, mode, f16
+  // operands, float32 out)] (empty when CUTLASS's headers were not found at build).
+  m.def("ragged_dot_configs", []() {
+    nb::list out;
+    for (int i = 0; i < jax_fp8::RaggedDotConfigCount(); ++i) {
+      const jax_fp8::RaggedDotConfig& c = jax_fp8::RaggedDotConfigAt(i);
+      out.append(nb::make_tuple(c.name, c.mode, c.in_f16, c.out_float));
     }
     return out;
   });

@@ -8,6 +8,7 @@ Public API (reference: ``docs/reference/``, built by ``mkdocs build``; the arith
   implements)
 - **state**: `ScalingState`, `update_states`, `amax_and_scale_update`, `reduce_amaxes`
 - **training ops**: `Fp8Meta`, `fp8_dot_general`, `fp8_einsum`, `fp8_ragged_dot`,
+  `ragged_dot` (``jax.lax.ragged_dot`` as one grouped kernel on a GPU, without FP8),
   `fp8_ragged_dot_general`, `new_fp8_state`,
   `combine_fp8_grads`, `AmaxGrad`, `fp8_grads_from_cotangents`, `amax_cotangents`,
   `frozen_scales`, `check_fp8_updated`
@@ -28,6 +29,7 @@ from jax_fp8 import interception_ragged as _interception_ragged  # noqa: F401
 from jax_fp8._primitives import (
     grouped_gemm as _grouped_gemm,  # noqa: F401
     grouped_wgrad as _grouped_wgrad,  # noqa: F401
+    ragged_dot as _ragged_dot_primitive,  # noqa: F401
 )
 from jax_fp8._registration import HAS_CPU_KERNEL, HAS_CUDA_KERNEL, export_disabled_checks
 from jax_fp8.blockwise import quantize_blocks, scale_from_amax
@@ -45,7 +47,8 @@ from jax_fp8.meta import (
 )
 from jax_fp8.packing import PackedStates, pack_states, unpack_states
 from jax_fp8.quantization import compute_amax, dequantize, quantize
-from jax_fp8.ragged_dot import fp8_ragged_dot, fp8_ragged_dot_general
+from jax_fp8.ragged import ragged_dot
+from jax_fp8.ragged_fp8 import fp8_ragged_dot, fp8_ragged_dot_general
 from jax_fp8.recipe import Format, Recipe, fp8_max, scaled_max
 from jax_fp8.recipes import (
     DelayedScaling,
@@ -94,6 +97,7 @@ __all__ = [
     "quantize",
     "quantize_blocks",
     "quantize_mxfp8",
+    "ragged_dot",
     "reduce_amaxes",
     "scale_from_amax",
     "scaled_max",

@@ -17,7 +17,7 @@ from jax_fp8.equinox._gemm import fp8_gemm
 from jax_fp8.equinox._linear import Fp8Linear
 from jax_fp8.equinox._state import Fp8State
 from jax_fp8.meta import Fp8Meta
-from jax_fp8.ragged_dot import fp8_ragged_dot
+from jax_fp8.ragged_fp8 import fp8_ragged_dot
 from jax_fp8.recipe import DelayedScaling
 
 __all__ = ["fp8_model"]

@@ -19,7 +19,7 @@ from jax_fp8 import _trace_checks, interception, recipe as recipe_lib
 from jax_fp8.dot_general import check_min_fp8_flops, fp8_dot_general, gemm_flops
 from jax_fp8.einsum import fp8_einsum
 from jax_fp8.meta import Fp8Meta
-from jax_fp8.ragged_dot import fp8_ragged_dot
+from jax_fp8.ragged_fp8 import fp8_ragged_dot
 
 
 class Fp8State(nnx.Variable):

@@ -66,7 +66,7 @@ from jax_fp8.dot_general import fp8_dot_general
 from jax_fp8.einsum import fp8_einsum
 from jax_fp8.flax._linen_variables import FP8_COLLECTION, _meta_variables, _read, _write
 from jax_fp8.flax._train_state import Fp8TrainState, fp8_value_and_grad, split_fp8
-from jax_fp8.ragged_dot import fp8_ragged_dot
+from jax_fp8.ragged_fp8 import fp8_ragged_dot
 from jax_fp8.recipe import Recipe
 from jax_fp8.recipes.delayed import DelayedScaling
 
