@@ -6,10 +6,11 @@
 namespace jax_fp8 {
 
 #if defined(JAX_FP8_HAS_CUTLASS)
-extern const RaggedDotConfig kRaggedDotForwardBf16, kRaggedDotTransposedBf16, kRaggedDotWgradBf16;
+extern const RaggedDotConfig kRaggedDotForwardBf16, kRaggedDotTransposedBf16, kRaggedDotWgradBf16,
+    kRaggedDotWgradBf16F32;
 namespace {
 const RaggedDotConfig* const kConfigs[] = {&kRaggedDotForwardBf16, &kRaggedDotTransposedBf16,
-                                           &kRaggedDotWgradBf16};
+                                           &kRaggedDotWgradBf16, &kRaggedDotWgradBf16F32};
 constexpr int kCount = sizeof(kConfigs) / sizeof(kConfigs[0]);
 }  // namespace
 #else

@@ -77,11 +77,12 @@ ffi::ErrorOr<Call> Decode(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer
                                    ", got " + ShapeString(group_sizes.dimensions())));
   }
   if (!RaggedDotSupports(static_cast<int>(mode), it, ot, m, k, n, g)) {
-    return ffi::Unexpected(
-        Invalid("this grouped GEMM is outside the kernel's limits (ragged_dot_limits.h: bf16 "
-                "operands and out, K % 8 == 0, N % 8 == 0, 1 <= G <= 2^20, sizes below 2^31), "
-                "got " +
-                shapes));
+    return ffi::Unexpected(Invalid(
+        "this grouped GEMM is outside the kernel's limits (ragged_dot_limits.h: bf16 "
+        "operands, bf16 out or f32 for the weight gradient, K % 8 == 0, N % 8 == 0, 1 <= G <= "
+        "2^20, sizes below 2^31), "
+        "got " +
+        shapes));
   }
   const int64_t need = GroupedGemmWorkspaceBytes(g);
   if (workspace->element_type() != ffi::DataType::U8 || workspace->dimensions().size() != 1 ||

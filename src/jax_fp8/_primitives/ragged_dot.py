@@ -193,9 +193,8 @@ def kernel_supports(lhs, rhs, group_sizes, *, mode, out_dtype) -> bool:
     if np.dtype(rhs.dtype) != in_type or (in_type, out) not in _KERNEL_TYPES[mode]:
         return False
     m, k, n, g = _shapes(lhs, rhs, group_sizes.shape[0], mode)
-    # A float32 weight gradient is the same kernel's accumulator, before the rounding.
-    return module.ragged_dot_supports(mode, in_type.name, in_type.name, int(m), int(k),
-                                      int(n), int(g))
+    return module.ragged_dot_supports(mode, in_type.name, out.name, int(m), int(k), int(n),
+                                      int(g))
 
 
 def _refuses(lhs, rhs, group_sizes, *, mode, out_dtype):
@@ -212,13 +211,11 @@ def _refuses(lhs, rhs, group_sizes, *, mode, out_dtype):
 def _ffi_ragged_dot(lhs, rhs, group_sizes, *, mode, out_dtype):
     shape = _abstract_eval(jax.typeof(lhs), jax.typeof(rhs), jax.typeof(group_sizes),
                            mode=mode, out_dtype=out_dtype).shape
-    kernel_out = lhs.dtype if np.dtype(out_dtype) == np.float32 and mode != WEIGHT_GRAD \
-        else out_dtype
     g = group_sizes.shape[0]
-    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct(shape, kernel_out),
+    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct(shape, out_dtype),
                                      jax.ShapeDtypeStruct((gg.workspace_bytes(g),), jnp.uint8)))
     out, _ = call(lhs, rhs, group_sizes, mode=np.int64(mode))
-    return out.astype(out_dtype)
+    return out
 
 
 def _kernel_lowering(ctx, *operands, **params):
