@@ -21,9 +21,9 @@
 
 #include <cuda_runtime.h>
 
-namespace jax_fp8 {
+#include "ragged_dot_mode.h"
 
-enum RaggedDotMode : int { kRaggedForward = 0, kRaggedTransposed = 1, kRaggedWeightGrad = 2 };
+namespace jax_fp8 {
 
 struct RaggedDotCall {
   int64_t m, k, n, groups;  // the shapes of the mode's comment above

@@ -11,7 +11,7 @@
 #include <cstdint>
 
 #include "grouped_gemm_workspace.h"
-#include "ragged_dot.h"
+#include "ragged_dot_mode.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_fp8 {
