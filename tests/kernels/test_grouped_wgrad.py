@@ -1,6 +1,6 @@
 """The grouped FP8 weight-gradient primitive (jax_fp8._primitives.grouped_wgrad): the kernel's
 padded, transposed operands byte for byte; its reference against a NumPy statement of the
-module's four steps, bit for bit; its argument checks; the CUDA kernel off unless switched on
+module's four steps, bit for bit; its argument checks; the CUDA kernel on unless switched off
 (the decision explain reports, for one primitive and for a whole fp8_ragged_dot training
 step lowered for CUDA); and, on a GPU with the CUDA module built with CUTLASS, the kernel
 against the reference.
@@ -240,7 +240,7 @@ def test_out_dtype_and_implementation_checks():
                                                    implementation="cutlass"), *_avals())
 
 
-# ------------------------------------------------- the decision, off unless switched on
+# ------------------------------------------------- the decision, on unless switched off
 
 def _bound_params(implementation="auto"):
     jaxpr = jax.make_jaxpr(lambda *a: gw.grouped_wgrad(
@@ -249,27 +249,35 @@ def _bound_params(implementation="auto"):
     return eqn.params
 
 
-def test_kernel_is_off_unless_switched_on():
-    """Without JAX_FP8_GROUPED_WGRAD_KERNEL=1 at import the primitive is bound with the
-    kernel off and explain's CUDA row says so (where this process has the CUDA handler;
-    else that it is not built); implementation="cuda" asks for it whatever the switch."""
-    if gw.KERNEL_ON:
-        pytest.skip(f"{gw.ENV}=1 in this process")
-    assert _bound_params()["kernel"] is False
+def test_kernel_is_on_unless_switched_off():
+    """Without JAX_FP8_GROUPED_WGRAD_KERNEL=0 at import the primitive is bound with the
+    kernel asked for (explain's CUDA row then names the kernel, or why it cannot run here);
+    implementation="jnp" runs the reference whatever the switch; a primitive bound with the
+    kernel off gets the reference and says why, on one device and under a jit over 8."""
+    assert gw.KERNEL_ON is (os.environ.get(gw.ENV, "1") == "1")
+    assert _bound_params()["kernel"] is gw.KERNEL_ON
     assert _bound_params("cuda")["kernel"] is True
     assert _bound_params("jnp")["implementation"] == "jnp"
+    assert gw._refuses(*_avals(), out_dtype=np.dtype(jnp.bfloat16), kernel=False) == \
+        gw.OFF_REASON
     rows = explain.explain(lambda *a: gw.grouped_wgrad(*a, out_dtype=jnp.bfloat16),
                            *_avals(), platform="cuda")
     (row,) = [r for r in rows if r.name == gw.TARGET]
-    assert row.lowering == base.REFERENCE
-    assert row.why == (gw.OFF_REASON if _registration.has_kernel(gw.TARGET, "cuda")
-                       else NOT_BUILT)
-    assert gw._refuses(*_avals(), out_dtype=np.dtype(jnp.bfloat16), kernel=False) == \
-        gw.OFF_REASON
-    # under a jit over 8 devices: XLA partitions the reference unless the kernel is asked for
-    for impl, want in (("auto", (base.REFERENCE, "a jit over 8 devices; the partitioning rule "
-                                 "does not take these operands: XLA partitions the reference")),
-                       ("cuda", (base.PARTITIONED, "a jit over 8 devices: each runs the "))):
+    ok, why = gw.kernel_status()
+    if not _registration.has_kernel(gw.TARGET, "cuda"):
+        assert (row.lowering, row.why) == (base.REFERENCE, NOT_BUILT)
+    elif not gw.KERNEL_ON:
+        assert (row.lowering, row.why) == (base.REFERENCE, gw.OFF_REASON)
+    elif not ok:
+        assert (row.lowering, row.why) == (base.REFERENCE, why)
+    else:
+        assert row.lowering == base.KERNEL, row
+    # under a jit over 8 devices: the partitioned kernel where asked for, else XLA
+    # partitions the reference
+    off = (base.REFERENCE, "a jit over 8 devices; the partitioning rule does not take these "
+                           "operands: XLA partitions the reference")
+    on = (base.PARTITIONED, "a jit over 8 devices: each runs the ")
+    for impl, want in (("auto", on if gw.KERNEL_ON else off), ("cuda", on)):
         rows = explain.explain(lambda *a: gw.grouped_wgrad(
             *a, out_dtype=jnp.bfloat16, implementation=impl),  # noqa: B023
             *_avals(), platform="cuda", num_devices=8)
@@ -358,15 +366,15 @@ def _lowered_step(switch):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("switch", [None, "1"], ids=["default", "switched_on"])
+@pytest.mark.parametrize("switch", [None, "0"], ids=["default", "switched_off"])
 def test_training_step_lowered_for_cuda(switch):
     """An fp8_ragged_dot training step (delayed and current scaling) lowered for CUDA: the
     forward and input gradient are grouped GEMM custom calls and the weight gradient a
     grouped weight-gradient custom call where the kernels are built for this machine and
-    switched on (one each per step); elsewhere explain's rows say why each runs its
+    not switched off (one each per step); elsewhere explain's rows say why each runs its
     reference, and the program holds no custom call."""
     res = _lowered_step(switch)
-    assert res["kernel_on"] is (switch == "1")
+    assert res["kernel_on"] is (switch != "0")
     gemm_ok, gemm_why = res["gemm_status"]
     wgrad_ok, wgrad_why = res["wgrad_status"]
     for name in ("delayed", "current"):
@@ -375,12 +383,12 @@ def test_training_step_lowered_for_cuda(switch):
         wgrad_rows = [row for row in r["rows"] if row[0] == gw.TARGET]
         assert len(gemm_rows) == 2 and len(wgrad_rows) == 1, r["rows"]
         assert r["gemm_calls"] == (2 if gemm_ok else 0), r
-        assert r["wgrad_calls"] == (1 if wgrad_ok and switch == "1" else 0), r
+        assert r["wgrad_calls"] == (1 if wgrad_ok and switch != "0" else 0), r
         if not gemm_ok:
             assert all(row[1:] == ["reference", gemm_why] or row[2] == NOT_BUILT
                        for row in gemm_rows), gemm_rows
         (row,) = wgrad_rows
-        if switch is None:
+        if switch == "0":
             assert row[1] == "reference"
             assert row[2] in (gw.OFF_REASON, NOT_BUILT)
         elif not wgrad_ok:

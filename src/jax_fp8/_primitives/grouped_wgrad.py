@@ -35,10 +35,10 @@ rounded once by XLA). It takes E4M3 lhs x E4M3 or E5M2 grad (the E4M3 and HYBRID
 N % 8 == 0 (bf16 out) or N % 4 == 0 (float32 / float16 out), 1 <= G <= 2**20
 (ffi/grouped_wgrad_limits.h); elsewhere the reference runs, and ``explain`` says why.
 
-The kernel is **off unless** ``JAX_FP8_GROUPED_WGRAD_KERNEL=1`` is in the environment when
-jax_fp8 is imported (`KERNEL_ON`): the reference is the default. ``implementation="jnp"``
-runs the reference whatever the switch says; ``explain``'s row for the primitive says which
-runs and why.
+The kernel is **on by default** wherever it is built and takes the operands;
+``JAX_FP8_GROUPED_WGRAD_KERNEL=0`` in the environment when jax_fp8 is imported (`KERNEL_ON`)
+switches it off, and ``implementation="jnp"`` runs the reference whatever the switch says;
+``explain``'s row for the primitive says which runs and why.
 
 Under a jit over several devices with the kernel asked for (`PARTITIONING`), each device
 runs this primitive on the rows it holds with unit scales (its float32 partial sums of the
@@ -65,17 +65,16 @@ from jax_fp8 import _registration
 from jax_fp8._primitives import base, grouped_gemm as gg, partition_specs as specs
 
 TARGET = "jax_fp8_grouped_wgrad"
-# "1": the CUDA kernel runs where it is built and takes the operands; "0" (the default): the
+# "1" (the default): the CUDA kernel runs where it is built and takes the operands; "0": the
 # reference everywhere. Read once, when jax_fp8 is imported.
 ENV = "JAX_FP8_GROUPED_WGRAD_KERNEL"
 ENV_VALUES = ("0", "1")
-_ENV_VALUE = os.environ.get(ENV, "0")
+_ENV_VALUE = os.environ.get(ENV, "1")
 if _ENV_VALUE not in ENV_VALUES:
     raise ValueError(f"{ENV} must be one of {ENV_VALUES}, got {_ENV_VALUE!r}")
 KERNEL_ON = _ENV_VALUE == "1"
 IMPLEMENTATIONS = ("auto", "jnp", "cuda")
-OFF_REASON = (f"the grouped weight-gradient kernel is off by default ({ENV}=1 when jax_fp8 is "
-              "imported turns it on)")
+OFF_REASON = f"the grouped weight-gradient kernel is switched off ({ENV}=0 at import)"
 _KERNEL_OUT = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
 _ALIGN = 16   # tokens per TMA boundary (16 bytes of FP8)
 
@@ -324,8 +323,8 @@ def grouped_wgrad(lhs, grad, group_sizes, lhs_scale_inv, grad_scale_inv, *, out_
     lhs_scale_inv and grad_scale_inv float32 [G] -> out [G, K, N] in `out_dtype` (bfloat16,
     float16 or float32), the numbers of the module docstring.
 
-    implementation: "auto" (the CUDA kernel where it is built and takes the operands, if
-    ``JAX_FP8_GROUPED_WGRAD_KERNEL=1`` was set when jax_fp8 was imported; else the
+    implementation: "auto" (the CUDA kernel where it is built and takes the operands, unless
+    ``JAX_FP8_GROUPED_WGRAD_KERNEL=0`` was set when jax_fp8 was imported; else the
     reference), "cuda" (the CUDA kernel where it is built and takes the operands, whatever
     the switch says; else the reference) or "jnp" (the reference).
     """
