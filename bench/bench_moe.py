@@ -1,6 +1,7 @@
-"""One mixture-of-experts decoder layer's MoE block, trained a step at a time: bf16
-``jax.lax.ragged_dot`` against `jax_fp8.fp8_ragged_dot` in each recipe, device time by kernel
-family and the GEMM floor.
+"""One mixture-of-experts decoder layer's MoE block, trained a step at a time: bf16 grouped GEMMs
+(`jax_fp8.ragged_dot`, one grouped kernel per product on a GPU) against
+`jax_fp8.fp8_ragged_dot` in each recipe, with XLA's own ``jax.lax.ragged_dot`` as a second
+baseline; device time by kernel family, the GEMM floor and peak memory.
 
 The block (as public JAX MoE code writes it, tests/moe/moe_models.py): RMS-normalised tokens,
 a router GEMM [tokens, d] x [d, experts] with softmax and top-k, the tokens repeated for
@@ -16,10 +17,16 @@ Models (``--models``):
 * ``deepseek``: 256 experts, top-8, d 7168, expert ffn 2048, 4096 tokens (DeepSeek-V3-like);
 * ``tiny``: 8 experts, top-2, d 64, ffn 32, 32 tokens (a CPU smoke run).
 
-Variants (``--variants``): ``bf16`` (``jax.lax.ragged_dot`` in bfloat16, the router in
-bfloat16), ``delayed``, ``current``, ``block``, ``mxfp8`` (every expert projection an
-`fp8_ragged_dot` of that recipe; the router stays in bfloat16, as `Fp8Rule`'s
-``min_fp8_flops="auto"`` keeps a GEMM of its size).
+Variants (``--variants``): ``bf16`` (`jax_fp8.ragged_dot` in bfloat16, the router in bfloat16:
+the baseline every ratio is against), ``bf16_xla`` (``jax.lax.ragged_dot``, which XLA:GPU
+expands into a dense product over all experts: G times the FLOPs and a G-times temporary),
+``delayed``, ``current``, ``block``, ``mxfp8`` (every expert projection an `fp8_ragged_dot` of
+that recipe; the router stays in bfloat16).
+
+Before it is timed, each variant's first step is checked: its loss finite and within
+``CHECK_RTOL`` of the float32 reference's (`reference_loss`: the same block in float32 with
+``jax.lax.ragged_dot``), so a kernel that fails or computes wrong numbers gives an error in
+the table, never a time.
 
 Times: on a GPU the kernels of ``--steps`` steps in a profiler trace, split by kernel family
 (bench/llm_kernels.py: FP8 GEMMs, which include jax_fp8's grouped GEMM custom calls,
@@ -56,7 +63,11 @@ from jax_fp8.devtools import explain, trace  # noqa: E402
 MODELS = {**common.MOE_MODELS, "tiny": (8, 2, 64, 32, 32)}  # experts, top_k, d, ffn, tokens
 RECIPES = {"delayed": jax_fp8.DelayedScaling(), "current": jax_fp8.Float8CurrentScaling(),
            "block": jax_fp8.Float8BlockScaling(), "mxfp8": jax_fp8.MXFP8BlockScaling()}
-VARIANTS = ("bf16", *RECIPES)
+VARIANTS = ("bf16", "bf16_xla", *RECIPES)
+# How far a variant's first loss may be from the float32 reference's (relative): bf16 and
+# FP8 rounding of a mean square, far below what a wrong grouped GEMM gives.
+CHECK_RTOL = {"bf16": 0.01, "bf16_xla": 0.01, "delayed": 0.1, "current": 0.1, "block": 0.1,
+              "mxfp8": 0.1}
 GEMM_FAMILIES = ("fp8_gemm", "bf16_gemm")
 
 
@@ -93,13 +104,25 @@ def moe_block(params, x, top_k, ragged):
     return x + jnp.sum(out * weights[..., None].astype(out.dtype), axis=1)
 
 
+def reference_loss(model, params, x):
+    """The block's loss in float32 through ``jax.lax.ragged_dot`` (the numbers every variant's
+    first step is checked against)."""
+    top_k = MODELS[model][1]
+    f32 = jax.tree.map(lambda a: a.astype(jnp.float32), params)
+    return float(jax.jit(lambda p, x: jnp.mean(jnp.square(moe_block(
+        p, x, top_k, lambda _, a, w, s: jax.lax.ragged_dot(a, w, s)))))(
+            f32, x.astype(jnp.float32)))
+
+
 def make_step(model, variant):
     experts, top_k, *_ = MODELS[model]
-    if variant == "bf16":
+    if variant in ("bf16", "bf16_xla"):
+        ragged_dot = jax_fp8.ragged_dot if variant == "bf16" else jax.lax.ragged_dot
+
         def loss(params, fp8, x):
             del fp8
             return jnp.mean(jnp.square(moe_block(
-                params, x, top_k, lambda _, a, w, s: jax.lax.ragged_dot(a, w, s)).astype(
+                params, x, top_k, lambda _, a, w, s: ragged_dot(a, w, s)).astype(
                     jnp.float32)))
         fp8 = {}
     else:
@@ -117,7 +140,7 @@ def make_step(model, variant):
         value, (g_params, g_fp8, g_x) = jax.value_and_grad(loss, argnums=(0, 1, 2))(
             params, fp8, x)
         params = jax.tree.map(lambda p, g: p - 1e-3 * g.astype(p.dtype), params, g_params)
-        if variant != "bf16":
+        if variant in RECIPES:
             fp8 = jax_fp8.new_fp8_state(fp8, g_fp8, RECIPES[variant])
         return params, fp8, value, g_x
 
@@ -125,9 +148,11 @@ def make_step(model, variant):
 
 
 def grouped_lowering(loss, params, fp8, x):
-    """How the variant's grouped GEMMs lower here (explain's rows of the primitive)."""
+    """How the variant's grouped GEMMs lower here (explain's rows of the FP8 and bf16 grouped
+    GEMM primitives)."""
     rows = explain.explain(jax.grad(loss, argnums=(0, 1, 2)), params, fp8, x)
-    got = sorted({f"{r.lowering}: {r.why}" for r in rows if r.name == "jax_fp8_grouped_gemm"})
+    got = sorted({f"{r.lowering}: {r.why}" for r in rows
+                  if r.name in ("jax_fp8_grouped_gemm", "jax_fp8_ragged_dot")})
     emulated = any(r.lowering == "blocks emulated" for r in rows)
     return got or (["blocks emulated (float32 dequantized ragged_dot)"] if emulated else [])
 
@@ -139,15 +164,24 @@ def wgrad_lowering(loss, params, fp8, x):
     return sorted({f"{r.lowering}: {r.why}" for r in rows if r.name == "jax_fp8_grouped_wgrad"})
 
 
-def run(model, variant, steps):
+def run(model, variant, steps, ref_loss):
     params, x = init(model)
     step, loss, fp8 = make_step(model, variant)
     row = {"model": model, "variant": variant,
            "grouped_lowering": grouped_lowering(loss, params, fp8, x),
            "wgrad_lowering": wgrad_lowering(loss, params, fp8, x)}
     compiled = step.lower(params, fp8, x).compile()
+    memory = compiled.memory_analysis()
+    if memory is not None:
+        row["peak_gb"] = (memory.temp_size_in_bytes + memory.argument_size_in_bytes +
+                          memory.output_size_in_bytes - memory.alias_size_in_bytes) / 1e9
     params, fp8, value, _ = step(params, fp8, x)
-    jax.block_until_ready(value)
+    first = float(jax.block_until_ready(value))
+    row["first_loss"], row["reference_loss"] = first, ref_loss
+    if not np.isfinite(first) or abs(first - ref_loss) > CHECK_RTOL[variant] * abs(ref_loss):
+        raise RuntimeError(f"the first step's loss {first!r} is not within "
+                           f"{CHECK_RTOL[variant]:.0%} of the float32 reference's {ref_loss!r}: "
+                           f"no time is reported")
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -171,7 +205,8 @@ def run(model, variant, steps):
 
 def table(rows):
     lines = ["| model | variant | wall ms | device ms | GEMM floor ms | device / floor | "
-             "vs bf16 | grouped GEMMs |", "|---|---|---|---|---|---|---|---|"]
+             "vs bf16 (grouped kernel) | peak GB | grouped GEMMs |",
+             "|---|---|---|---|---|---|---|---|---|"]
     base = {r["model"]: r for r in rows if r["variant"] == "bf16"}
     for r in rows:
         t = r.get("device_ms") or r.get("wall_ms")
@@ -183,7 +218,7 @@ def table(rows):
             f"weight gradient {w}" for w in r.get("wgrad_lowering", [])]
         lines.append(f"| {r['model']} | {r['variant']} | {fmt(r.get('wall_ms'))} | "
                      f"{fmt(r.get('device_ms'))} | {fmt(r.get('floor_ms'))} | {fmt(over)} | "
-                     f"{fmt(ref_t / t if ref_t and t else None)}x | "
+                     f"{fmt(ref_t / t if ref_t and t else None)}x | {fmt(r.get('peak_gb'))} | "
                      f"{'; '.join(lowering) or '—'} |")
     errors = [(r["model"], r["variant"], r["error"]) for r in rows if "error" in r]
     if errors:
@@ -202,9 +237,10 @@ def main(argv=None):
         for model in args.models:
             MODELS[model] = (*MODELS[model][:4], args.tokens)
     for model in args.models:
+        ref_loss = reference_loss(model, *init(model))
         for variant in args.variants:
             try:
-                rows.append(run(model, variant, args.steps))
+                rows.append(run(model, variant, args.steps, ref_loss))
             except Exception as err:  # noqa: BLE001 - recorded, the table shows it
                 rows.append({"model": model, "variant": variant,
                              "error": f"{type(err).__name__}: {err}"[:300]})

@@ -139,6 +139,8 @@ def hlo_families(program, gemms=None) -> dict[str, str]:
             elif target.startswith(("jax_fp8_block_gemm", "jax_fp8_grouped_gemm",
                                      "jax_fp8_grouped_wgrad")):
                 out[key] = "fp8_gemm"
+            elif target.startswith("jax_fp8_ragged_dot"):   # the 16-bit grouped GEMM
+                out[key] = "bf16_gemm"
             elif target.startswith("jax_fp8"):
                 out[key] = "jax_fp8_kernels"
             else:

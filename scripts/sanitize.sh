@@ -27,7 +27,7 @@ for target in ${SANITIZE_TARGETS:-update transpose block block_all split grouped
     block) filter=(--kernel-name kns=Block); driver=block_kernels; log_suffix=_block ;;
     block_all) filter=(); driver=block; log_suffix=_block_all; tools=memcheck ;;
     split) filter=(--kernel-name kns=SplitRowsKernel); driver=split; log_suffix=_split ;;
-    grouped) filter=(--kernel-name kns=Grouped); driver=grouped; log_suffix=_grouped ;;
+    grouped) filter=(--kernel-name kns=Kernel); driver=grouped; log_suffix=_grouped ;;
     grouped_all) filter=(); driver=grouped; log_suffix=_grouped_all; tools=memcheck ;;
     *) echo "unknown target $target"; exit 2 ;;
   esac
@@ -39,7 +39,7 @@ for target in ${SANITIZE_TARGETS:-update transpose block block_all split grouped
       "${filter[@]}" --error-exitcode 3 \
       python3 "$here/sanitize_driver.py" "$driver" > "$log" 2>&1
     rc=$?
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|wide-span|block (quantize|gemm)|grouped (gemm|wgrad)|sanitize driver done" "$log"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|wide-span|block (quantize|gemm)|grouped (gemm|wgrad)|ragged dot|sanitize driver done" "$log"
     [ $rc -eq 0 ] || { echo "$tool: exit $rc"; tail -20 "$log"; status=1; }
   done
 done

@@ -15,8 +15,8 @@ and inf tiles, a batch) and the block-scaled GEMM's custom call (cuBLASLt's kern
 handler's own fallback kernel, 1x128 and 128x128 operands, ragged M/N/K). With "split":
 the kernel that cuts a packed state's scale vectors into one buffer per state. With
 "grouped": the grouped FP8 GEMM's custom call (its setup and zeroing kernels and CUTLASS's
-grouped GEMM) and the grouped weight gradient's (its setup kernel and CUTLASS's grouped GEMM
-on the padded, transposed operands).
+grouped GEMM), the grouped weight gradient's (its setup kernel and CUTLASS's grouped GEMM
+on the padded, transposed operands) and the bf16 grouped GEMM's in its three products.
 """
 
 import functools
@@ -143,6 +143,46 @@ if sys.argv[1:] == ["grouped"]:
                 assert np.array_equal(out, want.astype(out_dtype)), (m, k, n, g, grad_type)
                 n_calls += 1
     print(f"grouped wgrad: {n_calls} calls")
+    # The bf16 grouped GEMM's custom call in its three products (setup kernel, zeroing of the
+    # rows past the groups or of empty groups' weight gradients, CUTLASS's grouped GEMM):
+    # uneven, empty, all-empty, negative and clamped groups, more groups than one scan chunk;
+    # bits checked on the host (small integers: every summation order is exact).
+    from jax_fp8._primitives import ragged_dot as rd
+    ok, why = rd.kernel_status()
+    assert ok, why
+    cases = [(40, 24, 16, (5, 0, 17, 1, 9)), (40, 24, 16, (0, 0, 0)),
+             (33, 16, 32, (10, -3, 12, -(2 ** 31), 2 ** 31 - 1)),
+             (700, 40, 32, tuple(int(v) for v in rng.integers(0, 4, 300)))]
+    n_calls = 0
+    for m, k, n, sizes in cases:
+        g = len(sizes)
+        for mode in rd.MODES:
+            rhs_shape = {rd.FORWARD: (g, k, n), rd.TRANSPOSED: (g, n, k),
+                         rd.WEIGHT_GRAD: (m, n)}[mode]
+            lhs = rng.integers(-3, 4, (m, k)).astype(np.dtype(jnp.bfloat16))
+            rhs = rng.integers(-3, 4, rhs_shape).astype(np.dtype(jnp.bfloat16))
+            for out_dtype in ((jnp.bfloat16, np.float32) if mode == rd.WEIGHT_GRAD
+                              else (jnp.bfloat16,)):
+                out = np.asarray(rd.ragged_product(
+                    jax.device_put(lhs), jax.device_put(rhs),
+                    jax.device_put(np.asarray(sizes, np.int32)), mode=mode,
+                    out_dtype=out_dtype))
+                a, b = lhs.astype(np.float64), rhs.astype(np.float64)
+                want = np.zeros(out.shape, np.float64)
+                start = 0
+                for i, size in enumerate(sizes):
+                    size = min(max(size, 0), m - start)
+                    rows = slice(start, start + size)
+                    if mode == rd.FORWARD:
+                        want[rows] = a[rows] @ b[i]
+                    elif mode == rd.TRANSPOSED:
+                        want[rows] = a[rows] @ b[i].T
+                    else:
+                        want[i] = a[rows].T @ b[rows]
+                    start += size
+                assert np.array_equal(out, want.astype(out_dtype)), (m, k, n, g, mode)
+                n_calls += 1
+    print(f"bf16 ragged dot: {n_calls} calls")
     print("sanitize driver done")
     sys.exit(0)
 if sys.argv[1:] in (["block"], ["block_kernels"]):
