@@ -3,8 +3,9 @@
 `reporting` spans one converting call (the arrays it follows to parameters live for
 it); `note` records, per module, whether a GEMM ran in FP8 or was kept and why; at the
 end every matched module that ran none in FP8 is warned about once, as an
-`Fp8ConversionWarning` pointing at the user's call. Part of `jax_fp8.interception`,
-which re-exports its public names.
+`Fp8ConversionWarning` pointing at the user's call, and the GEMMs kept because FP8 is not
+faster at their sizes (``min_fp8_flops="measured"``, `MEASURED`) in one warning per model.
+Part of `jax_fp8.interception`, which re-exports its public names.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _lock = threading.Lock()
 _warned: set = set()   # (owner, path, reason) already reported in this process
+# The reason of a GEMM kept because FP8 is not faster at its sizes (dot_general's
+# MEASURED_SCOPE): reported for the whole model at once.
+MEASURED = "fp8_not_faster"
 
 
 @contextlib.contextmanager
@@ -48,7 +52,9 @@ def reporting(owner: Any, label: str):
     for path, entry in report.items():
         if not entry["fp8"]:
             for reason, text in entry["reasons"].items():
-                _warn(owner, label, path, entry, reason, text)
+                if reason != MEASURED:
+                    _warn(owner, label, path, entry, reason, text)
+    _warn_measured(owner, label, report)
 
 
 def note(site: Site, reason: str | None, text: str = "") -> None:
@@ -68,6 +74,29 @@ def note(site: Site, reason: str | None, text: str = "") -> None:
         entry["reasons"][reason] = text
         if report is None:
             _warn(site.rule, "the model", site.path, entry, reason, text)
+
+
+def _warn_measured(owner, label, report) -> None:
+    """One warning for the model: its modules whose GEMMs stay out of FP8 because FP8 is
+    not faster at their sizes on this platform."""
+    kept = {path: e["reasons"][MEASURED] for path, e in report.items() if MEASURED in e["reasons"]}
+    if not kept:
+        return
+    with _lock:
+        if (owner, MEASURED) in _warned:
+            return
+        _warned.add((owner, MEASURED))
+    none_fp8 = not any(e["fp8"] for e in report.values())
+    head = ("the model is too small to gain from FP8 on this platform: none of its GEMMs "
+            "converts" if none_fp8 else
+            f"{len(kept)} of its {len(report)} matched modules keep GEMMs out of FP8, which is "
+            f"not faster at their sizes on this platform")
+    shown = "; ".join(f"{p or 'the root module'!r}: {t}" for p, t in list(kept.items())[:4])
+    more = f"; and {len(kept) - 4} more" if len(kept) > 4 else ""
+    warnings.warn(f"jax_fp8 fp8_model({label}): {head} ({shown}{more}). "
+                  f"`jax_fp8.devtools.explain` lists every GEMM and why; "
+                  f"Fp8Rule(min_fp8_flops=0) converts every GEMM.",
+                  Fp8ConversionWarning, stacklevel=_caller_level())
 
 
 def _warn(owner, label, path, entry, reason, text) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
-from jax_fp8 import _gemms, recipe as recipe_lib
+from jax_fp8 import _gemms, fp8_pays, recipe as recipe_lib
 from jax_fp8.meta import Fp8Meta
 
 __all__ = ["fp8_dot_general", "gemm_flops"]
@@ -56,9 +56,13 @@ def canonical_dimension_numbers(dimension_numbers, lhs_ndim, rhs_ndim):
 
 
 # The name scope of a GEMM that min_fp8_flops keeps in its operands' dtype, and why
-# (jax_fp8.devtools.explain reads both).
+# (jax_fp8.devtools.explain reads both); MEASURED_SCOPE: kept by min_fp8_flops="measured"
+# (jax_fp8.fp8_pays: not faster in FP8 at its sizes on the platform).
 KEPT_SCOPE = "below_min_fp8_flops"
 KEPT_REASON = "kept in its operands' dtype: fewer FLOPs than the layer's min_fp8_flops"
+MEASURED_SCOPE = "fp8_not_faster"
+MEASURED_REASON = ("kept in its operands' dtype: FP8 is not faster at its sizes on this platform "
+                   "(min_fp8_flops='measured', jax_fp8.fp8_pays)")
 
 
 def gemm_flops(lhs_shape, rhs_shape, dimension_numbers) -> int:
@@ -67,17 +71,34 @@ def gemm_flops(lhs_shape, rhs_shape, dimension_numbers) -> int:
     return 2 * batch * m * n * k
 
 
-def check_min_fp8_flops(value, name: str = "min_fp8_flops") -> float:
+def check_min_fp8_flops(value, name: str = "min_fp8_flops") -> float | str:
+    """`value` as a number of FLOPs (float), or ``"measured"`` (`jax_fp8.fp8_pays`)."""
+    if isinstance(value, str) and value == fp8_pays.MEASURED:
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a number of FLOPs (int or float), got {value!r}")
+        raise TypeError(f"{name} must be a number of FLOPs (int or float) or 'measured', got "
+                        f"{value!r}")
     if not value >= 0:
         raise ValueError(f"{name} must be >= 0, got {value!r}")
     return float(value)
 
 
+def kept_out(recipe, min_fp8_flops, m: int, k: int, n: int) -> tuple[str, str] | None:
+    """(name scope, why in words) where ``min_fp8_flops`` keeps the GEMM of m rows (batch
+    included), k inputs and n outputs in its operands' dtype, else None (FP8)."""
+    if isinstance(min_fp8_flops, str):
+        converts, why = fp8_pays.decide(recipe, m, k, n)
+        return None if converts else (MEASURED_SCOPE, why)
+    flops = 2 * m * k * n
+    if min_fp8_flops and flops < min_fp8_flops:
+        return KEPT_SCOPE, (f"{flops} FLOPs (2 * M * K * N) below min_fp8_flops "
+                            f"({min_fp8_flops:.0f})")
+    return None
+
+
 def fp8_dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: Any, meta: Fp8Meta,
                     precision: Any = None, preferred_element_type: DTypeLike | None = None, *,
-                    min_fp8_flops: float = 0, **unused_kwargs: Any,
+                    min_fp8_flops: float | str = 0, **unused_kwargs: Any,
                     ) -> tuple[jax.Array, Fp8Meta]:
     """FP8 ``lax.dot_general``; returns ``(out, meta)``.
 
@@ -107,8 +128,9 @@ def fp8_dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: Any, meta
     as ``2 * batch * M * N * K`` of the forward product, see `gemm_flops`) runs as
     ``lax.dot_general`` in the operands' dtype instead, with ``precision`` as given, and
     ``meta`` is returned untouched (a delayed-scaling state then sees no amax). 0, the
-    default, keeps every GEMM in FP8. Where FP8 starts to pay is a property of the GPU:
-    see docs/benchmarks.md ("One Dense layer").
+    default, keeps every GEMM in FP8. ``"measured"`` (`Fp8Rule`'s default): FP8 only
+    where it is faster on the platform at these sizes (`jax_fp8.fp8_pays`: tables measured
+    per GPU architecture; every GEMM on the CPU).
 
     Example:
 
@@ -133,10 +155,11 @@ def fp8_dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: Any, meta
     dn = canonical_dimension_numbers(dimension_numbers, lhs.ndim, rhs.ndim)
     out_dtype = np.dtype(preferred_element_type if preferred_element_type is not None
                          else jnp.result_type(lhs, rhs))
-    if check_min_fp8_flops(min_fp8_flops) and \
-            gemm_flops(lhs.shape, rhs.shape, dn) < min_fp8_flops:
+    batch, m, n, k = _gemms.gemm_sizes(lhs.shape, rhs.shape, dn)
+    kept = kept_out(recipe, check_min_fp8_flops(min_fp8_flops), batch * m, k, n)
+    if kept is not None:
         dtype = jnp.result_type(lhs, rhs)
-        with jax.named_scope(KEPT_SCOPE):   # what jax_fp8.devtools.explain reads
+        with jax.named_scope(kept[0]):   # what jax_fp8.devtools.explain reads
             out = lax.dot_general(lhs.astype(dtype), rhs.astype(dtype), dn,
                                   precision=precision, preferred_element_type=out_dtype)
         return out, meta

@@ -14,7 +14,7 @@ __all__ = ["fp8_einsum"]
 
 def fp8_einsum(eqn: str, lhs: ArrayLike, rhs: ArrayLike, meta: Fp8Meta,
                preferred_element_type: DTypeLike | None = None, *,
-               min_fp8_flops: float = 0) -> tuple[jax.Array, Fp8Meta]:
+               min_fp8_flops: float | str = 0) -> tuple[jax.Array, Fp8Meta]:
     """Two-operand einsum (``"...,...->..."``) as one `fp8_dot_general`; returns (out, meta).
 
     Letters in both operands and the output are batch axes, in both operands only are

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_fp8 import _gemms
 from jax_fp8._interception_follow import (
     _BINDS,
     _FLOAT64,
@@ -47,7 +48,7 @@ from jax_fp8._interception_follow import (
 )
 from jax_fp8._interception_report import note, reporting
 from jax_fp8._interception_site import Site
-from jax_fp8.dot_general import KEPT_SCOPE, gemm_flops
+from jax_fp8.dot_general import KEPT_SCOPE, gemm_flops, kept_out
 from jax_fp8.recipes.delayed import DelayedScaling
 from jax_fp8.rules import Fp8Rule
 
@@ -199,29 +200,44 @@ def _kept(site: Site, scope: str, kind: str, lhs, rhs, original):
         return original()
 
 
-def einsum_flops(eqn: str, lhs_shape, rhs_shape) -> int:
-    """`gemm_flops` of the explicit two-operand einsum ``eqn`` (`explicit_einsum`)."""
+def einsum_dimension_numbers(eqn: str):
+    """The ``dot_general`` dimension numbers of the explicit two-operand einsum ``eqn``
+    (`explicit_einsum`)."""
     ins, res = eqn.split("->")
     a, b = ins.split(",")
     contracted = [i for i, c in enumerate(a) if c in b and c not in res]
     batch = [i for i, c in enumerate(a) if c in b and c in res]
-    return gemm_flops(lhs_shape, rhs_shape,
-                      ((contracted, [b.index(a[i]) for i in contracted]),
-                       (batch, [b.index(a[i]) for i in batch])))
+    return ((contracted, [b.index(a[i]) for i in contracted]),
+            (batch, [b.index(a[i]) for i in batch]))
 
 
-def note_gemm(site: Site, kind: str, lhs, rhs, flops: int) -> None:
+def einsum_flops(eqn: str, lhs_shape, rhs_shape) -> int:
+    """`gemm_flops` of the explicit two-operand einsum ``eqn`` (`explicit_einsum`)."""
+    return gemm_flops(lhs_shape, rhs_shape, einsum_dimension_numbers(eqn))
+
+
+def note_gemm(site: Site, kind: str, lhs, rhs, dimension_numbers) -> None:
     """Records for the report a GEMM of ``site``'s module that its FP8 layer runs: in FP8,
-    or kept below the rule's ``min_fp8_flops``."""
-    minimum = float(site.rule.min_fp8_flops)
-    if flops < minimum:
-        dtype = np.dtype(jnp.result_type(lhs, rhs)).name
+    or kept by the rule's ``min_fp8_flops`` (below its FLOPs, or where FP8 is not faster:
+    the decision `jax_fp8.fp8_dot_general` takes on the same sizes)."""
+    try:
+        batch, m, n, k = _gemms.gemm_sizes(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
+    except (TypeError, ValueError):
+        note(site, None)
+        return
+    kept = kept_out(site.rule.recipe, site.rule.min_fp8_flops, batch * m, k, n)
+    if kept is None:
+        note(site, None)
+        return
+    dtype = np.dtype(jnp.result_type(lhs, rhs)).name
+    shapes = f"shapes {tuple(jnp.shape(lhs))} and {tuple(jnp.shape(rhs))}"
+    if kept[0] == KEPT_SCOPE:
         note(site, KEPT_SCOPE,
-             f"its {kind} of {flops} FLOPs (2 * batch * M * N * K, shapes {tuple(lhs.shape)} "
-             f"and {tuple(rhs.shape)}) is below the rule's min_fp8_flops ({minimum:.0f}): it "
+             f"its {kind} of {2 * batch * m * n * k} FLOPs (2 * batch * M * N * K, {shapes}) "
+             f"is below the rule's min_fp8_flops ({float(site.rule.min_fp8_flops):.0f}): it "
              f"runs in {dtype}. Lower min_fp8_flops (0: every GEMM in FP8)")
     else:
-        note(site, None)
+        note(site, kept[0], f"its {kind} ({shapes}) runs in {dtype}: {kept[1]}")
 
 
 # ---------------------------------------------------------------------- the GEMM calls
@@ -240,11 +256,7 @@ def _converting_dot_general(lhs, rhs, dimension_numbers, precision=None,
     if found is None:
         return original() if scope is None else _kept(site, scope, "dot_general", lhs, rhs,
                                                       original)
-    try:
-        flops = gemm_flops(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
-    except (TypeError, ValueError):
-        flops = 0
-    note_gemm(site, "dot_general", lhs, rhs, flops)
+    note_gemm(site, "dot_general", lhs, rhs, dimension_numbers)
     with running(None):
         return _swapped_dot_general(site, *found, lhs, rhs, dimension_numbers, precision,
                                     preferred_element_type)
@@ -329,7 +341,7 @@ def _converting_einsum(subscripts, *operands, out=None, optimize="auto", precisi
         return original() if scope is None else _kept(site, scope, "einsum", lhs, rhs,
                                                       original)
     side, weight = found
-    note_gemm(site, "einsum", lhs, rhs, einsum_flops(eqn, jnp.shape(lhs), jnp.shape(rhs)))
+    note_gemm(site, "einsum", lhs, rhs, einsum_dimension_numbers(eqn))
     if side == "lhs":
         ins, res = eqn.split("->")
         a, b = ins.split(",")

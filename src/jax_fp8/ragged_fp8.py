@@ -18,8 +18,9 @@ from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
 from jax_fp8 import _compat, _grouped
-from jax_fp8.dot_general import KEPT_SCOPE, check_meta, check_min_fp8_flops
+from jax_fp8.dot_general import check_meta, check_min_fp8_flops, kept_out
 from jax_fp8.meta import Fp8Meta
+from jax_fp8.ragged import ragged_dot
 
 __all__ = ["fp8_ragged_dot", "fp8_ragged_dot_general", "ragged_dot_flops"]
 
@@ -35,7 +36,7 @@ def ragged_dot_flops(lhs_shape, rhs_shape) -> int:
 
 def fp8_ragged_dot(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, meta: Fp8Meta, *,
                    precision: Any = None, preferred_element_type: DTypeLike | None = None,
-                   group_offset: ArrayLike | None = None, min_fp8_flops: float = 0,
+                   group_offset: ArrayLike | None = None, min_fp8_flops: float | str = 0,
                    ) -> tuple[jax.Array, Fp8Meta]:
     """FP8 ``jax.lax.ragged_dot``; returns ``(out, meta)``.
 
@@ -72,9 +73,10 @@ def fp8_ragged_dot(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, meta:
       preferred_element_type: bfloat16, float16 or float32 (default: the operands' result
         type).
       group_offset: not supported, as in ``jax.lax.ragged_dot`` (NotImplementedError).
-      min_fp8_flops: below this many forward FLOPs (`ragged_dot_flops`, ``2 * M * K * N``)
-        the product runs as ``lax.ragged_dot`` in the operands' dtype and ``meta`` comes
-        back untouched.
+      min_fp8_flops: below this many forward FLOPs (`ragged_dot_flops`, ``2 * M * K * N``),
+        or with ``"measured"`` where FP8 is not faster at these sizes (`jax_fp8.fp8_pays`),
+        the product runs as `jax_fp8.ragged_dot` (the bf16 grouped kernel on a GPU) in the
+        operands' dtype and ``meta`` comes back untouched.
 
     Example:
 
@@ -98,12 +100,13 @@ def fp8_ragged_dot(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, meta:
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"fp8_ragged_dot: preferred_element_type must be bfloat16, float16 or "
                         f"float32, got {out_dtype}")
-    if check_min_fp8_flops(min_fp8_flops) and \
-            ragged_dot_flops(lhs.shape, rhs.shape) < min_fp8_flops:
+    kept = kept_out(recipe, check_min_fp8_flops(min_fp8_flops), lhs.shape[0], lhs.shape[1],
+                    rhs.shape[-1])
+    if kept is not None:   # the bf16 grouped GEMM (a grouped kernel on a GPU)
         dtype = jnp.result_type(lhs, rhs)
-        with jax.named_scope(KEPT_SCOPE):   # what jax_fp8.devtools.explain reads
-            out = lax.ragged_dot(lhs.astype(dtype), rhs.astype(dtype), sizes,
-                                 precision=precision, preferred_element_type=out_dtype)
+        with jax.named_scope(kept[0]):   # what jax_fp8.devtools.explain reads
+            out = ragged_dot(lhs.astype(dtype), rhs.astype(dtype), sizes,
+                             precision=precision, preferred_element_type=out_dtype)
         return out, meta
     return recipe.ragged_dot(lhs, rhs, sizes, meta, out_dtype)
 
@@ -115,7 +118,8 @@ def fp8_ragged_dot_general(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLik
                            ragged_dot_dimension_numbers: lax.RaggedDotDimensionNumbers,
                            meta: Fp8Meta, *, precision: Any = None,
                            preferred_element_type: DTypeLike | None = None,
-                           group_offset: ArrayLike | None = None, min_fp8_flops: float = 0,
+                           group_offset: ArrayLike | None = None,
+                           min_fp8_flops: float | str = 0,
                            ) -> tuple[jax.Array, Fp8Meta]:
     """FP8 ``jax.lax.ragged_dot_general`` in the forms mixture-of-experts layers use: lhs
     [M, K] ragged along its rows, rhs grouped along axis 0 as [G, K, N] or [G, N, K]

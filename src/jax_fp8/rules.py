@@ -53,13 +53,15 @@ class Fp8Rule:
         ``Float8BlockScaling()`` or another registered recipe: the recipe of the FP8
         layers the rule creates. None keeps the matched GEMMs as they are (an exclusion,
         e.g. for an LM head).
-      min_fp8_flops: GEMMs with fewer FLOPs (``2 * batch * M * N * K`` of the forward
-        product, known at trace time) run in the operands' dtype (the FP8 layers'
-        attribute of that name). 0 (the default, as the hand-written FP8 layers): every
-        GEMM in FP8. ``"auto"``: the recipe's `AUTO_MIN_FP8_FLOPS`, below which FP8 does
-        not pay (the casts, amaxes and transposes cost more than the faster
-        GEMMs save), so that converting a model does not make it slower. A GEMM kept
-        below it is reported (`Fp8ConversionWarning`, ``jax_fp8.devtools.explain``).
+      min_fp8_flops: which GEMMs of the matched modules become FP8 (the FP8 layers'
+        attribute of that name). ``"measured"`` (the default): those FP8 makes faster on
+        the platform they are traced for, from their sizes (M, K, N), the recipe and the
+        GPU's measured table (`jax_fp8.fp8_pays`: a conservative rule on a GPU without a
+        table; every GEMM on the CPU, where FP8 is emulated), so that converting a model
+        does not make it slower. 0: every GEMM in FP8 (as the hand-written FP8 layers).
+        A number: GEMMs with fewer FLOPs (``2 * batch * M * N * K`` of the forward product)
+        run in the operands' dtype; ``"auto"``: the recipe's `AUTO_MIN_FP8_FLOPS`. Every
+        GEMM kept is reported (`Fp8ConversionWarning`, ``jax_fp8.devtools.explain``).
       activations: False (the default): only GEMMs with a parameter operand become FP8
         (a layer's kernel; in a hand-written module, an array the module read from its
         own ``params``). True: every GEMM of the matched modules, the attention scores
@@ -71,7 +73,7 @@ class Fp8Rule:
 
     path: str = ".*"
     recipe: Any = DelayedScaling()
-    min_fp8_flops: float | str = 0
+    min_fp8_flops: float | str = "measured"
     activations: bool = False
 
     def __post_init__(self):
@@ -86,10 +88,10 @@ class Fp8Rule:
         if self.recipe is not None:
             recipe_lib.check_recipe(self.recipe, "Fp8Rule.recipe")
         flops = self.min_fp8_flops
-        if isinstance(flops, str):
+        if isinstance(flops, str) and flops != "measured":
             if flops != "auto":
-                raise ValueError(f"Fp8Rule.min_fp8_flops must be a number of FLOPs or "
-                                 f"'auto', got {flops!r}")
+                raise ValueError(f"Fp8Rule.min_fp8_flops must be a number of FLOPs, "
+                                 f"'measured' or 'auto', got {flops!r}")
             flops = 0 if self.recipe is None else self.recipe.auto_min_fp8_flops
         object.__setattr__(self, "min_fp8_flops",
                            check_min_fp8_flops(flops, "Fp8Rule.min_fp8_flops"))

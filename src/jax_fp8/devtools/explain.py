@@ -34,7 +34,7 @@ import numpy as np
 from jax_fp8 import recipe as recipe_lib
 from jax_fp8._gemms import WIDENED_REASON, WIDENED_SCOPE
 from jax_fp8._primitives import base
-from jax_fp8.dot_general import KEPT_REASON, KEPT_SCOPE
+from jax_fp8.dot_general import KEPT_REASON, KEPT_SCOPE, MEASURED_REASON, MEASURED_SCOPE
 from jax_fp8.interception import KEPT_SCOPES
 
 __all__ = ["Row", "explain", "table"]
@@ -208,12 +208,15 @@ def _gemm_row(where, avals, dimension_numbers, name: str = "dot_general") -> Row
     elif _in_scope(KEPT_SCOPE, where):
         lowering = str(np.dtype(lhs.dtype))
         why = KEPT_REASON
+    elif _in_scope(MEASURED_SCOPE, where):
+        lowering = str(np.dtype(lhs.dtype))
+        why = MEASURED_REASON
     elif any(_in_scope(s, where) for s in KEPT_SCOPES):
         lowering = str(np.dtype(lhs.dtype))
         why = next(text for s, text in KEPT_SCOPES.items() if _in_scope(s, where))
     else:
         lowering, why = str(np.dtype(lhs.dtype)), "not an FP8 GEMM"
-    for scope_name in (KEPT_SCOPE, WIDENED_SCOPE, *KEPT_SCOPES):
+    for scope_name in (KEPT_SCOPE, MEASURED_SCOPE, WIDENED_SCOPE, *KEPT_SCOPES):
         where = _without_scope(scope_name, where)
     if scope is not None:
         where = re.sub(rf"(^|/){re.escape(scope)}(?=$|/)|\({re.escape(scope)}\)", r"\1", where)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_fp8 import _compat, interception
-from jax_fp8.dot_general import fp8_dot_general
+from jax_fp8.dot_general import check_min_fp8_flops, fp8_dot_general
 from jax_fp8.einsum import fp8_einsum
 from jax_fp8.meta import Fp8Meta
 
@@ -30,7 +30,7 @@ __all__ = ["fp8_gemm"]
 
 
 def fp8_gemm(kind: str, spec: Any, lhs, rhs, meta: Fp8Meta, *, precision=None,
-             preferred_element_type=None, min_fp8_flops: float = 0.0):
+             preferred_element_type=None, min_fp8_flops: float | str = 0.0):
     """``(out, meta)`` of the FP8 GEMM ``kind`` ("dot_general": ``spec`` its dimension
     numbers; "einsum": ``spec`` its two-operand equation), ``rhs`` quantized as the
     kernel; under ``jax.vmap`` one GEMM over the batch (module docstring).
@@ -41,7 +41,7 @@ def fp8_gemm(kind: str, spec: Any, lhs, rhs, meta: Fp8Meta, *, precision=None,
     against the one it was given, and a later call given that meta again, in the same
     computation, uses the recorded one: the uses are threaded and their amaxes combine
     by max (`jax_fp8.meta`)."""
-    static = (kind, spec, precision, preferred_element_type, float(min_fp8_flops))
+    static = (kind, spec, precision, preferred_element_type, check_min_fp8_flops(min_fp8_flops))
     given = meta
     meta = _threaded(meta)
     out, new = _gemm(static, lhs, rhs, meta)

@@ -36,11 +36,11 @@ class Fp8Linear(eqx.Module):
     in_features: int | Literal["scalar"] = eqx.field(static=True)
     out_features: int | Literal["scalar"] = eqx.field(static=True)
     use_bias: bool = eqx.field(static=True)
-    min_fp8_flops: float = eqx.field(static=True)
+    min_fp8_flops: float | str = eqx.field(static=True)
 
     def __init__(self, in_features: int | Literal["scalar"],
                  out_features: int | Literal["scalar"], use_bias: bool = True,
-                 dtype: Any = None, *, recipe: Any = None, min_fp8_flops: float = 0.0,
+                 dtype: Any = None, *, recipe: Any = None, min_fp8_flops: float | str = 0.0,
                  key: jax.Array):
         linear = eqx.nn.Linear(in_features, out_features, use_bias, dtype, key=key)
         self.weight, self.bias = linear.weight, linear.bias

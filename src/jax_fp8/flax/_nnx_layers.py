@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_fp8 import _trace_checks, interception, recipe as recipe_lib
-from jax_fp8.dot_general import check_min_fp8_flops, fp8_dot_general, gemm_flops
+from jax_fp8.dot_general import check_min_fp8_flops, fp8_dot_general
 from jax_fp8.einsum import fp8_einsum
 from jax_fp8.meta import Fp8Meta
 from jax_fp8.ragged_fp8 import fp8_ragged_dot
@@ -54,7 +54,7 @@ def _set(var, value):
 
 
 class _Fp8Base(nnx.Module):
-    def __init__(self, recipe=None, *unexpected, min_fp8_flops: float = 0, **unexpected_kw):
+    def __init__(self, recipe=None, *unexpected, min_fp8_flops: float | str = 0, **unexpected_kw):
         if unexpected or unexpected_kw or hasattr(recipe, "shape"):
             name = type(self).__name__
             raise TypeError(
@@ -72,7 +72,7 @@ class _Fp8Base(nnx.Module):
             self.kernel = Fp8State(meta.kernel)
             self.grad = Fp8State(meta.grad)
 
-    def _report(self, kind: str, lhs, rhs, flops) -> None:
+    def _report(self, kind: str, lhs, rhs, dimension_numbers) -> None:
         # The FP8 layer fp8_model gave a module: reported (Fp8ConversionWarning) when it
         # keeps a GEMM below min_fp8_flops. Its report: (path, module type, rule), static.
         report = getattr(self, "_fp8_report", None)
@@ -80,7 +80,7 @@ class _Fp8Base(nnx.Module):
             path, module_type, rule = report
             interception.note_gemm(interception.Site(rule, None, path=path,
                                                      module_type=module_type),
-                                   kind, lhs, rhs, flops())
+                                   kind, lhs, rhs, dimension_numbers)
 
     @property
     def meta(self) -> Fp8Meta:
@@ -117,8 +117,7 @@ class Fp8DotGeneral(_Fp8Base):
                  precision: Any = None, preferred_element_type: Any = None,
                  **kwargs: Any) -> jax.Array:
         del kwargs  # out_sharding, ...
-        self._report("dot_general", lhs, rhs,
-                     lambda: gemm_flops(lhs.shape, rhs.shape, dimension_numbers))
+        self._report("dot_general", lhs, rhs, dimension_numbers)
         # Its own GEMMs are not a converted module's (fp8_model's interception).
         with interception.running(None):
             out, meta = fp8_dot_general(lhs, rhs, dimension_numbers, self.meta, precision,
@@ -137,8 +136,7 @@ class Fp8Einsum(_Fp8Base):
         del precision, kwargs  # out_sharding (nnx.Einsum passes it to its einsum_op), ...
         explicit = interception.explicit_einsum(eqn, jnp.shape(lhs), jnp.shape(rhs))
         if explicit is not None:
-            self._report("einsum", lhs, rhs, lambda: interception.einsum_flops(
-                explicit, jnp.shape(lhs), jnp.shape(rhs)))
+            self._report("einsum", lhs, rhs, interception.einsum_dimension_numbers(explicit))
         with interception.running(None):
             out, meta = fp8_einsum(eqn, lhs, rhs, self.meta,
                                    preferred_element_type=preferred_element_type,
@@ -153,7 +151,7 @@ class Fp8RaggedDot(_Fp8Base):
     for x [M, K] and w [G, K, N]. Delayed scaling keeps one state per expert (leading axis
     G) for the input, the weight and the gradient."""
 
-    def __init__(self, recipe=None, *unexpected, num_groups: int, min_fp8_flops: float = 0,
+    def __init__(self, recipe=None, *unexpected, num_groups: int, min_fp8_flops: float | str = 0,
                  **unexpected_kw):
         super().__init__(recipe, *unexpected, min_fp8_flops=min_fp8_flops, **unexpected_kw)
         if self.stateless_recipe is None:
@@ -177,7 +175,7 @@ class Fp8Linear(nnx.Linear):
     """``nnx.Linear`` whose matmul is an FP8 delayed-scaling GEMM."""
 
     def __init__(self, in_features: int, out_features: int, *, recipe=None,
-                 min_fp8_flops: float = 0, rngs: nnx.Rngs, **kwargs):
+                 min_fp8_flops: float | str = 0, rngs: nnx.Rngs, **kwargs):
         if "dot_general" in kwargs:
             raise TypeError("Fp8Linear sets dot_general itself")
         super().__init__(in_features, out_features, rngs=rngs,

@@ -93,7 +93,7 @@ class Fp8DotGeneral(nn.Module):
 
     recipe: Recipe = DelayedScaling()
     collection: str = FP8_COLLECTION
-    min_fp8_flops: float = 0
+    min_fp8_flops: float | str = 0
 
     @nn.compact
     def __call__(self, lhs: jax.Array | None = None, rhs: Any = None,
@@ -120,7 +120,7 @@ class Fp8Einsum(nn.Module):
 
     recipe: Recipe = DelayedScaling()
     collection: str = FP8_COLLECTION
-    min_fp8_flops: float = 0
+    min_fp8_flops: float | str = 0
 
     @nn.compact
     def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array, precision: Any = None,
@@ -151,7 +151,7 @@ class _WeightFp8(nn.Module):
 
     recipe: Recipe = DelayedScaling()
     collection: str = FP8_COLLECTION
-    min_fp8_flops: float = 0
+    min_fp8_flops: float | str = 0
 
     @nn.compact
     def __call__(self, kind: str, args: tuple[Any, Any, Any], precision=None,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import flax.linen as nn
 from flax import errors as flax_errors
@@ -94,9 +94,9 @@ def _weight_layer(module, rule: Fp8Rule, weight: str, kind: str):
             f"parameter {weight!r}. Rename it, or exclude the module with "
             f"Fp8Rule(path={_linen_path(module)!r}, recipe=None) before the other rules")
     try:
-        # Fp8Rule.__post_init__ made min_fp8_flops a number.
+        # Fp8Rule.__post_init__ made min_fp8_flops a number or "measured".
         return fp8_linen._WeightFp8(recipe=rule.recipe,  # noqa: SLF001
-                                    min_fp8_flops=cast(float, rule.min_fp8_flops),
+                                    min_fp8_flops=rule.min_fp8_flops,
                                     name=name)
     except flax_errors.AssignSubModuleError:
         raise _no_submodule_here(module, kind) from None
