@@ -37,8 +37,8 @@ def test_interpolation_gives_the_grid_and_clamps_past_it():
     values = np.asarray(table["speedup"]["DelayedScaling"])
     for i, m in enumerate(table["m"]):
         for j, k in enumerate(table["k"]):
-            for l, n in enumerate(table["n"]):
-                assert fp8_pays.speedup(table, DELAYED, m, k, n) == pytest.approx(values[i, j, l])
+            for q, n in enumerate(table["n"]):
+                assert fp8_pays.speedup(table, DELAYED, m, k, n) == pytest.approx(values[i, j, q])
     # between two grid points: between their values; past the largest sizes: the largest's
     m, k = table["m"][-1], table["k"][-1]
     lo, hi = values[-1, -1, -2], values[-1, -1, -1]
