@@ -29,7 +29,10 @@ Under a jit over several devices (and on meshes with Explicit axes, `PARTITIONIN
 device runs the kernel on the rows of the token axis it holds, the global groups clamped to
 them on the device: ``FORWARD`` and ``TRANSPOSED`` keep M's sharding (G and the contraction
 gathered); ``WEIGHT_GRAD`` sums each device's float32 partial products with one float32
-all-reduce and rounds once.
+all-reduce and rounds once. On a mesh with Explicit axes the primitive runs per device under
+``shard_map``, and JAX differentiates it there: the weight gradient of ``FORWARD`` is then
+each device's product rounded to the weight's dtype, summed by one all-reduce (as XLA's own
+sharded ``dot_general`` does), not one rounding of the float32 sum.
 """
 
 from __future__ import annotations
