@@ -24,9 +24,10 @@ expands into a dense product over all experts: G times the FLOPs and a G-times t
 that recipe; the router stays in bfloat16).
 
 Before it is timed, each variant's first step is checked: its loss finite and within
-``CHECK_RTOL`` of the float32 reference's (`reference_loss`: the same block in float32 with
-``jax.lax.ragged_dot``), so a kernel that fails or computes wrong numbers gives an error in
-the table, never a time.
+``CHECK_RTOL`` of the float32 reference's (`reference_loss`: the same block in float32, each
+expert's rows multiplied by its weight alone, group by group: no grouped GEMM, and no
+expansion over all experts, which does not fit at the models' sizes), so a kernel that
+fails or computes wrong numbers gives an error in the table, never a time.
 
 Times: on a GPU the kernels of ``--steps`` steps in a profiler trace, split by kernel family
 (bench/llm_kernels.py: FP8 GEMMs, which include jax_fp8's grouped GEMM custom calls,
@@ -104,14 +105,25 @@ def moe_block(params, x, top_k, ragged):
     return x + jnp.sum(out * weights[..., None].astype(out.dtype), axis=1)
 
 
+def _grouped_f32(_, lhs, rhs, sizes):
+    """Each group's rows times its expert's weight, one float32 GEMM per group (the group
+    sizes read on the host), the rows past the groups 0."""
+    out, start = [], 0
+    for g, size in enumerate(np.asarray(sizes)):
+        rows = lhs[start:start + int(size)]
+        out.append(jnp.dot(rows, rhs[g], precision=jax.lax.Precision.HIGHEST))
+        start += int(size)
+    out.append(jnp.zeros((lhs.shape[0] - start, rhs.shape[-1]), lhs.dtype))
+    return jnp.concatenate(out)
+
+
 def reference_loss(model, params, x):
-    """The block's loss in float32 through ``jax.lax.ragged_dot`` (the numbers every variant's
-    first step is checked against)."""
+    """The block's loss in float32, group by group (`_grouped_f32`): the numbers every
+    variant's first step is checked against."""
     top_k = MODELS[model][1]
     f32 = jax.tree.map(lambda a: a.astype(jnp.float32), params)
-    return float(jax.jit(lambda p, x: jnp.mean(jnp.square(moe_block(
-        p, x, top_k, lambda _, a, w, s: jax.lax.ragged_dot(a, w, s)))))(
-            f32, x.astype(jnp.float32)))
+    return float(jnp.mean(jnp.square(moe_block(f32, x.astype(jnp.float32), top_k,
+                                               _grouped_f32))))
 
 
 def make_step(model, variant):

@@ -16,10 +16,11 @@ status=0
 # "block_all" (memcheck of every kernel the block driver runs: cuBLASLt's block-scaled GEMM
 # kernels reading and writing the buffers our handler passes them), "split"
 # (SplitRowsKernel: a packed state's scale vectors cut into one buffer per state), "grouped"
-# (GroupedGemmSetupKernel, GroupedGemmZeroKernel, GroupedWgradSetupKernel) and "grouped_all"
+# (GroupedGemmSetupKernel, GroupedGemmZeroKernel, GroupedWgradSetupKernel), "ragged"
+# (RaggedDotSetupKernel, RaggedDotZeroEmptyKernel: the bf16 grouped GEMM's) and "grouped_all"
 # (memcheck of every kernel the grouped driver runs: CUTLASS's grouped GEMM on the arrays the
 # setup kernels write, for the forward / input gradient and the weight gradient).
-for target in ${SANITIZE_TARGETS:-update transpose block block_all split grouped grouped_all}; do
+for target in ${SANITIZE_TARGETS:-update transpose block block_all split grouped ragged grouped_all}; do
   tools=${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}
   case $target in
     update) filter=(--kernel-name kns=UpdateKernel); driver=update; log_suffix="" ;;
@@ -27,7 +28,8 @@ for target in ${SANITIZE_TARGETS:-update transpose block block_all split grouped
     block) filter=(--kernel-name kns=Block); driver=block_kernels; log_suffix=_block ;;
     block_all) filter=(); driver=block; log_suffix=_block_all; tools=memcheck ;;
     split) filter=(--kernel-name kns=SplitRowsKernel); driver=split; log_suffix=_split ;;
-    grouped) filter=(--kernel-name kns=Kernel); driver=grouped; log_suffix=_grouped ;;
+    grouped) filter=(--kernel-name kns=Grouped); driver=grouped; log_suffix=_grouped ;;
+    ragged) filter=(--kernel-name kns=RaggedDot); driver=grouped; log_suffix=_ragged ;;
     grouped_all) filter=(); driver=grouped; log_suffix=_grouped_all; tools=memcheck ;;
     *) echo "unknown target $target"; exit 2 ;;
   esac
