@@ -159,7 +159,7 @@ def test_home_page_is_the_readme():
     command), not a pointer to it."""
     html = (_site() / "index.html").read_text(encoding="utf-8")
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    install = re.search(r'^python -m pip install "\.\[[a-z,]+\]"', readme, re.MULTILINE)
+    install = re.search(r'^python -m pip install (?:-v )?"\.\[[a-z,]+\]"', readme, re.MULTILINE)
     assert install and html_lib.escape(install.group(0), quote=False) in html.replace(
         "&quot;", '"')
     assert 'href="getting_started/"' in html
