@@ -94,6 +94,10 @@ def test_api_reference_shows_only_public_names():
         text = html_lib.unescape(re.sub(r"<[^>]+>", "", html))
         aliases = re.findall(r"\b\w+_lib\.\w+", text)
         assert not aliases, f"{page}: internal aliases in signatures: {sorted(set(aliases))}"
+        # An attribute's value is the code that sets it (HAS_CPU_KERNEL = CPU_MODULE is
+        # not None, use_bias: bool = use_bias): the reference shows names and types.
+        code = re.findall(r"\b[A-Za-z_]\w* = (?:[A-Z_]+ is not None|use_bias)\b", text)
+        assert not code, f"{page}: attribute values from the code: {sorted(set(code))}"
 
 
 _SITE_LINK = re.compile(r'<(?:a|img|link|script)\b[^>]*?\b(?:href|src)="([^"]*)"')
