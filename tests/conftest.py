@@ -38,7 +38,43 @@ def _run_slow(config):
     return config.getoption("--runslow") or os.environ.get("JAX_FP8_RUN_SLOW") == "1"
 
 
+# The cases marked `long`: the test command of README.md ("Test") deselects them
+# (pyproject.toml's addopts, -m "not long"), and .ci/run runs them in a step of their own
+# (pytest -m long). End-to-end model matrices run the full recipe matrix once (Flax linen's
+# train state under an optax chain) and one recipe (delayed scaling) for each further
+# framework, codebase and training-loop variant; the other combinations are long. By test
+# function: a predicate of the case's parameters, true for a long case.
+def _recipe_of(params):
+    return params.get("recipe", params.get("name"))
+
+
+LONG_CASES = {
+    "test_linen_fp8_train_state_with_optax_wrappers_updates_params_and_fp8":
+        lambda p: p["recipe"] != "delayed" and p["tx"] != "chain",
+    "test_nnx_fp8_optimizer_with_optax_wrappers_updates_params_and_fp8":
+        lambda p: p["recipe"] != "delayed",
+    "test_nnx_decoder_samples_under_every_loop_without_writing_fp8_state":
+        lambda p: p["recipe"] != "delayed",
+    "test_linen_codebase_layers_convert_to_the_hand_written_fp8_layers":
+        lambda p: p["name"] != "delayed",
+    "test_nnx_maxtext_layers_convert_to_the_hand_written_fp8_layers":
+        lambda p: p["name"] != "delayed",
+    "test_every_recipe_trains": lambda p: p["name"] != "delayed",
+    "test_vmapped_layer_is_the_batched_fp8_gemm_bit_for_bit": lambda p: p["name"] != "delayed",
+}
+
+
+def _is_long(item) -> bool:
+    predicate = LONG_CASES.get(getattr(item, "originalname", item.name))
+    callspec = getattr(item, "callspec", None)
+    return predicate is not None and callspec is not None and predicate(callspec.params)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _is_long(item):
+            item.add_marker(pytest.mark.long)
     skip_gpu = pytest.mark.skip(reason=helpers.GPU_SKIP_REASON)
     skip_slow = pytest.mark.skip(reason="slow: run with --runslow or JAX_FP8_RUN_SLOW=1")
     run_slow = _run_slow(config)
