@@ -16,6 +16,7 @@ runs there (see helpers.run_on).
 from __future__ import annotations
 
 import os
+import pathlib
 import sys
 
 import jax
@@ -38,36 +39,32 @@ def _run_slow(config):
     return config.getoption("--runslow") or os.environ.get("JAX_FP8_RUN_SLOW") == "1"
 
 
-# The cases marked `long`: the test command of README.md ("Test") deselects them
-# (pyproject.toml's addopts, -m "not long"), and .ci/run runs them in a step of their own
-# (pytest -m long). End-to-end model matrices run the full recipe matrix once (Flax linen's
-# train state under an optax chain) and one recipe (delayed scaling) for each further
-# framework, codebase and training-loop variant; the other combinations are long. By test
-# function: a predicate of the case's parameters, true for a long case.
-def _recipe_of(params):
-    return params.get("recipe", params.get("name"))
-
-
-LONG_CASES = {
-    "test_linen_fp8_train_state_with_optax_wrappers_updates_params_and_fp8":
-        lambda p: p["recipe"] != "delayed" and p["tx"] != "chain",
-    "test_nnx_fp8_optimizer_with_optax_wrappers_updates_params_and_fp8":
-        lambda p: p["recipe"] != "delayed",
-    "test_nnx_decoder_samples_under_every_loop_without_writing_fp8_state":
-        lambda p: p["recipe"] != "delayed",
-    "test_linen_codebase_layers_convert_to_the_hand_written_fp8_layers":
-        lambda p: p["name"] != "delayed",
-    "test_nnx_maxtext_layers_convert_to_the_hand_written_fp8_layers":
-        lambda p: p["name"] != "delayed",
-    "test_every_recipe_trains": lambda p: p["name"] != "delayed",
-    "test_vmapped_layer_is_the_batched_fp8_gemm_bit_for_bit": lambda p: p["name"] != "delayed",
-}
+# The cases marked `long`: tests that run fresh Python processes (the multi-device
+# workers, the examples, the benchmarks' smoke runs, the documentation's snippets), each
+# paying an interpreter, jax's import and its compiles. README.md's test command
+# deselects them (pyproject.toml's addopts: -m "not long"); .ci/run runs them in a step of
+# their own (pytest -m long). By file (under tests/), and by test function.
+LONG_FILES = frozenset({
+    "sharding/test_axis_name.py", "sharding/test_block_sharding.py",
+    "sharding/test_codebase_sharding.py", "sharding/test_equinox_fsdp.py",
+    "sharding/test_explicit_mesh.py", "sharding/test_fsdp.py", "sharding/test_multiprocess.py",
+    "sharding/test_pmap.py", "sharding/test_sequence_sharding.py",
+    "sharding/test_tensor_parallel.py",
+    "tools/test_bench_llm_smoke.py", "tools/test_bench_multigpu_smoke.py",
+    "tools/test_bench_smoke.py", "tools/test_bench_train_step_smoke.py",
+    "tools/test_examples.py",
+})
+LONG_FUNCTIONS = frozenset({
+    "test_snippet_runs_on_its_own", "test_section_runs_as_one_program",   # tools/test_docs.py
+    "test_mxfp8_partitions_on_8_devices", "test_eight_devices_equal_one_device",  # recipes/
+})
 
 
 def _is_long(item) -> bool:
-    predicate = LONG_CASES.get(getattr(item, "originalname", item.name))
-    callspec = getattr(item, "callspec", None)
-    return predicate is not None and callspec is not None and predicate(callspec.params)
+    path = pathlib.Path(str(item.fspath)).resolve()
+    relative = path.relative_to(pathlib.Path(helpers.TESTS_DIR).resolve()).as_posix()
+    return (relative in LONG_FILES
+            or getattr(item, "originalname", item.name) in LONG_FUNCTIONS)
 
 
 @pytest.hookimpl(tryfirst=True)
