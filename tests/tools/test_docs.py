@@ -366,15 +366,19 @@ def test_section_runs_as_one_program(page, section, tmp_path):
 
 def test_getting_started_runs_both_loops():
     """The getting-started page holds a linen and an NNX program, each with a train step,
-    an evaluation and an orbax save and restore."""
+    an evaluation and an orbax save and a restore through jax_fp8.flax.orbax_restore (which
+    names a changed variable and the fix, where orbax's own restore dumps tree structures),
+    and the linen program shows that error."""
     programs = _section_programs(ROOT / "docs" / "getting_started.md")
     assert {"Flax linen", "Flax NNX"} <= set(programs), sorted(programs)
     for title in ("Flax linen", "Flax NNX"):
         code = programs[title]
         for needle in ("train_step(", "eval_loss(", "StandardCheckpointer()", ".save(",
-                       ".restore("):
+                       "orbax_restore(checkpointer"):
             assert needle in code, (title, needle)
+        assert "checkpointer.restore(" not in code, title
     assert "nnx.eval_shape(" in programs["Flax NNX"] and "nnx.split(" in programs["Flax NNX"]
+    assert "except ValueError as err:" in programs["Flax linen"]
 
 
 def test_readme_has_snippets_to_run():
