@@ -407,6 +407,12 @@ def plot_summary(summary: dict, results: list[dict], out: pathlib.Path,
             shutil.rmtree(made, ignore_errors=True)
 
 
+# The plots are read on a documentation page about 1000 px wide: three panels stacked, the
+# figure as wide as the page at its dpi (9 in at 110 dpi), legends at 9 pt (about 14 px).
+PAGE_FIGSIZE = (9.0, 12.0)
+LEGEND_PT = 9
+
+
 def _title(summary):
     p = summary["protocol"]
     c = p["config"]
@@ -420,7 +426,7 @@ def _plot_losses(summary, out, plt):
     steps, tail = p["config"]["steps"], p["tail_start"]
     runs = summary["runs"]
     ref = runs.get(REFERENCE)
-    fig, axes = plt.subplots(1, 3, figsize=(16.5, 4.6))
+    fig, axes = plt.subplots(3, 1, figsize=PAGE_FIGSIZE)
     late_train, late_val, late_diff = [], [], []
     for ri, (name, e) in enumerate(runs.items()):
         color, label = f"C{ri}", f"{name} (n={len(e['seeds'])})"
@@ -453,13 +459,13 @@ def _plot_losses(summary, out, plt):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7, loc="upper right")
+            ax.legend(fontsize=LEGEND_PT, loc="upper right")
     axes[0].set_title("train loss (nats/byte, block means)")
     axes[1].set_title("validation loss (nats/byte); grey: the averaged last part")
     axes[2].axhline(0, color="k", lw=0.6)
     axes[2].set_title("validation loss vs bf16 of the same seed (%)")
-    fig.suptitle(_title(summary), fontsize=9)
-    fig.subplots_adjust(left=0.05, right=0.98, bottom=0.12, top=0.86, wspace=0.22)
+    fig.suptitle(_title(summary).replace("; ", "\n", 1), fontsize=LEGEND_PT + 1)
+    fig.subplots_adjust(left=0.1, right=0.98, bottom=0.05, top=0.93, hspace=0.38)
     path = out / "loss.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -476,7 +482,7 @@ def _plot_fp8(summary, results, out, plt, plot_seed):
         return []
     runs = {n: chosen[n] for n in summary["runs"] if n in chosen}
     styles = ["-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1))]
-    fig, axes = plt.subplots(1, 3, figsize=(16.5, 4.6))
+    fig, axes = plt.subplots(3, 1, figsize=PAGE_FIGSIZE)
     tensors, layers = {}, {}             # colours per tensor / layer,
     shown_track, shown_und = {}, {}      # line styles per run
     for ri, (name, r) in enumerate(runs.items()):
@@ -503,7 +509,7 @@ def _plot_fp8(summary, results, out, plt, plot_seed):
     axes[0].set_title(f"seed {seed}: largest newest amax per block of steps")
     axes[1].set_title("scale (x * scale -> FP8) at the end of each block")
     axes[2].set_title("gradient underflow: nonzero bf16 grads -> 0 in the run's FP8 type\n"
-                      "(delayed: its scale; current and bf16: max / amax)", fontsize=9)
+                      "(delayed: its scale; current and bf16: max / amax)")
     axes[2].set_yscale("symlog", linthresh=1e-6)
     for a in axes:
         a.set_xlabel("step")
@@ -512,15 +518,16 @@ def _plot_fp8(summary, results, out, plt, plot_seed):
     def run_handles(shown):
         return [Line2D([], [], color="k", ls=ls, lw=1, label=n) for n, ls in shown.items()]
     if tensors:
-        axes[0].legend(handles=run_handles(shown_track), fontsize=7, loc="upper right")
+        axes[0].legend(handles=run_handles(shown_track), fontsize=LEGEND_PT, loc="upper right")
         axes[1].legend(handles=[Line2D([], [], color=c, lw=2, label=t)
-                                for t, c in tensors.items()], fontsize=7, loc="upper right")
+                                for t, c in tensors.items()], fontsize=LEGEND_PT,
+                       loc="upper right")
     if layers:
         axes[2].legend(handles=[Line2D([], [], color=c, lw=2, label=t)
                                 for t, c in layers.items()] + run_handles(shown_und),
-                       fontsize=6, loc="upper right")
-    fig.suptitle(_title(summary).split(";")[0] + f"; seed {seed}", fontsize=9)
-    fig.subplots_adjust(left=0.05, right=0.98, bottom=0.12, top=0.86, wspace=0.22)
+                       fontsize=LEGEND_PT - 1, loc="upper right", ncol=2)
+    fig.suptitle(_title(summary).split(";")[0] + f"; seed {seed}", fontsize=LEGEND_PT + 1)
+    fig.subplots_adjust(left=0.1, right=0.98, bottom=0.05, top=0.93, hspace=0.38)
     path = out / "fp8.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -16,6 +16,7 @@ runs there (see helpers.run_on).
 from __future__ import annotations
 
 import os
+import pathlib
 import sys
 
 import jax
@@ -38,7 +39,39 @@ def _run_slow(config):
     return config.getoption("--runslow") or os.environ.get("JAX_FP8_RUN_SLOW") == "1"
 
 
+# The cases marked `long`: tests that run fresh Python processes (the multi-device
+# workers, the examples, the benchmarks' smoke runs, the documentation's snippets), each
+# paying an interpreter, jax's import and its compiles. README.md's test command
+# deselects them (pyproject.toml's addopts: -m "not long"); .ci/run runs them in a step of
+# their own (pytest -m long). By file (under tests/), and by test function.
+LONG_FILES = frozenset({
+    "sharding/test_axis_name.py", "sharding/test_block_sharding.py",
+    "sharding/test_codebase_sharding.py", "sharding/test_equinox_fsdp.py",
+    "sharding/test_explicit_mesh.py", "sharding/test_fsdp.py", "sharding/test_multiprocess.py",
+    "sharding/test_pmap.py", "sharding/test_sequence_sharding.py",
+    "sharding/test_tensor_parallel.py",
+    "tools/test_bench_llm_smoke.py", "tools/test_bench_multigpu_smoke.py",
+    "tools/test_bench_smoke.py", "tools/test_bench_train_step_smoke.py",
+    "tools/test_examples.py",
+})
+LONG_FUNCTIONS = frozenset({
+    "test_snippet_runs_on_its_own", "test_section_runs_as_one_program",   # tools/test_docs.py
+    "test_mxfp8_partitions_on_8_devices", "test_eight_devices_equal_one_device",  # recipes/
+})
+
+
+def _is_long(item) -> bool:
+    path = pathlib.Path(str(item.fspath)).resolve()
+    relative = path.relative_to(pathlib.Path(helpers.TESTS_DIR).resolve()).as_posix()
+    return (relative in LONG_FILES
+            or getattr(item, "originalname", item.name) in LONG_FUNCTIONS)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _is_long(item):
+            item.add_marker(pytest.mark.long)
     skip_gpu = pytest.mark.skip(reason=helpers.GPU_SKIP_REASON)
     skip_slow = pytest.mark.skip(reason="slow: run with --runslow or JAX_FP8_RUN_SLOW=1")
     run_slow = _run_slow(config)

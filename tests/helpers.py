@@ -30,6 +30,21 @@ RECIPES = {
 }
 
 
+# End-to-end model tests do not run every recipe with every variant of a framework: the
+# recipes' numbers are pinned in tests/recipes/ and tests/kernels/, so a matrix of recipes x
+# training-loop variants runs every recipe with one variant and delayed scaling (the
+# default) with the others (recipe_variant_cases), and a further framework or codebase
+# runs delayed scaling alone (E2E_RECIPES).
+E2E_RECIPES = ["delayed"]
+
+
+def recipe_variant_cases(variants, every_recipe_with) -> list[tuple[str, str]]:
+    """(recipe, variant) pairs: every recipe of RECIPES with the variant
+    ``every_recipe_with``, and "delayed" with each other variant."""
+    return ([(name, every_recipe_with) for name in sorted(RECIPES)]
+            + [("delayed", v) for v in sorted(variants) if v != every_recipe_with])
+
+
 def _test_dirs() -> list[str]:
     """tests/, then each folder directly under it that holds Python files, sorted."""
     subs = [e.path for e in os.scandir(TESTS_DIR)

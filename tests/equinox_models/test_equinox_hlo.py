@@ -14,6 +14,7 @@ import pytest
 import jax_fp8
 import jax_fp8.equinox as jfe
 from eqx_models import Transformer, lm_loss
+from helpers import E2E_RECIPES
 from jax_fp8.devtools import hlo
 
 RECIPES = {"delayed": jax_fp8.DelayedScaling(history_len=8),
@@ -59,7 +60,7 @@ def test_cuda_train_step_has_three_fp8_gemms_per_projection_over_the_batch():
         assert size.batch == 1 and 4 * 8 in (size.m, size.n, size.k), (name, size)
 
 
-@pytest.mark.parametrize("name", sorted(RECIPES))
+@pytest.mark.parametrize("name", E2E_RECIPES)   # helpers.E2E_RECIPES: one recipe per framework
 def test_every_recipe_trains(name):
     # Block scaling's blocks are 128 wide: a model that wide, one layer (CPU time).
     model = _converted(RECIPES[name], hidden=128 if name == "block" else 32, layers=1)

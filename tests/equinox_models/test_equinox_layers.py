@@ -14,6 +14,7 @@ import pytest
 import jax_fp8
 import jax_fp8.equinox as jfe
 from eqx_models import Projection, ScannedMLP, Transformer, mse
+from helpers import E2E_RECIPES
 from jax_fp8 import Fp8Meta, Fp8Rule
 
 DN = (((1,), (1,)), ((), ()))          # x [B, in] . weight [out, in]
@@ -50,7 +51,7 @@ def test_fp8_linear_has_eqx_linear_fields_and_call():
     assert jfe.Fp8Linear(16, 8, use_bias=False, key=key).bias is None
 
 
-@pytest.mark.parametrize("name", sorted(RECIPES))
+@pytest.mark.parametrize("name", E2E_RECIPES)   # helpers.E2E_RECIPES: one recipe per framework
 def test_vmapped_layer_is_the_batched_fp8_gemm_bit_for_bit(name):
     """Forward and every gradient (input, weight, bias, FP8 state) of ``jax.vmap(layer)``
     equal those of ONE fp8_dot_general over the batch: the kernel gradient contracts over

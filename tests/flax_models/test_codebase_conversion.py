@@ -22,6 +22,7 @@ from flax.linen import dtypes
 
 import codebase_layers as cl
 import jax_fp8
+from helpers import E2E_RECIPES
 from jax_fp8.devtools import explain, hlo
 from jax_fp8.flax import Fp8Rule, fp8_model, nnx as fnnx
 
@@ -66,7 +67,7 @@ LINEN = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(RECIPES))
+@pytest.mark.parametrize("name", E2E_RECIPES)   # helpers.E2E_RECIPES: one recipe per codebase
 @pytest.mark.parametrize("codebase", sorted(LINEN))
 def test_linen_codebase_layers_convert_to_the_hand_written_fp8_layers(codebase, name):
     make, projections = LINEN[codebase]
@@ -114,7 +115,7 @@ def nnx_step(graphdef):
     return step
 
 
-@pytest.mark.parametrize("name", sorted(RECIPES))
+@pytest.mark.parametrize("name", E2E_RECIPES)
 def test_nnx_maxtext_layers_convert_to_the_hand_written_fp8_layers(name):
     hand, converted, x = nnx_pair(RECIPES[name], width(name))
     for module in (converted.wi, converted.wo):   # the weight's FP8 module, by its name

@@ -17,7 +17,7 @@ from flax.training import train_state
 
 import helpers
 import jax_fp8
-from helpers import assert_trees_equal, rand
+from helpers import assert_trees_equal, rand, recipe_variant_cases
 from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8TrainState, nnx as fnnx
 from jax_fp8.state import is_state
 
@@ -70,8 +70,7 @@ TXS = {
 }
 
 
-@pytest.mark.parametrize("tx", sorted(TXS))
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@pytest.mark.parametrize("recipe, tx", recipe_variant_cases(TXS, "chain"))
 def test_linen_fp8_train_state_with_optax_wrappers_updates_params_and_fp8(recipe, tx):
     _, _, state, x, y = _linen(RECIPES[recipe], TXS[tx]())
     start = state
@@ -253,8 +252,7 @@ def test_nnx_optimizers_that_would_take_the_fp8_state_are_refused():
         opt.update(grads)
 
 
-@pytest.mark.parametrize("tx", sorted(TXS))
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@pytest.mark.parametrize("recipe, tx", recipe_variant_cases(TXS, "chain"))
 def test_nnx_fp8_optimizer_with_optax_wrappers_updates_params_and_fp8(recipe, tx):
     x, y = rand(0, (16, D)), rand(1, (16, 4))
     model = Net(RECIPES[recipe], nnx.Rngs(0))
@@ -443,8 +441,7 @@ SAMPLERS = {"python_loop": _python_loop, "split_merge_while_loop": _split_merge_
             "nnx_scan": _nnx_scan}
 
 
-@pytest.mark.parametrize("sampler", sorted(SAMPLERS))
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@pytest.mark.parametrize("recipe, sampler", recipe_variant_cases(SAMPLERS, "nnx_scan"))
 def test_nnx_decoder_samples_under_every_loop_without_writing_fp8_state(recipe, sampler):
     model = Decoder(RECIPES[recipe], nnx.Rngs(0))
     if recipe == "delayed":   # trained scales, not the fresh ones

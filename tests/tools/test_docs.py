@@ -94,6 +94,10 @@ def test_api_reference_shows_only_public_names():
         text = html_lib.unescape(re.sub(r"<[^>]+>", "", html))
         aliases = re.findall(r"\b\w+_lib\.\w+", text)
         assert not aliases, f"{page}: internal aliases in signatures: {sorted(set(aliases))}"
+        # An attribute's value is the code that sets it (HAS_CPU_KERNEL = CPU_MODULE is
+        # not None, use_bias: bool = use_bias): the reference shows names and types.
+        code = re.findall(r"\b[A-Za-z_]\w* = (?:[A-Z_]+ is not None|use_bias)\b", text)
+        assert not code, f"{page}: attribute values from the code: {sorted(set(code))}"
 
 
 _SITE_LINK = re.compile(r'<(?:a|img|link|script)\b[^>]*?\b(?:href|src)="([^"]*)"')
@@ -159,7 +163,7 @@ def test_home_page_is_the_readme():
     command), not a pointer to it."""
     html = (_site() / "index.html").read_text(encoding="utf-8")
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    install = re.search(r'^python -m pip install "\.\[[a-z,]+\]"', readme, re.MULTILINE)
+    install = re.search(r'^python -m pip install (?:-v )?"\.\[[a-z,]+\]"', readme, re.MULTILINE)
     assert install and html_lib.escape(install.group(0), quote=False) in html.replace(
         "&quot;", '"')
     assert 'href="getting_started/"' in html
@@ -362,15 +366,19 @@ def test_section_runs_as_one_program(page, section, tmp_path):
 
 def test_getting_started_runs_both_loops():
     """The getting-started page holds a linen and an NNX program, each with a train step,
-    an evaluation and an orbax save and restore."""
+    an evaluation and an orbax save and a restore through jax_fp8.flax.orbax_restore (which
+    names a changed variable and the fix, where orbax's own restore dumps tree structures),
+    and the linen program shows that error."""
     programs = _section_programs(ROOT / "docs" / "getting_started.md")
     assert {"Flax linen", "Flax NNX"} <= set(programs), sorted(programs)
     for title in ("Flax linen", "Flax NNX"):
         code = programs[title]
         for needle in ("train_step(", "eval_loss(", "StandardCheckpointer()", ".save(",
-                       ".restore("):
+                       "orbax_restore(checkpointer"):
             assert needle in code, (title, needle)
+        assert "checkpointer.restore(" not in code, title
     assert "nnx.eval_shape(" in programs["Flax NNX"] and "nnx.split(" in programs["Flax NNX"]
+    assert "except ValueError as err:" in programs["Flax linen"]
 
 
 def test_readme_has_snippets_to_run():

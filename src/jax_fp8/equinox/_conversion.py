@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
+import warnings
 from typing import Any
 
 import equinox as eqx
@@ -19,6 +21,7 @@ from jax_fp8.equinox._state import Fp8State
 from jax_fp8.meta import Fp8Meta
 from jax_fp8.ragged_fp8 import fp8_ragged_dot
 from jax_fp8.recipe import DelayedScaling
+from jax_fp8.rules import Fp8ConversionWarning
 
 __all__ = ["fp8_model"]
 
@@ -174,15 +177,46 @@ def fp8_model(model: Any, rules: Any = None) -> Any:
       The converted model.
 
     Raises:
+      TypeError: ``model`` is a Flax (linen or NNX) module: its converter is
+        `jax_fp8.flax.fp8_model`.
       ValueError: a delayed-scaling rule with ``activations=True`` matches a module of
         one's own (a GEMM of two activations would need a state created while running).
+
+    Warns:
+      Fp8ConversionWarning: the model holds nothing to convert (no ``eqx.nn.Linear``, no
+        module of one's own with a GEMM of its weights, nothing in FP8 already), so it is
+        returned as it is, without FP8.
     """
+    _refuse_flax(model)
     rules = rules_lib.as_rules(rules, "rules")
-    return _convert(model, (), rules)
+    seen: list[str] = []
+    converted = _convert(model, (), rules, seen)
+    if not seen:
+        warnings.warn(
+            f"jax_fp8.equinox.fp8_model: nothing to convert in the {type(model).__name__} "
+            f"given (no eqx.nn.Linear, no module of one's own with a jax.lax.dot_general / "
+            f"jnp.einsum of its weights): it is returned as it is, without FP8",
+            Fp8ConversionWarning, stacklevel=2)
+    return converted
 
 
-def _convert(node, keys, rules):
+def _refuse_flax(model):
+    """TypeError naming jax_fp8.flax.fp8_model for a Flax module (flax itself is only
+    looked at when it was imported: a Flax module cannot exist otherwise)."""
+    kinds = (("flax.linen", "Module", "linen"), ("flax.nnx", "Module", "NNX"))
+    for module_name, class_name, kind in kinds:
+        module = sys.modules.get(module_name)
+        if module is not None and isinstance(model, getattr(module, class_name, ())):
+            raise TypeError(
+                f"jax_fp8.equinox.fp8_model: model is a Flax {kind} module "
+                f"({type(model).__name__}), not an Equinox one: convert it with "
+                f"jax_fp8.flax.fp8_model(model, rules) (docs/convert.md)")
+
+
+def _convert(node, keys, rules, seen):
     path = _path(keys)
+    if isinstance(node, (eqx.nn.Linear, Fp8Linear)) or hasattr(type(node), "_fp8_unconverted"):
+        seen.append(path)
     if isinstance(node, eqx.nn.Linear):
         rule = rules_lib.rule_for(rules, path)
         if rule is None:
@@ -192,9 +226,11 @@ def _convert(node, keys, rules):
         return node   # already FP8
     is_sub = lambda x: x is not node and isinstance(x, eqx.Module)  # noqa: E731
     converted = jax.tree_util.tree_map_with_path(
-        lambda p, x: _convert(x, keys + tuple(p), rules) if isinstance(x, eqx.Module) else x,
+        lambda p, x: _convert(x, keys + tuple(p), rules, seen)
+        if isinstance(x, eqx.Module) else x,
         node, is_leaf=is_sub)
     if isinstance(converted, eqx.Module) and _own_gemms(converted):
+        seen.append(path)
         rule = rules_lib.rule_for(rules, path)
         if rule is not None:
             return _convert_own(converted, rule, path)

@@ -46,6 +46,24 @@ def _is_combined(grads, params, collection) -> bool:
             or any(is_grad(x) for x in jax.tree.leaves(grads[collection], is_leaf=is_grad)))
 
 
+def _check_params_alone(params: Any, recipe: Recipe, collection: str) -> None:
+    """ValueError for ``create(params=...)`` without ``fp8=`` (Flax's ``TrainState``
+    habit), which would leave the model's FP8 state out of the train state."""
+    if isinstance(params, Mapping) and "params" in params and collection in params:
+        raise ValueError(
+            f"Fp8TrainState.create: params= holds the collections {sorted(params)}, which "
+            f"is model.init's whole result: pass it as variables= (params and the FP8 "
+            f"state {collection!r} together)")
+    if recipe.keeps_state:
+        raise ValueError(
+            f"Fp8TrainState.create: params= without fp8=. With {type(recipe).__name__} the "
+            f"model's FP8 layers keep state (model.init's {collection!r} collection); without "
+            f"it in the train state, evaluation would run on fresh FP8 states and no step "
+            f"would update them. Pass variables=model.init(...) (params and FP8 state "
+            f"together), or params=variables['params'], fp8=variables[{collection!r}] "
+            f"(fp8={{}} for a model without FP8 layers)")
+
+
 class Fp8TrainState(train_state.TrainState):
     """``flax.training.train_state.TrainState`` plus the FP8 state, outside the optimizer.
 
@@ -80,7 +98,10 @@ class Fp8TrainState(train_state.TrainState):
             else ValueError (pass ``params=`` and ``fp8=`` and keep other collections
             yourself).
           params: the parameters, in place of ``variables``.
-          fp8: the FP8 collection, with ``params`` (default: none).
+          fp8: the FP8 collection, with ``params``: ``variables["fp8_meta"]`` of
+            ``model.init``. Required with ``params`` when ``recipe`` keeps state (delayed
+            scaling), else ValueError: without it the layers would run on fresh FP8
+            states that no step updates; ``fp8={}`` for a model without FP8 layers.
           recipe: the recipe the FP8 states were made by (default ``DelayedScaling()``):
             every FP8 state must follow it (history length and FP8 dtypes; the layers'
             ``recipe`` attribute), else ValueError. A current or blockwise recipe keeps
@@ -108,6 +129,8 @@ class Fp8TrainState(train_state.TrainState):
             params = rest["params"]
         recipe = recipe_lib.default() if recipe is None else recipe
         recipe_lib.check_recipe(recipe, "recipe")
+        if params is not None and fp8 is None:
+            _check_params_alone(params, recipe, fp8_collection)
         fp8 = {} if fp8 is None else fp8
         state_lib.check_states_follow(recipe, fp8, "fp8")
         counts: dict = {}
@@ -139,8 +162,18 @@ class Fp8TrainState(train_state.TrainState):
         ``mutable`` collections, (output, their updates).
         """
         extra = [mutable] if isinstance(mutable, str) else list(mutable)
+        given = self.fp8 if fp8 is None else fp8
         out, updates = self.apply_fn(self.variables(params, fp8), *args,
                                      mutable=[self.fp8_collection, *extra], **kwargs)
+        if not state_lib.states_info(given):
+            made = state_lib.states_info(dict(updates).get(self.fp8_collection, {}))
+            if made:
+                raise ValueError(
+                    f"Fp8TrainState.apply_model: the model's FP8 layers made {len(made)} "
+                    f"fresh FP8 states because the train state holds none: it was created "
+                    f"without the model's {self.fp8_collection!r} collection. Create it with "
+                    f"variables=model.init(...), or params= and fp8=variables"
+                    f"[{self.fp8_collection!r}]")
         if extra:
             updates = dict(updates)
             updates.pop(self.fp8_collection, None)

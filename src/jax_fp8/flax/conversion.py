@@ -3,6 +3,7 @@ unchanged (`Fp8Rule` says which)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,7 +90,8 @@ def fp8_model(model: Any, rules: Fp8Rule | Sequence[Fp8Rule] | None = None, *exa
       ``Fp8Optimizer`` as a hand-written FP8 model.
 
     Raises:
-      TypeError: ``model`` is neither a linen nor an NNX module, an argument of the other
+      TypeError: ``model`` is neither a linen nor an NNX module (an Equinox module: the
+        message names `jax_fp8.equinox.fp8_model`), an argument of the other
         kind of model (example inputs for linen, ``methods`` for NNX), or a bad rule; at
         trace time (linen), a GEMM with a parameter operand in a method where Flax allows
         no submodule, or a module holding a submodule named ``<parameter>_fp8`` of its own.
@@ -102,8 +104,14 @@ def fp8_model(model: Any, rules: Fp8Rule | Sequence[Fp8Rule] | None = None, *exa
                             "converted in place, every method")
         return nnx_conversion.convert(model, as_rules(rules), *example_args, **example_kwargs)
     if not isinstance(model, nn.Module):
+        equinox = sys.modules.get("equinox")
+        if equinox is not None and isinstance(model, equinox.Module):
+            raise TypeError(f"jax_fp8.flax.fp8_model: model is an Equinox module "
+                            f"({type(model).__name__}), not a Flax one: convert it with "
+                            f"jax_fp8.equinox.fp8_model(model, rules) (docs/equinox.md)")
         raise TypeError(f"fp8_model(model): model must be a flax.linen or flax.nnx Module, "
-                        f"got {type(model).__name__}")
+                        f"got {type(model).__name__} (an Equinox model: "
+                        f"jax_fp8.equinox.fp8_model)")
     if example_args or example_kwargs:
         raise TypeError("fp8_model: example inputs are for NNX models (a linen model gets "
                         "its FP8 modules at init)")
