@@ -131,9 +131,12 @@ jax.export.register_pytree_node_serialization(
     deserialize_auxdata=_deserialize_aux)
 
 
-def amax_cotangent(ct: ScalingState, amax, primal: ScalingState) -> ScalingState:
+def amax_cotangent(ct: ScalingState, amax, primal: ScalingState,
+                   reduce: Any = None) -> ScalingState:
     """The cotangent one use hands back: the amax record (`jax_fp8._fp8_grads.amax_record`)
-    of fmax(downstream uses' amax, this use's amax).
+    of fmax(downstream uses' amax, this use's amax), reduced first by ``reduce(amax,
+    primal)`` where given (inside shard_map, the max over the devices the state does not
+    vary over: the record's parts are all made from the reduced amax).
 
     Where nothing downstream used the threaded meta (a symbolic zero cotangent), the
     staging slot is this use's amax itself: fmax(0, amax) would change nothing that the
@@ -153,6 +156,8 @@ def amax_cotangent(ct: ScalingState, amax, primal: ScalingState) -> ScalingState
                                   fp8_dtype=primal.fp8_dtype)
         staged = jnp.fmax(recorded_amax(downstream), amax)
     staged = amax_lib.amax_for_state(staged, primal.scale)
+    if reduce is not None:
+        staged = reduce(staged, primal)
     return amax_record(staged, primal)
 
 
