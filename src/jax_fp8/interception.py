@@ -238,8 +238,9 @@ def note_gemm(site: Site, kind: str, lhs, rhs, flops: int) -> None:
     minimum = float(site.rule.min_fp8_flops)
     if flops < minimum:
         dtype = np.dtype(jnp.result_type(lhs, rhs)).name
+        formula = "2 * M * K * N" if kind.startswith("ragged_dot") else "2 * batch * M * N * K"
         note(site, KEPT_SCOPE,
-             f"its {kind} of {flops} FLOPs (2 * batch * M * N * K, shapes {tuple(lhs.shape)} "
+             f"its {kind} of {flops} FLOPs ({formula}, shapes {tuple(lhs.shape)} "
              f"and {tuple(rhs.shape)}) is below the rule's min_fp8_flops ({minimum:.0f}): it "
              f"runs in {dtype}. Lower min_fp8_flops (0: every GEMM in FP8)")
     else:
