@@ -35,7 +35,6 @@ from jax import lax
 from jax_fp8 import state as state_lib
 from jax_fp8.state import HoldsStates, ScalingState, is_state
 
-
 # ------------------------------------------------------------------- the amax record
 # A float32 amax a splits exactly into a high part (a with its 12 low mantissa bits
 # cleared: 12 significant bits) and a low part (a minus it: at most 12 significant bits).

@@ -4,8 +4,9 @@ While a converted model runs (`patched`), ``jax.lax.dot_general``, ``jax.numpy.e
 the matrix products ``@``, ``jax.numpy.matmul`` and ``jax.numpy.dot`` (and the ``.dot``
 method) are replaced by functions that hand a GEMM of a matched module (the innermost
 `Site` `running`) to the FP8 GEMM the site's converter creates for it (a matrix product
-as the ``dot_general`` with its result); everything else goes to the original functions. A framework adapter (``jax_fp8.flax``) says which module is
-running and which of its arrays are weights; this module knows no framework.
+as the ``dot_general`` with its result); everything else goes to the original functions.
+A framework adapter (``jax_fp8.flax``) says which module is running and which of its
+arrays are weights; this module knows no framework.
 
 A weight is recognised by where it came from (`follow`): the parameter itself, or an
 array made from it by the operations that carry a weight's values to a GEMM unchanged but

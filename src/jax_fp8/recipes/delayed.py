@@ -181,9 +181,11 @@ def _bwd_tail(grad_lhs, grad_rhs, lhs_like, rhs_like, meta, ct_meta, amaxes):
     def to_state(amax, primal):
         return _to_primal_vma(amax, primal.scale, _pmax_ignoring_nan)
 
-    ct_meta_in = Fp8Meta(*(meta_lib.amax_cotangent(getattr(ct_meta, name), amax,
-                                                   getattr(meta, name), to_state)
-                           for name, amax in zip(Fp8Meta.STATES, amaxes)))
+    amax_lhs, amax_rhs, amax_g = amaxes
+    ct_meta_in = Fp8Meta(
+        input=meta_lib.amax_cotangent(ct_meta.input, amax_lhs, meta.input, to_state),
+        kernel=meta_lib.amax_cotangent(ct_meta.kernel, amax_rhs, meta.kernel, to_state),
+        grad=meta_lib.amax_cotangent(ct_meta.grad, amax_g, meta.grad, to_state))
     grad_lhs = _to_primal_vma(grad_lhs, lhs_like, lax.psum)
     grad_rhs = _to_primal_vma(grad_rhs, rhs_like, lax.psum)
     return grad_lhs, grad_rhs, ct_meta_in
