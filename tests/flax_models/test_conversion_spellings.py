@@ -201,3 +201,23 @@ def test_the_products_are_jax_s_own_outside_a_converted_call():
     fp8_model(Proj("x @ w"), RULE).init(KEY, x)
     assert jnp.matmul is contractions.matmul and jnp.dot is contractions.dot
     assert jnp.matmul.__module__.startswith("jax")
+
+
+def test_linen_embed_attend_stays_as_it_is():
+    """nn.Embed.attend (a jnp.dot with the embedding table, the tied output projection)
+    is left as it is, as documented: no state, no warning, the unconverted numbers."""
+    class Tied(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            embed = nn.Embed(64, 32)
+            h = nn.Dense(32)(embed(tokens))
+            return embed.attend(h)
+
+    tokens = jnp.arange(16) % 64
+    model = fp8_model(Tied(), RULE)
+    variables = model.init(KEY, tokens)
+    assert list(variables[FP8_COLLECTION]) == ["Dense_0"]
+    out, caught = record(model.apply, variables, tokens)
+    assert not caught, caught
+    rows = [r for r in explain.explain(model.apply, variables, tokens) if r.kind == "gemm"]
+    assert sorted(r.lowering for r in rows) == ["float32", "fp8"], rows
