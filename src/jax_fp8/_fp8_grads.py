@@ -84,9 +84,10 @@ def recorded_amax(record: ScalingState) -> jax.Array:
     staged = record.amax_history[..., 0]
     low, unit = record.scale, record.scale_inv
     untouched = (unit == 1) & (low == _low_part(staged))
+    unit = jnp.where(unit == 0, jnp.float32(1), unit)   # no 0 / 0 (jax_debug_nans)
     x, lo = staged / unit, _twelve_bits(low / unit, rounded=True)
     rescaled = jnp.where(jnp.isfinite(x), _twelve_bits(x - lo, rounded=True) + lo, x)
-    return jnp.where((unit == 0) | untouched, staged, rescaled)
+    return jnp.where((record.scale_inv == 0) | untouched, staged, rescaled)
 
 
 def _not_a_key(*_: Any, **__: Any) -> Any:
