@@ -40,8 +40,9 @@ from jax_fp8.state import HoldsStates, ScalingState, is_state
 # cleared: 12 significant bits) and a low part (a minus it: at most 12 significant bits).
 # Each part survives what generic code does to a whole gradient tree: a product with any
 # factor c and a division by c move it by at most one float32 rounding, far less than
-# the spacing of its 12-bit grid, and a sum of up to 2**11 identical copies is exact
-# before its division. So (record / unit) rounded back onto the two grids is a, exactly.
+# the spacing of its 12-bit grid; a sum of up to 2**11 identical copies (divided or not)
+# keeps the low part exact and moves the staging slot far less than the high part's
+# spacing. So (record / unit) rounded back onto the two grids is a, exactly.
 _HIGH_BITS = np.uint32(0xFFFFF000)   # sign, exponent, the 11 leading mantissa bits
 _HALF_LOW = np.uint32(0x800)         # half a step of the 12-bit grid
 
