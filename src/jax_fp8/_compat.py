@@ -24,8 +24,8 @@ from jax_fp8._primitives.jax_compat import (
 )
 
 __all__ = ["EXPLICIT", "axis_names", "batched_here", "is_batch_trace", "check", "current_trace",
-           "is_differentiation_trace", "jit_key_flag", "parent_trace", "pvary",
-           "require_devices_during_lowering", "staged_argument", "traced_for", "trace_of"]
+           "is_differentiation_trace", "jit_key_flag", "numpy_contractions", "parent_trace",
+           "pvary", "require_devices_during_lowering", "staged_argument", "traced_for", "trace_of"]
 
 _MISSING = ("jax_fp8 needs {what} of this jax ({version}), which it no longer has; the "
             "trace-time guards of the FP8 training loops depend on it. Install a jax "
@@ -35,11 +35,12 @@ _MISSING = ("jax_fp8 needs {what} of this jax ({version}), which it no longer ha
 def _load():
     from jax._src import config, core
     from jax._src.interpreters import ad, batching
-    return config, core, ad, batching
+    from jax._src.numpy import tensor_contractions
+    return config, core, ad, batching, tensor_contractions
 
 
 try:
-    _config, _core, _ad, _batching = _load()
+    _config, _core, _ad, _batching, _contractions = _load()
 except ImportError as err:  # pragma: no cover - a JAX that moved these modules
     raise ImportError(_MISSING.format(what=f"jax._src ({err})", version=jax.__version__)) from err
 
@@ -55,7 +56,11 @@ def check() -> None:
              "jax._src.interpreters.ad.LinearizeTrace": hasattr(_ad, "LinearizeTrace"),
              "jax._src.interpreters.batching.BatchTrace": hasattr(_batching, "BatchTrace"),
              "jax._src.config.bool_state": hasattr(_config, "bool_state"),
-             "jax._src.core.get_axis_env": hasattr(_core, "get_axis_env")}
+             "jax._src.core.get_axis_env": hasattr(_core, "get_axis_env"),
+             "jax._src.numpy.tensor_contractions.matmul": callable(
+                 getattr(_contractions, "matmul", None)),
+             "jax._src.numpy.tensor_contractions.dot": callable(
+                 getattr(_contractions, "dot", None))}
     missing = [name for name, ok in needs.items() if not ok] + _frame_missing()
     if missing:
         raise ImportError(_MISSING.format(what=", ".join(missing), version=jax.__version__))
@@ -125,6 +130,13 @@ def jit_key_flag(name: str, help: str):
     other. ``flag(True)`` is a context manager; ``flag.value`` the current value."""
     return _config.bool_state(name, False, help, include_in_jit_key=True,
                               include_in_trace_context=True)
+
+
+def numpy_contractions():
+    """The module whose ``matmul`` and ``dot`` the ``@`` operator and the ``.dot`` method of
+    JAX arrays and tracers call (looked up at each call): the converters replace them there
+    as well as in ``jax.numpy`` while a converted model runs."""
+    return _contractions
 
 
 def axis_names() -> tuple:

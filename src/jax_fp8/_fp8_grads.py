@@ -1,11 +1,22 @@
-"""FP8 gradients: the amaxes a step observed, in leaves that refuse arithmetic (`AmaxGrad`).
+"""FP8 gradients: the amaxes a step observed, as amax records and as `AmaxGrad`s.
 
 The gradient of a delayed-scaling state is no gradient: it carries the amaxes its tensor
-had, which the FP8 update reads and which combine by max, never by sum. `AmaxGrad` holds
-them in an array of an extended dtype on which generic gradient code (a scaling, a clip,
-a sum, a pmean) raises at trace time; `fp8_grads_from_cotangents` makes them from JAX's
-raw cotangents, `amax_cotangents` reads them back, `combine_fp8_grads` combines those of
-several microbatches.
+had, which the FP8 update reads and which combine by max, never by sum. Two forms:
+
+* **The amax record**, JAX's raw cotangent of a `ScalingState` (what ``jax.grad`` and
+  ``eqx.filter_value_and_grad`` return): float32 arrays, which generic code may scale,
+  average or sum. The record holds the amax in the staging slot, its low-order part in
+  the ``scale`` slot and a unit (1) in the ``scale_inv`` slot; `recorded_amax` reads
+  ``amax / unit`` rounded back onto the two parts' grids, so a linear map applied to the
+  whole record (a loss scale undone, a clip factor, a mean or sum of identical records,
+  as the FP8 ops' backward makes every device's under ``pmap``) reads back the amax
+  itself, bit for bit (`amax_record`).
+* **`AmaxGrad`**: the amaxes in an array of an extended dtype on which generic gradient
+  code (a scaling, a clip, a sum, a pmean) raises at trace time, what jax_fp8's
+  value_and_grad functions return.
+
+`fp8_grads_from_cotangents` makes `AmaxGrad`s from records, `amax_cotangents` reads
+either back, `combine_fp8_grads` combines those of several microbatches (by max).
 """
 
 from __future__ import annotations
@@ -18,9 +29,66 @@ import jax
 import jax.export  # noqa: F401  (register_pytree_node_serialization)
 import jax.extend.random
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from jax_fp8 import state as state_lib
 from jax_fp8.state import HoldsStates, ScalingState, is_state
+
+# ------------------------------------------------------------------- the amax record
+# A float32 amax a splits exactly into a high part (a with its 12 low mantissa bits
+# cleared: 12 significant bits) and a low part (a minus it: at most 12 significant bits).
+# Each part survives what generic code does to a whole gradient tree: a product with any
+# factor c and a division by c move it by at most one float32 rounding, far less than
+# the spacing of its 12-bit grid; a sum of up to 2**11 identical copies (divided or not)
+# keeps the low part exact and moves the staging slot far less than the high part's
+# spacing. So (record / unit) rounded back onto the two grids is a, exactly.
+_HIGH_BITS = np.uint32(0xFFFFF000)   # sign, exponent, the 11 leading mantissa bits
+_HALF_LOW = np.uint32(0x800)         # half a step of the 12-bit grid
+
+
+def _twelve_bits(x, rounded: bool) -> jax.Array:
+    """x on the grid of 12 significant bits: truncated, or rounded to nearest (half away
+    from zero), in integer arithmetic on its bits (no float operation to flush)."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    if rounded:
+        bits = bits + _HALF_LOW
+    return lax.bitcast_convert_type(bits & _HIGH_BITS, jnp.float32)
+
+
+def _low_part(amax) -> jax.Array:
+    """amax minus its high part (exact; at most 12 significant bits); 0 for inf / NaN."""
+    return jnp.where(jnp.isfinite(amax), amax - _twelve_bits(amax, rounded=False),
+                     jnp.float32(0))
+
+
+def amax_record(amax, like: ScalingState) -> ScalingState:
+    """The raw cotangent that carries ``amax`` (float32, ``like``'s scale shape) for the
+    state ``like``: ``amax_history`` zero but for the staging slot, which holds the amax;
+    ``scale`` its low part; ``scale_inv`` the unit, 1. `recorded_amax` reads it back."""
+    amax = jnp.asarray(amax, jnp.float32)
+    history = jnp.zeros_like(like.amax_history).at[..., 0].set(amax)
+    return ScalingState(history, _low_part(amax), jnp.ones_like(like.scale),
+                        fp8_dtype=like.fp8_dtype)
+
+
+def recorded_amax(record: ScalingState) -> jax.Array:
+    """The amax an amax record (a state's raw cotangent, packed or not) carries.
+
+    As `amax_record` wrote it: the staging slot, as it is. After a linear map of the
+    record (``g / loss_scale``, ``g * clip_factor``, ``-g``, a mean or a sum of identical
+    records over devices): ``staging slot / unit`` put back onto the grids of its two
+    parts, the amax exactly (a map that makes a part subnormal flushes it first, as XLA
+    does). A record whose unit is 0 (a hand-made raw cotangent, a
+    ``jnp.zeros_like`` accumulator, a state no op used) is read as its staging slot.
+    """
+    staged = record.amax_history[..., 0]
+    low, unit = record.scale, record.scale_inv
+    untouched = (unit == 1) & (low == _low_part(staged))
+    unit = jnp.where(unit == 0, jnp.float32(1), unit)   # no 0 / 0 (jax_debug_nans)
+    x, lo = staged / unit, _twelve_bits(low / unit, rounded=True)
+    rescaled = jnp.where(jnp.isfinite(x), _twelve_bits(x - lo, rounded=True) + lo, x)
+    return jnp.where((record.scale_inv == 0) | untouched, staged, rescaled)
 
 
 def _not_a_key(*_: Any, **__: Any) -> Any:
@@ -133,14 +201,12 @@ def _is_grad_leaf(x) -> bool:
 def fp8_grads_from_cotangents(cotangents: Any) -> Any:
     """JAX's raw cotangent of FP8 states -> FP8 gradients that refuse arithmetic.
 
-    ``jax.grad`` with respect to FP8 states returns, for each `ScalingState`, a
-    ScalingState-shaped float cotangent whose staging slot holds the observed amax: plain
-    floats, which a gradient transform (a loss scale, a clip, a sum) would change
-    without notice. This replaces each by its `AmaxGrad`; call it where ``jax.grad``
-    returns, before anything else touches the gradient. `AmaxGrad`s and other leaves are
-    kept as they are.
+    ``jax.grad`` with respect to FP8 states returns, for each `ScalingState`, its amax
+    record (`amax_record`): plain floats, which a uniform rescale leaves readable but a
+    sum of several steps' records would not. This replaces each by its `AmaxGrad`, which
+    refuses arithmetic; `AmaxGrad`s and other leaves are kept as they are.
     """
-    return jax.tree.map(lambda x: AmaxGrad.of(x.amax_history[..., 0]) if is_state(x) else x,
+    return jax.tree.map(lambda x: AmaxGrad.of(recorded_amax(x)) if is_state(x) else x,
                         cotangents, is_leaf=_is_grad_leaf)
 
 
@@ -155,7 +221,7 @@ def holds_fp8_grads(tree: Any) -> bool:
 
 def amax_cotangents(fp8_grads: Any) -> Any:
     """The observed amaxes carried by FP8 gradients, as float32 arrays: each `AmaxGrad`
-    -> its amaxes, each raw ScalingState cotangent -> its staging slot.
+    -> its amaxes, each raw ScalingState cotangent (an amax record) -> `recorded_amax`.
 
     Raises:
       TypeError: an `AmaxGrad` that does not hold amaxes (rebuilt by generic tree code).
@@ -163,7 +229,7 @@ def amax_cotangents(fp8_grads: Any) -> Any:
     def amax(path, g):
         if isinstance(g, AmaxGrad):
             return g.value("fp8_grads" + jax.tree_util.keystr(path))
-        return g.amax_history[..., 0] if is_state(g) else g
+        return recorded_amax(g) if is_state(g) else g
 
     return jax.tree_util.tree_map_with_path(amax, fp8_grads, is_leaf=_is_grad_leaf)
 
@@ -180,8 +246,7 @@ def combine_fp8_grads(*fp8_grads: Any) -> Any:
         raise ValueError("combine_fp8_grads needs at least one gradient tree")
 
     def amax(g):
-        return g.value("combine_fp8_grads") if isinstance(g, AmaxGrad) else \
-            g.amax_history[..., 0]
+        return g.value("combine_fp8_grads") if isinstance(g, AmaxGrad) else recorded_amax(g)
 
     def combine(*gs):
         first = gs[0]
@@ -190,8 +255,6 @@ def combine_fp8_grads(*fp8_grads: Any) -> Any:
         staged = functools.reduce(jnp.fmax, [amax(g) for g in gs])
         if isinstance(first, AmaxGrad):
             return AmaxGrad.of(staged)
-        return ScalingState(jnp.zeros_like(first.amax_history).at[..., 0].set(staged),
-                            jnp.zeros_like(first.scale), jnp.zeros_like(first.scale_inv),
-                            fp8_dtype=first.fp8_dtype)
+        return amax_record(staged, first)
 
     return jax.tree.map(combine, *fp8_grads, is_leaf=_is_grad_leaf)

@@ -1,10 +1,12 @@
 """The interception of GEMM calls that model converters share (framework-neutral).
 
-While a converted model runs (`patched`), ``jax.lax.dot_general`` and ``jax.numpy.einsum``
-are replaced by functions that hand a GEMM of a matched module (the innermost `Site`
-`running`) to the FP8 GEMM the site's converter creates for it; everything else goes to
-the original functions. A framework adapter (``jax_fp8.flax``) says which module is
-running and which of its arrays are weights; this module knows no framework.
+While a converted model runs (`patched`), ``jax.lax.dot_general``, ``jax.numpy.einsum`` and
+the matrix products ``@``, ``jax.numpy.matmul`` and ``jax.numpy.dot`` (and the ``.dot``
+method) are replaced by functions that hand a GEMM of a matched module (the innermost
+`Site` `running`) to the FP8 GEMM the site's converter creates for it (a matrix product
+as the ``dot_general`` with its result); everything else goes to the original functions.
+A framework adapter (``jax_fp8.flax``) says which module is running and which of its
+arrays are weights; this module knows no framework.
 
 A weight is recognised by where it came from (`follow`): the parameter itself, or an
 array made from it by the operations that carry a weight's values to a GEMM unchanged but
@@ -36,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fp8 import _gemms
+from jax_fp8 import _compat, _gemms
 from jax_fp8._interception_follow import (
     _BINDS,
     _FLOAT64,
@@ -56,7 +58,9 @@ __all__ = ["FOLLOWED", "KEPT_SCOPES", "ORIGINAL", "Site", "einsum_flops", "expli
            "follow", "local", "note", "note_gemm", "patched", "reporting", "running", "track",
            "weight_of"]
 
-ORIGINAL = {"dot_general": jax.lax.dot_general, "einsum": jnp.einsum}
+_CONTRACTIONS = _compat.numpy_contractions()
+ORIGINAL = {"dot_general": jax.lax.dot_general, "einsum": jnp.einsum,
+            "matmul": _CONTRACTIONS.matmul, "dot": _CONTRACTIONS.dot}
 # Further (owner, attribute, replacement) that `patched` installs with the two above (each
 # a GEMM function a module of its own intercepts: jax_fp8.interception_ragged's
 # jax.lax.ragged_dot).
@@ -68,6 +72,9 @@ KEPT_SCOPES = {
     "fp8_model_no_weight": "kept by fp8_model: neither operand is one of the module's "
                            "parameters as the conversion follows them",
     "fp8_model_dtype": "kept by fp8_model: the recipe does not take its operands' dtype",
+    "fp8_model_form": "kept by fp8_model: a form of the GEMM the FP8 GEMMs do not take (a "
+                      "matrix product that broadcasts its operands' batch axes, a grouped "
+                      "GEMM other than a mixture-of-experts layer's)",
 }
 
 
@@ -108,7 +115,7 @@ def patched(extra: Sequence[tuple[Any, str, Any]] = ()):
     attribute over threads: other threads see the original behaviour, since the
     replacements act only where a converted method runs (`running`)."""
     patches = [(jax.lax, "dot_general", _converting_dot_general),
-               (jnp, "einsum", _converting_einsum), *_BINDS, *PATCHES, *extra]
+               (jnp, "einsum", _converting_einsum), *_PRODUCTS, *_BINDS, *PATCHES, *extra]
     with _lock:
         for owner, name, replacement in patches:
             key = (id(owner), name)
@@ -178,20 +185,35 @@ def _weight_side(site: Site, lhs, rhs) -> tuple[tuple[str, str | None] | None, s
 
 
 def _why(scope: str, site: Site, lhs, rhs, kind: str) -> str:
+    names = ", ".join(sorted({np.dtype(x.dtype).name for x in (lhs, rhs)}))
+    if scope == "fp8_model_dtype" and kind.startswith("ragged_dot"):
+        return (f"its {kind} has {names} operands, which the grouped FP8 GEMM does not take "
+                f"(float32, bfloat16, float16): it runs in {names}. Cast the expert weights "
+                f"and tokens to one of those")
     if scope == "fp8_model_dtype":
-        names = ", ".join(sorted({np.dtype(x.dtype).name for x in (lhs, rhs)}))
         return (f"its {kind} has {names} operands, which {type(site.rule.recipe).__name__} "
                 f"does not take (float32, bfloat16, float16; delayed scaling also float64): "
                 f"it runs in {names}. Cast the model to a dtype the recipe takes, or use "
                 f"DelayedScaling")
+    if scope == "fp8_model_form":
+        shapes = " and ".join(str(tuple(np.shape(x))) for x in (lhs, rhs))
+        if kind.startswith("ragged_dot"):
+            return (f"its {kind} of shapes {shapes} is not a mixture-of-experts layer's "
+                    f"grouped GEMM (tokens [M, K] ragged along M, an expert weight [G, K, N] "
+                    f"or [G, N, K] grouped along its axis 0), the one FP8 grouped GEMM: it "
+                    f"runs as written")
+        return (f"its {kind} of shapes {shapes} broadcasts its operands' batch axes, which "
+                f"the FP8 GEMMs do not: it runs as written. Write it as jax.lax.dot_general "
+                f"or jnp.einsum with the weight as one operand")
     names = ", ".join(repr(n) for n in dict.fromkeys(
         n for n, w in site.weights if getattr(w, "ndim", 0) >= 2))
     return (f"neither operand of its {kind} is one of its parameters ({names}) as the "
             f"conversion follows them: the parameter itself, or made from it by casts, "
             f"reshapes, transposes, squeezes and sharding constraints only; a weight "
             f"changed otherwise before the GEMM (scaled, sliced, concatenated, ...) is not "
-            f"recognised. Give the GEMM the parameter (through those operations), or "
-            f"convert every GEMM of the module with Fp8Rule(activations=True)")
+            f"recognised. Give the GEMM the parameter (through those operations)"
+            + ("" if kind.startswith("ragged_dot") else
+               ", or convert every GEMM of the module with Fp8Rule(activations=True)"))
 
 
 def _kept(site: Site, scope: str, kind: str, lhs, rhs, original):
@@ -216,15 +238,23 @@ def einsum_flops(eqn: str, lhs_shape, rhs_shape) -> int:
     return gemm_flops(lhs_shape, rhs_shape, einsum_dimension_numbers(eqn))
 
 
-def note_gemm(site: Site, kind: str, lhs, rhs, dimension_numbers) -> None:
+def note_gemm(site: Site, kind: str, lhs, rhs, dimension_numbers=None) -> None:
     """Records for the report a GEMM of ``site``'s module that its FP8 layer runs: in FP8,
     or kept by the rule's ``min_fp8_flops`` (below its FLOPs, or where FP8 is not faster:
-    the decision `jax_fp8.fp8_dot_general` takes on the same sizes)."""
-    try:
-        batch, m, n, k = _gemms.gemm_sizes(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
-    except (TypeError, ValueError):
-        note(site, None)
-        return
+    the decision `jax_fp8.fp8_dot_general` / `fp8_ragged_dot` takes on the same sizes).
+    ``dimension_numbers``: the ``dot_general``'s; None for a grouped GEMM (lhs [M, K], rhs
+    [G, K, N])."""
+    if dimension_numbers is None:
+        (m, k), n, batch = jnp.shape(lhs), jnp.shape(rhs)[-1], 1
+        formula = "2 * M * K * N"
+    else:
+        try:
+            batch, m, n, k = _gemms.gemm_sizes(jnp.shape(lhs), jnp.shape(rhs),
+                                               dimension_numbers)
+        except (TypeError, ValueError):
+            note(site, None)
+            return
+        formula = "2 * batch * M * N * K"
     kept = kept_out(site.rule.recipe, site.rule.min_fp8_flops, batch * m, k, n)
     if kept is None:
         note(site, None)
@@ -233,9 +263,9 @@ def note_gemm(site: Site, kind: str, lhs, rhs, dimension_numbers) -> None:
     shapes = f"shapes {tuple(jnp.shape(lhs))} and {tuple(jnp.shape(rhs))}"
     if kept[0] == KEPT_SCOPE:
         note(site, KEPT_SCOPE,
-             f"its {kind} of {2 * batch * m * n * k} FLOPs (2 * batch * M * N * K, {shapes}) "
-             f"is below the rule's min_fp8_flops ({float(site.rule.min_fp8_flops):.0f}): it "
-             f"runs in {dtype}. Lower min_fp8_flops (0: every GEMM in FP8)")
+             f"its {kind} of {2 * batch * m * n * k} FLOPs ({formula}, {shapes}) is below "
+             f"the rule's min_fp8_flops ({float(site.rule.min_fp8_flops):.0f}): it runs in "
+             f"{dtype}. Lower min_fp8_flops (0: every GEMM in FP8)")
     else:
         note(site, kept[0], f"its {kind} ({shapes}) runs in {dtype}: {kept[1]}")
 
@@ -277,6 +307,71 @@ def _swapped_dot_general(site, side, weight, lhs, rhs, dimension_numbers, precis
     perm = (*range(nb), *range(nb + n_rhs_free, nb + n_rhs_free + n_lhs_free),
             *range(nb, nb + n_rhs_free))
     return jnp.transpose(out, perm)
+
+
+def matmul_numbers(a_shape, b_shape):
+    """``(dimension_numbers, perm)``: ``jnp.matmul(a, b)`` as ``lax.dot_general(a, b,
+    dimension_numbers)`` transposed by ``perm`` (None: as it is); None where matmul
+    broadcasts batch axes of different shapes (or an operand is a scalar)."""
+    na, nb = len(a_shape), len(b_shape)
+    if na == 0 or nb == 0:
+        return None
+    if nb <= 2:          # [..., K] @ [K(, N)]: the result's axes in dot_general's order
+        return (((na - 1,), (0,)), ((), ())), None
+    if na == 1:          # [K] @ [..., K, N]
+        return (((0,), (nb - 2,)), ((), ())), None
+    if na == 2:          # [M, K] @ [..., K, N]: dot_general gives [M, ..., N]
+        return (((1,), (nb - 2,)), ((), ())), (*range(1, nb - 1), 0, nb - 1)
+    if tuple(a_shape[:-2]) == tuple(b_shape[:-2]):   # the same batch axes
+        batch = tuple(range(na - 2))
+        return (((na - 1,), (nb - 2,)), (batch, batch)), None
+    return None
+
+
+def dot_numbers(a_shape, b_shape):
+    """``(dimension_numbers, None)``: ``jnp.dot(a, b)`` as ``lax.dot_general`` (a's last
+    axis against b's second-to-last, or its only one); None for a scalar operand."""
+    na, nb = len(a_shape), len(b_shape)
+    if na == 0 or nb == 0:
+        return None
+    return (((na - 1,), (max(nb - 2, 0),)), ((), ())), None
+
+
+def _converting_product(name: str, numbers):
+    """The converting ``jnp.matmul`` / ``jnp.dot`` (``@``, ``.dot``): a GEMM of a matched
+    module with one of its weights as an operand runs as the FP8 ``dot_general`` with the
+    same result (`matmul_numbers`, `dot_numbers`); a form that has none is reported."""
+    def converting(a, b, *, precision=None, preferred_element_type=None, **kwargs):
+        def original():
+            return ORIGINAL[name](a, b, precision=precision,
+                                  preferred_element_type=preferred_element_type, **kwargs)
+
+        site = _innermost()
+        if site is None:
+            return original()
+        found, scope = _weight_side(site, a, b)
+        if found is None:
+            return original() if scope is None else _kept(site, scope, name, a, b, original)
+        plan = numbers(np.shape(a), np.shape(b))
+        if plan is None:
+            return _kept(site, "fp8_model_form", name, a, b, original)
+        dimension_numbers, perm = plan
+        note_gemm(site, name, a, b, dimension_numbers)
+        with running(None):
+            out = _swapped_dot_general(site, *found, a, b, dimension_numbers, precision,
+                                       preferred_element_type)
+            return out if perm is None else jax.lax.transpose(out, perm)
+
+    converting.__name__ = converting.__qualname__ = name
+    return converting
+
+
+_converting_matmul = _converting_product("matmul", matmul_numbers)
+_converting_dot = _converting_product("dot", dot_numbers)
+# jnp.matmul / jnp.dot, and where the @ operator and the .dot method find them.
+_PRODUCTS = [(jnp, "matmul", _converting_matmul), (jnp, "dot", _converting_dot),
+             (_CONTRACTIONS, "matmul", _converting_matmul),
+             (_CONTRACTIONS, "dot", _converting_dot)]
 
 
 def explicit_einsum(subscripts: str, lhs_shape, rhs_shape) -> str | None:

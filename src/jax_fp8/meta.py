@@ -3,9 +3,14 @@
 `fp8_dot_general` never updates state. It quantizes with the *current* scales (delayed
 scaling) and reports what it observed -- the amax of its input, of its kernel and, in the
 backward pass, of the incoming gradient -- as the **cotangent of its `Fp8Meta` argument**:
-the "gradient" w.r.t. each state's ``amax_history`` is zero except in the staging slot
-``[..., 0]``, which holds the observed amax. `new_fp8_state(meta, meta_grads, recipe)` then
-reads those slots and updates the whole model's FP8 state with ONE `update_states` call.
+each state's cotangent is an *amax record* (`jax_fp8._fp8_grads.amax_record`): the
+"gradient" w.r.t. its ``amax_history`` is zero except in the staging slot ``[..., 0]``,
+which holds the observed amax, and those w.r.t. ``scale`` and ``scale_inv`` hold the
+amax's low-order part and a unit, so that the amax reads back exactly after any uniform
+rescale of the gradient tree (a loss scale undone) or a mean over devices (the backward
+max-reduces the amaxes over ``pmap``'s axes first, so every device's record is the same).
+`new_fp8_state(meta, meta_grads, recipe)` then reads the records and updates the whole
+model's FP8 state with ONE `update_states` call.
 
 Amaxes combine by max, never by sum (``docs/semantics.md``, "Several uses of one state"):
 
@@ -42,8 +47,10 @@ from jax_fp8 import recipe as recipe_lib, state as state_lib
 from jax_fp8._fp8_grads import (
     AmaxGrad,
     amax_cotangents,
+    amax_record,
     combine_fp8_grads,
     fp8_grads_from_cotangents,
+    recorded_amax,
 )
 from jax_fp8._primitives import amax as amax_lib
 from jax_fp8._trace_checks import frozen_scales, scales_frozen
@@ -124,27 +131,35 @@ jax.export.register_pytree_node_serialization(
     deserialize_auxdata=_deserialize_aux)
 
 
-def amax_cotangent(ct: ScalingState, amax, primal: ScalingState) -> ScalingState:
-    """The cotangent one use hands back: fmax(downstream uses' amax, this use's amax).
+def amax_cotangent(ct: ScalingState, amax, primal: ScalingState,
+                   reduce: Any = None) -> ScalingState:
+    """The cotangent one use hands back: the amax record (`jax_fp8._fp8_grads.amax_record`)
+    of fmax(downstream uses' amax, this use's amax), reduced first by ``reduce(amax,
+    primal)`` where given (inside shard_map, the max over the devices the state does not
+    vary over: the record's parts are all made from the reduced amax).
 
     Where nothing downstream used the threaded meta (a symbolic zero cotangent), the
     staging slot is this use's amax itself: fmax(0, amax) would change nothing that the
     update's own fmaxf(h[0], amax) does not already do, and skipping it spares the step
-    one scalar kernel per state. The result is then given the batching of ``primal``
+    one scalar kernel per state. The amax is then given the batching of ``primal``
     (`amax_lib.amax_for_state`): under ``vmap`` with one shared state the batch's amaxes
     are reduced by max here, before JAX would sum them.
     """
-    h = ct.amax_history
     amax = jnp.asarray(amax, jnp.float32)
-    if isinstance(h, SymbolicZero):
+    if isinstance(ct.amax_history, SymbolicZero):
         staged = amax
     else:
-        staged = jnp.fmax(h[..., 0], amax)
+        def value(x, like):
+            return jnp.zeros_like(like) if isinstance(x, SymbolicZero) else x
+        downstream = ScalingState(ct.amax_history, value(ct.scale, primal.scale),
+                                  value(ct.scale_inv, primal.scale_inv),
+                                  fp8_dtype=primal.fp8_dtype)
+        staged = jnp.fmax(recorded_amax(downstream), amax)
     staged = amax_lib.amax_for_state(staged, primal.scale)
-    zeros = jnp.zeros_like(primal.amax_history)
-    scale_zeros = jnp.zeros_like(primal.scale)
-    return ScalingState(zeros.at[..., 0].set(staged), scale_zeros, scale_zeros,
-                        fp8_dtype=primal.fp8_dtype)
+    if reduce is not None:
+        staged = reduce(staged, primal)
+    return amax_record(staged, primal)
+
 
 def new_fp8_state(fp8_states: Any, fp8_grads: Any, recipe: recipe_lib.Recipe | None = None, *,
                   axis_name: Hashable | None = None, implementation: str = "auto") -> Any:

@@ -158,6 +158,35 @@ def test_microbatches_combine_amaxes_by_max():
         assert_equal(u, v)
 
 
+def test_a_linear_map_of_the_whole_gradient_tree_keeps_the_amaxes():
+    """The FP8 states' gradients are amax records: a loss scale undone over the whole tree
+    (jax.tree.map(lambda g: g / scale, grads)), or the average of accumulated microbatches
+    (the whole accumulated tree divided by their number), updates the FP8 states exactly
+    as the unscaled gradients do."""
+    model = _mlp()
+    x, y = _data(n=8)
+    updates = jax.tree.map(jnp.zeros_like, jfe.params(model))
+
+    def fp8_after(grads):
+        return jax.tree.leaves(jfe.fp8_states(jfe.apply_updates(model, updates, grads)))
+
+    scale = 2.0 ** 15
+    plain = eqx.filter_grad(sum_loss)(model, x, y)
+    scaled = eqx.filter_grad(lambda m, x, y: sum_loss(m, x, y) * scale)(model, x, y)
+    unscaled = jax.tree.map(lambda g: g / scale, scaled)
+    for name in ("input", "kernel"):   # the forward's amaxes: the unscaled step's
+        for (_, a), (_, b) in zip(jfe.fp8_states(unscaled), jfe.fp8_states(plain)):
+            assert_equal(jax_fp8.amax_cotangents(getattr(a.meta, name)),
+                         jax_fp8.amax_cotangents(getattr(b.meta, name)))
+    for (_, a), (_, b) in zip(jfe.fp8_states(unscaled), jfe.fp8_states(scaled)):
+        assert_equal(jax_fp8.amax_cotangents(a.meta.grad), jax_fp8.amax_cotangents(b.meta.grad))
+    g1 = eqx.filter_grad(sum_loss)(model, x[:4], y[:4])
+    g2 = eqx.filter_grad(sum_loss)(model, x[4:], y[4:])
+    averaged = jax.tree.map(lambda g: g / 2, jfe.accumulate_grads(g1, g2))
+    for u, v in zip(fp8_after(averaged), fp8_after(plain)):
+        assert_equal(u, v)
+
+
 class Block(eqx.Module):
     ff: eqx.nn.MLP
 

@@ -659,8 +659,10 @@ class NnxParent(nnx.Module):
 
 def test_nnx_rules_apply_to_each_module_own_gemms():
     x, _ = _data()
-    # The parent converts its activation GEMM; the unmatched child keeps all of its own.
+    # The parent converts its activation GEMMs (the einsum and the @); the unmatched child
+    # keeps all of its own.
     model = fp8_model(NnxParent(nnx.Rngs(0)),
                            [Fp8Rule(path="", recipe=RECIPE, activations=True, min_fp8_flops=0)], x)
-    assert hasattr(model, "Fp8Einsum_0") and not hasattr(model.child, "w1_fp8")
-    assert _n_states(fnnx.fp8_state(model)) == 1 * 3
+    assert hasattr(model, "Fp8Einsum_0") and hasattr(model, "Fp8DotGeneral_0")
+    assert not hasattr(model.child, "w1_fp8")
+    assert _n_states(fnnx.fp8_state(model)) == 2 * 3

@@ -120,6 +120,44 @@ def test_linen_loss_scaling_on_the_parameter_gradients_gives_the_rule_s_scales()
         assert plain[path] > 0
 
 
+@pytest.mark.parametrize("pack_fp8", [True, False])
+def test_linen_flax_dynamic_scale_over_params_and_fp8_gives_the_rule_s_scales(pack_fp8):
+    """Flax's own DynamicScale differentiating (params, fp8) divides the whole gradient by
+    its loss scale, the FP8 part (JAX's raw cotangents, amax records) included: each
+    record reads back its amax all the same, so apply_gradients(fp8_grads=...) gives the
+    scales the manual loss-scaled step gives (input and kernel: the unscaled amaxes; the
+    gradient: the scaled gradient's, the tensor the backward quantized), bit for bit."""
+    _, state, x, y = _linen(pack_fp8)
+    dyn = dynamic_scale_lib.DynamicScale()
+    scale = float(dyn.scale)
+
+    @jax.jit
+    def dyn_step(state, dyn):
+        dyn, is_finite, _, (grads, fp8_grads) = dyn.value_and_grad(
+            _loss(state, x, y), argnums=(0, 1))(state.params, state.fp8)
+        return state.apply_gradients(grads=grads, fp8_grads=fp8_grads), is_finite
+
+    @jax.jit
+    def manual_step(state):
+        _, grads = state.value_and_grad(_loss(state, x, y, scale))()
+        grads = {**grads, "params": jax.tree.map(lambda g: g / scale, grads["params"])}
+        return state.apply_gradients(grads=grads)
+
+    new, is_finite = dyn_step(state, dyn)
+    assert bool(is_finite)
+    got, want = _newest(new.fp8), _newest(manual_step(state).fp8)
+    assert got.keys() == want.keys() and len(want) == 6
+    for path in want:
+        np.testing.assert_array_equal(got[path], want[path], err_msg=path)
+    assert_trees_equal(jax_fp8.unpack_states(new.fp8),
+                       jax_fp8.unpack_states(manual_step(state).fp8))
+    plain = _newest(jax.jit(lambda s: s.apply_gradients(
+        grads=s.value_and_grad(_loss(s, x, y))()[1]))(state).fp8)
+    for path in want:     # input and kernel: the unscaled step's amaxes
+        if _role(path) != "grad":
+            np.testing.assert_array_equal(got[path], plain[path], err_msg=path)
+
+
 def test_linen_flax_dynamic_scale_over_the_params_alone_is_refused_naming_the_fix():
     _, state, x, y = _linen()
     dyn = dynamic_scale_lib.DynamicScale()

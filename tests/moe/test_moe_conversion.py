@@ -8,6 +8,7 @@ per-expert states.
 """
 
 import re
+import warnings
 
 import flax.linen as nn
 import jax
@@ -201,21 +202,125 @@ def test_linen_training_step_with_fp8_train_state():
     assert (np.asarray(state.fp8["wo_fp8"]["kernel"].scale) != 1).all()
 
 
-def test_ragged_dot_of_activations_stays():
-    """A ragged_dot whose rhs is no parameter (e.g. weights computed from activations) is
-    left as it is."""
-    class Computed(nn.Module):
-        @nn.compact
-        def __call__(self, x, sizes):
-            w = self.param("w", nn.initializers.lecun_normal(), (4, D, D))
-            return jax.lax.ragged_dot(x, jnp.tanh(w), sizes)
+def _record(fn, *args):
+    """``fn(*args)`` and the Fp8ConversionWarnings it emitted."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn(*args)
+    return out, [str(w.message) for w in caught
+                 if issubclass(w.category, jax_fp8.Fp8ConversionWarning)]
 
-    x, sizes = jnp.ones((8, D)), jnp.array([2, 2, 2, 2], jnp.int32)
-    model = fp8_model(Computed(), Fp8Rule(min_fp8_flops=0))
+
+class Changed(nn.Module):
+    """One grouped GEMM whose expert weight is changed before it (not followed)."""
+    change: str
+    dtype: object = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, sizes):
+        shape = (5 if self.change == "sliced" else 4, D, D)
+        w = self.param("w", nn.initializers.lecun_normal(), shape, self.dtype)
+        w = {"scaled": lambda: w * 0.5, "sliced": lambda: w[:4], "tanh": lambda: jnp.tanh(w),
+             "as it is": lambda: w}[self.change]()
+        return jax.lax.ragged_dot(x, w, sizes)
+
+
+@pytest.mark.parametrize("change", ["scaled", "sliced", "tanh"])
+def test_an_expert_weight_changed_before_the_grouped_gemm_is_reported(change):
+    """w * 0.5, w[:G], jnp.tanh(w): not followed to the parameter, so the grouped GEMM runs
+    as written (no state), and the block, which runs no GEMM in FP8, is reported once."""
+    x, sizes = jax.random.normal(jax.random.key(2), (8, D)), jnp.array([2, 2, 2, 2], jnp.int32)
+    fresh = type("Changed", (Changed,), {})   # a class of its own: reported once per model
+    model = fp8_model(fresh(change), Fp8Rule(min_fp8_flops=0))
     variables = model.init(jax.random.key(0), x, sizes)
     assert "fp8_meta" not in variables
-    np.testing.assert_array_equal(np.asarray(model.apply(variables, x, sizes)),
-                                  np.asarray(Computed().apply(variables, x, sizes)))
+    out, caught = _record(model.apply, variables, x, sizes)
+    assert len(caught) == 1, caught
+    for part in ("root module (Changed)", "neither operand of its ragged_dot", "'w'"):
+        assert part in caught[0], caught[0]
+    np.testing.assert_array_equal(np.asarray(out),
+                                  np.asarray(Changed(change).apply(variables, x, sizes)))
+    assert not _record(model.apply, variables, x, sizes)[1]           # once per model
+
+
+def test_a_float64_expert_weight_is_reported_naming_the_dtype():
+    with jax.enable_x64(True):
+        x = jax.random.normal(jax.random.key(2), (8, D), jnp.float64)
+        sizes = jnp.array([2, 2, 2, 2], jnp.int32)
+        plain = type("Changed", (Changed,), {})("as it is", jnp.float64)
+        model = fp8_model(plain, Fp8Rule(min_fp8_flops=0))
+        variables = model.init(jax.random.key(0), x, sizes)
+        assert "fp8_meta" not in variables
+        out, caught = _record(model.apply, variables, x, sizes)
+        assert len(caught) == 1 and "float64" in caught[0] and "grouped FP8 GEMM" in caught[0]
+        assert out.dtype == jnp.float64
+        np.testing.assert_array_equal(np.asarray(out),
+                                      np.asarray(plain.apply(variables, x, sizes)))
+
+
+class General(nn.Module):
+    """The grouped GEMM spelled with ragged_dot_general: the expert weight [G, K, N]
+    ("gkn"), [G, N, K] ("gnk"), or ragged_dot itself ("ragged_dot")."""
+    form: str
+
+    @nn.compact
+    def __call__(self, x, sizes):
+        shape = (4, F, D) if self.form == "gnk" else (4, D, F)
+        w = self.param("w", nn.initializers.lecun_normal(), shape)
+        if self.form == "ragged_dot":
+            return jax.lax.ragged_dot(x, w, sizes)
+        numbers = jax.lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(([1], [1 if self.form == "gkn" else 2]), ([], [])),
+            lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+        return jax.lax.ragged_dot_general(x, w, sizes, numbers)
+
+
+@pytest.mark.parametrize("form", ["gkn", "gnk"])
+def test_ragged_dot_general_is_converted_as_ragged_dot(form):
+    """Both mixture-of-experts layouts of ragged_dot_general give what ragged_dot on the
+    weight laid out [G, K, N] gives, bit for bit, with the same per-expert states."""
+    x, sizes = jax.random.normal(jax.random.key(2), (40, D)), jnp.array([10, 0, 20, 6],
+                                                                          jnp.int32)
+    model, reference = (fp8_model(General(f), Fp8Rule(min_fp8_flops=0))
+                        for f in (form, "ragged_dot"))
+    variables = model.init(jax.random.key(0), x, sizes)
+    assert variables["fp8_meta"]["w_fp8"]["kernel"].amax_history.shape == (4, 1024)
+    w = variables["params"]["w"]
+    ref_vars = {**variables, "params": {"w": jnp.swapaxes(w, 1, 2) if form == "gnk" else w}}
+    out, caught = _record(model.apply, variables, x, sizes)
+    assert not caught, caught
+    np.testing.assert_array_equal(np.asarray(out),
+                                  np.asarray(reference.apply(ref_vars, x, sizes)))
+
+    def fp8_grads(m, v):
+        return jax.grad(lambda f: jnp.sum(m.apply({**v, "fp8_meta": f}, x, sizes) ** 2))(
+            v["fp8_meta"])
+
+    for a, b in zip(jax.tree.leaves(jax_fp8.amax_cotangents(fp8_grads(model, variables))),
+                    jax.tree.leaves(jax_fp8.amax_cotangents(fp8_grads(reference, ref_vars)))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_another_ragged_dot_general_of_a_weight_is_reported():
+    """ragged along the contraction (a weight gradient's form): no FP8 grouped GEMM takes
+    it from a module, so it runs as written and is reported."""
+    class Contraction(nn.Module):
+        @nn.compact
+        def __call__(self, x, sizes):
+            w = self.param("w", nn.initializers.lecun_normal(), (8, F))
+            numbers = jax.lax.RaggedDotDimensionNumbers(
+                dot_dimension_numbers=(([1], [0]), ([], [])), lhs_ragged_dimensions=[1],
+                rhs_group_dimensions=[])
+            return jax.lax.ragged_dot_general(x, w, sizes, numbers)
+
+    x, sizes = jax.random.normal(jax.random.key(2), (D, 8)), jnp.array([2, 2, 4], jnp.int32)
+    model = fp8_model(Contraction(), Fp8Rule(min_fp8_flops=0))
+    variables = model.init(jax.random.key(0), x, sizes)
+    out, caught = _record(model.apply, variables, x, sizes)
+    assert len(caught) == 1 and "ragged_dot_general" in caught[0], caught
+    assert "mixture-of-experts" in caught[0]
+    np.testing.assert_array_equal(np.asarray(out),
+                                  np.asarray(Contraction().apply(variables, x, sizes)))
 
 
 # --------------------------------------------------------------------------- Equinox

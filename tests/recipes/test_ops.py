@@ -104,12 +104,18 @@ def test_dot_general_forward_backward_match_quantized_reference():
     np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(gx, ref_gx, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(gw, ref_gw, rtol=1e-5, atol=1e-4)
-    # The observed amaxes come back in the staging slot of the meta's cotangent.
-    np.testing.assert_array_equal(staged(gm), [jax_fp8.compute_amax(x), jax_fp8.compute_amax(w),
-                                               jax_fp8.compute_amax(g)])
-    for st in (gm.input, gm.kernel, gm.grad):
-        assert not np.any(np.asarray(st.amax_history[1:])) and float(st.scale) == 0
-        assert float(st.scale_inv) == 0
+    # The observed amaxes come back as the meta's cotangent, amax records: the amax in the
+    # staging slot, its low part (below its 12 leading significant bits) in the scale
+    # slot, the unit 1 in the scale_inv slot.
+    amaxes = [jax_fp8.compute_amax(x), jax_fp8.compute_amax(w), jax_fp8.compute_amax(g)]
+    np.testing.assert_array_equal(staged(gm), amaxes)
+    for st, amax in zip((gm.input, gm.kernel, gm.grad), amaxes):
+        assert not np.any(np.asarray(st.amax_history[1:]))
+        high = np.asarray(amax, np.float32).view(np.uint32) & np.uint32(0xFFFFF000)
+        assert float(st.scale) == float(np.float32(amax) - high.view(np.float32))
+        assert float(st.scale_inv) == 1
+    np.testing.assert_array_equal(jax_fp8.amax_cotangents([gm.input, gm.kernel, gm.grad]),
+                                  amaxes)
 
 
 def test_dot_general_close_to_full_precision_with_calibrated_scales():

@@ -38,9 +38,10 @@ want = jax.jit(lambda t, a: jax_fp8.update_states(t, a))(tree, global_amax)
 same = all(np.array_equal(np.asarray(a), np.asarray(b))
            for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(want)))
 
-# A data-parallel FP8 train step written with shard_map: the FP8 gradients' amaxes are
-# per device; new_fp8_state(axis_name=...) takes their max with one pmax. The result
-# must equal the same step on one device over the whole batch.
+# A data-parallel FP8 train step written with shard_map(check_vma=False): the FP8 ops'
+# backward max-reduces the amaxes over the mapped axis, new_fp8_state(axis_name=...) takes
+# their max once more with one pmax. The result must equal the same step on one device
+# over the whole batch.
 DN = (((1,), (0,)), ((), ()))
 recipe = jax_fp8.DelayedScaling(history_len=8)
 ws = [jnp.asarray((rng.random((32, 32)) - 0.5) / 4, jnp.float32) for _ in range(3)]

@@ -125,6 +125,8 @@ def _linen_site(rules, module) -> Site | None:
     if isinstance(module, (fp8_linen.Fp8DotGeneral, fp8_linen.Fp8Einsum,
                            fp8_linen._WeightFp8)):  # noqa: SLF001
         return None
+    if isinstance(module, nn.Embed):
+        return None   # its attend (jnp.dot with the embedding table) stays as it is
     path = _linen_path(module)
     rule = None if path is None else rule_for(rules, path)
     if rule is None or _keeps_own_gemm(module):

@@ -51,12 +51,18 @@ def gradient_step(opt_state, owner: str) -> jax.Array:
     return step[...] if hasattr(step, "get_value") else step
 
 
+def _amax_slots(states) -> Any:
+    """A float32 array of each state's scale shape (where its amax goes), in its place."""
+    return jax.tree.map(lambda s: s.scale if state_lib.is_state(s) else s, states,
+                        is_leaf=state_lib.is_state)
+
+
 def zero_pending(states, opt_state, owner: str) -> list | None:
     """Zero pending amaxes for the delayed-scaling states of `states` when `opt_state`
     accumulates (`find`), else None (no accumulation, or nothing to update)."""
     if not state_lib.states_info(states) or find(opt_state, owner) is None:
         return None
-    return [jnp.zeros_like(a) for a in jax.tree.leaves(amax_cotangents(states))]
+    return [jnp.zeros_like(a) for a in jax.tree.leaves(_amax_slots(states))]
 
 
 def accumulate(states, fp8_grads, pending: list, applied, recipe,
@@ -71,7 +77,7 @@ def accumulate(states, fp8_grads, pending: list, applied, recipe,
     """
     staged = jax.tree.leaves(amax_cotangents(fp8_grads))
     pending = [jnp.fmax(p, a) for p, a in zip(pending, staged, strict=True)]
-    amaxes = jax.tree.unflatten(jax.tree.structure(amax_cotangents(states)), pending)
+    amaxes = jax.tree.unflatten(jax.tree.structure(_amax_slots(states)), pending)
     states = jax.lax.cond(applied, lambda: update_states(states, amaxes, recipe=recipe,
                                                          axis_name=axis_name),
                           lambda: states)

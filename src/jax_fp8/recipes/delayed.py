@@ -157,25 +157,37 @@ def _to_primal_vma(ct, primal_like, reduce):
 
 
 def _pmax_ignoring_nan(x, axes):
-    # As reduce_amaxes: a NaN amax on one device is ignored, not spread to all.
-    return lax.pmax(jnp.where(jnp.isnan(x), -jnp.inf, x), axes)
+    # As reduce_amaxes: a NaN amax on one device is ignored, not spread to all. ``x`` an
+    # array or a tuple of arrays (one all-reduce for all of them).
+    return lax.pmax(jax.tree.map(lambda a: jnp.where(jnp.isnan(a), -jnp.inf, a), x), axes)
 
 
 def _bwd_tail(grad_lhs, grad_rhs, lhs_like, rhs_like, meta, ct_meta, amaxes):
     """The end of a delayed-scaling GEMM's backward (dense and grouped): the meta's
-    cotangent, each state's staging slot fmax(downstream uses' amax, the ``amaxes``
-    (input, kernel, gradient) this use observed) (`jax_fp8.meta.amax_cotangent`); then,
-    inside shard_map (check_vma), the operand gradients summed and the amaxes max-ed over
-    the manual axes their primals (``lhs_like``, ``rhs_like``, ``meta``) do not vary over.
+    cotangent, each state's amax record of fmax(downstream uses' amax, the ``amaxes``
+    (input, kernel, gradient) this use observed) (`jax_fp8.meta.amax_cotangent`), those
+    max-reduced first over the axes of a ``pmap`` (or ``shard_map(check_vma=False)``)
+    being traced; then, inside shard_map (check_vma), the operand gradients summed and the
+    amaxes max-ed over the manual axes their primals (``lhs_like``, ``rhs_like``,
+    ``meta``) do not vary over.
     Returns (grad_lhs, grad_rhs, the meta's cotangent)."""
+    devices = _trace_checks.unreduced_device_axes()
+    if devices:
+        # Inside pmap (or shard_map(check_vma=False)), where JAX does not say what varies
+        # over the devices: every device's record holds the max over them, so generic
+        # code that averages or sums the gradient tree over the devices (``lax.pmean``)
+        # leaves each record's amax as it is (`jax_fp8._fp8_grads.recorded_amax`).
+        amaxes = _pmax_ignoring_nan(tuple(amaxes), devices)
+    def to_state(amax, primal):
+        return _to_primal_vma(amax, primal.scale, _pmax_ignoring_nan)
+
     amax_lhs, amax_rhs, amax_g = amaxes
-    ct_meta_in = Fp8Meta(input=meta_lib.amax_cotangent(ct_meta.input, amax_lhs, meta.input),
-                         kernel=meta_lib.amax_cotangent(ct_meta.kernel, amax_rhs, meta.kernel),
-                         grad=meta_lib.amax_cotangent(ct_meta.grad, amax_g, meta.grad))
+    ct_meta_in = Fp8Meta(
+        input=meta_lib.amax_cotangent(ct_meta.input, amax_lhs, meta.input, to_state),
+        kernel=meta_lib.amax_cotangent(ct_meta.kernel, amax_rhs, meta.kernel, to_state),
+        grad=meta_lib.amax_cotangent(ct_meta.grad, amax_g, meta.grad, to_state))
     grad_lhs = _to_primal_vma(grad_lhs, lhs_like, lax.psum)
     grad_rhs = _to_primal_vma(grad_rhs, rhs_like, lax.psum)
-    ct_meta_in = jax.tree.map(
-        lambda ct, primal: _to_primal_vma(ct, primal, _pmax_ignoring_nan), ct_meta_in, meta)
     return grad_lhs, grad_rhs, ct_meta_in
 
 
