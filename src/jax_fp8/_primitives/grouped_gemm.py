@@ -178,30 +178,41 @@ def reference(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, *, out_dtype,
     return out.astype(out_dtype)
 
 
-def kernel_configs() -> tuple[str, ...]:
-    """Names of the grouped GEMM configurations compiled into the CUDA module (empty without
-    the CUDA module or without CUTLASS)."""
+def compiled_configs(listing: str) -> tuple[str, ...]:
+    """Names of the CUTLASS configurations the CUDA module lists with its function
+    ``listing`` (e.g. "grouped_gemm_configs"); empty without the CUDA module or CUTLASS."""
     if not _registration.HAS_CUDA_KERNEL:
         return ()
     module = importlib.import_module("jax_fp8._jax_fp8_cuda")
-    if not hasattr(module, "grouped_gemm_configs"):
+    if not hasattr(module, listing):
         return ()
-    return tuple(name for name, _, _ in module.grouped_gemm_configs())
+    return tuple(entry[0] for entry in getattr(module, listing)())
+
+
+def cutlass_status(configs: tuple[str, ...], kernel: str) -> tuple[bool, str]:
+    """(whether a CUTLASS sm_90a kernel whose compiled configurations are ``configs`` can run
+    in this process, why not): the CUDA module built with CUTLASS, and SM90 GPUs present;
+    ``kernel`` names it in the reason ("grouped GEMM")."""
+    if not _registration.HAS_CUDA_KERNEL:
+        return False, "the CUDA module was not built"
+    if not configs:
+        return False, ("the CUDA module was built without CUTLASS (nvidia-cutlass's headers "
+                       f"were not found, or JAX_FP8_CUTLASS=OFF): no {kernel} kernel")
+    sm90, caps = _registration.local_gpus_are_sm90()
+    if not sm90:
+        return False, f"the {kernel} kernel is built for sm_90a, found {caps}"
+    return True, f"CUTLASS sm_90a {kernel}: {', '.join(configs)}"
+
+
+def kernel_configs() -> tuple[str, ...]:
+    """Names of the grouped GEMM configurations compiled into the CUDA module."""
+    return compiled_configs("grouped_gemm_configs")
 
 
 @functools.cache
 def kernel_status() -> tuple[bool, str]:
-    """(whether the grouped GEMM kernel can run in this process, why not): the CUDA module
-    built with CUTLASS's grouped GEMM, and SM90 GPUs present."""
-    if not _registration.HAS_CUDA_KERNEL:
-        return False, "the CUDA module was not built"
-    if not kernel_configs():
-        return False, ("the CUDA module was built without CUTLASS (nvidia-cutlass's headers "
-                       "were not found, or JAX_FP8_CUTLASS=OFF): no grouped GEMM kernel")
-    sm90, caps = _registration.local_gpus_are_sm90()
-    if not sm90:
-        return False, f"the grouped GEMM kernel is built for sm_90a, found {caps}"
-    return True, f"CUTLASS sm_90a grouped GEMM: {', '.join(kernel_configs())}"
+    """(whether the grouped GEMM kernel can run in this process, why not)."""
+    return cutlass_status(kernel_configs(), "grouped GEMM")
 
 
 def kernel_supports(lhs, rhs, out_dtype) -> bool:

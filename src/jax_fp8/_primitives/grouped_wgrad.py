@@ -51,7 +51,6 @@ device's rows.
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 
 import jax
@@ -171,31 +170,14 @@ def pad_transpose(x, ends, mp: int):
 # ------------------------------------------------------------------------- the kernel
 
 def kernel_configs() -> tuple[str, ...]:
-    """Names of the weight-gradient configurations compiled into the CUDA module (empty
-    without the CUDA module or without CUTLASS)."""
-    if not _registration.HAS_CUDA_KERNEL:
-        return ()
-    module = importlib.import_module("jax_fp8._jax_fp8_cuda")
-    if not hasattr(module, "grouped_wgrad_configs"):
-        return ()
-    return tuple(name for name, _, _ in module.grouped_wgrad_configs())
+    """Names of the weight-gradient configurations compiled into the CUDA module."""
+    return gg.compiled_configs("grouped_wgrad_configs")
 
 
 @functools.cache
 def kernel_status() -> tuple[bool, str]:
-    """(whether the weight-gradient kernel can run in this process, why not): the CUDA
-    module built with CUTLASS's grouped GEMM, and SM90 GPUs present (the grouped GEMM's
-    probe)."""
-    if not _registration.HAS_CUDA_KERNEL:
-        return False, "the CUDA module was not built"
-    if not kernel_configs():
-        return False, ("the CUDA module was built without CUTLASS (nvidia-cutlass's headers "
-                       "were not found, or JAX_FP8_CUTLASS=OFF): no grouped weight-gradient "
-                       "kernel")
-    sm90, caps = _registration.local_gpus_are_sm90()
-    if not sm90:
-        return False, f"the grouped weight-gradient kernel is built for sm_90a, found {caps}"
-    return True, f"CUTLASS sm_90a grouped weight gradient: {', '.join(kernel_configs())}"
+    """(whether the weight-gradient kernel can run in this process, why not)."""
+    return gg.cutlass_status(kernel_configs(), "grouped weight-gradient")
 
 
 def kernel_supports(lhs, grad, groups: int, out_dtype) -> bool:

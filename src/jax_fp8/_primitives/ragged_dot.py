@@ -38,7 +38,6 @@ sharded ``dot_general`` does), not one rounding of the float32 sum.
 from __future__ import annotations
 
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -161,29 +160,14 @@ def reference(lhs, rhs, group_sizes, *, mode, out_dtype):
 # ---------------------------------------------------------------------------- the kernel
 
 def kernel_configs() -> tuple[str, ...]:
-    """Names of the configurations compiled into the CUDA module (empty without the CUDA
-    module or without CUTLASS)."""
-    if not _registration.HAS_CUDA_KERNEL:
-        return ()
-    module = importlib.import_module("jax_fp8._jax_fp8_cuda")
-    if not hasattr(module, "ragged_dot_configs"):
-        return ()
-    return tuple(name for name, *_ in module.ragged_dot_configs())
+    """Names of the configurations compiled into the CUDA module."""
+    return gg.compiled_configs("ragged_dot_configs")
 
 
 @functools.cache
 def kernel_status() -> tuple[bool, str]:
-    """(whether the kernel can run in this process, why not): the CUDA module built with
-    CUTLASS's grouped GEMM, and SM90 GPUs present."""
-    if not _registration.HAS_CUDA_KERNEL:
-        return False, "the CUDA module was not built"
-    if not kernel_configs():
-        return False, ("the CUDA module was built without CUTLASS (nvidia-cutlass's headers "
-                       "were not found, or JAX_FP8_CUTLASS=OFF): no grouped GEMM kernel")
-    sm90, caps = _registration.local_gpus_are_sm90()
-    if not sm90:
-        return False, f"the grouped GEMM kernel is built for sm_90a, found {caps}"
-    return True, f"CUTLASS sm_90a grouped GEMM: {', '.join(kernel_configs())}"
+    """(whether the kernel can run in this process, why not)."""
+    return gg.cutlass_status(kernel_configs(), "grouped GEMM")
 
 
 def kernel_supports(lhs, rhs, group_sizes, *, mode, out_dtype) -> bool:
