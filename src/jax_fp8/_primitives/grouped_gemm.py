@@ -298,6 +298,17 @@ def _grouped_shardings(params, mesh, arg_shapes):
             named(m, n))
 
 
+def local_group_sizes(group_sizes, local_m: int, mesh, m_axes):
+    """Inside a per-device computation over the token axis sharded on ``m_axes`` (each device
+    ``local_m`` rows, in order): this device's group sizes (int32 [G]), the global groups
+    (clamped as `clamped_group_ends` clamps them) clamped to its rows."""
+    ends = clamped_group_ends(group_sizes, local_m * specs.axes_size(mesh, m_axes))
+    starts = ends - jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
+    first = lax.axis_index(m_axes).astype(jnp.int32) * local_m
+    local = jnp.clip(ends - first, 0, local_m) - jnp.clip(starts - first, 0, local_m)
+    return local.astype(jnp.int32)
+
+
 def _grouped_local(bind, operands, *, mesh, shardings, params):
     """One device's rows: the global groups clamped to them."""
     lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv = operands
@@ -305,11 +316,8 @@ def _grouped_local(bind, operands, *, mesh, shardings, params):
     if not m_axes:
         return bind(*operands, **params)
     local_m = lhs.shape[0]
-    ends = clamped_group_ends(group_sizes, local_m * specs.axes_size(mesh, m_axes))
-    starts = ends - jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
-    first = lax.axis_index(m_axes).astype(jnp.int32) * local_m
-    local = (jnp.clip(ends - first, 0, local_m) - jnp.clip(starts - first, 0, local_m))
-    return bind(lhs, rhs, local.astype(jnp.int32), lhs_scale_inv, rhs_scale_inv, **params)
+    local = local_group_sizes(group_sizes, local_m, mesh, m_axes)
+    return bind(lhs, rhs, local, lhs_scale_inv, rhs_scale_inv, **params)
 
 
 def _grouped_rule(params, operand_types):

@@ -266,12 +266,9 @@ def _wgrad_local(bind, operands, *, mesh, shardings, params):
     if not m_axes:
         return bind(*operands, **params)
     local_m = lhs.shape[0]
-    ends = gg.clamped_group_ends(group_sizes, local_m * specs.axes_size(mesh, m_axes))
-    starts = ends - jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
-    first = lax.axis_index(m_axes).astype(jnp.int32) * local_m
-    local = (jnp.clip(ends - first, 0, local_m) - jnp.clip(starts - first, 0, local_m))
+    local = gg.local_group_sizes(group_sizes, local_m, mesh, m_axes)
     ones = jnp.ones_like(lhs_scale_inv)
-    acc = bind(lhs, grad, local.astype(jnp.int32), ones, ones,
+    acc = bind(lhs, grad, local, ones, ones,
                **dict(params, out_dtype=np.dtype(np.float32)))     # acc * (1 * 1): exact
     acc = lax.psum(acc, m_axes)
     alpha = lhs_scale_inv * grad_scale_inv

@@ -286,11 +286,7 @@ def _local(bind, operands, *, mesh, shardings, params):
     if not m_axes:
         return bind(*operands, **params)
     local_m = lhs.shape[0]
-    ends = gg.clamped_group_ends(group_sizes, local_m * specs.axes_size(mesh, m_axes))
-    starts = ends - jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
-    first = lax.axis_index(m_axes).astype(jnp.int32) * local_m
-    local = (jnp.clip(ends - first, 0, local_m) - jnp.clip(starts - first, 0, local_m))
-    local = local.astype(jnp.int32)
+    local = gg.local_group_sizes(group_sizes, local_m, mesh, m_axes)
     if params["mode"] != WEIGHT_GRAD:
         return bind(lhs, rhs, local, **params)
     acc = bind(lhs, rhs, local, **dict(params, out_dtype=np.dtype(np.float32)))
