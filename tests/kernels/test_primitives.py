@@ -16,6 +16,7 @@ from jax_fp8._primitives import (
     grouped_wgrad,
     layout,
     quotient,
+    ragged_dot,
     split,
     update,
 )
@@ -23,7 +24,8 @@ from jax_fp8._primitives import (
 PRIMITIVES = {"jax_fp8_update", "jax_fp8_amax", "jax_fp8_amax_for_state",
               "jax_fp8_transpose_bytes", "jax_fp8_quantize_transpose", "jax_fp8_split_rows",
               "jax_fp8_block_quantize", "jax_fp8_block_gemm", "jax_fp8_quotient_bits",
-              "jax_fp8_product_bits", "jax_fp8_grouped_gemm", "jax_fp8_grouped_wgrad"}
+              "jax_fp8_product_bits", "jax_fp8_grouped_gemm", "jax_fp8_grouped_wgrad",
+              "jax_fp8_ragged_dot"}
 E4M3 = jnp.float8_e4m3fn
 
 
@@ -65,6 +67,10 @@ def _calls(implementation):
             q, q[::-1].astype(jnp.float8_e5m2), jnp.asarray([3, 5], jnp.int32),
             jnp.ones((2,), jnp.float32), jnp.full((2,), 0.5, jnp.float32),
             out_dtype=jnp.float32, **opts),
+        "jax_fp8_ragged_dot": lambda: ragged_dot.ragged_product(
+            x.astype(jnp.bfloat16), jnp.ones((2, 256, 16), jnp.bfloat16),
+            jnp.asarray([3, 5], jnp.int32), mode=ragged_dot.FORWARD, out_dtype=jnp.bfloat16,
+            **opts),
     }
 
 
