@@ -24,8 +24,9 @@ from jax_fp8._primitives.jax_compat import (
 )
 
 __all__ = ["EXPLICIT", "axis_names", "batched_here", "is_batch_trace", "check", "current_trace",
-           "is_differentiation_trace", "jit_key_flag", "numpy_contractions", "parent_trace",
-           "pvary", "require_devices_during_lowering", "staged_argument", "traced_for", "trace_of"]
+           "is_differentiation_trace", "jit_key_flag", "jit_key_state", "numpy_contractions",
+           "parent_trace", "pvary", "require_devices_during_lowering", "staged_argument",
+           "traced_for", "trace_of"]
 
 _MISSING = ("jax_fp8 needs {what} of this jax ({version}), which it no longer has; the "
             "trace-time guards of the FP8 training loops depend on it. Install a jax "
@@ -56,6 +57,8 @@ def check() -> None:
              "jax._src.interpreters.ad.LinearizeTrace": hasattr(_ad, "LinearizeTrace"),
              "jax._src.interpreters.batching.BatchTrace": hasattr(_batching, "BatchTrace"),
              "jax._src.config.bool_state": hasattr(_config, "bool_state"),
+             "jax._src.config.string_or_object_state": hasattr(_config,
+                                                               "string_or_object_state"),
              "jax._src.core.get_axis_env": hasattr(_core, "get_axis_env"),
              "jax._src.numpy.tensor_contractions.matmul": callable(
                  getattr(_contractions, "matmul", None)),
@@ -130,6 +133,15 @@ def jit_key_flag(name: str, help: str):
     other. ``flag(True)`` is a context manager; ``flag.value`` the current value."""
     return _config.bool_state(name, False, help, include_in_jit_key=True,
                               include_in_trace_context=True)
+
+
+def jit_key_state(name: str, help: str):
+    """A thread-local JAX configuration option holding any hashable value (None by
+    default) that is part of ``jit``'s cache key and of the trace context: a function
+    traced under one value is traced anew under another. ``state(value)`` is a context
+    manager; ``state.value`` the current value."""
+    return _config.string_or_object_state(name, None, help, include_in_jit_key=True,
+                                          include_in_trace_context=True)
 
 
 def numpy_contractions():

@@ -1,13 +1,23 @@
 """Following a weight: the arrays a converting call made from a module's parameters.
 
-While a converting call runs (`jax_fp8.interception.patched`), the ``bind`` of each
+While a converting call runs (`jax_fp8.interception.converting`), the ``bind`` of each
 `FOLLOWED` primitive records which of its results come from a tracked array (a running
 module's parameter, `track`), and `follow` walks those records back from a GEMM's operand
-to the parameter. Part of `jax_fp8.interception`, which re-exports its public names.
+to the parameter.
+
+A weight passed as an argument into a function that a JAX transformation traces with
+arrays of its own (`TRACED_BODIES`: ``jax.shard_map``, ``jax.jit``, ``jax.checkpoint`` /
+``jax.remat`` applied during the converting call, as MaxText's mixture-of-experts layer
+hands its expert kernels to a ``shard_map``) is followed into the body: each argument of
+the traced body is recorded as made from the caller's argument at its place ("argument of
+shard_map"). Such a transformation, given a weight, traces its body anew for each call
+(a trace reused for another call would carry the first call's weight). Part of
+`jax_fp8.interception`, which re-exports its public names.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -16,6 +26,8 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jax_fp8._interception_install import through
 
 _FLOATS = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
 _FLOAT64 = np.dtype(np.float64)
@@ -52,9 +64,9 @@ def _carries(prim, x, out, params) -> bool:
     return True
 
 
-def _following_bind(prim, original):
+def _following_bind(prim):
     def bind(*args, **params):
-        out = original(*args, **params)
+        out = through(prim, "bind")(*args, **params)
         tracked = getattr(local, "tracked", None)
         if tracked is not None and args:
             entry = tracked.get(id(args[0]))
@@ -65,7 +77,7 @@ def _following_bind(prim, original):
     return bind
 
 
-_BINDS = [(prim, "bind", _following_bind(prim, prim.bind)) for prim in FOLLOWED]
+_BINDS = [(prim, "bind", _following_bind(prim)) for prim in FOLLOWED]
 
 
 def track(*arrays) -> None:
@@ -77,6 +89,19 @@ def track(*arrays) -> None:
     for x in arrays:
         if hasattr(x, "dtype") and id(x) not in tracked:
             tracked[id(x)] = (x, None, None)
+
+
+def chain(x) -> list:
+    """``x`` and the arrays it was made from through `FOLLOWED` operations or as the
+    argument of a traced body, nearest first (``[x]`` for an array made otherwise)."""
+    tracked = getattr(local, "tracked", None) or {}
+    arrays = [x]
+    while True:
+        entry = tracked.get(id(x))
+        if entry is None or entry[0] is not x or entry[1] is None:
+            return arrays
+        x = entry[1]
+        arrays.append(x)
 
 
 def follow(x) -> tuple[Any, tuple[str, ...]]:
@@ -91,3 +116,74 @@ def follow(x) -> tuple[Any, tuple[str, ...]]:
             return x, tuple(reversed(steps))
         steps.append(entry[2])
         x = entry[1]
+
+
+# --------------------------------------------------------- weights entering traced bodies
+
+def _tracked_leaves(args) -> bool:
+    tracked = getattr(local, "tracked", None)
+    if not tracked:
+        return False
+    return any((e := tracked.get(id(leaf))) is not None and e[0] is leaf
+               for leaf in jax.tree.leaves(args))
+
+
+def _link(outer, inner, step: str) -> None:
+    """Records each leaf of the body's arguments ``inner`` as made from the caller's leaf
+    at its place in ``outer`` (the same pytree structure), where that one is tracked."""
+    tracked = getattr(local, "tracked", None)
+    outer_leaves, outer_tree = jax.tree.flatten(outer)
+    inner_leaves, inner_tree = jax.tree.flatten(inner)
+    if tracked is None or outer_tree != inner_tree:
+        return
+    for o, i in zip(outer_leaves, inner_leaves, strict=True):
+        entry = tracked.get(id(o))
+        if i is not o and entry is not None and entry[0] is o and hasattr(i, "dtype"):
+            tracked[id(i)] = (i, o, step)
+
+
+class _Following:
+    """What a `TRACED_BODIES` transformation returns during a converting call: the
+    transformed function, except that a call given a tracked array traces a body of its
+    own that records its arguments as made from the caller's (`_link`)."""
+
+    def __init__(self, transform, fun, args, kwargs, step):
+        self._transform, self._fun, self._step = transform, fun, step
+        self._args, self._kwargs = args, kwargs
+        self._plain = transform(fun, *args, **kwargs)
+        functools.update_wrapper(self, fun)
+
+    def __call__(self, *call_args, **call_kwargs):
+        if not _tracked_leaves((call_args, call_kwargs)):
+            return self._plain(*call_args, **call_kwargs)
+        fun, step, outer = self._fun, self._step, (call_args, call_kwargs)
+
+        @functools.wraps(fun)
+        def body(*args, **kwargs):
+            _link(outer, (args, kwargs), step)
+            return fun(*args, **kwargs)
+        return self._transform(body, *self._args, **self._kwargs)(*call_args, **call_kwargs)
+
+    def __getattr__(self, name):   # jit's lower / trace / eval_shape, ...
+        return getattr(self._plain, name)
+
+
+def _following_transform(owner, name: str, function_first: bool):
+    step = f"argument of {name}"
+
+    def transform(*args, **kwargs):
+        original = through(owner, name)
+        if function_first and (not args or args[0] is None):
+            # A decorator factory (``jax.shard_map(mesh=..., ...)``): the function later.
+            return lambda fun: transform(fun, *args[1:], **kwargs)
+        if not args or not callable(args[0]):
+            return original(*args, **kwargs)
+        return _Following(original, args[0], args[1:], kwargs, step)
+    functools.update_wrapper(transform, getattr(owner, name))
+    return transform
+
+
+# The transformations whose traced bodies a weight is followed into: (owner, attribute).
+TRACED_BODIES = [(jax, "shard_map"), (jax, "jit"), (jax, "checkpoint"), (jax, "remat")]
+_TRANSFORMS = [(owner, name, _following_transform(owner, name, True))
+               for owner, name in TRACED_BODIES]

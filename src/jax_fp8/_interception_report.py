@@ -65,7 +65,7 @@ def note(site: Site, reason: str | None, text: str = "") -> None:
         return
     report = getattr(local, "report", None)
     entry: dict[str, Any] = {"type": site.module_type, "rule": site.rule, "fp8": False,
-                             "reasons": {}}
+                             "reasons": {}, "where": site.where}
     if report is not None:
         entry = report.setdefault(site.path, entry)
     if reason is None:
@@ -91,7 +91,8 @@ def _warn_measured(owner, label, report) -> None:
             "converts" if none_fp8 else
             f"{len(kept)} of its {len(report)} matched modules keep GEMMs out of FP8, which is "
             f"not faster at their sizes on this platform")
-    shown = "; ".join(f"{p or 'the root module'!r}: {t}" for p, t in list(kept.items())[:4])
+    shown = "; ".join(f"{report[p].get('where') or p or 'the root module'!r}: {t}"
+                      for p, t in list(kept.items())[:4])
     more = f"; and {len(kept) - 4} more" if len(kept) > 4 else ""
     warnings.warn(f"jax_fp8 fp8_model({label}): {head} ({shown}{more}). "
                   f"`jax_fp8.devtools.explain` lists every GEMM and why; "
@@ -105,7 +106,7 @@ def _warn(owner, label, path, entry, reason, text) -> None:
         if key in _warned:
             return
         _warned.add(key)
-    where = f"module {path!r}" if path else "the root module"
+    where = entry.get("where") or (f"module {path!r}" if path else "the root module")
     warnings.warn(f"jax_fp8 fp8_model({label}): {where} ({entry['type']}), matched by "
                   f"{entry['rule']!r}, runs no GEMM in FP8: {text}.",
                   Fp8ConversionWarning, stacklevel=_caller_level())

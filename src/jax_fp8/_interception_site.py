@@ -26,3 +26,13 @@ class Site:
     rhs_is_weight: bool = False  # a layer whose GEMM's rhs is its kernel (nn.Dense, ...)
     path: str | None = None      # the module's path and type, for the report; None: no
     module_type: str = ""        # report (e.g. while linen initializes)
+    where: str = ""              # how the report names the module (default: by its path)
+    rule_path: str | None = None  # the module's path as a rule names it, for the fixes an
+                                  # error gives (also while linen initializes)
+
+    @property
+    def key(self) -> tuple:
+        """What decides how a GEMM of this site converts when its operands are not the
+        module's weights (a ``jax.jit`` helper's arguments): part of ``jax.jit``'s cache
+        key while it runs (`jax_fp8.interception.running`)."""
+        return (self.rule, self.rhs_is_weight)

@@ -1,12 +1,20 @@
 """The interception of GEMM calls that model converters share (framework-neutral).
 
-While a converted model runs (`patched`), ``jax.lax.dot_general``, ``jax.numpy.einsum`` and
-the matrix products ``@``, ``jax.numpy.matmul`` and ``jax.numpy.dot`` (and the ``.dot``
+While a converted model runs (`converting`), ``jax.lax.dot_general``, ``jax.numpy.einsum``
+and the matrix products ``@``, ``jax.numpy.matmul`` and ``jax.numpy.dot`` (and the ``.dot``
 method) are replaced by functions that hand a GEMM of a matched module (the innermost
 `Site` `running`) to the FP8 GEMM the site's converter creates for it (a matrix product
-as the ``dot_general`` with its result); everything else goes to the original functions.
-A framework adapter (``jax_fp8.flax``) says which module is running and which of its
+as the ``dot_general`` with its result); every other call goes on to the function that was
+installed there when the conversion began (`through`). A framework adapter
+(``jax_fp8.flax``, ``jax_fp8.equinox``) says which module is running and which of its
 arrays are weights; this module knows no framework.
+
+`converting` is the one driver every adapter runs a converted call in: the report, the
+replacements installed (all or none) and taken out again, the running site, and the
+part of ``jax.jit``'s cache key that keeps a trace made inside a converted module from
+being reused outside it (and the other way round). Its effects last for the call and act
+in the calling thread only: other threads, and the same thread outside the call, see JAX
+as it is.
 
 A weight is recognised by where it came from (`follow`): the parameter itself, or an
 array made from it by the operations that carry a weight's values to a GEMM unchanged but
@@ -23,15 +31,16 @@ reported once as a `jax_fp8.Fp8ConversionWarning` (`reporting`), and the GEMM ru
 a name scope that ``jax_fp8.devtools.explain`` reads (`KEPT_SCOPES`).
 
 Following a weight is `jax_fp8._interception_follow`, the report
-`jax_fp8._interception_report`; this module re-exports their public names.
+`jax_fp8._interception_report`, installing and the cache key
+`jax_fp8._interception_install`; this module re-exports their public names.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import string
-import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -43,22 +52,28 @@ from jax_fp8._interception_follow import (
     _BINDS,
     _FLOAT64,
     _FLOATS,
+    _TRANSFORMS,
     FOLLOWED,
+    chain,
     follow,
     local,
     track,
 )
+from jax_fp8._interception_install import conversion_key, installed, installed_now, through
 from jax_fp8._interception_report import note, reporting
 from jax_fp8._interception_site import Site
 from jax_fp8.dot_general import KEPT_SCOPE, gemm_flops, kept_out
 from jax_fp8.recipes.delayed import DelayedScaling
 from jax_fp8.rules import Fp8Rule
 
-__all__ = ["FOLLOWED", "KEPT_SCOPES", "ORIGINAL", "Site", "einsum_flops", "explicit_einsum",
-           "follow", "local", "note", "note_gemm", "patched", "reporting", "running", "track",
-           "weight_of"]
+__all__ = ["FOLLOWED", "KEPT_SCOPES", "ORIGINAL", "Conversion", "Site", "conversion_key",
+           "check_body", "converting", "current", "einsum_flops", "explicit_einsum", "follow",
+           "installed_now", "local", "note", "note_gemm", "patched", "reporting", "running",
+           "through", "track", "weight_of"]
 
 _CONTRACTIONS = _compat.numpy_contractions()
+# The functions found at import (a layer given its own dot_general / einsum_op is told from
+# one given JAX's by these); a call the conversion leaves alone goes to `through`'s.
 ORIGINAL = {"dot_general": jax.lax.dot_general, "einsum": jnp.einsum,
             "matmul": _CONTRACTIONS.matmul, "dot": _CONTRACTIONS.dot}
 # Further (owner, attribute, replacement) that `patched` installs with the two above (each
@@ -71,6 +86,9 @@ PATCHES: list[tuple[Any, str, Any]] = []
 KEPT_SCOPES = {
     "fp8_model_no_weight": "kept by fp8_model: neither operand is one of the module's "
                            "parameters as the conversion follows them",
+    "fp8_model_traced_body": "kept by fp8_model: its weight was passed into a jax.jit or "
+                             "jax.checkpoint body, where a recipe that keeps state cannot "
+                             "run",
     "fp8_model_dtype": "kept by fp8_model: the recipe does not take its operands' dtype",
     "fp8_model_form": "kept by fp8_model: a form of the GEMM the FP8 GEMMs do not take (a "
                       "matrix product that broadcasts its operands' batch axes, a grouped "
@@ -78,15 +96,16 @@ KEPT_SCOPES = {
 }
 
 
-_lock = threading.Lock()
-_installed: dict[tuple[int, str], tuple[int, Any, bool]] = {}
-
-
 def weight_of(site: Site, x) -> str | None:
     """The name of the parameter of ``site``'s module that ``x`` is, directly or through
     `FOLLOWED` operations (`follow`); None for any other array."""
-    origin = follow(x)[0]
-    return next((name for name, w in site.weights if origin is w), None)
+    # The nearest of the arrays x was made from (a weight passed into a traced body is the
+    # body's own argument, made from the caller's).
+    for a in chain(x):
+        name = next((name for name, w in site.weights if a is w), None)
+        if name is not None:
+            return name
+    return None
 
 
 def _frames() -> list:
@@ -95,51 +114,99 @@ def _frames() -> list:
     return local.frames
 
 
+_SITE_KEY: Any = object()   # `running`'s default key: the site's own (`Site.key`)
+
+
 @contextlib.contextmanager
-def running(site):
+def running(site: Any, key: Any = _SITE_KEY) -> Iterator[None]:
     """Marks ``site`` (a `Site`, a function returning one or None, or None) as the
-    innermost running module method; None: no conversion inside."""
+    innermost running module method; None: no conversion inside.
+
+    ``key``: what decides how ``site`` converts, part of ``jax.jit``'s cache key for the
+    duration (`conversion_key`); by default ``site.key`` (None for None). A site given as
+    a function needs it given."""
+    if key is _SITE_KEY:
+        if site is not None and not isinstance(site, Site):
+            raise TypeError("jax_fp8.interception.running: a site given as a function needs "
+                            "its key= (what decides how it converts)")
+        key = None if site is None else site.key
     frames = _frames()
     frames.append(site)
     try:
-        yield
+        if conversion_key.value == key:
+            yield
+        else:
+            with conversion_key(key):
+                yield
     finally:
         frames.pop()
 
 
+@dataclasses.dataclass(eq=False)
+class Conversion:
+    """One converting call (`converting`): the model it runs and what its adapter keeps
+    for it (``data``, shared with the converting calls nested in it: e.g. linen's
+    recorded parameters); ``tag`` is what the adapter tells its own nested calls by."""
+
+    owner: Any
+    label: str
+    tag: Any = None
+    data: dict = dataclasses.field(default_factory=dict)
+
+
+def _conversions() -> list[Conversion]:
+    if not hasattr(local, "conversions"):
+        local.conversions = []
+    return local.conversions
+
+
+def current() -> Conversion | None:
+    """The innermost converting call running in this thread, or None."""
+    conversions = _conversions()
+    return conversions[-1] if conversions else None
+
+
 @contextlib.contextmanager
-def patched(extra: Sequence[tuple[Any, str, Any]] = ()):
-    """Installs the converting ``jax.lax.dot_general`` / ``jax.numpy.einsum`` for the
-    duration, and each ``(owner, attribute, replacement)`` of ``extra`` (a framework's own
-    hook, e.g. the Flax adapter's recording ``Module.param``). Reference counted per
-    attribute over threads: other threads see the original behaviour, since the
-    replacements act only where a converted method runs (`running`)."""
-    patches = [(jax.lax, "dot_general", _converting_dot_general),
-               (jnp, "einsum", _converting_einsum), *_PRODUCTS, *_BINDS, *PATCHES, *extra]
-    with _lock:
-        for owner, name, replacement in patches:
-            key = (id(owner), name)
-            if _installed.get(key, (0, None, False))[0] == 0:
-                own = name in getattr(owner, "__dict__", {})
-                _installed[key] = (0, getattr(owner, name), own)
-                setattr(owner, name, replacement)
-            count, original, own = _installed[key]
-            _installed[key] = (count + 1, original, own)
-    try:
+def converting(owner: Any, label: str, site: Any = None, *, key: Any = _SITE_KEY,
+               tag: Any = None,
+               extra: Sequence[tuple[Any, str, Any]] = ()) -> Iterator[Conversion]:
+    """Runs one converted call: the driver every framework adapter uses.
+
+    In order: the report of the call (`reporting`, naming ``owner`` and ``label``; a call
+    nested in another converting call reports in the outer one's), the converting
+    functions installed (`patched`, with the adapter's ``extra``; all or none), the
+    `Conversion` (``tag``) as this thread's innermost, and ``site`` running (`running`,
+    with ``key``) with its weights tracked (`track`). All of it is undone when the call
+    ends, however it ends: nothing stays installed, and no trace made inside is reused
+    outside."""
+    outer = current()
+    conversion = Conversion(owner, label, tag, {} if outer is None else outer.data)
+    stack = _conversions()
+    with reporting(owner, label), patched(extra):
+        stack.append(conversion)
+        try:
+            with running(site, key):
+                if isinstance(site, Site):
+                    track(*(w for _, w in site.weights))
+                yield conversion
+        finally:
+            stack.pop()
+
+
+@contextlib.contextmanager
+def patched(extra: Sequence[tuple[Any, str, Any]] = ()) -> Iterator[None]:
+    """Installs the converting ``jax.lax.dot_general`` / ``jax.numpy.einsum`` / matrix
+    products, the following ``bind``s and `PATCHES` for the duration, and each
+    ``(owner, attribute, replacement)`` of ``extra`` (a framework's own hook, e.g. the
+    Flax adapter's recording ``Module.param``): all or none, reference counted per
+    attribute over threads (`jax_fp8._interception_install.installed`). Other threads
+    see JAX as it is, since the replacements act only where a converted method runs
+    (`running`)."""
+    with installed([(jax.lax, "dot_general", _converting_dot_general),
+                    (jnp, "einsum", _converting_einsum), *_PRODUCTS, *_BINDS, *_TRANSFORMS,
+                    *PATCHES,
+                    *extra]):
         yield
-    finally:
-        with _lock:
-            for owner, name, _ in patches:
-                key = (id(owner), name)
-                count, original, own = _installed[key]
-                if count == 1:
-                    if own or isinstance(owner, type) or not hasattr(owner, "__dict__"):
-                        setattr(owner, name, original)
-                    else:   # a method of the class (a primitive's bind): uncovered again
-                        delattr(owner, name)
-                    del _installed[key]
-                else:
-                    _installed[key] = (count - 1, original, own)
 
 
 def _innermost() -> Site | None:
@@ -181,6 +248,10 @@ def _weight_side(site: Site, lhs, rhs) -> tuple[tuple[str, str | None] | None, s
                       and _takes(site.rule, dtypes.pop()) else None)
     if not all(_takes(site.rule, d) for d in dtypes):
         return None, "fp8_model_dtype" if floating else None
+    if found[1] is not None:
+        scope = check_body(site, rhs if found[0] == "rhs" else lhs)
+        if scope is not None:
+            return None, scope
     return found, None
 
 
@@ -195,6 +266,12 @@ def _why(scope: str, site: Site, lhs, rhs, kind: str) -> str:
                 f"does not take (float32, bfloat16, float16; delayed scaling also float64): "
                 f"it runs in {names}. Cast the model to a dtype the recipe takes, or use "
                 f"DelayedScaling")
+    if scope == "fp8_model_traced_body":
+        return (f"its {kind} multiplies its weight inside a jax.jit or jax.checkpoint body "
+                f"it was passed into, where {type(site.rule.recipe).__name__}, which keeps "
+                f"state, cannot run: it runs as written. Give this module a recipe without "
+                f"state (Fp8Rule(path=..., recipe=jax_fp8.Float8CurrentScaling())), or call "
+                f"the GEMM outside the body")
     if scope == "fp8_model_form":
         shapes = " and ".join(str(tuple(np.shape(x))) for x in (lhs, rhs))
         if kind.startswith("ragged_dot"):
@@ -214,6 +291,32 @@ def _why(scope: str, site: Site, lhs, rhs, kind: str) -> str:
             f"recognised. Give the GEMM the parameter (through those operations)"
             + ("" if kind.startswith("ragged_dot") else
                ", or convert every GEMM of the module with Fp8Rule(activations=True)"))
+
+
+def check_body(site: Site, weight_operand) -> str | None:
+    """None: a GEMM of the weight ``weight_operand`` converts. A weight passed into a traced
+    body (`TRACED_BODIES`) cannot take a recipe that keeps state there (its state's
+    gradient, the amax record, cannot leave the body, and linen would create the state
+    inside it): inside ``jax.shard_map``, where MaxText's mixture-of-experts layer runs its
+    experts, refused naming the rule that fixes it; inside ``jax.jit`` / ``jax.checkpoint``,
+    the GEMM is kept, reported for the reason `KEPT_SCOPES` ``"fp8_model_traced_body"``."""
+    recipe = site.rule.recipe
+    if recipe is None or not recipe.keeps_state:
+        return None
+    steps = follow(weight_operand)[1]
+    if "argument of shard_map" in steps:
+        path = site.rule_path
+        where = site.where or (f"module {path!r}" if path else "the root module")
+        raise TypeError(
+            f"jax_fp8 fp8_model: {where} ({site.module_type}) runs a GEMM of its weight "
+            f"inside a jax.shard_map, where {type(recipe).__name__}, which keeps state, "
+            f"cannot run. Give this module a recipe without state: "
+            f"Fp8Rule(path={'...' if path is None else repr(path)}, "
+            f"recipe=jax_fp8.Float8CurrentScaling()) (or Float8BlockScaling / "
+            f"MXFP8BlockScaling) before the other rules")
+    if any(step.startswith("argument of ") for step in steps):
+        return "fp8_model_traced_body"
+    return None
 
 
 def _kept(site: Site, scope: str, kind: str, lhs, rhs, original):
@@ -275,9 +378,10 @@ def note_gemm(site: Site, kind: str, lhs, rhs, dimension_numbers=None) -> None:
 def _converting_dot_general(lhs, rhs, dimension_numbers, precision=None,
                             preferred_element_type=None, **kwargs):
     def original():
-        return ORIGINAL["dot_general"](lhs, rhs, dimension_numbers, precision=precision,
-                                        preferred_element_type=preferred_element_type,
-                                        **kwargs)
+        return through(jax.lax, "dot_general")(lhs, rhs, dimension_numbers,
+                                               precision=precision,
+                                               preferred_element_type=preferred_element_type,
+                                               **kwargs)
 
     site = _innermost()
     if site is None:
@@ -343,8 +447,8 @@ def _converting_product(name: str, numbers):
     same result (`matmul_numbers`, `dot_numbers`); a form that has none is reported."""
     def converting(a, b, *, precision=None, preferred_element_type=None, **kwargs):
         def original():
-            return ORIGINAL[name](a, b, precision=precision,
-                                  preferred_element_type=preferred_element_type, **kwargs)
+            return through(jnp, name)(a, b, precision=precision,
+                                      preferred_element_type=preferred_element_type, **kwargs)
 
         site = _innermost()
         if site is None:
@@ -413,15 +517,20 @@ def explicit_einsum(subscripts: str, lhs_shape, rhs_shape) -> str | None:
 def _converting_einsum(subscripts, *operands, out=None, optimize="auto", precision=None,
                        preferred_element_type=None, _dot_general=None, **kwargs):
     # An einsum given its own dot_general (not jax.lax.dot_general) stays as it is.
-    own = _dot_general not in (None, _converting_dot_general, ORIGINAL["dot_general"])
-    if not own:
-        _dot_general = ORIGINAL["dot_general"]  # no conversion inside jnp.einsum's jit
+    lax_dot_general = through(jax.lax, "dot_general")
+    own = _dot_general not in (None, _converting_dot_general, ORIGINAL["dot_general"],
+                               lax_dot_general)
+    if _dot_general is _converting_dot_general:
+        _dot_general = lax_dot_general  # no conversion inside jnp.einsum's jit
+    if _dot_general is not None:
+        kwargs["_dot_general"] = _dot_general
 
     def original():
-        return ORIGINAL["einsum"](subscripts, *operands, out=out, optimize=optimize,
-                                   precision=precision,
-                                   preferred_element_type=preferred_element_type,
-                                   _dot_general=_dot_general, **kwargs)
+        # Without a dot_general of the caller's, jnp.einsum's own (JAX's), as it is.
+        return through(jnp, "einsum")(subscripts, *operands, out=out, optimize=optimize,
+                                      precision=precision,
+                                      preferred_element_type=preferred_element_type,
+                                      **kwargs)
 
     site = _innermost()
     if site is None or own or not isinstance(subscripts, str) or len(operands) != 2 \

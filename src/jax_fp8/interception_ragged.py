@@ -25,6 +25,8 @@ from jax_fp8 import interception
 
 __all__ = ["ORIGINAL_RAGGED_DOT", "ORIGINAL_RAGGED_DOT_GENERAL", "expert_weight"]
 
+# The functions found at import; a call left alone goes to `interception.through`'s (those
+# installed when the conversion began).
 ORIGINAL_RAGGED_DOT = jax.lax.ragged_dot
 ORIGINAL_RAGGED_DOT_GENERAL = jax.lax.ragged_dot_general
 
@@ -56,6 +58,9 @@ def _convert(kind, site, lhs, rhs, group_sizes, precision, preferred_element_typ
     if weight is None:
         return original() if scope is None else interception._kept(  # noqa: SLF001
             site, scope, kind, lhs, rhs, original)
+    scope = interception.check_body(site, rhs)
+    if scope is not None:
+        return interception._kept(site, scope, kind, lhs, rhs, original)  # noqa: SLF001
     if swap:   # [G, N, K]: the expert weight's last two axes in fp8_ragged_dot's order
         rhs = lax.transpose(rhs, (0, 2, 1))
     interception.note_gemm(site, kind, lhs, rhs)
@@ -67,9 +72,10 @@ def _convert(kind, site, lhs, rhs, group_sizes, precision, preferred_element_typ
 def _converting_ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None,
                            group_offset=None, **kwargs):
     def original():
-        return ORIGINAL_RAGGED_DOT(lhs, rhs, group_sizes, precision=precision,
-                                   preferred_element_type=preferred_element_type,
-                                   group_offset=group_offset, **kwargs)
+        return interception.through(jax.lax, "ragged_dot")(
+            lhs, rhs, group_sizes, precision=precision,
+            preferred_element_type=preferred_element_type, group_offset=group_offset,
+            **kwargs)
 
     site = interception._innermost()  # noqa: SLF001
     if site is None or group_offset is not None or kwargs:
@@ -98,10 +104,10 @@ def _converting_ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_n
                                    precision=None, preferred_element_type=None,
                                    group_offset=None, **kwargs):
     def original():
-        return ORIGINAL_RAGGED_DOT_GENERAL(lhs, rhs, group_sizes, ragged_dot_dimension_numbers,
-                                           precision=precision,
-                                           preferred_element_type=preferred_element_type,
-                                           group_offset=group_offset, **kwargs)
+        return interception.through(jax.lax, "ragged_dot_general")(
+            lhs, rhs, group_sizes, ragged_dot_dimension_numbers, precision=precision,
+            preferred_element_type=preferred_element_type, group_offset=group_offset,
+            **kwargs)
 
     site = interception._innermost()  # noqa: SLF001
     if site is None or group_offset is not None or kwargs:

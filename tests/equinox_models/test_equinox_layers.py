@@ -3,6 +3,7 @@ GEMM per vmap batch (amaxes and min_fp8_flops of the batch), fp8_model on models
 Equinox's examples write them, every recipe; bit for bit against the functional ops."""
 
 import sys
+import warnings
 
 import equinox as eqx
 import jax
@@ -240,3 +241,36 @@ def test_a_shared_layer_called_twice_threads_its_state():
     want = jnp.maximum(jnp.max(jnp.abs(x)), jnp.max(jnp.abs(hidden)))
     assert grads.linear.fp8.meta.input.amax_history[0] == want
     assert grads.linear.fp8.meta.kernel.amax_history[0] == jnp.max(jnp.abs(model.linear.weight))
+
+
+class TransposedAndCast(eqx.Module):
+    """Weights used as codebases write them: ``x @ self.w.T`` (a weight stored [out, in], as
+    eqx.nn.Linear stores it) and ``x @ self.v.astype(jnp.bfloat16)`` (a mixed-precision
+    layer)."""
+
+    w: jax.Array
+    v: jax.Array
+
+    def __call__(self, x):
+        h = x @ self.w.T
+        return h.astype(jnp.bfloat16) @ self.v.astype(jnp.bfloat16)
+
+
+def test_a_weight_transposed_or_cast_before_its_gemm_converts():
+    """The conversion follows a weight through a transpose or a cast to its GEMM (as the
+    Flax adapters do): both GEMMs run in FP8 with the weight's state, and nothing is
+    reported."""
+    model = TransposedAndCast(jr.normal(jr.key(20), (16, 32)), jr.normal(jr.key(21), (16, 8)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jax_fp8.Fp8ConversionWarning)
+        fp8 = jfe.fp8_model(model, Fp8Rule(min_fp8_flops=0))
+        x = jr.normal(jr.key(22), (4, 32))
+        grads = eqx.filter_grad(lambda m: jnp.sum(m(x).astype(jnp.float32) ** 2))(fp8)
+    assert sorted(fp8.fp8_states) == ["v", "w"]
+    w_meta, v_meta = grads.fp8_states["w"].meta, grads.fp8_states["v"].meta
+    assert w_meta.input.amax_history[0] == jnp.max(jnp.abs(x))
+    assert w_meta.kernel.amax_history[0] == jnp.max(jnp.abs(model.w))
+    h = (x @ model.w.T).astype(jnp.bfloat16)
+    assert v_meta.kernel.amax_history[0] == jnp.max(jnp.abs(model.v.astype(jnp.bfloat16)))
+    # The second GEMM's input is the first's FP8 output, close to the plain product.
+    np.testing.assert_allclose(v_meta.input.amax_history[0], jnp.max(jnp.abs(h)), rtol=0.1)

@@ -87,8 +87,13 @@ def _converting_call(call):
                 current[weight] = meta
             return out
 
-        site = interception.Site(rule, convert, weights=weights)
-        with interception.patched(), interception.running(site):
+        cls = type(self)._fp8_unconverted  # noqa: SLF001
+        # An Equinox module does not know its path in the model (a field would make the
+        # modules of one class at different paths different pytrees): reported by class.
+        site = interception.Site(rule, convert, weights=weights, path=cls.__qualname__,
+                                 module_type=cls.__name__,
+                                 where=f"each {cls.__name__} module")
+        with interception.converting(type(self), cls.__name__, site):
             return call(self, *args, **kwargs)
     return converting
 

@@ -21,7 +21,8 @@ from typing import Any
 import flax.linen as nn
 from flax import errors as flax_errors
 
-from jax_fp8.flax.rules import Fp8Rule, Site, local, patched, reporting, rule_for, running
+from jax_fp8 import interception
+from jax_fp8.flax.rules import PARAM_PATCH, Fp8Rule, Site, recorded_params, rule_for, running
 
 __all__ = ["convert"]
 
@@ -42,7 +43,7 @@ def _linen_weights(module) -> tuple:
     """(name, array) of the module's parameters: the arrays its ``self.param`` calls
     returned in this converted call, then those of its params collection (unboxed)."""
     weights = []
-    recorded = (getattr(local, "params", None) or {}).get(id(module))
+    recorded = (recorded_params() or {}).get(id(module))
     if recorded is not None and recorded[0] is module:
         weights.extend(recorded[1].items())
     try:
@@ -118,31 +119,52 @@ def _linen_convert(module, rule: Fp8Rule, kind, args, precision, preferred_eleme
     return layer(*args, precision=precision, preferred_element_type=preferred_element_type)
 
 
-def _linen_site(rules, module) -> Site | None:
-    """The conversion of a running linen module's GEMMs (looked up at each GEMM: the
-    module's params exist only once its method has created them)."""
+def _linen_rule(rules, module) -> Fp8Rule | None:
+    """The rule that converts a running linen module's GEMMs, or None (none matches, an
+    exclusion, a layer with a GEMM of its own, jax_fp8's own FP8 modules, an ``nn.Embed``
+    whose attend stays as it is)."""
     from jax_fp8.flax import linen as fp8_linen
     if isinstance(module, (fp8_linen.Fp8DotGeneral, fp8_linen.Fp8Einsum,
-                           fp8_linen._WeightFp8)):  # noqa: SLF001
+                           fp8_linen._WeightFp8, nn.Embed)):  # noqa: SLF001
         return None
-    if isinstance(module, nn.Embed):
-        return None   # its attend (jnp.dot with the embedding table) stays as it is
     path = _linen_path(module)
     rule = None if path is None else rule_for(rules, path)
     if rule is None or _keeps_own_gemm(module):
         return None
+    return rule
+
+
+def _linen_site(rule: Fp8Rule, module) -> Site:
+    """The conversion of a running linen module's GEMMs (made at each GEMM: the module's
+    params exist only once its method has created them)."""
+    path = _linen_path(module)
     # Reported from an apply, not while init creates the variables (often at a batch
     # size of its own).
     return Site(rule, functools.partial(_linen_convert, module, rule),
                 weights=_linen_weights(module),
                 rhs_is_weight=isinstance(module, _LINEN_LAYERS),
                 path=None if module.is_initializing() else path,
-                module_type=type(module).__name__)
+                module_type=type(module).__name__, rule_path=path)
 
 
-def _linen_interceptor(rules):
+def _running_module(rules, module):
+    """`interception.running` for a linen module method: its site, made at each GEMM,
+    under the key of its rule (None: its GEMMs stay as they are)."""
+    rule = _linen_rule(rules, module)
+    if rule is None:
+        return running(None)
+    return running(functools.partial(_linen_site, rule, module),
+                   key=(rule, isinstance(module, _LINEN_LAYERS)))
+
+
+def _linen_interceptor(conversion: interception.Conversion, rules):
+    """Flax's method interceptor for one converting call: tracks the running module while
+    that call is the innermost (a converting call nested in it, of a model with rules of
+    its own, tracks its modules itself)."""
     def interceptor(next_fun, args, kwargs, context):
-        with running(functools.partial(_linen_site, rules, context.module)):
+        if interception.current() is not conversion:
+            return next_fun(*args, **kwargs)
+        with _running_module(rules, context.module):
             return next_fun(*args, **kwargs)
     return interceptor
 
@@ -170,21 +192,22 @@ def _converted_class(cls, rules: tuple[Fp8Rule, ...], methods: tuple[str, ...]):
 
 
 def _converting_method(method, rules):
-    interceptor = _linen_interceptor(rules)
+    tag = ("linen", rules)
 
     @functools.wraps(method)
     def converting(self, *args, **kwargs):
-        if getattr(local, "converting", 0):
+        outer = interception.current()
+        if outer is not None and outer.tag == tag:
+            # A method of a model converted with the same rules, called from a converting
+            # call (the model's own methods, or a model nested in it): that call converts it.
             return method(self, *args, **kwargs)
-        local.converting, local.params = 1, {}
-        try:
-            with reporting(type(self), type(self).__name__), patched(), \
-                    nn.intercept_methods(interceptor), \
-                    running(functools.partial(_linen_site, rules, self)):
-                return method(self, *args, **kwargs)
-        finally:
-            # The recorded parameters live for this call only.
-            local.converting, local.params = 0, None
+        rule = _linen_rule(rules, self)
+        site = None if rule is None else functools.partial(_linen_site, rule, self)
+        key = None if rule is None else (rule, isinstance(self, _LINEN_LAYERS))
+        with interception.converting(type(self), type(self).__name__, site, key=key,
+                                     tag=tag, extra=(PARAM_PATCH,)) as conversion, \
+                nn.intercept_methods(_linen_interceptor(conversion, rules)):
+            return method(self, *args, **kwargs)
     return converting
 
 

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_fp8 import interception
 from jax_fp8.dot_general import fp8_dot_general
 from jax_fp8.einsum import fp8_einsum
 from jax_fp8.flax import rules as rules_lib
@@ -82,8 +83,16 @@ def _raw_convert(module, rule, counts, kind, args, precision, preferred_element_
         name = f"{cls.__name__}_{counts[kind]}"
         counts[kind] += 1
     layer = getattr(module, name, None)
+    traced = any(isinstance(x, jax.core.Tracer) for x in args[:3])
+    if layer is None and traced and not rule.recipe.keeps_state:
+        # A recipe without state, first called inside a transformation the module cannot be
+        # changed in (a jax.shard_map body the weight was passed into): nothing to keep, so
+        # the FP8 layer is made for this call only.
+        groups = {"num_groups": args[1].shape[0]} if cls is Fp8RaggedDot else {}
+        layer = cls(rule.recipe, min_fp8_flops=rule.min_fp8_flops, **groups)
+        return layer(*args, precision=precision, preferred_element_type=preferred_element_type)
     if layer is None:
-        if any(isinstance(x, jax.core.Tracer) for x in args[:3]):
+        if traced:
             raise ValueError(
                 f"jax_fp8.flax.fp8_model: {type(module).__name__} calls a {kind} with a "
                 f"parameter operand that the conversion has not seen yet, inside a "
@@ -127,10 +136,10 @@ def _converting_call(method, rule):
         weights = _own_params(self)
         path = getattr(self, "_fp8_path", None)
         site = rules_lib.Site(rule, functools.partial(_raw_convert, self, rule, counts),
-                               weights=weights, path=path, module_type=type(self).__name__)
-        with rules_lib.reporting(getattr(self, "_fp8_root", type(self)), type(self).__name__), \
-                rules_lib.patched(), rules_lib.running(site):
-            rules_lib.track(*(w for _, w in weights))
+                               weights=weights, path=path, module_type=type(self).__name__,
+                               rule_path=path)
+        with interception.converting(getattr(self, "_fp8_root", type(self)),
+                                     type(self).__name__, site):
             return method(self, *args, **kwargs)
     return converting
 

@@ -9,27 +9,28 @@ GEMM of that parameter.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import flax.linen as nn
 
 from jax_fp8.interception import (
     ORIGINAL,
     Site,
+    current,
     explicit_einsum,
     local,
     note,
     patched as _patched_gemms,
     reporting,
     running,
+    through,
     track,
 )
 from jax_fp8.rules import AUTO_MIN_FP8_FLOPS, Fp8ConversionWarning, Fp8Rule, as_rules, rule_for
 
-__all__ = ["AUTO_MIN_FP8_FLOPS", "ORIGINAL", "Fp8ConversionWarning", "Fp8Rule", "Site",
-           "as_rules", "explicit_einsum", "local", "note", "patched", "reporting", "rule_for",
-           "running", "track"]
-
-_ORIGINAL_PARAM = nn.Module.param
+__all__ = ["AUTO_MIN_FP8_FLOPS", "ORIGINAL", "PARAM_PATCH", "Fp8ConversionWarning", "Fp8Rule",
+           "Site", "as_rules", "explicit_einsum", "local", "note", "patched", "recorded_params",
+           "reporting", "rule_for", "running", "track"]
 
 
 def _recording_param(module, name, *args, **kwargs):
@@ -38,16 +39,28 @@ def _recording_param(module, name, *args, **kwargs):
     a mesh comes back as a new, sharding-constrained array), so a GEMM of it, or of an
     array made from it by the operations the conversion follows, is known as a GEMM of
     the parameter ``name``."""
-    value = _ORIGINAL_PARAM(module, name, *args, **kwargs)
-    params = getattr(local, "params", None)
+    value = through(nn.Module, "param")(module, name, *args, **kwargs)
+    params = recorded_params()
     if params is not None and hasattr(value, "dtype"):
         params.setdefault(id(module), (module, {}))[1][name] = value
         track(value)
     return value
 
 
+def recorded_params() -> dict | None:
+    """``{id(module): (module, {name: array})}``: the parameters linen modules' ``self.param``
+    returned in this thread's converting call (`jax_fp8.interception.converting`), for
+    that call only; None outside one."""
+    conversion = current()
+    return None if conversion is None else conversion.data.setdefault("params", {})
+
+
+# What a converting call of a linen model installs besides the GEMM functions.
+PARAM_PATCH = (nn.Module, "param", _recording_param)
+
+
 @contextlib.contextmanager
-def patched():
+def patched() -> Iterator[None]:
     """`jax_fp8.interception.patched` with linen's recording ``Module.param``."""
-    with _patched_gemms(extra=((nn.Module, "param", _recording_param),)):
+    with _patched_gemms(extra=(PARAM_PATCH,)):
         yield
