@@ -134,7 +134,8 @@ def _link(outer, inner, step: str) -> None:
     tracked = getattr(local, "tracked", None)
     outer_leaves, outer_tree = jax.tree.flatten(outer)
     inner_leaves, inner_tree = jax.tree.flatten(inner)
-    if tracked is None or outer_tree != inner_tree:
+    if tracked is None or len(outer_leaves) != len(inner_leaves) \
+            or str(outer_tree) != str(inner_tree):
         return
     for o, i in zip(outer_leaves, inner_leaves, strict=True):
         entry = tracked.get(id(o))
