@@ -52,7 +52,7 @@ def test_linen_experts_in_a_shard_map_convert_as_without_it():
     x = _x()
     sharded = fp8_model(mm.LinenShardMapMoeBlock(E, TOP_K, D, F, mesh=_mesh()), CURRENT)
     plain = fp8_model(mm.LinenMoeBlock(E, TOP_K, D, F), CURRENT)
-    variables = _no_conversion_warning(sharded.init, jax.random.key(1), x)
+    variables = _no_conversion_warning(jax.jit(sharded.init), jax.random.key(1), x)
     # the gradient w.r.t. x too: else the first projections' input gradients are dead code
     step = jax.jit(jax.value_and_grad(lambda v, x: _loss(sharded, v, x), argnums=(0, 1)))
     got = _no_conversion_warning(step, variables, x)
@@ -72,9 +72,9 @@ def test_nnx_experts_in_a_shard_map_convert_as_the_linen_block():
     params = {"gate": {"kernel": model.gate.kernel[...]},
               **{n: getattr(model, n)[...] for n in ("wi_0", "wi_1", "wo")}}
     _no_conversion_warning(fp8_model, model, CURRENT, x)
-    got = _no_conversion_warning(model, x)
+    got = _no_conversion_warning(nnx.jit(lambda m, x: m(x)), model, x)
     plain = fp8_model(mm.LinenMoeBlock(E, TOP_K, D, F), CURRENT)
-    np.testing.assert_array_equal(got, plain.apply({"params": params}, x))
+    np.testing.assert_array_equal(got, jax.jit(plain.apply)({"params": params}, x))
 
 
 def test_a_recipe_with_state_in_a_shard_map_is_refused_naming_the_fix():
@@ -85,10 +85,10 @@ def test_a_recipe_with_state_in_a_shard_map_is_refused_naming_the_fix():
     block = mm.LinenShardMapMoeBlock(E, TOP_K, D, F, mesh=_mesh())
     with pytest.raises(TypeError, match=r"inside a jax.shard_map.*Fp8Rule\(path='', "
                                         r"recipe=jax_fp8.Float8CurrentScaling\(\)\)"):
-        fp8_model(block, Fp8Rule(min_fp8_flops=0)).init(jax.random.key(1), x)
+        jax.jit(fp8_model(block, Fp8Rule(min_fp8_flops=0)).init)(jax.random.key(1), x)
     model = fp8_model(block, [Fp8Rule(path="", recipe=jax_fp8.Float8CurrentScaling(),
                                       min_fp8_flops=0), Fp8Rule(min_fp8_flops=0)])
-    variables = _no_conversion_warning(model.init, jax.random.key(1), x)
+    variables = _no_conversion_warning(jax.jit(model.init), jax.random.key(1), x)
     assert list(variables["fp8_meta"]) == ["gate"]     # the router's delayed-scaling state
     loss, grads = jax.jit(jax.value_and_grad(lambda v, x: _loss(model, v, x)))(variables, x)
     assert np.isfinite(loss)
@@ -123,17 +123,17 @@ def test_a_weight_passed_into_a_jit_or_checkpoint_body_converts():
     x = jax.random.normal(jax.random.key(2), (8, D))
     recipe = jax_fp8.Float8CurrentScaling()
     model = fp8_model(Helpers(), Fp8Rule(recipe=recipe, min_fp8_flops=0))
-    variables = _no_conversion_warning(model.init, jax.random.key(3), x)
-    got = _no_conversion_warning(model.apply, variables, x)
+    variables = _no_conversion_warning(jax.jit(model.init), jax.random.key(3), x)
+    got = _no_conversion_warning(jax.jit(model.apply), variables, x)
     np.testing.assert_array_equal(got, _helpers_by_hand(variables["params"], x, recipe))
 
 
 def test_a_recipe_with_state_in_a_jit_body_keeps_the_gemm_and_says_so():
     x = jax.random.normal(jax.random.key(2), (8, D))
     model = fp8_model(Helpers(), Fp8Rule(min_fp8_flops=0))
-    variables = model.init(jax.random.key(3), x)
+    variables = jax.jit(model.init)(jax.random.key(3), x)
     with pytest.warns(jax_fp8.Fp8ConversionWarning, match="inside a jax.jit or jax.checkpoint "
                       "body.*recipe=jax_fp8.Float8CurrentScaling"):
-        got = model.apply(variables, x)
+        got = jax.jit(model.apply)(variables, x)
     assert "fp8_meta" not in variables
-    np.testing.assert_array_equal(got, Helpers().apply(variables, x))
+    np.testing.assert_array_equal(got, jax.jit(Helpers().apply)(variables, x))

@@ -131,4 +131,36 @@ def merged_step(x, w, meta, ct):
 dw_one, amax_one = jax.jit(merged_step)(x_m, w_np, meta0, ct_m)
 results["shard_map"] = {"same_bits": [a == b for a, b in zip(bits((dw_sm, amax_sm)),
                                                               bits((dw_one, amax_one)))]}
+
+# MaxText's sparse-matmul MoE (tests/moe/moe_models.py), its experts in a shard_map over the
+# 8 devices' tokens, converted by fp8_model with a stateless recipe: every grouped GEMM of
+# the step in FP8 inside the shard_map, and each device's output the block's on its tokens
+# alone (the router kept in float32, a GEMM per token).
+import moe_models as mm  # noqa: E402
+from test_moe_conversion import _RAGGED, _executed  # noqa: E402
+from jax_fp8.flax import Fp8Rule, fp8_model  # noqa: E402
+
+RULES = [Fp8Rule(path="gate", recipe=None),
+         Fp8Rule(recipe=jax_fp8.Float8CurrentScaling(), min_fp8_flops=0)]
+x_mt = jax.random.normal(jax.random.key(0), (16, 8, 64))      # 2 sequences a device
+
+
+def maxtext_block(devices):
+    mesh_mt = jax.sharding.Mesh(np.array(devices), ("data",))
+    return fp8_model(mm.LinenShardMapMoeBlock(16, 2, 64, 32, mesh=mesh_mt), RULES)
+
+
+block8 = maxtext_block(jax.devices())
+variables_mt = jax.jit(block8.init)(jax.random.key(1), x_mt)
+loss_mt = jax.jit(jax.value_and_grad(
+    lambda v, x: jnp.mean(block8.apply(v, x) ** 2), argnums=(0, 1)))
+text_mt = loss_mt.trace(variables_mt, x_mt).lower(lowering_platforms=("cuda",)).as_text()
+block1 = maxtext_block(jax.devices()[:1])
+apply1 = jax.jit(block1.apply)
+by_device = np.concatenate([np.asarray(apply1(variables_mt, x_mt[2 * d:2 * d + 2]))
+                            for d in range(8)])
+results["maxtext"] = {
+    "same_bits": bits(jax.jit(block8.apply)(variables_mt, x_mt)) == bits(by_device),
+    "ragged_dots": _executed(text_mt, _RAGGED),
+}
 print("RESULTS " + json.dumps(results))
