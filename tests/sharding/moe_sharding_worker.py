@@ -17,8 +17,11 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_fp8
+import moe_models as mm
 from jax_fp8._primitives import base, grouped_gemm as gg
 from jax_fp8.devtools import hlo
+from jax_fp8.flax import Fp8Rule, fp8_model
+from test_moe_conversion import _RAGGED, _executed
 from test_ragged_dot import exact_operands
 
 assert jax.device_count() == 8
@@ -136,10 +139,6 @@ results["shard_map"] = {"same_bits": [a == b for a, b in zip(bits((dw_sm, amax_s
 # 8 devices' tokens, converted by fp8_model with a stateless recipe: every grouped GEMM of
 # the step in FP8 inside the shard_map, and each device's output the block's on its tokens
 # alone (the router kept in float32, a GEMM per token).
-import moe_models as mm  # noqa: E402
-from test_moe_conversion import _RAGGED, _executed  # noqa: E402
-from jax_fp8.flax import Fp8Rule, fp8_model  # noqa: E402
-
 RULES = [Fp8Rule(path="gate", recipe=None),
          Fp8Rule(recipe=jax_fp8.Float8CurrentScaling(), min_fp8_flops=0)]
 x_mt = jax.random.normal(jax.random.key(0), (16, 8, 64))      # 2 sequences a device
