@@ -3,7 +3,8 @@ data-parallel, the experts' weights sharded over the devices along the experts' 
 (FSDP-style expert parallelism), and with their columns over a second axis; run by
 test_moe_sharding.py. Prints one JSON line: per case, whether the output, both gradients
 and the per-expert amaxes are one device's bits, the collectives of the compiled program,
-and how many grouped GEMM primitives ran per device."""
+and how many grouped GEMM primitives ran per device; and MaxText's sparse-matmul MoE (its
+experts in a shard_map) converted by fp8_model."""
 
 import collections
 import json

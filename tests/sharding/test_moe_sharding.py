@@ -3,7 +3,8 @@ with one delayed-scaling state per expert, tokens data-parallel, the experts' we
 sharded along the experts' axis (and their columns over a second axis). The grouped GEMM
 primitive partitions (each device its rows against every expert's FP8 weight, its group
 sizes clamped to its rows), so every result is one device's bits; the weights travel as
-FP8 values; the amaxes of a data-parallel step take one max all-reduce."""
+FP8 values; the amaxes of a data-parallel step take one max all-reduce. MaxText's
+sparse-matmul MoE converted by fp8_model, its experts in a shard_map over the 8 devices."""
 
 import pytest
 
