@@ -42,7 +42,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jax_fp8 import _gemms  # noqa: E402
 from jax_fp8._primitives import (
     block_gemm as bg,  # noqa: E402

@@ -35,7 +35,6 @@ Writes ``grouped_gemm.json`` and ``grouped_gemm.md`` under ``--outdir``.
 from __future__ import annotations
 
 import functools
-import os
 import statistics
 import sys
 import time
@@ -44,7 +43,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from jax_fp8 import _gemms  # noqa: E402
 from jax_fp8._primitives import grouped_gemm as gg  # noqa: E402

@@ -46,7 +46,6 @@ Writes ``moe.json`` and ``moe.md`` under ``--outdir``.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -55,7 +54,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 import jax_fp8  # noqa: E402
 import llm_kernels  # noqa: E402
