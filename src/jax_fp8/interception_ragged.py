@@ -22,6 +22,7 @@ import numpy as np
 from jax import lax
 
 from jax_fp8 import interception
+from jax_fp8._interception_follow import _FLOATS
 
 __all__ = ["ORIGINAL_RAGGED_DOT", "ORIGINAL_RAGGED_DOT_GENERAL", "expert_weight"]
 
@@ -46,7 +47,7 @@ def expert_weight(site: interception.Site, lhs, rhs) -> tuple[str | None, str | 
     if name is None:
         weights = any(getattr(w, "ndim", 0) >= 3 for _, w in site.weights)
         return None, "fp8_model_no_weight" if weights else None
-    if not dtypes <= interception._FLOATS:  # noqa: SLF001
+    if not dtypes <= _FLOATS:
         return None, "fp8_model_dtype"
     return name, None
 
