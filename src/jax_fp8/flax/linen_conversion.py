@@ -147,14 +147,15 @@ def _linen_site(rule: Fp8Rule, module) -> Site:
                 module_type=type(module).__name__, rule_path=path)
 
 
-def _running_module(rules, module):
-    """`interception.running` for a linen module method: its site, made at each GEMM,
-    under the key of its rule (None: its GEMMs stay as they are)."""
+def _site_and_key(rules, module):
+    """``(site, key)`` of a running linen module method for `interception.running`: its
+    site, made at each GEMM, and the key of its rule; ``(None, None)``: its GEMMs stay as
+    they are."""
     rule = _linen_rule(rules, module)
     if rule is None:
-        return running(None)
-    return running(functools.partial(_linen_site, rule, module),
-                   key=(rule, isinstance(module, _LINEN_LAYERS)))
+        return None, None
+    return (functools.partial(_linen_site, rule, module),
+            (rule, isinstance(module, _LINEN_LAYERS)))
 
 
 def _linen_interceptor(conversion: interception.Conversion, rules):
@@ -164,7 +165,8 @@ def _linen_interceptor(conversion: interception.Conversion, rules):
     def interceptor(next_fun, args, kwargs, context):
         if interception.current() is not conversion:
             return next_fun(*args, **kwargs)
-        with _running_module(rules, context.module):
+        site, key = _site_and_key(rules, context.module)
+        with running(site, key=key):
             return next_fun(*args, **kwargs)
     return interceptor
 
@@ -201,9 +203,7 @@ def _converting_method(method, rules):
             # A method of a model converted with the same rules, called from a converting
             # call (the model's own methods, or a model nested in it): that call converts it.
             return method(self, *args, **kwargs)
-        rule = _linen_rule(rules, self)
-        site = None if rule is None else functools.partial(_linen_site, rule, self)
-        key = None if rule is None else (rule, isinstance(self, _LINEN_LAYERS))
+        site, key = _site_and_key(rules, self)
         with interception.converting(type(self), type(self).__name__, site, key=key,
                                      tag=tag, extra=(PARAM_PATCH,)) as conversion, \
                 nn.intercept_methods(_linen_interceptor(conversion, rules)):

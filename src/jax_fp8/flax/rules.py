@@ -8,9 +8,6 @@ GEMM of that parameter.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import flax.linen as nn
 
 from jax_fp8.interception import (
@@ -20,7 +17,6 @@ from jax_fp8.interception import (
     explicit_einsum,
     local,
     note,
-    patched as _patched_gemms,
     reporting,
     running,
     through,
@@ -29,7 +25,7 @@ from jax_fp8.interception import (
 from jax_fp8.rules import AUTO_MIN_FP8_FLOPS, Fp8ConversionWarning, Fp8Rule, as_rules, rule_for
 
 __all__ = ["AUTO_MIN_FP8_FLOPS", "ORIGINAL", "PARAM_PATCH", "Fp8ConversionWarning", "Fp8Rule",
-           "Site", "as_rules", "explicit_einsum", "local", "note", "patched", "recorded_params",
+           "Site", "as_rules", "explicit_einsum", "local", "note", "recorded_params",
            "reporting", "rule_for", "running", "track"]
 
 
@@ -58,9 +54,3 @@ def recorded_params() -> dict | None:
 # What a converting call of a linen model installs besides the GEMM functions.
 PARAM_PATCH = (nn.Module, "param", _recording_param)
 
-
-@contextlib.contextmanager
-def patched() -> Iterator[None]:
-    """`jax_fp8.interception.patched` with linen's recording ``Module.param``."""
-    with _patched_gemms(extra=(PARAM_PATCH,)):
-        yield
