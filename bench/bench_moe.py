@@ -108,18 +108,21 @@ def _grouped_f32(_, lhs, rhs, sizes):
     sizes read on the host), the rows past the groups 0."""
     out, start = [], 0
     for g, size in enumerate(np.asarray(sizes)):
-        rows = lhs[start:start + int(size)]
-        out.append(jnp.dot(rows, rhs[g], precision=jax.lax.Precision.HIGHEST))
+        rows = lhs[start:start + int(size)].astype(jnp.float32)
+        out.append(jnp.dot(rows, rhs[g].astype(jnp.float32),
+                           precision=jax.lax.Precision.HIGHEST))
         start += int(size)
-    out.append(jnp.zeros((lhs.shape[0] - start, rhs.shape[-1]), lhs.dtype))
+    out.append(jnp.zeros((lhs.shape[0] - start, rhs.shape[-1]), jnp.float32))
     return jnp.concatenate(out)
 
 
 def reference_loss(model, params, x):
-    """The block's loss in float32, group by group (`_grouped_f32`): the numbers every
-    variant's first step is checked against."""
+    """The block's loss in float32, group by group (`_grouped_f32`, which casts one expert's
+    weight at a time: a float32 copy of every expert's weights does not fit beside the
+    bf16 ones at DeepSeek-V3's sizes): the numbers every variant's first step is checked
+    against."""
     top_k = MODELS[model][1]
-    f32 = jax.tree.map(lambda a: a.astype(jnp.float32), params)
+    f32 = {**params, "router": params["router"].astype(jnp.float32)}
     return float(jnp.mean(jnp.square(moe_block(f32, x.astype(jnp.float32), top_k,
                                                _grouped_f32))))
 
