@@ -185,7 +185,9 @@ def call_plans(kind, lhs, rhs, sizes, scale, dense_rhs):
                                          None)}
 
 
-def measure(models, steps):
+def measure(models, steps, columns=COLUMNS, report=None):
+    """The rows of the table, `columns` of each; ``report(rows)`` after each row (so a run
+    cut short keeps what it measured)."""
     rows = []
     on_gpu = jax.devices()[0].platform == "gpu"
     for model in models:
@@ -206,7 +208,7 @@ def measure(models, steps):
             sizes_d = jax.device_put(sizes)
             want = None
             plans = call_plans(kind, lhs, rhs, sizes_d, ones, dense_rhs)
-            for column, plan in plans.items():
+            for column, plan in ((c, p) for c, p in plans.items() if c in columns):
                 try:
                     fn, args, target = plan()
                     jax.block_until_ready(args)
@@ -237,6 +239,8 @@ def measure(models, steps):
             print(f"{model:9s} {name:13s} G={experts} rows={m} n={n} k={k} "
                   + " ".join(f"{c}={v:.1f}" for c, v in row["tflops"].items()), flush=True)
             del lhs, rhs, dense_rhs, want, plans
+            if report is not None:
+                report(rows)
     return rows
 
 
@@ -266,18 +270,27 @@ def table(rows):
 
 
 def main(argv=None):
-    args = common.moe_args(__doc__, MODELS, 20, "bench/results/grouped_gemm", argv)
+    def extra(p):
+        p.add_argument("--columns", nargs="+", default=list(COLUMNS), choices=COLUMNS,
+                       help="the paths to measure (default: all; bf16_grouped is what the "
+                            "others are checked against)")
+    args = common.moe_args(__doc__, MODELS, 20, "bench/results/grouped_gemm", argv, extra=extra)
     for label, module in (("grouped GEMM", gg), ("grouped wgrad", gw), ("bf16 grouped", rd)):
         print(f"{label} kernel:", module.kernel_status(), flush=True)
-    rows = measure(args.models, args.steps)
     meta = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
             "steps": args.steps, "kernel_status": {"grouped_gemm": gg.kernel_status(),
-                              "grouped_wgrad": gw.kernel_status(),
-                              "ragged_dot": rd.kernel_status()},
+                                                   "grouped_wgrad": gw.kernel_status(),
+                                                   "ragged_dot": rd.kernel_status()},
             "kernel_configs": {"grouped_gemm": gg.kernel_configs(),
                                "grouped_wgrad": gw.kernel_configs(),
                                "ragged_dot": rd.kernel_configs()},
             "command": "python bench/bench_grouped_gemm.py " + " ".join(argv or sys.argv[1:])}
+
+    def report(rows):
+        common.write_report(args.outdir, "grouped_gemm", {"meta": meta, "rows": rows},
+                            table(rows), quiet=True)
+
+    rows = measure(args.models, args.steps, args.columns, report)
     common.write_report(args.outdir, "grouped_gemm", {"meta": meta, "rows": rows}, table(rows))
 
 

@@ -45,6 +45,7 @@ Writes ``moe.json`` and ``moe.md`` under ``--outdir``.
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
@@ -104,23 +105,38 @@ def moe_block(params, x, top_k, ragged):
 
 
 def _grouped_f32(_, lhs, rhs, sizes):
-    """Each group's rows times its expert's weight, one float32 GEMM per group (the group
-    sizes read on the host), the rows past the groups 0."""
-    out, start = [], 0
-    for g, size in enumerate(np.asarray(sizes)):
-        rows = lhs[start:start + int(size)].astype(jnp.float32)
-        out.append(jnp.dot(rows, rhs[g].astype(jnp.float32),
-                           precision=jax.lax.Precision.HIGHEST))
-        start += int(size)
-    out.append(jnp.zeros((lhs.shape[0] - start, rhs.shape[-1]), jnp.float32))
-    return jnp.concatenate(out)
+    """Each group's rows times its expert's weight in float32, group by group (no grouped
+    GEMM, and no product over all experts: `_groups_f32`), the rows past the groups 0."""
+    window = -(-max(int(np.max(np.asarray(sizes))), 1) // 256) * 256
+    return _groups_f32(lhs, rhs, jnp.asarray(sizes, jnp.int32), window)
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _groups_f32(lhs, rhs, sizes, window):
+    """One compiled loop over the groups: group g's rows (a `window`-row slice from its first
+    row, the rows past its size masked to 0) times rhs[g] in float32, added into the output's
+    rows from the group's first (other groups' rows get + 0). One expert's weight is cast
+    to float32 at a time: a float32 copy of them all does not fit beside the bf16 ones at
+    DeepSeek-V3's sizes."""
+    m, n = lhs.shape[0], rhs.shape[-1]
+    starts = jnp.cumsum(sizes) - sizes
+    lhs = jnp.concatenate([lhs.astype(jnp.float32), jnp.zeros((window, lhs.shape[1]),
+                                                              jnp.float32)])
+
+    def group(g, out):
+        rows = jax.lax.dynamic_slice_in_dim(lhs, starts[g], window)
+        rows = jnp.where((jnp.arange(window) < sizes[g])[:, None], rows, 0.0)
+        product = jnp.dot(rows, rhs[g].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+        return jax.lax.dynamic_update_slice_in_dim(
+            out, jax.lax.dynamic_slice_in_dim(out, starts[g], window) + product, starts[g], 0)
+
+    out = jax.lax.fori_loop(0, rhs.shape[0], group, jnp.zeros((m + window, n), jnp.float32))
+    return out[:m]
 
 
 def reference_loss(model, params, x):
-    """The block's loss in float32, group by group (`_grouped_f32`, which casts one expert's
-    weight at a time: a float32 copy of every expert's weights does not fit beside the
-    bf16 ones at DeepSeek-V3's sizes): the numbers every variant's first step is checked
-    against."""
+    """The block's loss in float32, group by group (`_grouped_f32`): the numbers every
+    variant's first step is checked against."""
     top_k = MODELS[model][1]
     f32 = {**params, "router": params["router"].astype(jnp.float32)}
     return float(jnp.mean(jnp.square(moe_block(f32, x.astype(jnp.float32), top_k,
@@ -160,29 +176,24 @@ def make_step(model, variant):
     return jax.jit(step, donate_argnums=(0, 1)), loss, fp8
 
 
-def grouped_lowering(loss, params, fp8, x):
-    """How the variant's grouped GEMMs lower here (explain's rows of the FP8 and bf16 grouped
-    GEMM primitives)."""
+def lowerings(loss, params, fp8, x):
+    """How the variant's grouped GEMMs lower here, from explain's rows of the FP8 and bf16
+    grouped GEMM primitives and of the grouped weight-gradient primitive (none for the
+    blocked recipes): (grouped GEMMs, weight gradients)."""
     rows = explain.explain(jax.grad(loss, argnums=(0, 1, 2)), params, fp8, x)
     got = sorted({f"{r.lowering}: {r.why}" for r in rows
                   if r.name in ("jax_fp8_grouped_gemm", "jax_fp8_ragged_dot")})
     emulated = any(r.lowering == "blocks emulated" for r in rows)
-    return got or (["blocks emulated (float32 dequantized ragged_dot)"] if emulated else [])
-
-
-def wgrad_lowering(loss, params, fp8, x):
-    """How the variant's weight gradients lower here (explain's rows of the grouped
-    weight-gradient primitive; none for the blocked recipes)."""
-    rows = explain.explain(jax.grad(loss, argnums=(0, 1, 2)), params, fp8, x)
-    return sorted({f"{r.lowering}: {r.why}" for r in rows if r.name == "jax_fp8_grouped_wgrad"})
+    wgrad = sorted({f"{r.lowering}: {r.why}" for r in rows if r.name == "jax_fp8_grouped_wgrad"})
+    return got or (["blocks emulated (float32 dequantized ragged_dot)"] if emulated else []), wgrad
 
 
 def run(model, variant, steps, ref_loss):
     params, x = init(model)
     step, loss, fp8 = make_step(model, variant)
-    row = {"model": model, "variant": variant,
-           "grouped_lowering": grouped_lowering(loss, params, fp8, x),
-           "wgrad_lowering": wgrad_lowering(loss, params, fp8, x)}
+    grouped, wgrad = lowerings(loss, params, fp8, x)
+    row = {"model": model, "variant": variant, "grouped_lowering": grouped,
+           "wgrad_lowering": wgrad}
     compiled = step.lower(params, fp8, x).compile()
     memory = compiled.memory_analysis()
     if memory is not None:
@@ -259,6 +270,9 @@ def main(argv=None):
                              "error": f"{type(err).__name__}: {err}"[:300]})
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "top_kernels"}),
                   file=sys.stderr, flush=True)
+            common.write_report(args.outdir, "moe", {"platform": jax.devices()[0].platform,
+                                                     "steps": args.steps, "rows": rows},
+                                table(rows), quiet=True)
     common.write_report(args.outdir, "moe", {"platform": jax.devices()[0].platform,
                                              "steps": args.steps, "rows": rows}, table(rows))
 

@@ -401,13 +401,14 @@ def moe_args(doc: str, models, steps: int, outdir: str, argv=None, extra=None):
     return args
 
 
-def write_report(outdir: str, name: str, data, md: str) -> None:
+def write_report(outdir: str, name: str, data, md: str, quiet: bool = False) -> None:
     """OUTDIR/NAME.json (``data``) and OUTDIR/NAME.md (the table ``md``), which is also
-    printed."""
+    printed unless ``quiet``."""
     md = md.rstrip("\n")
     write_json(os.path.join(outdir, name + ".json"), data)
     write_text(os.path.join(outdir, name + ".md"), md + "\n")
-    print(md, flush=True)
+    if not quiet:
+        print(md, flush=True)
 
 
 def run_tiny(script: str, outdir, timeout: int = 300) -> subprocess.CompletedProcess:
