@@ -81,9 +81,10 @@ def frozen_scales() -> Iterator[None]:
     * differentiating a delayed-scaling `fp8_dot_general` / `fp8_einsum` w.r.t. its
       operands alone is allowed (outside the context it raises ValueError at trace time,
       the amaxes would be dropped); the GEMM uses its current scales;
-    * `new_fp8_state` returns the states unchanged, so `Fp8TrainState.apply_gradients`,
-      NNX `apply_gradients` / `update_fp8` / `Fp8Optimizer.update` step the optimizer on
-      the parameters and leave the FP8 state (and, under ``optax.MultiSteps``, its
+    * `new_fp8_state` returns the states unchanged, and the adapters' training step
+      (`jax_fp8._training_step`: `Fp8TrainState.apply_gradients`, NNX `apply_gradients` /
+      `update_fp8` / `Fp8Optimizer.update`, Equinox `apply_updates`) steps the optimizer
+      on the parameters and leaves the FP8 state (and, under ``optax.MultiSteps``, its
       pending amaxes) as it is, with or without FP8 gradients: the one-call path
       (``state.value_and_grad`` then ``apply_gradients(grads=grads)``) is frozen too.
 
