@@ -10,32 +10,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from jax_fp8 import _hints, _training_step, meta as meta_lib
+from jax_fp8 import _training_step, meta as meta_lib
 from jax_fp8._training_step import Fp8Part
-from jax_fp8.equinox._state import Fp8Placeholder, Fp8State, is_fp8_node
+from jax_fp8.equinox._state import EQUINOX, Fp8Placeholder, Fp8State, is_fp8_node
 from jax_fp8.meta import combine_fp8_grads
 
 __all__ = ["accumulate_grads", "apply_updates", "check_fp8_updated", "fp8_states", "params"]
 
-# How Equinox spells each fix of the training step's errors (jax_fp8._hints); its modules
-# and Equinox's own are named so that an error raised deeper finds it.
-EQUINOX = _hints.StepHints(
-    framework="Equinox",
-    differentiate=("`loss, grads = eqx.filter_value_and_grad(loss_fn)(model, ...)`, whose "
-                   "default filter (eqx.is_inexact_array) differentiates the FP8 states too"),
-    update=("`model = jax_fp8.equinox.apply_updates(model, updates, grads)` with that whole "
-            "gradient tree (not `jax_fp8.equinox.params(grads)`)"),
-    optimizer=("`opt_state = optim.init(jax_fp8.equinox.params(model))` and `updates, "
-               "opt_state = optim.update(jax_fp8.equinox.params(grads), opt_state, "
-               "jax_fp8.equinox.params(model))`"),
-    recipe=("each `jax_fp8.equinox.Fp8State` is updated with the recipe it carries, so make "
-            "it with its meta from that recipe: `Fp8State.create(recipe)`, as "
-            "`jax_fp8.equinox.Fp8Linear(..., recipe=recipe)` and "
-            "`jax_fp8.equinox.fp8_model(model, jax_fp8.Fp8Rule(recipe=recipe))` do (not "
-            "`Fp8State(meta, recipe)` with a meta of another recipe)"),
-    param_grads="`jax_fp8.equinox.params(grads)`",
-)
-_hints.register(("equinox", "jax_fp8.equinox"), EQUINOX)
 
 
 def params(tree: Any) -> Any:
