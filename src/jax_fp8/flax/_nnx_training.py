@@ -38,7 +38,7 @@ NNX = _hints.StepHints(
     recipe=("pass `recipe=` to `jax_fp8.flax.nnx.apply_gradients(model, optimizer, grads, "
             "recipe)` / `Fp8Optimizer(model, tx, wrt=nnx.Param, recipe=recipe)` / "
             "`update_fp8(model, grads, recipe)`, or make the layers with the update's recipe "
-            "(`Fp8Linear(..., recipe=recipe)`, `jax_fp8.flax.nnx.fp8_model(model, "
+            "(`Fp8Linear(..., recipe=recipe)`, `jax_fp8.flax.fp8_model(model, "
             "jax_fp8.Fp8Rule(recipe=recipe))`)"),
     param_grads="the `nnx.Param` gradients that are not `Fp8Grad`",
     multi_steps=("Use " + _FP8_OPTIMIZER + " (one FP8 update per MultiSteps step, from the "
