@@ -1,10 +1,11 @@
 """Shared fixtures: which backends the kernel tests run on, and a guard that the
 NumPy reference keeps IEEE subnormals for the whole session; the import path.
 
-The tests are grouped in folders by area (kernels/, recipes/, flax_models/, sharding/, tools/);
-the modules they share (helpers, buffers, the NumPy references) are here. Every folder is
-put on sys.path (helpers.TEST_DIRS), so any module under tests/ imports another by its
-basename, whether pytest runs tests/ or one file; basenames are unique across tests/.
+The tests are grouped in folders by area (kernels/, recipes/, flax_models/, equinox_models/,
+moe/, sharding/, training/, tools/); the modules they share (helpers, buffers, the NumPy
+references) are here. Every folder is put on sys.path (helpers.TEST_DIRS), so any module
+under tests/ imports another by its basename, whether pytest runs tests/ or one file;
+basenames are unique across tests/.
 
 Kernel tests take the `backend` fixture (or `device`), parametrized over "cpu"
 (always) and "gpu" (marked `gpu`; it runs when jax has a GPU device *and* the

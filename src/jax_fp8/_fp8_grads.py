@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_fp8 import state as state_lib
+from jax_fp8 import _hints, state as state_lib
 from jax_fp8.state import HoldsStates, ScalingState, is_state
 
 # ------------------------------------------------------------------- the amax record
@@ -118,12 +118,13 @@ def _is_amax_array(x) -> bool:
             and jax.random.key_impl(x) == _AMAX_IMPL)
 
 
-_NOT_AN_AMAX = ("{where}: an FP8 gradient (AmaxGrad) holds {what} where the update reads the "
-                "observed amaxes; something other than jax_fp8 rebuilt it (e.g. "
-                "`jax.tree.map(f, grads)` over the whole gradient). Apply gradient transforms "
-                "to the parameter gradients only (grads['params'], or the nnx.Param part), "
-                "combine FP8 gradients with jax_fp8.combine_fp8_grads, and pass them to the "
-                "update as the value_and_grad of jax_fp8 returned them.")
+def _not_an_amax(where: str, what: str) -> str:
+    param_grads = _hints.of_caller().param_grads
+    return (f"{where}: an FP8 gradient (AmaxGrad) holds {what} where the update reads the "
+            "observed amaxes; something other than jax_fp8 rebuilt it (e.g. "
+            "`jax.tree.map(f, grads)` over the whole gradient). Apply gradient transforms "
+            f"to {param_grads} only, combine FP8 gradients with jax_fp8.combine_fp8_grads, "
+            "and pass them to the update as the value_and_grad of jax_fp8 returned them.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +152,7 @@ class AmaxGrad:
         if not _is_amax_array(self.amax):
             what = (f"a {getattr(self.amax, 'dtype', type(self.amax).__name__)} array"
                     if hasattr(self.amax, "dtype") else type(self.amax).__name__)
-            raise TypeError(_NOT_AN_AMAX.format(where=where, what=what))
+            raise TypeError(_not_an_amax(where, what))
         bits = jax.random.key_data(self.amax)[..., 0]
         return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
@@ -176,16 +177,13 @@ jax.tree_util.register_pytree_with_keys(
     flatten_func=_amax_grad_flatten)
 
 
-_NOT_EXPORTABLE = (
-    "jax.export cannot serialize a function taking or returning FP8 gradients (AmaxGrad): "
-    "their arrays are of an extended dtype that jax.export does not serialize. Export "
-    "the step with the FP8 update inside it, taking and returning FP8 states "
-    "(Fp8TrainState.apply_gradients, jax_fp8.new_fp8_state, NNX's update_fp8), or "
-    "return the amaxes as float32 (AmaxGrad.value()).")
-
-
 def _refuse_export(_: Any) -> Any:
-    raise ValueError(_NOT_EXPORTABLE)
+    updates = "; ".join(f"{h.framework}: {h.update}" for h in _hints.imported())
+    raise ValueError(
+        "jax.export cannot serialize a function taking or returning FP8 gradients "
+        "(AmaxGrad): their arrays are of an extended dtype that jax.export does not "
+        "serialize. Export the step with the FP8 update inside it, taking and returning "
+        f"FP8 states ({updates}), or return the amaxes as float32 (AmaxGrad.value()).")
 
 
 # Registered so that serializing names the fix instead of JAX's "unregistered type".

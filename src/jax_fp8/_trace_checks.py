@@ -17,7 +17,7 @@ from collections.abc import Hashable, Iterator
 
 import jax
 
-from jax_fp8 import _compat
+from jax_fp8 import _compat, _hints
 from jax_fp8._primitives import amax as amax_lib
 
 # What a staging trace of a loop body traces for (`_compat.traced_for`).
@@ -37,29 +37,34 @@ def _chain(leaf):
     return chain if t is not None else None
 
 
-_REUSE = ("{op}: this Fp8Meta was already given to another FP8 op in the same "
-          "computation, so their amaxes would be summed instead of maxed. Thread it: "
-          "`out, meta = {op}(..., meta)` and pass the returned meta to the next use (the "
-          "Flax layers do this). Two applications of one model on the same FP8 state in "
-          "one differentiated function (`state.apply_model` or `model.apply` twice) are "
-          "such a second use: apply it once (e.g. on the inputs concatenated), or call its "
-          "layers twice inside one apply, where they thread. For several microbatches "
-          "differentiate each and use combine_fp8_grads.")
-_LOOP = ("{op}: this Fp8Meta is differentiated but closed over by a `{loop}` body, so "
-         "JAX would sum its amaxes over the iterations instead of taking their max. Pass "
-         "it through the loop instead: in the carry (and return the threaded meta from "
-         "the body), or one meta per iteration as `xs` (nn.scan: variable_axes="
-         "{{'fp8_meta': 0}}, or variable_carry='fp8_meta').")
+def _reuse(op: str) -> str:
+    hints = _hints.of_caller()
+    return (f"{op}: this Fp8Meta was already given to another FP8 op in the same "
+            "computation, so their amaxes would be summed instead of maxed. Thread it: "
+            f"`out, meta = {op}(..., meta)` and pass the returned meta to the next use "
+            "(jax_fp8's layers do this). Two applications of one model on the same FP8 "
+            "state in one differentiated function are such a second use: apply it once "
+            f"(e.g. on the inputs concatenated){hints.reuse}. For several microbatches "
+            "differentiate each and use combine_fp8_grads.")
 
 
-_DROPPED = ("{op}: its operands are being differentiated but its delayed-scaling Fp8Meta "
+def _loop(op: str, loop: str) -> str:
+    scan = _hints.of_caller().scan
+    return (f"{op}: this Fp8Meta is differentiated but closed over by a `{loop}` body, so "
+            "JAX would sum its amaxes over the iterations instead of taking their max. Pass "
+            "it through the loop instead: in the carry (and return the threaded meta from "
+            "the body), or one meta per iteration as `xs`" + (f" ({scan})" if scan else "")
+            + ".")
+
+
+def _dropped(op: str) -> str:
+    hints = _hints.of_caller()
+    return (f"{op}: its operands are being differentiated but its delayed-scaling Fp8Meta "
             "is not, so the amaxes it observes would be dropped and its scales would never "
-            "change. Differentiate the FP8 state too: jax.value_and_grad(loss_fn, "
-            "argnums=(0, 1))(params, fp8) and jax_fp8.new_fp8_state(fp8, fp8_grads, recipe); "
-            "with Flax, state.value_and_grad(loss_fn)(...) (linen Fp8TrainState) or "
-            "jax_fp8.flax.nnx.fp8_value_and_grad(loss_fn)(model, ...) (NNX). To keep the "
-            "scales frozen on purpose (e.g. gradients w.r.t. the inputs only), trace under "
+            f"change. Differentiate the FP8 state too: {hints.loop}. To keep the scales "
+            "frozen on purpose (e.g. gradients w.r.t. the inputs only), trace under "
             "`with jax_fp8.frozen_scales():`.")
+
 
 # Part of jit's cache key: a function traced outside `frozen_scales` is traced anew
 # inside it, and the other way round.
@@ -76,9 +81,10 @@ def frozen_scales() -> Iterator[None]:
     * differentiating a delayed-scaling `fp8_dot_general` / `fp8_einsum` w.r.t. its
       operands alone is allowed (outside the context it raises ValueError at trace time,
       the amaxes would be dropped); the GEMM uses its current scales;
-    * `new_fp8_state` returns the states unchanged, so `Fp8TrainState.apply_gradients`,
-      NNX `apply_gradients` / `update_fp8` / `Fp8Optimizer.update` step the optimizer on
-      the parameters and leave the FP8 state (and, under ``optax.MultiSteps``, its
+    * `new_fp8_state` returns the states unchanged, and the adapters' training step
+      (`jax_fp8._training_step`: `Fp8TrainState.apply_gradients`, NNX `apply_gradients` /
+      `update_fp8` / `Fp8Optimizer.update`, Equinox `apply_updates`) steps the optimizer
+      on the parameters and leaves the FP8 state (and, under ``optax.MultiSteps``, its
       pending amaxes) as it is, with or without FP8 gradients: the one-call path
       (``state.value_and_grad`` then ``apply_gradients(grads=grads)``) is frozen too.
 
@@ -125,10 +131,9 @@ def _inner_values(leaves, trace) -> bool:
 CLOSED_OVER = (
     "{what} is differentiated but closed over by a `{loop}` body, so JAX would sum its "
     "amaxes over the iterations instead of taking their max. For microbatches "
-    "differentiate inside the body and combine the FP8 gradients with "
-    "jax_fp8.combine_fp8_grads (`loss, grads = state.value_and_grad(loss_fn)(x_i)` per "
-    "iteration; docs/semantics.md, \"Gradient accumulation\"); or pass the state through "
-    "the loop in its carry.")
+    "differentiate inside the body (one gradient per iteration) and combine the FP8 "
+    "gradients with jax_fp8.combine_fp8_grads (docs/semantics.md, \"Gradient "
+    "accumulation\"); or pass the state through the loop in its carry.")
 
 
 def check_not_closed_over_by_loop(leaves, message: str) -> None:
@@ -168,14 +173,14 @@ def claim(meta, op: str, operands=()) -> None:
         meta_traces = {id(t) for t in map(_ad_trace, leaves) if t is not None}
         if any(t is not None and id(t) not in meta_traces and not _inner_values(leaves, t)
                for t in map(_ad_trace, operands)):
-            raise ValueError(_DROPPED.format(op=op))
+            raise ValueError(_dropped(op))
     for leaf in jax.tree.leaves(meta):
         if _ad_trace(leaf) is None:
             continue
         chain = _chain(leaf) or []
         loop = next((_compat.traced_for(t) for t in chain if _compat.traced_for(t) in LOOPS), None)
         if loop is not None:
-            raise ValueError(_LOOP.format(op=op, loop=loop))
+            raise ValueError(_loop(op, loop))
         top = chain[-1] if chain else None
         seen = _consumed.get(id(leaf))
         if seen is not None and seen[0]() is leaf:
@@ -183,7 +188,7 @@ def claim(meta, op: str, operands=()) -> None:
             both_branches = (_compat.traced_for(top) in BRANCHES and
                              _compat.traced_for(prev_top) in BRANCHES)
             if not both_branches:  # the two branches of a cond never both run
-                raise ValueError(_REUSE.format(op=op))
+                raise ValueError(_reuse(op))
         key = id(leaf)
         def forget(_: weakref.ref, k: int = key) -> None:
             _consumed.pop(k, None)
@@ -206,18 +211,18 @@ def unreduced_device_axes() -> tuple:
                  if name not in amax_lib.varying_axes(jax.lax.axis_index(name)))
 
 
-def check_amaxes_reduced(axis_name: Hashable | None, where: str) -> None:
+def check_amaxes_reduced(axis_name: Hashable | None, hints: _hints.StepHints) -> None:
     """Raises ValueError inside ``jax.pmap`` without ``axis_name`` (the devices'
     amaxes would each update their own replica of the FP8 state, which then drift
-    apart)."""
+    apart); the message names ``hints.call`` and the framework's parameter gradients."""
     if axis_name is not None or scales_frozen():
         return
     axes = unreduced_device_axes()
     if axes:
         raise ValueError(
-            f"{where}: traced inside jax.pmap (or shard_map(check_vma=False)) over "
+            f"{hints.call}: traced inside jax.pmap (or shard_map(check_vma=False)) over "
             f"{axes[0]!r}, where each device observes its own amaxes and would update its "
             f"replica of the FP8 state with them (the replicas drift apart). Pass "
             f"axis_name={axes[0]!r}: the update then takes the max over the devices (one "
-            "pmax), as the rule for one batch. Average the parameter gradients with "
-            "lax.pmean(grads['params'], ...) as usual; the FP8 gradients refuse pmean.")
+            f"pmax), as the rule for one batch. Average {hints.param_grads} with "
+            "lax.pmean as usual; the FP8 gradients refuse pmean.")

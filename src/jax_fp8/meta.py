@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from jax_fp8 import recipe as recipe_lib, state as state_lib
+from jax_fp8 import _hints, recipe as recipe_lib, state as state_lib
 from jax_fp8._fp8_grads import (
     AmaxGrad,
     amax_cotangents,
@@ -191,7 +191,8 @@ def new_fp8_state(fp8_states: Any, fp8_grads: Any, recipe: recipe_lib.Recipe | N
                          axis_name=axis_name, implementation=implementation)
 
 
-def check_fp8_updated(fp8_states: Any, name: str = "fp8_states") -> None:
+def check_fp8_updated(fp8_states: Any, name: str = "fp8_states", *,
+                      hints: _hints.StepHints | None = None) -> None:
     """Raises ValueError when the delayed-scaling states in ``fp8_states`` show a training
     loop that does not update them through the FP8 update:
 
@@ -202,19 +203,20 @@ def check_fp8_updated(fp8_states: Any, name: str = "fp8_states") -> None:
       applied its gradients (the observed amaxes) as updates.
 
     Call it on concrete values (outside ``jit``) after a few training steps.
-    ``fp8_states``: any pytree of ScalingStates (an Fp8TrainState's ``fp8``, a
+    ``fp8_states``: any pytree of ScalingStates (an Fp8TrainState or its ``fp8``, a
     `PackedStates`, a Flax collection, a whole Flax ``variables`` dict; NNX:
-    `jax_fp8.flax.nnx.check_fp8_updated`).
+    `jax_fp8.flax.nnx.check_fp8_updated`; Equinox: `jax_fp8.equinox.check_fp8_updated`).
+    The message names the fix in ``hints``' spelling (the adapters pass theirs); by
+    default that of the tree (an Fp8TrainState's ``fp8_hints``), else of the adapter on
+    the call stack, else plain JAX's and those of the adapters imported.
     """
+    given = hints or getattr(fp8_states, "fp8_hints", None)
+    # A tree from any framework's loop: plain JAX's fix and those of the adapters imported.
+    fixes = [given] if given is not None else _hints.imported()
+    optimizer = "; ".join(f"{h.framework}: {h.optimizer}; {h.loop}" for h in fixes)
+    loop = "; ".join(f"{h.framework}: {h.loop}" for h in fixes)
     leaves = jax.tree_util.tree_leaves_with_path(fp8_states, is_leaf=is_state)
     states = [(jax.tree_util.keystr(path), s) for path, s in leaves if is_state(s)]
-    fix = ("Linen: `loss, grads = state.value_and_grad(loss_fn)(...)` and "
-           "`state.apply_gradients(grads=grads)` with a `jax_fp8.flax.Fp8TrainState`; NNX: "
-           "`loss, grads = jax_fp8.flax.nnx.fp8_value_and_grad(loss_fn)(model, ...)` and "
-           "`jax_fp8.flax.nnx.apply_gradients(model, optimizer, grads, recipe)` (or "
-           "`optimizer = jax_fp8.flax.nnx.Fp8Optimizer(model, tx, wrt=nnx.Param, "
-           "recipe=recipe)` and `optimizer.update(model, grads)`), with `recipe` the one the "
-           "layers were made with (linen: `Fp8TrainState.create(..., recipe=recipe)`).")
     negative = [where for where, s in states if np.any(np.asarray(s.amax_history) < 0)]
     if negative:
         shown = ", ".join(negative[:3]) + (f" and {len(negative) - 3} more" if len(negative) > 3
@@ -222,10 +224,9 @@ def check_fp8_updated(fp8_states: Any, name: str = "fp8_states") -> None:
         raise ValueError(
             f"{name}: delayed-scaling states with negative amaxes in their history ({shown}), "
             "which no FP8 update writes: something other than the FP8 update changed them, "
-            "most likely an optimizer given the FP8 state as parameters (e.g. "
-            "`flax.training.train_state.TrainState.create(params=variables)` with the FP8 "
-            "collection inside `variables`) that applied its gradients, the observed amaxes, "
-            "as updates. Keep the FP8 state out of the optimizer: " + fix)
+            "most likely an optimizer given the FP8 state as parameters that applied its "
+            "gradients, the observed amaxes, as updates. Keep the FP8 state out of the "
+            f"optimizer. {optimizer}.")
     if states and all(not np.any(np.asarray(s.amax_history)) and
                       np.all(np.asarray(s.scale) == 1) for _, s in states):
         raise ValueError(
@@ -235,4 +236,4 @@ def check_fp8_updated(fp8_states: Any, name: str = "fp8_states") -> None:
             "every GEMM of these layers ran out of FP8, below its min_fp8_flops (fp8_model's "
             "default min_fp8_flops='auto' keeps GEMMs too small for FP8 to pay; "
             "`jax_fp8.devtools.explain` lists them; Fp8Rule(min_fp8_flops=0) converts "
-            "every GEMM). " + fix)
+            f"every GEMM). The loop that updates them: {loop}.")

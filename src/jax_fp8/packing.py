@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export as jax_export
 
-from jax_fp8 import _compat, _fp8_grads, _trace_checks
+from jax_fp8 import _compat, _fp8_grads, _hints, _trace_checks
 from jax_fp8._packing_layout import _deserialize_layout, _Layout, _serialize_layout, path_name
 from jax_fp8._primitives import split as split_lib
 from jax_fp8.state import HoldsStates, ScalingState
@@ -143,10 +143,11 @@ class PackedStates(HoldsStates):
         return out
 
 
-_READ_ONLY = ("{op}: a PackedStates is read-only (its mapping methods show the unpacked "
-              "states). Change the packed state through the FP8 update (new_fp8_state, "
-              "Fp8TrainState.apply_gradients), or unpack it into a dict of its own: "
-              "dict(packed) or jax_fp8.unpack_states(packed).")
+def _read_only_message(op: str) -> str:
+    updates = "; ".join(f"{h.framework}: {h.update}" for h in _hints.imported())
+    return (f"{op}: a PackedStates is read-only (its mapping methods show the unpacked "
+            f"states). Change the packed state through the FP8 update ({updates}), or "
+            "unpack it into a dict of its own: dict(packed) or jax_fp8.unpack_states(packed).")
 
 
 class PackedCollection(PackedStates, dict):
@@ -240,7 +241,7 @@ class PackedCollection(PackedStates, dict):
         return (PackedStates, (self.groups, self.others, self.layout))
 
     def _read_only(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError(_READ_ONLY.format(op=type(self).__name__))
+        raise TypeError(_read_only_message(type(self).__name__))
 
     __setitem__ = __delitem__ = __ior__ = _read_only
     clear = pop = popitem = setdefault = update = _read_only

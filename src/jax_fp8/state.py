@@ -14,7 +14,7 @@ import numpy as np
 from jax import export as jax_export
 from jax.typing import DTypeLike
 
-from jax_fp8 import recipe as recipe_lib
+from jax_fp8 import _hints, recipe as recipe_lib
 
 _CANONICAL: dict = {}  # fp8_dtype as given -> np.dtype (only valid FP8 dtypes are stored)
 
@@ -88,20 +88,15 @@ def field_key(field: str, fp8_dtype) -> str:
 
 _KEYS: dict = {}  # fp8_dtype -> the GetAttrKeys of its three fields
 
-OPTAX_REFUSES = (
-    "optax was given jax_fp8 FP8 scaling states, or their gradients (the amaxes a step "
-    "observed): an optimizer would add its updates to the amax histories and scales, "
-    "and the FP8 update would never run. FP8 states never go through an optimizer; keep "
-    "them out of it. Linen: `state = jax_fp8.flax.Fp8TrainState.create(apply_fn=..., "
-    "variables=variables, tx=tx, recipe=recipe)` (not flax's TrainState.create("
-    "params=variables)), `loss, grads = state.value_and_grad(loss_fn)(...)`, "
-    "`state = state.apply_gradients(grads=grads)`; by hand, optax on variables['params'] "
-    "only and `jax_fp8.new_fp8_state(fp8, fp8_grads, recipe)` for the FP8 collection. "
-    "NNX: `optimizer = jax_fp8.flax.nnx.Fp8Optimizer(model, tx, wrt=nnx.Param, "
-    "recipe=recipe)` and `optimizer.update(model, grads)`, or "
-    "`jax_fp8.flax.nnx.apply_gradients(model, optimizer, grads, recipe)` (a plain "
-    "nnx.Optimizer takes the FP8 gradients of fp8_value_and_grad as parameters, whatever "
-    "its wrt, and lands here).")
+def optax_refuses() -> str:
+    """The message of an optax function given FP8 states or FP8 gradients, naming the fix
+    of the framework on the call stack (or, where none is, plain JAX's and those of the
+    adapters imported)."""
+    fixes = "; ".join(f"{h.framework}: {h.optimizer}; {h.loop}" for h in _hints.imported())
+    return ("optax was given jax_fp8 FP8 scaling states, or their gradients (the amaxes a "
+            "step observed): an optimizer would add its updates to the amax histories and "
+            "scales, and the FP8 update would never run. FP8 states never go through an "
+            "optimizer; keep them out of it. " + fixes + ".")
 
 
 def is_optax(module: str) -> bool:
@@ -128,7 +123,7 @@ def check_not_optax():
             return
         module = frame.f_globals.get("__name__", "")
         if is_optax(module):
-            raise ValueError(OPTAX_REFUSES)
+            raise ValueError(optax_refuses())
         if not (module == "jax" or module.startswith(("jax.", "jaxlib", "jax_fp8"))):
             return
         frame = frame.f_back
@@ -187,28 +182,27 @@ def _role(path) -> str | None:
     return name if name in ("input", "kernel", "grad") else None
 
 
-def check_states_follow(recipe, tree, name: str = "tree") -> None:
+def check_states_follow(recipe, tree, name: str = "tree",
+                        hints: _hints.StepHints | None = None) -> None:
     """Raises ValueError when a state of `tree` was not made by `recipe` (a stateless
     recipe, current or blockwise, makes none).
 
     Each state's history length must be ``recipe.history_len`` and its FP8 dtype the
     one the recipe gives its role (``fwd_dtype`` for ``input``/``kernel``, ``bwd_dtype``
-    for ``grad``; either for states whose role the tree does not name).
+    for ``grad``; either for states whose role the tree does not name). The message
+    names ``hints``' fix (default: the framework on the call stack, else plain JAX's).
     """
     recipe_lib.check_recipe(recipe, "recipe")
+    found = states_info(tree)
     if not recipe.keeps_state:
-        found = states_info(tree)
         if found:
-            raise ValueError(
-                f"{name}{jax.tree_util.keystr(found[0][0])} is a delayed-scaling state, but "
-                f"the recipe {type(recipe).__name__} keeps none: give the layers the same "
-                f"recipe (their states come from it)")
+            _refuse(hints, f"{name}{jax.tree_util.keystr(found[0][0])} is a delayed-scaling "
+                           f"state, but the recipe {type(recipe).__name__} keeps none")
         return
     dtypes = recipe.state_dtypes()
-    for path, fp8_dtype, history_len in states_info(tree):
+    for path, fp8_dtype, history_len in found:
         role = _role(path)
         want = (dtypes[role],) if role in dtypes else tuple(dtypes.values())
-        where = f"{name}{jax.tree_util.keystr(path)}"
         problems = []
         if history_len != recipe.history_len:
             problems.append(f"history length {history_len}, the recipe's is "
@@ -219,16 +213,14 @@ def check_states_follow(recipe, tree, name: str = "tree") -> None:
         if problems:
             default = (" (the default, taken when no recipe is passed)"
                        if recipe == recipe_lib.default() else "")
-            raise ValueError(
-                f"{where} does not follow the recipe {recipe}{default}: it has "
-                f"{'; '.join(problems)}. The update must be given the recipe the layers "
-                "were made with: pass `recipe=` to `Fp8TrainState.create(..., recipe=recipe)` "
-                "(linen), to `jax_fp8.flax.nnx.apply_gradients(model, optimizer, grads, "
-                "recipe)` / `Fp8Optimizer(model, tx, wrt=nnx.Param, recipe=recipe)` / "
-                "`update_fp8(model, grads, recipe)` (NNX), or to `new_fp8_state(fp8, grads, "
-                "recipe)`; or create the FP8 states with the update's recipe "
-                "(nn.Dense(..., dot_general_cls=functools.partial(Fp8DotGeneral, "
-                "recipe=recipe)), Fp8Linear(..., recipe=recipe), Fp8Meta.create(recipe)).")
+            _refuse(hints, f"{name}{jax.tree_util.keystr(path)} does not follow the recipe "
+                           f"{recipe}{default}: it has {'; '.join(problems)}")
+
+
+def _refuse(hints: _hints.StepHints | None, problem: str) -> None:
+    hints = _hints.of_caller() if hints is None else hints
+    raise ValueError(f"{hints.call + ': ' if hints.call else ''}{problem}. The update must "
+                     f"be given the recipe the layers were made with: {hints.recipe}.")
 
 
 def states_info(tree):

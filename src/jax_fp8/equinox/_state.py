@@ -19,18 +19,35 @@ from typing import Any
 
 import jax
 
-from jax_fp8 import state as state_lib
+from jax_fp8 import _hints, state as state_lib
 from jax_fp8.meta import Fp8Meta
 from jax_fp8.recipe import DelayedScaling, check_recipe
 
-__all__ = ["FIX", "Fp8Placeholder", "Fp8State", "is_fp8_node"]
+__all__ = ["EQUINOX", "FIX", "Fp8Placeholder", "Fp8State", "is_fp8_node"]
 
-FIX = ("The Equinox loop: `opt_state = optim.init(jax_fp8.equinox.params(model))`; in the "
-       "step `loss, grads = eqx.filter_value_and_grad(loss_fn)(model, ...)`, `updates, "
-       "opt_state = optim.update(jax_fp8.equinox.params(grads), opt_state, "
-       "jax_fp8.equinox.params(model))`, `model = jax_fp8.equinox.apply_updates(model, "
-       "updates, grads)` (the optimizer's updates for the parameters, ONE fused FP8 update "
-       "for the FP8 states from the whole gradient tree).")
+# How Equinox spells each fix of the training step's errors (jax_fp8._hints); its modules
+# and Equinox's own are named so that an error raised deeper finds it.
+EQUINOX = _hints.StepHints(
+    framework="Equinox",
+    differentiate=("`loss, grads = eqx.filter_value_and_grad(loss_fn)(model, ...)`, whose "
+                   "default filter (eqx.is_inexact_array) differentiates the FP8 states too"),
+    update=("`model = jax_fp8.equinox.apply_updates(model, updates, grads)` with that whole "
+            "gradient tree (not `jax_fp8.equinox.params(grads)`)"),
+    optimizer=("`opt_state = optim.init(jax_fp8.equinox.params(model))` and `updates, "
+               "opt_state = optim.update(jax_fp8.equinox.params(grads), opt_state, "
+               "jax_fp8.equinox.params(model))`"),
+    recipe=("each `jax_fp8.equinox.Fp8State` is updated with the recipe it carries, so make "
+            "it with its meta from that recipe: `Fp8State.create(recipe)`, as "
+            "`jax_fp8.equinox.Fp8Linear(..., recipe=recipe)` and "
+            "`jax_fp8.equinox.fp8_model(model, jax_fp8.Fp8Rule(recipe=recipe))` do (not "
+            "`Fp8State(meta, recipe)` with a meta of another recipe)"),
+    param_grads="`jax_fp8.equinox.params(grads)`",
+)
+_hints.register(("equinox", "jax_fp8.equinox"), EQUINOX)
+
+FIX = ("The Equinox loop: " + EQUINOX.optimizer + "; in the step " + EQUINOX.loop + " (the "
+       "optimizer's updates for the parameters, ONE fused FP8 update for the FP8 states from "
+       "the whole gradient tree).")
 
 _OPTAX = ("optax was given jax_fp8.equinox FP8 states, or their gradients (the amaxes a step "
           "observed), e.g. `optim.init(eqx.filter(model, eqx.is_inexact_array))` or "

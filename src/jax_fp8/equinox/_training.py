@@ -10,11 +10,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from jax_fp8 import _trace_checks, meta as meta_lib
-from jax_fp8.equinox._state import FIX, Fp8Placeholder, Fp8State, is_fp8_node
-from jax_fp8.meta import combine_fp8_grads, new_fp8_state
+from jax_fp8 import _training_step, meta as meta_lib
+from jax_fp8._training_step import Fp8Part
+from jax_fp8.equinox._state import EQUINOX, Fp8Placeholder, Fp8State, is_fp8_node
+from jax_fp8.meta import combine_fp8_grads
 
 __all__ = ["accumulate_grads", "apply_updates", "check_fp8_updated", "fp8_states", "params"]
+
 
 
 def params(tree: Any) -> Any:
@@ -36,36 +38,21 @@ def fp8_states(tree: Any) -> list[tuple[str, Fp8State]]:
     return [(jax.tree_util.keystr(p), x) for p, x in leaves if isinstance(x, Fp8State)]
 
 
-def _new_states(model, grads, axis_name=None) -> list[Fp8State]:
+def _parts(model: Any, grads: Any) -> tuple[list, list[Fp8Part], list[str]]:
+    """The model's FP8 states (path, state), its delayed-scaling ones as one `Fp8Part` per
+    recipe (states and gradients by path), and the paths without a gradient."""
     held = fp8_states(model)
     got = dict(fp8_states(grads))
-    delayed = [(p, s) for p, s in held if not s.meta.stateless]
-    missing = [p for p, _ in delayed if p not in got]
-    if missing and not _trace_checks.scales_frozen():
-        raise ValueError(
-            f"jax_fp8.equinox.apply_updates: grads has no gradient for the FP8 state "
-            f"{missing[0]} ({len(missing)} of the model's {len(delayed)} delayed-scaling "
-            f"states), whose scales would then never change. Pass the whole gradient tree "
-            f"of eqx.filter_value_and_grad(loss_fn)(model, ...) (not params(grads)), with the "
-            f"FP8 states differentiated (the default filter, eqx.is_inexact_array). To keep "
-            f"the scales frozen on purpose, call it inside `with jax_fp8.frozen_scales():`. "
-            + FIX)
-    if missing:
-        return [s for _, s in held]
-    _trace_checks.check_amaxes_reduced(axis_name, "jax_fp8.equinox.apply_updates")
-    # ONE update_states call per recipe (a model converted with one recipe: one call).
-    groups: dict = {}
-    for i, (_, s) in enumerate(delayed):
-        groups.setdefault(s.recipe, []).append(i)
-    new = {p: s for p, s in held}
-    for recipe, idx in groups.items():
-        metas = [delayed[i][1].meta for i in idx]
-        grad_metas = [got[delayed[i][0]].meta for i in idx]
-        updated = new_fp8_state(metas, grad_metas, recipe, axis_name=axis_name)
-        for i, meta in zip(idx, updated):
-            p, s = delayed[i]
-            new[p] = Fp8State(meta, s.recipe)
-    return [new[p] for p, _ in held]
+    by_recipe: dict = {}
+    for p, s in held:
+        if not s.meta.stateless:
+            by_recipe.setdefault(s.recipe, []).append(p)
+    missing = [p for ps in by_recipe.values() for p in ps if p not in got]
+    states = dict(held)
+    parts = [Fp8Part(recipe, {p: states[p].meta for p in ps},
+                     None if missing else {p: got[p].meta for p in ps})
+             for recipe, ps in by_recipe.items()]
+    return held, parts, missing
 
 
 def apply_updates(model: Any, updates: Any, grads: Any, *, axis_name: Any = None) -> Any:
@@ -84,23 +71,36 @@ def apply_updates(model: Any, updates: Any, grads: Any, *, axis_name: Any = None
         ``pmap``.
 
     Raises:
-      ValueError: ``grads`` holds no gradient for a delayed-scaling state (its scales
-        would never change), unless traced inside `jax_fp8.frozen_scales` (then the FP8
-        states are kept as they are); or traced inside ``jax.pmap`` without
-        ``axis_name``.
+      ValueError: in the order of every adapter's step (`jax_fp8._training_step`): an FP8
+        state's meta does not follow the recipe it carries; ``grads`` holds no gradient
+        for a delayed-scaling state (its scales would never change), unless traced inside
+        `jax_fp8.frozen_scales` (then the FP8 states are kept as they are); or traced
+        inside ``jax.pmap`` without ``axis_name``. (``optax.MultiSteps`` is not seen here:
+        accumulate the microbatches' gradients with `accumulate_grads` and call this once
+        per optimizer step.)
     """
-    new_states = iter(_new_states(model, grads, axis_name))
-    held = jax.tree.map(lambda x: Fp8Placeholder() if isinstance(x, Fp8State) else x, model,
-                        is_leaf=is_fp8_node)
+    held, parts, missing = _parts(model, grads)
+    placed = jax.tree.map(lambda x: Fp8Placeholder() if isinstance(x, Fp8State) else x, model,
+                          is_leaf=is_fp8_node)
 
     def step(update, value):
         if update is None or isinstance(update, Fp8Placeholder):
             return value
         return (value + update).astype(jnp.result_type(value))
 
-    stepped = jax.tree.map(step, updates, held,
-                           is_leaf=lambda x: x is None or isinstance(x, Fp8Placeholder))
-    return jax.tree.map(lambda x: next(new_states) if isinstance(x, Fp8Placeholder) else x,
+    def optimizer_step():
+        return jax.tree.map(step, updates, placed,
+                            is_leaf=lambda x: x is None or isinstance(x, Fp8Placeholder)), None
+
+    stepped, updated, _ = _training_step.step(
+        EQUINOX.at("jax_fp8.equinox.apply_updates"), parts, optimizer_step,
+        name=type(model).__name__, missing=missing, axis_name=axis_name)
+    new = dict(held)
+    for part, metas in zip(parts, updated):
+        for p, meta in metas.items():
+            new[p] = Fp8State(meta, part.recipe)
+    states = iter(new[p] for p, _ in held)
+    return jax.tree.map(lambda x: next(states) if isinstance(x, Fp8Placeholder) else x,
                         stepped, is_leaf=is_fp8_node)
 
 
@@ -123,7 +123,4 @@ def check_fp8_updated(model: Any) -> None:
     update them (`jax_fp8.check_fp8_updated`: none ever updated, or a negative amax an
     optimizer wrote). Call it on concrete values after a few steps."""
     states = {p: s.meta for p, s in fp8_states(model)}
-    try:
-        meta_lib.check_fp8_updated(states, type(model).__name__)
-    except ValueError as err:
-        raise ValueError(f"{err} (Equinox: {FIX})") from None
+    meta_lib.check_fp8_updated(states, type(model).__name__, hints=EQUINOX)

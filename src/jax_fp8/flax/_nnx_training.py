@@ -16,17 +16,38 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jax_fp8 import (
-    _fp8_grads,
-    _trace_checks,
-    meta as meta_lib,
-    recipe as recipe_lib,
-    state as state_lib,
-)
-from jax_fp8.flax import multi_steps
+from jax_fp8 import _fp8_grads, _hints, _training_step, meta as meta_lib, recipe as recipe_lib
+from jax_fp8._training_step import Fp8Part
 from jax_fp8.flax._nnx_layers import _FP8_GRADS, Fp8Grad, Fp8State, _get, _set
-from jax_fp8.meta import new_fp8_state
 from jax_fp8.recipe import check_recipe
+
+# How NNX spells each fix of the training step's errors (jax_fp8._hints); its modules and
+# Flax's NNX ones are named so that an error raised deeper finds it.
+_FP8_OPTIMIZER = ("`optimizer = jax_fp8.flax.nnx.Fp8Optimizer(model, tx, wrt=nnx.Param, "
+                  "recipe=recipe)` and `optimizer.update(model, grads)`")
+NNX = _hints.StepHints(
+    framework="NNX",
+    differentiate=("`loss, grads = jax_fp8.flax.nnx.fp8_value_and_grad(loss_fn)(model, ...)` "
+                   "(or nnx.value_and_grad with argnums=nnx.DiffState(0, nnx.Any(nnx.Param, "
+                   "Fp8State)))"),
+    update=("`jax_fp8.flax.nnx.apply_gradients(model, optimizer, grads, recipe)`, or "
+            + _FP8_OPTIMIZER + ", with `recipe` the one the layers were made with"),
+    optimizer=(_FP8_OPTIMIZER + ", or `jax_fp8.flax.nnx.apply_gradients(model, optimizer, "
+               "grads, recipe)` (a plain nnx.Optimizer takes the FP8 gradients of "
+               "fp8_value_and_grad as parameters, whatever its wrt)"),
+    recipe=("pass `recipe=` to `jax_fp8.flax.nnx.apply_gradients(model, optimizer, grads, "
+            "recipe)` / `Fp8Optimizer(model, tx, wrt=nnx.Param, recipe=recipe)` / "
+            "`update_fp8(model, grads, recipe)`, or make the layers with the update's recipe "
+            "(`Fp8Linear(..., recipe=recipe)`, `jax_fp8.flax.fp8_model(model, "
+            "jax_fp8.Fp8Rule(recipe=recipe))`)"),
+    param_grads="the `nnx.Param` gradients that are not `Fp8Grad`",
+    multi_steps=("Use " + _FP8_OPTIMIZER + " (one FP8 update per MultiSteps step, from the "
+                 "max of the microbatches' amaxes), or accumulate inside the step: a lax.scan "
+                 "over the microbatches, combining the FP8 gradients with "
+                 "jax_fp8.combine_fp8_grads (docs/semantics.md, \"Gradient accumulation\")."),
+)
+_hints.register(("flax.nnx", "jax_fp8.flax.nnx", "jax_fp8.flax.nnx_conversion",
+                 "jax_fp8.flax._nnx_layers", "jax_fp8.flax._nnx_training"), NNX)
 
 
 def fp8_state(model: nnx.Module | nnx.State) -> nnx.State:
@@ -59,8 +80,10 @@ def update_fp8(model: nnx.Module, fp8_grads: Any, recipe: recipe_lib.Recipe | No
     """
     if isinstance(fp8_grads, nnx.State):
         fp8_grads = fp8_state(fp8_grads)
-    _trace_checks.check_amaxes_reduced(axis_name, "update_fp8")
-    new = new_fp8_state(fp8_state(model), fp8_grads, recipe, axis_name=axis_name)
+    hints = NNX.at("update_fp8")
+    parts = [Fp8Part(_training_step.default_recipe(recipe), fp8_state(model), fp8_grads)]
+    _training_step.check_recipes(hints, parts, type(model).__name__)
+    (new,) = _training_step.fused_update(hints, parts, axis_name)
     nnx.update(model, new)
     return new
 
@@ -125,45 +148,40 @@ def apply_gradients(model: nnx.Module, optimizer: nnx.Optimizer, grads: nnx.Stat
       axis_name: as in `update_fp8` (required under ``jax.pmap``).
 
     Raises:
-      ValueError: the model holds delayed-scaling states and ``grads`` has no gradient for
-        them (their scales would never change), unless inside `jax_fp8.frozen_scales`
-        (then only the optimizer steps); ``recipe`` does not match the states (checked
-        before anything changes); or ``optimizer`` wraps ``optax.MultiSteps``, which would
-        update the FP8 state every microbatch: use `Fp8Optimizer`, or accumulate inside
-        the step (docs/semantics.md, "Gradient accumulation").
+      ValueError: in the order of every adapter's step (`jax_fp8._training_step`), each
+        before anything changes: ``recipe`` does not match the states; the model holds
+        delayed-scaling states and ``grads`` has no gradient for them (their scales would
+        never change), unless inside `jax_fp8.frozen_scales` (then only the optimizer
+        steps); ``optimizer`` wraps ``optax.MultiSteps``, which would update the FP8 state
+        every microbatch: use `Fp8Optimizer`, or accumulate inside the step
+        (docs/semantics.md, "Gradient accumulation"); or traced inside ``jax.pmap``
+        without ``axis_name``.
     """
-    _step(model, optimizer, grads, recipe, nnx.Optimizer.update, kwargs, axis_name)
+    _step(model, optimizer, grads, recipe, "apply_gradients", kwargs, axis_name)
 
 
-def _step(model, optimizer, grads, recipe, optimizer_update, kwargs, axis_name=None):
+def _step(model, optimizer, grads, recipe, call, kwargs, axis_name=None, pending=None):
+    """The training step (`jax_fp8._training_step.step`) on an NNX model: the optimizer
+    updates the parameters in place, the FP8 states (and ``pending``) are replaced."""
     fp8_grads, param_grads = _split(grads)
-    held = state_lib.states_info(fp8_state(model))
-    # The recipe is checked before the optimizer steps, so a mismatch changes nothing.
-    state_lib.check_states_follow(recipe_lib.default() if recipe is None else recipe,
-                                  fp8_state(model), type(model).__name__)
-    if held and not _fp8_grads.holds_fp8_grads(fp8_grads) and not _trace_checks.scales_frozen():
-        raise ValueError(
-            f"apply_gradients: grads has no FP8 gradients, but the model holds {len(held)} "
-            "delayed-scaling states, whose scales would never change. Differentiate them "
-            "too: `loss, grads = jax_fp8.flax.nnx.fp8_value_and_grad(loss_fn)(model, ...)` "
-            "(or nnx.value_and_grad with argnums=nnx.DiffState(0, nnx.Any(nnx.Param, "
-            "Fp8State))). To keep the scales frozen on purpose, call it inside "
-            "`with jax_fp8.frozen_scales():`.")
-    if held and not _trace_checks.scales_frozen() and \
-            multi_steps.find(getattr(optimizer, "opt_state", None), "apply_gradients") is not None:
-        raise ValueError(
-            "apply_gradients: the optimizer wraps optax.MultiSteps, which applies once per "
-            "k calls, but the FP8 state would be updated at every call. Use "
-            "jax_fp8.flax.nnx.Fp8Optimizer(model, tx, wrt=nnx.Param, recipe=...) and "
-            "optimizer.update(model, grads) (one FP8 update per MultiSteps step, from the max "
-            "of the microbatches' amaxes), or accumulate inside the step: a lax.scan over "
-            "the microbatches, combining the FP8 gradients with jax_fp8.combine_fp8_grads "
-            "(docs/semantics.md, \"Gradient accumulation\").")
-    if held and _fp8_grads.holds_fp8_grads(fp8_grads):
-        _trace_checks.check_amaxes_reduced(axis_name, "apply_gradients")
-    optimizer_update(optimizer, model, param_grads, **kwargs)
-    if held and _fp8_grads.holds_fp8_grads(fp8_grads):
-        update_fp8(model, fp8_grads, recipe, axis_name=axis_name)
+    states = fp8_state(model)
+    if pending is not None and hasattr(nnx, "as_pure"):   # for the lax.cond of the update
+        states = nnx.as_pure(states)
+    given = _fp8_grads.holds_fp8_grads(fp8_grads)
+    opt_state = getattr(optimizer, "opt_state", None)
+
+    def optimizer_step():
+        nnx.Optimizer.update(optimizer, model, param_grads, **kwargs)
+        return None, getattr(optimizer, "opt_state", None)
+
+    _, (new,), pending = _training_step.step(
+        NNX.at(call), [Fp8Part(_training_step.default_recipe(recipe), states,
+                               _as_states(fp8_grads) if given else None)],
+        optimizer_step, name=type(model).__name__,
+        missing=[] if given else _training_step.paths(states), opt_state=opt_state,
+        pending=pending, axis_name=axis_name)
+    nnx.update(model, new)
+    return pending
 
 
 class Fp8Pending(nnx.Variable):
@@ -189,7 +207,8 @@ class Fp8Optimizer(nnx.Optimizer):
     def __init__(self, model, tx, *, wrt=nnx.Param, recipe=None, **kwargs):
         super().__init__(model, tx, wrt=wrt, **kwargs)
         self.fp8_recipe = None if recipe is None else check_recipe(recipe)
-        pending = multi_steps.zero_pending(fp8_state(model), self.opt_state, "Fp8Optimizer")
+        pending = _training_step.zero_pending(fp8_state(model), self.opt_state,
+                                             "Fp8Optimizer")
         self.fp8_pending = None if pending is None else Fp8Pending(pending)
 
     def update(self, model: nnx.Module, grads: nnx.State, /, *, axis_name: Any = None,
@@ -197,26 +216,10 @@ class Fp8Optimizer(nnx.Optimizer):
         """The optimizer step on the ``wrt`` gradients and `update_fp8` on the FP8 ones
         (errors and ``axis_name`` as `apply_gradients`; under MultiSteps, see the class)."""
         if self.fp8_pending is None:
-            _step(model, self, grads, self.fp8_recipe, nnx.Optimizer.update, kwargs, axis_name)
+            _step(model, self, grads, self.fp8_recipe, "Fp8Optimizer.update", kwargs, axis_name)
             return
-        recipe = recipe_lib.default() if self.fp8_recipe is None else self.fp8_recipe
-        states = fp8_state(model)
-        state_lib.check_states_follow(recipe, states, type(model).__name__)
-        fp8_grads, param_grads = _split(grads)
-        if _trace_checks.scales_frozen():  # the FP8 state and its pending amaxes are kept
-            nnx.Optimizer.update(self, model, param_grads, **kwargs)
-            return
-        if not _fp8_grads.holds_fp8_grads(fp8_grads):
-            _step(model, self, grads, self.fp8_recipe, nnx.Optimizer.update, kwargs)
-            return  # (raises)
-        _trace_checks.check_amaxes_reduced(axis_name, "Fp8Optimizer.update")
-        before = multi_steps.gradient_step(self.opt_state, "Fp8Optimizer")
-        nnx.Optimizer.update(self, model, param_grads, **kwargs)
-        applied = multi_steps.gradient_step(self.opt_state, "Fp8Optimizer") != before
-        pure = nnx.as_pure(states) if hasattr(nnx, "as_pure") else states
-        new, pending = multi_steps.accumulate(pure, fp8_grads, _get(self.fp8_pending), applied,
-                                              recipe, axis_name)
-        nnx.update(model, new)
+        pending = _step(model, self, grads, self.fp8_recipe, "Fp8Optimizer.update", kwargs,
+                        axis_name, _get(self.fp8_pending))
         _set(self.fp8_pending, pending)
 
 
@@ -233,7 +236,7 @@ def check_fp8_updated(model: nnx.Module) -> None:
     The message also names NNX's own cause: a step jitted with ``jax.jit`` rather than
     ``nnx.jit``, whose changes to the model are lost."""
     try:
-        meta_lib.check_fp8_updated(fp8_state(model), type(model).__name__)
+        meta_lib.check_fp8_updated(fp8_state(model), type(model).__name__, hints=NNX)
     except ValueError as err:
         if "was ever updated" not in str(err):
             raise

@@ -17,13 +17,40 @@ import jax.numpy as jnp
 from flax import struct
 from flax.training import train_state
 
-from jax_fp8 import _fp8_grads, _trace_checks, recipe as recipe_lib, state as state_lib
-from jax_fp8.flax import multi_steps
+from jax_fp8 import _fp8_grads, _hints, _training_step, recipe as recipe_lib, state as state_lib
+from jax_fp8._training_step import Fp8Part
 from jax_fp8.flax._linen_variables import FP8_COLLECTION
-from jax_fp8.meta import new_fp8_state, scales_frozen
 from jax_fp8.packing import PackedStates, pack_states, unpack_states
 from jax_fp8.recipe import Recipe
 from jax_fp8.recipes.delayed import DelayedScaling
+
+# How linen spells each fix of the training step's errors (jax_fp8._hints); its modules and
+# Flax's linen ones are named so that an error raised deeper finds it.
+LINEN = _hints.StepHints(
+    framework="linen",
+    differentiate=("`loss, grads = state.value_and_grad(loss_fn)(...)` with a "
+                   "`jax_fp8.flax.Fp8TrainState` (the gradient w.r.t. the params and the FP8 "
+                   "collection; by hand `jax.value_and_grad(loss_fn, argnums=(0, 1))("
+                   "state.params, state.fp8)`, its second part passed as `fp8_grads=`)"),
+    update=("`state = state.apply_gradients(grads=grads)`, the train state created with "
+            "`recipe=` the one the layers were made with"),
+    optimizer=("`state = jax_fp8.flax.Fp8TrainState.create(apply_fn=model.apply, "
+               "variables=variables, tx=tx, recipe=recipe)` (not flax's "
+               "`TrainState.create(params=variables)`), whose optimizer sees "
+               "`variables['params']` only; by hand, optax on variables['params'] only and "
+               "`jax_fp8.new_fp8_state(fp8, fp8_grads, recipe)` for the FP8 collection"),
+    recipe=("pass `recipe=` to `Fp8TrainState.create(..., recipe=recipe)` "
+            "(`state.apply_gradients` updates with it), or make the layers with the train "
+            "state's recipe (`nn.Dense(..., dot_general_cls=functools.partial(Fp8DotGeneral, "
+            "recipe=recipe))`, `jax_fp8.flax.fp8_model(model, jax_fp8.Fp8Rule(recipe=recipe))`)"),
+    param_grads="`grads['params']`",
+    reuse=(", or call its layers twice inside one apply, where they thread (not "
+           "`state.apply_model` / `model.apply` twice)"),
+    scan="nn.scan: variable_axes={'fp8_meta': 0}, or variable_carry='fp8_meta'",
+)
+_hints.register(("flax.linen", "flax.core", "flax.training", "jax_fp8.flax.linen",
+                 "jax_fp8.flax.linen_conversion", "jax_fp8.flax._linen_variables",
+                 "jax_fp8.flax._train_state"), LINEN)
 
 
 def split_fp8(variables: Mapping[str, Any], collection: str = FP8_COLLECTION,
@@ -83,6 +110,8 @@ class Fp8TrainState(train_state.TrainState):
     recipe: Recipe = struct.field(
         pytree_node=False, default=DelayedScaling())
     fp8_collection: str = struct.field(pytree_node=False, default=FP8_COLLECTION)
+    # The texts of its errors, and of jax_fp8.check_fp8_updated(state).
+    fp8_hints = LINEN
 
     @classmethod
     def create(cls, *, apply_fn: Callable[..., Any], tx: Any, variables: Any = None,
@@ -132,7 +161,7 @@ class Fp8TrainState(train_state.TrainState):
         if params is not None and fp8 is None:
             _check_params_alone(params, recipe, fp8_collection)
         fp8 = {} if fp8 is None else fp8
-        state_lib.check_states_follow(recipe, fp8, "fp8")
+        state_lib.check_states_follow(recipe, fp8, "fp8", LINEN.at("Fp8TrainState.create"))
         counts: dict = {}
         for _, dtype, _ in state_lib.states_info(fp8):
             counts[dtype.name] = counts.get(dtype.name, 0) + 1
@@ -143,8 +172,8 @@ class Fp8TrainState(train_state.TrainState):
                              fp8_formats=formats, recipe=recipe,
                              fp8_collection=fp8_collection, **kwargs)
         if counts:
-            new = new.replace(fp8_pending=multi_steps.zero_pending(fp8, new.opt_state,
-                                                                   "Fp8TrainState"))
+            new = new.replace(fp8_pending=_training_step.zero_pending(fp8, new.opt_state,
+                                                                      "Fp8TrainState"))
         return new
 
     def variables(self, params: Any = None, fp8: Any = None) -> dict:
@@ -205,10 +234,11 @@ class Fp8TrainState(train_state.TrainState):
             replica of the FP8 state gets the same update. Required under ``pmap``.
 
         Raises:
-          ValueError: the state holds delayed-scaling states and no FP8 gradient was
-            given (their scales would never change), unless inside
-            `jax_fp8.frozen_scales`, where the FP8 state is kept as it is; or traced
-            inside ``jax.pmap`` without ``axis_name``.
+          ValueError: in the order of every adapter's step (`jax_fp8._training_step`):
+            a state of ``fp8`` does not follow ``recipe``; the state holds delayed-scaling
+            states and no FP8 gradient was given (their scales would never change), unless
+            inside `jax_fp8.frozen_scales`, where the FP8 state is kept as it is; or traced
+            inside ``jax.pmap`` without ``axis_name``. Each before anything changes.
 
         Under ``optax.MultiSteps`` the FP8 gradients' amaxes are combined by max into
         ``fp8_pending`` and the FP8 state is updated only when the optimizer applies.
@@ -219,32 +249,17 @@ class Fp8TrainState(train_state.TrainState):
                                  "gradients (as value_and_grad returns them); pass it "
                                  "alone, without fp8_grads")
             grads, fp8_grads = grads["params"], grads[self.fp8_collection]
-        new = super().apply_gradients(grads=grads, **kwargs)
-        if not state_lib.states_info(self.fp8):
-            return new  # no delayed-scaling state: nothing to update
-        if fp8_grads is None:
-            if scales_frozen():
-                return new
-            raise ValueError(
-                f"Fp8TrainState.apply_gradients: no FP8 gradients, but the state holds "
-                f"{len(state_lib.states_info(self.fp8))} delayed-scaling states, whose "
-                f"scales would never change. Pass grads={{'params': ..., "
-                f"{self.fp8_collection!r}: ...}} as `loss, grads = state.value_and_grad("
-                f"loss_fn)(...)` returns them, or fp8_grads= (the gradient w.r.t. "
-                f"state.fp8: jax.value_and_grad(loss_fn, argnums=(0, 1))(state.params, "
-                f"state.fp8)). To keep the scales frozen on purpose, call it inside "
-                f"`with jax_fp8.frozen_scales():`.")
-        _trace_checks.check_amaxes_reduced(axis_name, "Fp8TrainState.apply_gradients")
-        if self.fp8_pending is None:
-            return new.replace(fp8=new_fp8_state(self.fp8, fp8_grads, self.recipe,
-                                                 axis_name=axis_name))
-        state_lib.check_states_follow(self.recipe, self.fp8, "fp8")
-        if scales_frozen():
-            return new  # the FP8 state and its pending amaxes stay as they are
-        applied = (multi_steps.gradient_step(new.opt_state, "Fp8TrainState")
-                   != multi_steps.gradient_step(self.opt_state, "Fp8TrainState"))
-        fp8, pending = multi_steps.accumulate(self.fp8, fp8_grads, self.fp8_pending, applied,
-                                              self.recipe, axis_name)
+
+        def optimizer_step():
+            new = super(Fp8TrainState, self).apply_gradients(grads=grads, **kwargs)
+            return new, new.opt_state
+
+        missing = _training_step.paths(self.fp8) if fp8_grads is None else []
+        new, (fp8,), pending = _training_step.step(
+            LINEN.at("Fp8TrainState.apply_gradients"),
+            [Fp8Part(self.recipe, self.fp8, fp8_grads)], optimizer_step, name="fp8",
+            missing=missing, opt_state=self.opt_state, pending=self.fp8_pending,
+            axis_name=axis_name)
         return new.replace(fp8=fp8, fp8_pending=pending)
 
 
