@@ -10,6 +10,8 @@ Second order: differentiating an FP8 GEMM's gradient again (``jax.hessian``,
 ``jax.jit``) raises at trace time, through every public GEMM and for every recipe.
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -114,16 +116,23 @@ def assert_trees_equal(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@functools.cache
+def _without_remat(recipe):
+    """(operands, meta, the jitted gradient without remat) of `recipe`: computed once for
+    all the policies."""
+    x, w, c = operands()
+    meta = meta_for(recipe, x, w, c)
+    want = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w, meta, c)
+    assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(want))
+    return (x, w, meta, c), want
+
+
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_every_remat_policy_gives_the_gradient_without_remat(recipe, policy):
-    x, w, c = operands()
-    meta = meta_for(recipe, x, w, c)
-    argnums = (0, 1, 2)
-    want = jax.jit(jax.grad(loss, argnums=argnums))(x, w, meta, c)
-    assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(want))
+    args, want = _without_remat(recipe)
     remat = jax.checkpoint(loss, policy=POLICIES[policy])
-    got = jax.jit(jax.grad(remat, argnums=argnums))(x, w, meta, c)
+    got = jax.jit(jax.grad(remat, argnums=(0, 1, 2)))(*args)
     assert_trees_equal(got, want)
 
 
@@ -179,9 +188,10 @@ def test_remat_under_vmap_and_inside_scan_bf16(recipe):
         return lambda w: jax.lax.scan(lambda a, x: (a + g(w, x), None), 0.0, xs)[0]
 
     with jax_fp8.frozen_scales():   # delayed scaling: gradients w.r.t. the operands only
-        assert_trees_equal(jax.vmap(jax.grad(remat), in_axes=(None, 0))(w, xs),
-                           jax.vmap(jax.grad(f), in_axes=(None, 0))(w, xs))
-        assert_trees_equal(jax.grad(scanned(remat))(w), jax.grad(scanned(f))(w))
+        assert_trees_equal(jax.jit(jax.vmap(jax.grad(remat), in_axes=(None, 0)))(w, xs),
+                           jax.jit(jax.vmap(jax.grad(f), in_axes=(None, 0)))(w, xs))
+        assert_trees_equal(jax.jit(jax.grad(scanned(remat)))(w),
+                           jax.jit(jax.grad(scanned(f)))(w))
 
 
 class _LinenMlp(nn.Module):
@@ -207,22 +217,34 @@ class _LinenBlock(nn.Module):
 
 @pytest.mark.parametrize("policy", ["everything_saveable", "save_anything_except_these_names",
                                     "dots_saveable", "nothing_saveable"])
-def test_linen_remat_with_policy(recipe, policy):
+def _linen_grads(model, variables):
     x, _, c = operands()
+
+    def f(params, rest):
+        return jnp.sum(model.apply({"params": params, **rest}, x) * c)
+    params = variables["params"]
+    rest = {k: v for k, v in variables.items() if k != "params"}
+    return jax.jit(jax.grad(f, argnums=(0, 1)))(params, rest)
+
+
+@functools.cache
+def _linen_without_remat(recipe):
+    """(variables, gradients) of the linen MLP without remat: once for all the policies."""
     plain = _LinenMlp(recipe, None)
+    variables = jax.jit(plain.init)(jax.random.key(0), operands()[0])
+    return variables, _linen_grads(plain, variables)
+
+
+@pytest.mark.parametrize("policy", ["everything_saveable", "save_anything_except_these_names",
+                                    "dots_saveable", "nothing_saveable"])
+def test_linen_remat_with_policy(recipe, policy):
+    x = operands()[0]
+    variables, want = _linen_without_remat(recipe)
     remat = _LinenMlp(recipe, POLICIES[policy])
-    variables = plain.init(jax.random.key(0), x)
-
-    def grads(model, variables):
-        def f(params, rest):
-            return jnp.sum(model.apply({"params": params, **rest}, x) * c)
-        params = variables["params"]
-        rest = {k: v for k, v in variables.items() if k != "params"}
-        return jax.jit(jax.grad(f, argnums=(0, 1)))(params, rest)
-
     # the remat'd module's variables sit under the same names
-    assert jax.tree.structure(remat.init(jax.random.key(0), x)) == jax.tree.structure(variables)
-    assert_trees_equal(grads(remat, variables), grads(plain, variables))
+    assert (jax.tree.structure(jax.eval_shape(remat.init, jax.random.key(0), x))
+            == jax.tree.structure(variables))
+    assert_trees_equal(_linen_grads(remat, variables), want)
 
 
 class _NnxBlock(nnx.Module):
