@@ -21,7 +21,7 @@ import jax
 
 from jax_fp8 import _hints, state as state_lib
 from jax_fp8.meta import Fp8Meta
-from jax_fp8.recipe import DelayedScaling, check_recipe
+from jax_fp8.recipe import check_recipe, default as default_recipe
 
 __all__ = ["EQUINOX", "FIX", "Fp8Placeholder", "Fp8State", "is_fp8_node"]
 
@@ -87,13 +87,13 @@ class Fp8State:
     """
 
     meta: Fp8Meta
-    recipe: Any = DelayedScaling()
+    recipe: Any = default_recipe()
 
     @classmethod
     def create(cls, recipe=None, shape=()) -> Fp8State:
         """A fresh state for ``recipe`` (default ``DelayedScaling()``); ``shape``: the
         leading axes of stacked layers."""
-        recipe = DelayedScaling() if recipe is None else recipe
+        recipe = default_recipe() if recipe is None else recipe
         check_recipe(recipe, "recipe")
         return cls(Fp8Meta.create(recipe, shape), recipe)
 

@@ -17,12 +17,12 @@ import jax.numpy as jnp
 from flax import struct
 from flax.training import train_state
 
+import jax_fp8.recipes  # noqa: F401  (registers the recipes whose default() is asked below)
 from jax_fp8 import _fp8_grads, _hints, _training_step, recipe as recipe_lib, state as state_lib
 from jax_fp8._training_step import Fp8Part
 from jax_fp8.flax._linen_variables import FP8_COLLECTION
 from jax_fp8.packing import PackedStates, pack_states, unpack_states
-from jax_fp8.recipe import Recipe
-from jax_fp8.recipes.delayed import DelayedScaling
+from jax_fp8.recipe import Recipe, default as default_recipe
 
 # How linen spells each fix of the training step's errors (jax_fp8._hints); its modules and
 # Flax's linen ones are named so that an error raised deeper finds it.
@@ -108,7 +108,7 @@ class Fp8TrainState(train_state.TrainState):
     fp8_formats: Any = None
     fp8_pending: Any = None
     recipe: Recipe = struct.field(
-        pytree_node=False, default=DelayedScaling())
+        pytree_node=False, default=default_recipe())
     fp8_collection: str = struct.field(pytree_node=False, default=FP8_COLLECTION)
     # The texts of its errors, and of jax_fp8.check_fp8_updated(state).
     fp8_hints = LINEN

@@ -62,13 +62,13 @@ from typing import Any
 import flax.linen as nn
 import jax
 
+import jax_fp8.recipes  # noqa: F401  (registers the recipes whose default() is asked below)
 from jax_fp8.dot_general import fp8_dot_general
 from jax_fp8.einsum import fp8_einsum
 from jax_fp8.flax._linen_variables import FP8_COLLECTION, _meta_variables, _read, _write
 from jax_fp8.flax._train_state import Fp8TrainState, fp8_value_and_grad, split_fp8
 from jax_fp8.ragged_fp8 import fp8_ragged_dot
-from jax_fp8.recipe import Recipe
-from jax_fp8.recipes.delayed import DelayedScaling
+from jax_fp8.recipe import Recipe, default as default_recipe
 
 __all__ = ["FP8_COLLECTION", "Fp8DotGeneral", "Fp8Einsum", "Fp8TrainState", "fp8_value_and_grad",
            "split_fp8"]
@@ -91,7 +91,7 @@ class Fp8DotGeneral(nn.Module):
         nn.Dense(1024, dot_general_cls=dg)
     """
 
-    recipe: Recipe = DelayedScaling()
+    recipe: Recipe = default_recipe()
     collection: str = FP8_COLLECTION
     min_fp8_flops: float | str = 0
 
@@ -118,7 +118,7 @@ class Fp8Einsum(nn.Module):
     """Two-operand FP8 einsum: ``Fp8Einsum()("bsd,dh->bsh", x, kernel)``; rhs is the kernel.
     Attributes as `Fp8DotGeneral`'s."""
 
-    recipe: Recipe = DelayedScaling()
+    recipe: Recipe = default_recipe()
     collection: str = FP8_COLLECTION
     min_fp8_flops: float | str = 0
 
@@ -149,7 +149,7 @@ class _WeightFp8(nn.Module):
     per expert (leading axis G). Attributes as `Fp8DotGeneral`'s.
     """
 
-    recipe: Recipe = DelayedScaling()
+    recipe: Recipe = default_recipe()
     collection: str = FP8_COLLECTION
     min_fp8_flops: float | str = 0
 
