@@ -20,7 +20,8 @@ raises, so any outer differentiation that reaches them fails at trace time, also
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,8 @@ from jax import lax
 __all__ = ["Hidden", "first_order_only", "hide", "reveal"]
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +47,11 @@ class Hidden:
 jax.tree_util.register_dataclass(Hidden, data_fields=["leaves"], meta_fields=["treedef", "dtypes"])
 
 
-def _is_float(x) -> bool:
+def _is_float(x: Any) -> bool:
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def hide(tree) -> Hidden:
+def hide(tree: Any) -> Hidden:
     """``tree`` with every floating array leaf bitcast to the unsigned integer of its width."""
     leaves, treedef = jax.tree.flatten(tree)
     dtypes = tuple(np.dtype(x.dtype) if _is_float(x) else None for x in leaves)
@@ -57,7 +60,7 @@ def hide(tree) -> Hidden:
     return Hidden(hidden, treedef, dtypes)
 
 
-def reveal(hidden: Hidden):
+def reveal(hidden: Hidden) -> Any:
     """The tree `hide` was given, bit for bit."""
     leaves = [lax.bitcast_convert_type(x, d) if d is not None else x
               for x, d in zip(hidden.leaves, hidden.dtypes)]
@@ -73,7 +76,7 @@ _SECOND_ORDER = (
     "gradients (jax.grad, jax.vjp, jax.checkpoint) are supported.")
 
 
-def first_order_only(tree, op: str):
+def first_order_only(tree: T, op: str) -> T:
     """``tree`` unchanged; differentiating through the result raises a clear error naming
     ``op`` (a symbolically zero tangent does not count)."""
     leaves, treedef = jax.tree.flatten(tree)
@@ -89,14 +92,14 @@ def first_order_only(tree, op: str):
 _GUARDS: dict = {}
 
 
-def _guard(op: str):
+def _guard(op: str) -> Callable[..., tuple[Any, ...]]:
     if op not in _GUARDS:
         @jax.custom_jvp
-        def identity(*xs):
+        def identity(*xs: Any) -> tuple[Any, ...]:
             return xs
 
         @identity.defjvp
-        def _jvp(primals, tangents):
+        def _jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> Any:
             del primals, tangents
             raise NotImplementedError(_SECOND_ORDER.format(op=op))
 

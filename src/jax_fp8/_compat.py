@@ -12,6 +12,9 @@ behaves (a JAX upgrade that renames one fails loudly instead of disarming a guar
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import Any
+
 import jax
 
 # The names the primitive frame reads live below it, in jax_fp8._primitives.jax_compat (the
@@ -33,7 +36,7 @@ _MISSING = ("jax_fp8 needs {what} of this jax ({version}), which it no longer ha
             "version jax_fp8 supports (see its README), or report it.")
 
 
-def _load():
+def _load() -> tuple[ModuleType, ModuleType, ModuleType, ModuleType, ModuleType]:
     from jax._src import config, core
     from jax._src.interpreters import ad, batching
     from jax._src.numpy import tensor_contractions
@@ -72,27 +75,27 @@ def check() -> None:
 check()
 
 
-def current_trace():
+def current_trace() -> Any:
     """The trace JAX is tracing under now (the evaluation trace outside any transformation)."""
     return _core.trace_ctx.trace
 
 
-def parent_trace(trace):
+def parent_trace(trace: Any) -> Any:
     """The trace `trace` is nested in, or None."""
     return getattr(trace, "parent_trace", None)
 
 
-def trace_of(x):
+def trace_of(x: Any) -> Any:
     """The trace a tracer belongs to; None for a concrete array."""
     return getattr(x, "_trace", None) if isinstance(x, jax.core.Tracer) else None
 
 
-def is_differentiation_trace(trace) -> bool:
+def is_differentiation_trace(trace: Any) -> bool:
     """Whether `trace` differentiates (``jax.jvp``, ``jax.grad``, ``jax.vjp``, ``linearize``)."""
     return isinstance(trace, _AD_TRACE_TYPES)
 
 
-def batched_here(x) -> bool:
+def batched_here(x: Any) -> bool:
     """Whether ``x`` is batched by the ``jax.vmap`` being traced now (the current trace is
     a vmap's and ``x`` one of its tracers): a function called per example that takes its
     whole batch in one operation (`jax.custom_batching.custom_vmap`) decides so here."""
@@ -101,18 +104,18 @@ def batched_here(x) -> bool:
             and trace_of(x) is trace)
 
 
-def is_batch_trace(trace) -> bool:
+def is_batch_trace(trace: Any) -> bool:
     """Whether `trace` is a ``jax.vmap``'s (Flax's ``nn.vmap`` included)."""
     return hasattr(_batching, "BatchTrace") and isinstance(trace, _batching.BatchTrace)
 
 
-def traced_for(trace) -> str | None:
+def traced_for(trace: Any) -> str | None:
     """What a staging trace traces for (e.g. "scan", "while_body", "cond", "jit"), else None."""
     return getattr(getattr(getattr(trace, "frame", None), "debug_info", None), "traced_for",
                    None)
 
 
-def staged_argument(x) -> str | None:
+def staged_argument(x: Any) -> str | None:
     """The name JAX gives ``x`` among the arguments of the function its staging trace
     traces (e.g. ``"c[0][0]['fp8_meta']['input']"`` for a leaf of a ``lax.scan`` body's
     carry, ``"xs[...]"`` for a slice of its xs), or None: ``x`` is no tracer, not an
@@ -127,7 +130,7 @@ def staged_argument(x) -> str | None:
     return next((names[i] for i, v in enumerate(invars) if v is var), None)
 
 
-def jit_key_flag(name: str, help: str):
+def jit_key_flag(name: str, help: str) -> Any:
     """A thread-local boolean JAX configuration option that is part of ``jit``'s cache key
     and of the trace context: a function traced under one value is traced anew under the
     other. ``flag(True)`` is a context manager; ``flag.value`` the current value."""
@@ -135,7 +138,7 @@ def jit_key_flag(name: str, help: str):
                               include_in_trace_context=True)
 
 
-def jit_key_state(name: str, help: str):
+def jit_key_state(name: str, help: str) -> Any:
     """A thread-local JAX configuration option holding any hashable value (None by
     default) that is part of ``jit``'s cache key and of the trace context: a function
     traced under one value is traced anew under another. ``state(value)`` is a context
@@ -144,7 +147,7 @@ def jit_key_state(name: str, help: str):
                                           include_in_trace_context=True)
 
 
-def numpy_contractions():
+def numpy_contractions() -> ModuleType:
     """The module whose ``matmul`` and ``dot`` the ``@`` operator and the ``.dot`` method of
     JAX arrays and tracers call (looked up at each call): the converters replace them there
     as well as in ``jax.numpy`` while a converted model runs."""

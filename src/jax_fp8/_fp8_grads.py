@@ -31,6 +31,7 @@ import jax.extend.random
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike
 
 from jax_fp8 import _hints, state as state_lib
 from jax_fp8.state import HoldsStates, ScalingState, is_state
@@ -47,7 +48,7 @@ _HIGH_BITS = np.uint32(0xFFFFF000)   # sign, exponent, the 11 leading mantissa b
 _HALF_LOW = np.uint32(0x800)         # half a step of the 12-bit grid
 
 
-def _twelve_bits(x, rounded: bool) -> jax.Array:
+def _twelve_bits(x: jax.Array, rounded: bool) -> jax.Array:
     """x on the grid of 12 significant bits: truncated, or rounded to nearest (half away
     from zero), in integer arithmetic on its bits (no float operation to flush)."""
     bits = lax.bitcast_convert_type(x, jnp.uint32)
@@ -56,13 +57,13 @@ def _twelve_bits(x, rounded: bool) -> jax.Array:
     return lax.bitcast_convert_type(bits & _HIGH_BITS, jnp.float32)
 
 
-def _low_part(amax) -> jax.Array:
+def _low_part(amax: jax.Array) -> jax.Array:
     """amax minus its high part (exact; at most 12 significant bits); 0 for inf / NaN."""
     return jnp.where(jnp.isfinite(amax), amax - _twelve_bits(amax, rounded=False),
                      jnp.float32(0))
 
 
-def amax_record(amax, like: ScalingState) -> ScalingState:
+def amax_record(amax: ArrayLike, like: ScalingState) -> ScalingState:
     """The raw cotangent that carries ``amax`` (float32, ``like``'s scale shape) for the
     state ``like``: ``amax_history`` zero but for the staging slot, which holds the amax;
     ``scale`` its low part; ``scale_inv`` the unit, 1. `recorded_amax` reads it back."""
@@ -107,12 +108,12 @@ _AMAX_IMPL = jax.extend.random.define_prng_impl(
     fold_in=_not_a_key, name="jax_fp8.AmaxGrad", tag=AMAX_DTYPE_TAG)
 
 
-def _encode_amax(amax) -> jax.Array:
+def _encode_amax(amax: ArrayLike) -> jax.Array:
     bits = jax.lax.bitcast_convert_type(jnp.asarray(amax, jnp.float32), jnp.uint32)
     return jax.random.wrap_key_data(bits[..., None], impl=_AMAX_IMPL)
 
 
-def _is_amax_array(x) -> bool:
+def _is_amax_array(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
     return (dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
             and jax.random.key_impl(x) == _AMAX_IMPL)
@@ -157,17 +158,18 @@ class AmaxGrad:
         return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
     @classmethod
-    def of(cls, amax) -> AmaxGrad:
+    def of(cls, amax: ArrayLike) -> AmaxGrad:
         """The FP8 gradient of observed amaxes ``amax`` (float32, the state's scale shape)."""
         return cls(_encode_amax(amax))
 
 
-def _amax_grad_flatten(g: AmaxGrad):
+def _amax_grad_flatten(g: AmaxGrad) -> tuple[tuple[Any], None]:
     state_lib.check_not_optax()
     return (g.amax,), None
 
 
-def _amax_grad_flatten_with_keys(g: AmaxGrad):
+def _amax_grad_flatten_with_keys(
+        g: AmaxGrad) -> tuple[tuple[tuple[jax.tree_util.GetAttrKey, Any]], None]:
     state_lib.check_not_optax()
     return ((jax.tree_util.GetAttrKey("amax"), g.amax),), None
 
@@ -192,7 +194,7 @@ jax.export.register_pytree_node_serialization(
     deserialize_auxdata=_refuse_export)
 
 
-def _is_grad_leaf(x) -> bool:
+def _is_grad_leaf(x: Any) -> bool:
     return is_state(x) or isinstance(x, AmaxGrad)
 
 
@@ -224,7 +226,7 @@ def amax_cotangents(fp8_grads: Any) -> Any:
     Raises:
       TypeError: an `AmaxGrad` that does not hold amaxes (rebuilt by generic tree code).
     """
-    def amax(path, g):
+    def amax(path: Any, g: Any) -> Any:
         if isinstance(g, AmaxGrad):
             return g.value("fp8_grads" + jax.tree_util.keystr(path))
         return recorded_amax(g) if is_state(g) else g
@@ -243,10 +245,10 @@ def combine_fp8_grads(*fp8_grads: Any) -> Any:
     if not fp8_grads:
         raise ValueError("combine_fp8_grads needs at least one gradient tree")
 
-    def amax(g):
+    def amax(g: Any) -> jax.Array:
         return g.value("combine_fp8_grads") if isinstance(g, AmaxGrad) else recorded_amax(g)
 
-    def combine(*gs):
+    def combine(*gs: Any) -> Any:
         first = gs[0]
         if not _is_grad_leaf(first):
             return first

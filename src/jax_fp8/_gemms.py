@@ -11,33 +11,36 @@ Shardings of the results follow the primal operands' (Explicit meshes need them)
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike, DTypeLike
 
 from jax_fp8 import recipe as recipe_lib
 from jax_fp8._primitives import base, layout
 
 
-def remaining(original, *removed_lists):
-    removed = set()
+def remaining(original: Iterable[int], *removed_lists: Iterable[int]) -> list[int]:
+    removed: set[int] = set()
     for r in removed_lists:
         removed.update(r)
     return [i for i in original if i not in removed]
 
 
-def _ranges_like(*xs):
+def _ranges_like(*xs: Sequence[Any]) -> Iterator[range]:
     start = 0
     for x in xs:
         yield range(start, start + len(x))
         start += len(x)
 
 
-def input_grad(g, x, y, dimension_numbers, out_dtype, scale_invs: tuple[Any, Any],
-               swap_ans=False):
+def input_grad(g: jax.Array, x: Any, y: jax.Array, dimension_numbers: lax.DotDimensionNumbers,
+               out_dtype: DTypeLike, scale_invs: tuple[Any, Any],
+               swap_ans: bool = False) -> jax.Array:
     """d(dot_general(x, y))/dx applied to g (JAX's own rule, written for FP8 operands).
 
     Like JAX's rule it asks for x's own sharding on the result, which a mesh with
@@ -63,12 +66,13 @@ def input_grad(g, x, y, dimension_numbers, out_dtype, scale_invs: tuple[Any, Any
     return lax.transpose(out, tuple(int(a) for a in out_axes))
 
 
-def _sharding_of(x):
+def _sharding_of(x: Any) -> Any:
     return getattr(x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x), "sharding",
                    None)
 
 
-def permuted_sharding(x, axes, like=()):
+def permuted_sharding(x: Any, axes: Sequence[int],
+                      like: Sequence[Any] = ()) -> jax.sharding.NamedSharding | None:
     """x's sharding (x an array or an abstract value) with its spec reordered to `axes`.
 
     Where x's type has no mesh but an operand in `like` is typed on one (a mesh with
@@ -86,7 +90,7 @@ def permuted_sharding(x, axes, like=()):
     return sharding.update(spec=jax.sharding.PartitionSpec(*(spec[a] for a in axes)))
 
 
-def untransposed_aval(x_t, perm):
+def untransposed_aval(x_t: jax.Array, perm: Sequence[int]) -> Any:
     """The abstract value of x, given x_t = transpose(x, perm): shape and sharding."""
     aval = jax.typeof(x_t)
     inv = [int(i) for i in np.argsort(perm)]
@@ -96,7 +100,8 @@ def untransposed_aval(x_t, perm):
         aval.update(shape=shape)
 
 
-def rhs_grad(g, x, y, dimension_numbers, out_dtype, scale_invs):
+def rhs_grad(g: jax.Array, x: jax.Array, y: Any, dimension_numbers: lax.DotDimensionNumbers,
+             out_dtype: DTypeLike, scale_invs: tuple[Any, Any]) -> jax.Array:
     (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
     swapped = ((y_contract, x_contract), (y_batch, x_batch))
     return input_grad(g, y, x, swapped, out_dtype, scale_invs, swap_ans=True)
@@ -108,7 +113,8 @@ def rhs_grad(g, x, y, dimension_numbers, out_dtype, scale_invs):
 _DIRECT_OUT = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
 
 
-def gemm_sizes(a_shape, b_shape, dimension_numbers):
+def gemm_sizes(a_shape: Sequence[int], b_shape: Sequence[int],
+               dimension_numbers: lax.DotDimensionNumbers) -> tuple[int, ...]:
     """(batch, M, N, K) of ``lax.dot_general(a, b, dimension_numbers)``: the products of
     the batch axes, of a's and b's free axes and of the contracting axes."""
     (a_c, b_c), (a_b, b_b) = dimension_numbers
@@ -127,14 +133,16 @@ WIDENED_REASON = ("FP8-quantized operands, widened and multiplied in their resul
                   "are E5M2, which FP8 GEMMs do not take")
 
 
-def widens(a_dtype, b_dtype, a_shape, b_shape, dimension_numbers) -> bool:
+def widens(a_dtype: DTypeLike, b_dtype: DTypeLike, a_shape: Sequence[int],
+           b_shape: Sequence[int], dimension_numbers: lax.DotDimensionNumbers) -> bool:
     """Whether `keep_fp8` widens these FP8 operands (`WIDENED_REASON`): the one decision."""
     _, *sizes = gemm_sizes(a_shape, b_shape, dimension_numbers)
     e5m2 = np.dtype(jnp.float8_e5m2)
     return (np.dtype(a_dtype) == np.dtype(b_dtype) == e5m2) or any(d % 16 for d in sizes)
 
 
-def keep_fp8(q_a, q_b, dimension_numbers, out_dtype):
+def keep_fp8(q_a: jax.Array, q_b: jax.Array, dimension_numbers: lax.DotDimensionNumbers,
+             out_dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
     """q_a, q_b as the GEMM must see them. Where XLA:GPU runs no FP8 GEMM (a size not a
     multiple of 16, or two E5M2 operands) it widens the FP8 operands itself, and two
     things go wrong there: its default excess precision (``xla_allow_excess_precision``)
@@ -152,8 +160,9 @@ def keep_fp8(q_a, q_b, dimension_numbers, out_dtype):
     return q_a, q_b
 
 
-def gemm(q_a, q_b, dimension_numbers, scale_inv_a, scale_inv_b, out_dtype, precision=None,
-         out_sharding=None):
+def gemm(q_a: jax.Array, q_b: jax.Array, dimension_numbers: lax.DotDimensionNumbers,
+         scale_inv_a: ArrayLike, scale_inv_b: ArrayLike, out_dtype: DTypeLike,
+         precision: Any = None, out_sharding: Any = None) -> jax.Array:
     """``dot_general(q_a * scale_inv_a, q_b * scale_inv_b)`` in ``out_dtype`` for FP8 q_a, q_b.
 
     The FP8 operands go straight into ``lax.dot_general`` (on GPUs with FP8 tensor cores
@@ -183,7 +192,8 @@ _TWO_63 = np.float32(2.0 ** 63)
 _TWO_M126 = np.float32(2.0 ** -126)   # FLT_MIN, the smallest normal float32
 
 
-def dequantization_factors(scale_inv_a, scale_inv_b):
+def dequantization_factors(scale_inv_a: ArrayLike,
+                           scale_inv_b: ArrayLike) -> tuple[jax.Array, jax.Array]:
     """(c1, c2) with ``c1 * c2 == scale_inv_a * scale_inv_b``, applied to the GEMM's result
     as ``(out * c1) * c2``.
 
@@ -204,11 +214,13 @@ def dequantization_factors(scale_inv_a, scale_inv_b):
                                      jnp.where(tiny, _TWO_M126, np.float32(1))))
 
 
-def _is_fp8(x):
+def _is_fp8(x: jax.Array) -> bool:
     return np.dtype(x.dtype) in recipe_lib.FP8_DTYPES
 
 
-def _scaled_product(q_a, q_b, factor, dimension_numbers, precision, out_dtype, out_sharding):
+def _scaled_product(q_a: jax.Array, q_b: jax.Array, factor: tuple[jax.Array, jax.Array],
+                    dimension_numbers: lax.DotDimensionNumbers, precision: Any,
+                    out_dtype: np.dtype, out_sharding: Any) -> jax.Array:
     """The GEMM and its scaling, as `gemm` describes them; ``precision`` may be a dot
     algorithm."""
     direct = out_dtype in _DIRECT_OUT
@@ -221,7 +233,7 @@ def _scaled_product(q_a, q_b, factor, dimension_numbers, precision, out_dtype, o
     return ((out * c1) * c2).astype(out_dtype)
 
 
-def fp8_algorithm(precision):
+def fp8_algorithm(precision: Any) -> lax.DotAlgorithmPreset:
     """The dot algorithm an FP8 GEMM runs with on CUDA for ``precision``: float32
     accumulation for HIGHEST, cuBLASLt's fast accumulation (its DEFAULT) otherwise."""
     highest = lax.Precision.HIGHEST in (precision if isinstance(precision, tuple)
@@ -230,7 +242,8 @@ def fp8_algorithm(precision):
             else lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM)
 
 
-def _cuda_fp8_product(q_a, q_b, factor, *, precision, **params):
+def _cuda_fp8_product(q_a: jax.Array, q_b: jax.Array, factor: tuple[jax.Array, jax.Array], *,
+                      precision: Any, **params: Any) -> jax.Array:
     """`_scaled_product` with the accumulation `precision` asks for named as a dot
     algorithm (`fp8_algorithm`)."""
     return _scaled_product(q_a, q_b, factor, precision=fp8_algorithm(precision), **params)
@@ -252,7 +265,8 @@ _fp8_product = base.by_platform(base.ByPlatform(
                                              "so only cuBLASLt's FP8 GEMMs are autotuned")}))
 
 
-def kernel_grad_layout(dimension_numbers, lhs_ndim):
+def kernel_grad_layout(dimension_numbers: lax.DotDimensionNumbers,
+                       lhs_ndim: int) -> tuple[int, ...] | None:
     """Without batch axes: the order [contracting..., free...] of lhs's axes in which the
     kernel-gradient GEMM contracts over its minor axes (cuBLASLt's FP8 GEMMs take only
     that layout). None with batch axes (the general rule is used then)."""
@@ -262,7 +276,8 @@ def kernel_grad_layout(dimension_numbers, lhs_ndim):
     return tuple(lc) + tuple(remaining(range(lhs_ndim), lc))
 
 
-def lhs_for_kernel_grad(q_lhs, dimension_numbers):
+def lhs_for_kernel_grad(q_lhs: jax.Array,
+                        dimension_numbers: lax.DotDimensionNumbers) -> jax.Array:
     """The residual for the kernel gradient: the quantized input, already transposed to
     the layout that GEMM wants (contraction over the minor axes), so the backward asks
     for no layout change. Same bytes as the untransposed residual. XLA would not fuse
@@ -277,7 +292,8 @@ def lhs_for_kernel_grad(q_lhs, dimension_numbers):
     return lax.transpose(q_lhs, perm)
 
 
-def rhs_for_forward(q_rhs, dimension_numbers) -> tuple[Any, Any]:
+def rhs_for_forward(q_rhs: jax.Array,
+                    dimension_numbers: lax.DotDimensionNumbers) -> tuple[Any, Any]:
     """(rhs, dimension_numbers) for the forward GEMM with the quantized kernel's contracting
     axes made minor, as cuBLASLt's FP8 GEMMs want them. A kernel that contracts over its
     leading axes (a Dense kernel [K, N]) is rotated to [N, K] by `layout.rotate_axes`
@@ -294,13 +310,14 @@ def rhs_for_forward(q_rhs, dimension_numbers) -> tuple[Any, Any]:
             ((tuple(lc), tuple(n_f + int(a) for a in rc)), (tuple(lb), tuple(rb))))
 
 
-def lhs_free_axes(g, rhs, rhs_contract):
+def lhs_free_axes(g: jax.Array, rhs: jax.Array, rhs_contract: Sequence[int]) -> int:
     """How many leading axes of the output gradient g come from lhs (no batch axes)."""
     return g.ndim - (rhs.ndim - len(rhs_contract))
 
 
-def kernel_grad(q_g, lhs_t, q_rhs, dimension_numbers, out_dtype, scale_invs: tuple[Any, Any],
-                g_t=None):
+def kernel_grad(q_g: jax.Array, lhs_t: jax.Array, q_rhs: jax.Array,
+                dimension_numbers: lax.DotDimensionNumbers, out_dtype: DTypeLike,
+                scale_invs: tuple[Any, Any], g_t: jax.Array | None = None) -> jax.Array:
     """d(dot_general(lhs, rhs))/d rhs applied to q_g, from `lhs_for_kernel_grad`'s
     residual: both FP8 operands contract over their minor axes. Shapes, without batch
     axes: lhs_t [C..., F_l...], q_g [F_l..., F_r...] -> [C..., F_r...], returned in rhs's

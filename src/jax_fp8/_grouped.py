@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike, DTypeLike
 
 from jax_fp8 import recipe as recipe_lib
 from jax_fp8._primitives import grouped_gemm as gg, grouped_wgrad as gw
@@ -42,19 +43,19 @@ clamped_group_ends = gg.clamped_group_ends
 row_groups = gg.row_groups
 
 
-def group_sizes_of(ends):
+def group_sizes_of(ends: jax.Array) -> jax.Array:
     """The clamped sizes (int32 [G]) of the groups ending at `ends`."""
     return jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
 
 
 # ----------------------------------------------------------------------------- amaxes
 
-def _mag_bits(x):
+def _mag_bits(x: jax.Array) -> jax.Array:
     """The bits of |x| in float32 (NaN kept: its bits exceed every number's)."""
     return to_bits(widen(x)) & _MAG
 
 
-def group_amax(x, group, groups: int):
+def group_amax(x: jax.Array, group: jax.Array, groups: int) -> jax.Array:
     """max |x| over each group's rows (float32 [G]): 0 for an empty group, NaN where a row
     of the group holds a NaN (as a tensor's amax on the GPU), rows of group G (past the
     last group) left out. Taken on the bits of |x|, so every backend gives these bits."""
@@ -65,12 +66,12 @@ def group_amax(x, group, groups: int):
     return from_bits(per_group)
 
 
-def expert_amax(w):
+def expert_amax(w: jax.Array) -> jax.Array:
     """max |w[g]| for each expert g of w [G, ...] (float32 [G]), as `group_amax`."""
     return from_bits(jnp.max(_mag_bits(w), axis=tuple(range(1, w.ndim)), initial=U32(0)))
 
 
-def rows_of(values, group):
+def rows_of(values: jax.Array, group: jax.Array) -> jax.Array:
     """values [G] per row (the last group's for rows past the groups)."""
     return values[jnp.minimum(group, values.shape[0] - 1)]
 
@@ -80,7 +81,8 @@ def rows_of(values, group):
 ragged_contract = gw.ragged_contract
 
 
-def scaled_wgrad(q_a, q_b, ends, scale_inv_a, scale_inv_b, out_dtype):
+def scaled_wgrad(q_a: jax.Array, q_b: jax.Array, ends: jax.Array, scale_inv_a: ArrayLike,
+                 scale_inv_b: ArrayLike, out_dtype: DTypeLike) -> jax.Array:
     """drhs[g] = (sum over group g's rows of q_a^T q_b, float32) * (scale_inv_a[g] *
     scale_inv_b[g]) rounded once to out_dtype: the grouped weight-gradient primitive
     (`_primitives.grouped_wgrad`: a CUTLASS kernel on SM90 where switched on, its reference
@@ -89,7 +91,8 @@ def scaled_wgrad(q_a, q_b, ends, scale_inv_a, scale_inv_b, out_dtype):
                             out_dtype=out_dtype)
 
 
-def grouped(q_lhs, q_rhs_t, ends, scale_inv_lhs, scale_inv_rhs, out_dtype):
+def grouped(q_lhs: jax.Array, q_rhs_t: jax.Array, ends: jax.Array, scale_inv_lhs: ArrayLike,
+            scale_inv_rhs: ArrayLike, out_dtype: DTypeLike) -> jax.Array:
     """The grouped FP8 GEMM primitive: q_lhs [M, K] . q_rhs_t[g] [N, K]^T per group."""
     return gg.grouped_gemm(q_lhs, q_rhs_t, group_sizes_of(ends), scale_inv_lhs,
                            scale_inv_rhs, out_dtype=out_dtype)
@@ -118,7 +121,7 @@ class Blocks:
     dequantize_elements: Callable[..., Any]
 
 
-def token_blocks(ends, m: int, block: int):
+def token_blocks(ends: jax.Array, m: int, block: int) -> tuple[jax.Array, int]:
     """(segment of each row int32 [m], number of segments S): the 1-D blocks of `block`
     rows along the token axis, each group's starting at its first row and the last one cut
     short at its last, so no block holds two groups' rows. Rows past the last group are in
@@ -135,7 +138,8 @@ def token_blocks(ends, m: int, block: int):
     return seg.astype(jnp.int32), segments
 
 
-def token_quantize(blocks: Blocks, x, ends, fp8_dtype):
+def token_quantize(blocks: Blocks, x: jax.Array, ends: jax.Array,
+                   fp8_dtype: DTypeLike) -> tuple[Any, Any, jax.Array]:
     """x [M, C] quantized in 1-D blocks along its token axis M that never cross a group
     boundary (`token_blocks`): (q [M, C], scale_inv [S + 1, C] per block, segment [M]).
     A block's amax is fmaxf(0, |x_i|...) over its values (NaN ignored)."""
@@ -149,7 +153,8 @@ def token_quantize(blocks: Blocks, x, ends, fp8_dtype):
     return q, scale_inv, seg
 
 
-def token_dequantize(blocks: Blocks, q, scale_inv, seg):
+def token_dequantize(blocks: Blocks, q: jax.Array, scale_inv: jax.Array,
+                     seg: jax.Array) -> Any:
     return blocks.dequantize_elements(q, scale_inv[seg])
 
 
@@ -160,13 +165,17 @@ recipe_lib.GEMM_SCOPES[EMULATED_SCOPE] = (
                                 "operand dequantized per block, one float32 ragged_dot"))
 
 
-def blocked_forward(blocks: Blocks, fwd_dtype, x, w, ends, out_dtype, keep):
+def blocked_forward(blocks: Blocks, fwd_dtype: DTypeLike, x: jax.Array, w: jax.Array,
+                    ends: jax.Array, out_dtype: DTypeLike,
+                    keep: bool) -> tuple[jax.Array, Any]:
     """out [M, N] of x [M, K] . w[g] [K, N] per group, and the backward's residuals."""
     with jax.named_scope(EMULATED_SCOPE):
         return _blocked_forward(blocks, fwd_dtype, x, w, ends, out_dtype, keep)
 
 
-def _blocked_forward(blocks: Blocks, fwd_dtype, x, w, ends, out_dtype, keep):
+def _blocked_forward(blocks: Blocks, fwd_dtype: DTypeLike, x: jax.Array, w: jax.Array,
+                     ends: jax.Array, out_dtype: DTypeLike,
+                     keep: bool) -> tuple[jax.Array, Any]:
     qx, sx = blocks.quantize(x, "x", fwd_dtype)                      # blocks along K
     qw, sw = blocks.quantize(jnp.swapaxes(w, 1, 2), "w", fwd_dtype)  # [G, N, K]
     acc = gg.ragged_product(blocks.dequantize(qx, sx, "x"), blocks.dequantize(qw, sw, "w"),
@@ -179,13 +188,17 @@ def _blocked_forward(blocks: Blocks, fwd_dtype, x, w, ends, out_dtype, keep):
     return out, (x_tokens, qw_kn, sw_kn)
 
 
-def blocked_backward(blocks: Blocks, bwd_dtype, residuals, g, ends, x_dtype, w_dtype):
+def blocked_backward(blocks: Blocks, bwd_dtype: DTypeLike, residuals: Any, g: jax.Array,
+                     ends: jax.Array, x_dtype: DTypeLike,
+                     w_dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
     """(dx [M, K], dw [G, K, N]) for the output gradient g [M, N]."""
     with jax.named_scope(EMULATED_SCOPE):
         return _blocked_backward(blocks, bwd_dtype, residuals, g, ends, x_dtype, w_dtype)
 
 
-def _blocked_backward(blocks: Blocks, bwd_dtype, residuals, g, ends, x_dtype, w_dtype):
+def _blocked_backward(blocks: Blocks, bwd_dtype: DTypeLike, residuals: Any, g: jax.Array,
+                      ends: jax.Array, x_dtype: DTypeLike,
+                      w_dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
     (qx_t, sx_t, seg), qw_kn, sw_kn = residuals
     qg, sg = blocks.quantize(g, "grad", bwd_dtype)                   # blocks along N
     dx = gg.ragged_product(blocks.dequantize(qg, sg, "grad"),
@@ -198,7 +211,7 @@ def _blocked_backward(blocks: Blocks, bwd_dtype, residuals, g, ends, x_dtype, w_
     return dx.astype(x_dtype), dw.astype(w_dtype)
 
 
-def check_operands(lhs, rhs, group_sizes):
+def check_operands(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """lhs [M, K] and rhs [G, K, N] floating, group_sizes integer [G] (as int32)."""
     for name, x in (("lhs", lhs), ("rhs", rhs)):
         if np.dtype(x.dtype) not in (np.dtype(np.float32), np.dtype(jnp.bfloat16),

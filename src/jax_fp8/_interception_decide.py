@@ -6,6 +6,9 @@ re-exports its public names.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,13 +40,14 @@ KEPT_SCOPES = {
 }
 
 
-def _takes(rule: Fp8Rule, dtype) -> bool:
+def _takes(rule: Fp8Rule, dtype: np.dtype) -> bool:
     """Whether the rule's recipe takes operands of ``dtype``: float32, bfloat16, float16;
     delayed scaling float64 too (as its layers do, under x64)."""
     return dtype in _FLOATS or (dtype == _FLOAT64 and isinstance(rule.recipe, DelayedScaling))
 
 
-def _weight_side(site: Site, lhs, rhs) -> tuple[tuple[str, str | None] | None, str | None]:
+def _weight_side(site: Site, lhs: Any,
+                 rhs: Any) -> tuple[tuple[str, str | None] | None, str | None]:
     """``((side, weight), None)``: convert, quantizing ``side`` ("rhs" / "lhs") as the
     kernel, the parameter ``weight`` (None: a layer's kernel, or an activation); or
     ``(None, scope)``: leave the GEMM alone, for the reason `KEPT_SCOPES` ``scope`` gives
@@ -77,7 +81,7 @@ def _weight_side(site: Site, lhs, rhs) -> tuple[tuple[str, str | None] | None, s
     return found, None
 
 
-def _why(scope: str, site: Site, lhs, rhs, kind: str) -> str:
+def _why(scope: str, site: Site, lhs: Any, rhs: Any, kind: str) -> str:
     names = ", ".join(sorted({np.dtype(x.dtype).name for x in (lhs, rhs)}))
     if scope == "fp8_model_dtype" and kind.startswith("ragged_dot"):
         return (f"its {kind} has {names} operands, which the grouped FP8 GEMM does not take "
@@ -115,7 +119,7 @@ def _why(scope: str, site: Site, lhs, rhs, kind: str) -> str:
                ", or convert every GEMM of the module with Fp8Rule(activations=True)"))
 
 
-def check_body(site: Site, weight_operand) -> str | None:
+def check_body(site: Site, weight_operand: Any) -> str | None:
     """None: a GEMM of the weight ``weight_operand`` converts. A weight passed into a traced
     body (`TRACED_BODIES`) cannot take a recipe that keeps state there (its state's
     gradient, the amax record, cannot leave the body, and linen would create the state
@@ -141,13 +145,15 @@ def check_body(site: Site, weight_operand) -> str | None:
     return None
 
 
-def _kept(site: Site, scope: str, kind: str, lhs, rhs, original):
+def _kept(site: Site, scope: str, kind: str, lhs: Any, rhs: Any,
+          original: Callable[[], Any]) -> Any:
     note(site, scope, _why(scope, site, lhs, rhs, kind))
     with jax.named_scope(scope):   # what jax_fp8.devtools.explain reads
         return original()
 
 
-def einsum_dimension_numbers(eqn: str):
+def einsum_dimension_numbers(
+        eqn: str) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
     """The ``dot_general`` dimension numbers of the explicit two-operand einsum ``eqn``
     (`explicit_einsum`)."""
     ins, res = eqn.split("->")
@@ -158,12 +164,13 @@ def einsum_dimension_numbers(eqn: str):
             (batch, [b.index(a[i]) for i in batch]))
 
 
-def einsum_flops(eqn: str, lhs_shape, rhs_shape) -> int:
+def einsum_flops(eqn: str, lhs_shape: Sequence[int], rhs_shape: Sequence[int]) -> int:
     """`gemm_flops` of the explicit two-operand einsum ``eqn`` (`explicit_einsum`)."""
     return gemm_flops(lhs_shape, rhs_shape, einsum_dimension_numbers(eqn))
 
 
-def note_gemm(site: Site, kind: str, lhs, rhs, dimension_numbers=None) -> None:
+def note_gemm(site: Site, kind: str, lhs: Any, rhs: Any,
+              dimension_numbers: Any = None) -> None:
     """Records for the report a GEMM of ``site``'s module that its FP8 layer runs: in FP8,
     or kept by the rule's ``min_fp8_flops`` (below its FLOPs, or where FP8 is not faster:
     the decision `jax_fp8.fp8_dot_general` / `fp8_ragged_dot` takes on the same sizes).

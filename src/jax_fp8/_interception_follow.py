@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -51,7 +52,7 @@ for _prim in FOLLOWED:
 local = threading.local()
 
 
-def _carries(prim, x, out, params) -> bool:
+def _carries(prim: Any, x: Any, out: Any, params: dict[str, Any]) -> bool:
     """Whether ``out = prim.bind(x, ...)`` holds x's values, only cast, laid out or placed
     otherwise."""
     if isinstance(out, (tuple, list)) or not hasattr(out, "shape"):
@@ -64,8 +65,8 @@ def _carries(prim, x, out, params) -> bool:
     return True
 
 
-def _following_bind(prim):
-    def bind(*args, **params):
+def _following_bind(prim: Any) -> Callable[..., Any]:
+    def bind(*args: Any, **params: Any) -> Any:
         out = through(prim, "bind")(*args, **params)
         tracked = getattr(local, "tracked", None)
         if tracked is not None and args:
@@ -80,7 +81,7 @@ def _following_bind(prim):
 _BINDS = [(prim, "bind", _following_bind(prim)) for prim in FOLLOWED]
 
 
-def track(*arrays) -> None:
+def track(*arrays: Any) -> None:
     """Marks ``arrays`` (a running module's parameters) as the start of the chains
     `follow` walks back, for this thread's converting call."""
     tracked = getattr(local, "tracked", None)
@@ -91,7 +92,7 @@ def track(*arrays) -> None:
             tracked[id(x)] = (x, None, None)
 
 
-def chain(x) -> list:
+def chain(x: Any) -> list:
     """``x`` and the arrays it was made from through `FOLLOWED` operations or as the
     argument of a traced body, nearest first (``[x]`` for an array made otherwise)."""
     tracked = getattr(local, "tracked", None) or {}
@@ -104,7 +105,7 @@ def chain(x) -> list:
         arrays.append(x)
 
 
-def follow(x) -> tuple[Any, tuple[str, ...]]:
+def follow(x: Any) -> tuple[Any, tuple[str, ...]]:
     """``(origin, steps)``: the tracked array ``x`` was made from through `FOLLOWED`
     operations (``x`` itself, no steps, for an array made otherwise), and those steps
     in the order they ran (e.g. ``("cast", "reshape", "sharding constraint")``)."""
@@ -120,7 +121,7 @@ def follow(x) -> tuple[Any, tuple[str, ...]]:
 
 # --------------------------------------------------------- weights entering traced bodies
 
-def _tracked_leaves(args) -> bool:
+def _tracked_leaves(args: Any) -> bool:
     tracked = getattr(local, "tracked", None)
     if not tracked:
         return False
@@ -128,7 +129,7 @@ def _tracked_leaves(args) -> bool:
                for leaf in jax.tree.leaves(args))
 
 
-def _link(outer, inner, step: str) -> None:
+def _link(outer: Any, inner: Any, step: str) -> None:
     """Records each leaf of the body's arguments ``inner`` as made from the caller's leaf
     at its place in ``outer`` (the same pytree structure), where that one is tracked."""
     tracked = getattr(local, "tracked", None)
@@ -148,31 +149,32 @@ class _Following:
     transformed function, except that a call given a tracked array traces a body of its
     own that records its arguments as made from the caller's (`_link`)."""
 
-    def __init__(self, transform, fun, args, kwargs, step):
+    def __init__(self, transform: Callable[..., Any], fun: Callable[..., Any],
+                 args: tuple[Any, ...], kwargs: dict[str, Any], step: str) -> None:
         self._transform, self._fun, self._step = transform, fun, step
         self._args, self._kwargs = args, kwargs
         self._plain = transform(fun, *args, **kwargs)
         functools.update_wrapper(self, fun)
 
-    def __call__(self, *call_args, **call_kwargs):
+    def __call__(self, *call_args: Any, **call_kwargs: Any) -> Any:
         if not _tracked_leaves((call_args, call_kwargs)):
             return self._plain(*call_args, **call_kwargs)
         fun, step, outer = self._fun, self._step, (call_args, call_kwargs)
 
         @functools.wraps(fun)
-        def body(*args, **kwargs):
+        def body(*args: Any, **kwargs: Any) -> Any:
             _link(outer, (args, kwargs), step)
             return fun(*args, **kwargs)
         return self._transform(body, *self._args, **self._kwargs)(*call_args, **call_kwargs)
 
-    def __getattr__(self, name):   # jit's lower / trace / eval_shape, ...
+    def __getattr__(self, name: str) -> Any:   # jit's lower / trace / eval_shape, ...
         return getattr(self._plain, name)
 
 
-def _following_transform(owner, name: str, function_first: bool):
+def _following_transform(owner: Any, name: str, function_first: bool) -> Callable[..., Any]:
     step = f"argument of {name}"
 
-    def transform(*args, **kwargs):
+    def transform(*args: Any, **kwargs: Any) -> Any:
         original = through(owner, name)
         if function_first and (not args or args[0] is None):
             # A decorator factory (``jax.shard_map(mesh=..., ...)``): the function later.

@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from jax_fp8._interception_follow import local
@@ -33,7 +34,7 @@ MEASURED = "fp8_not_faster"
 
 
 @contextlib.contextmanager
-def reporting(owner: Any, label: str):
+def reporting(owner: Any, label: str) -> Iterator[None]:
     """The report of one converting call (for nested calls, the outermost's): the arrays
     followed to parameters (`track`) live for it, and at its end every module that a
     rule matched and that ran no GEMM in FP8 is reported, once per ``owner`` (the
@@ -76,7 +77,7 @@ def note(site: Site, reason: str | None, text: str = "") -> None:
             _warn(site.rule, "the model", site.path, entry, reason, text)
 
 
-def _warn_measured(owner, label, report) -> None:
+def _warn_measured(owner: Any, label: str, report: dict[str, dict[str, Any]]) -> None:
     """One warning for the model: its modules whose GEMMs stay out of FP8 because FP8 is
     not faster at their sizes on this platform."""
     kept = {path: e["reasons"][MEASURED] for path, e in report.items() if MEASURED in e["reasons"]}
@@ -100,7 +101,8 @@ def _warn_measured(owner, label, report) -> None:
                   Fp8ConversionWarning, stacklevel=_caller_level())
 
 
-def _warn(owner, label, path, entry, reason, text) -> None:
+def _warn(owner: Any, label: str, path: str, entry: dict[str, Any], reason: str,
+          text: str) -> None:
     key = (owner, path, reason)
     with _lock:
         if key in _warned:

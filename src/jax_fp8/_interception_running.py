@@ -18,7 +18,7 @@ from jax_fp8._interception_site import Site
 __all__ = ["Conversion", "current", "running", "weight_of"]
 
 
-def weight_of(site: Site, x) -> str | None:
+def weight_of(site: Site, x: Any) -> str | None:
     """The name of the parameter of ``site``'s module that ``x`` is, directly or through
     `FOLLOWED` operations (`follow`); None for any other array."""
     # The nearest of the arrays x was made from (a weight passed into a traced body is the

@@ -14,16 +14,18 @@ import functools
 import hashlib
 import json
 import math
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from jax_fp8 import meta as meta_lib
 
 
-def path_name(path) -> str:
+def path_name(path: Iterable[Any]) -> str:
     """A tree path as text: ``['Dense_0']['Fp8DotGeneral_0']['input']`` (as
     ``jax.tree_util.keystr``, spelled here so that the digests in saved keys do not
     depend on the JAX version)."""
@@ -42,11 +44,12 @@ def path_name(path) -> str:
     return "".join(parts)
 
 
-def _digest(value) -> str:
+def _digest(value: Any) -> str:
     return hashlib.sha256(repr(value).encode()).hexdigest()[:12]
 
 
-def group_key(fp8_dtype, history_len: int, rows) -> str:
+def group_key(fp8_dtype: DTypeLike, history_len: int,
+              rows: Sequence[tuple[str, tuple[int, ...]]]) -> str:
     """The tree key of a packed group: FP8 dtype, history length, row count and a digest
     of ``rows``, its states' (path text, lead shape) in row order."""
     n = sum(math.prod(lead) for _, lead in rows)
@@ -102,7 +105,7 @@ _EXPORTABLE = ("dicts with string keys, lists, tuples, None and Fp8Metas (the no
                "Flax FP8 collection or a list of Fp8Metas)")
 
 
-def _encode_tree(treedef) -> Any:
+def _encode_tree(treedef: jax.tree_util.PyTreeDef) -> Any:
     """The structure ``treedef`` as JSON-able data, for the node types an FP8 state's tree
     holds; other node types raise ValueError (a serialized function must rebuild them)."""
     node = treedef.node_data()
@@ -128,7 +131,7 @@ def _encode_tree(treedef) -> Any:
         "ScalingStates and Fp8Metas serialize).")
 
 
-def _skeleton(encoded) -> Any:
+def _skeleton(encoded: Any) -> Any:
     """A tree of the structure `_encode_tree` encoded, with `_Leaf` leaves."""
     if encoded == "*":
         return _Leaf()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+from typing import Any
 
 import jax
 import jax.export  # noqa: F401  (jax.export.DisabledSafetyCheck)
@@ -26,7 +27,7 @@ class Target:
     cuda_kernel: str
 
 
-def _register(module_name: str, platform: str):
+def _register(module_name: str, platform: str) -> tuple[Any, str | None, frozenset[str]]:
     try:
         module = importlib.import_module(f"jax_fp8.{module_name}")
     except ImportError as err:  # not built, or its shared libraries are missing

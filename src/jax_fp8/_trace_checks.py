@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
+from typing import Any
 
 import jax
 
@@ -27,7 +28,7 @@ BRANCHES = ("cond", "switch")
 _consumed: dict = {}
 
 
-def _chain(leaf):
+def _chain(leaf: Any) -> list[Any] | None:
     """The traces between the current one and `leaf`'s own, innermost first (None when
     `leaf`'s trace is not an ancestor of the current one)."""
     t, chain, own = _compat.current_trace(), [], _compat.trace_of(leaf)
@@ -107,13 +108,13 @@ def scales_frozen() -> bool:
     return bool(_FROZEN.value)
 
 
-def _ad_trace(x):
+def _ad_trace(x: Any) -> Any:
     """The differentiation (JVP / linearize) trace `x` is a tracer of, else None."""
     trace = _compat.trace_of(x)
     return trace if _compat.is_differentiation_trace(trace) else None
 
 
-def _inner_values(leaves, trace) -> bool:
+def _inner_values(leaves: Iterable[Any], trace: Any) -> bool:
     """Whether a leaf is a tracer of a trace nested inside ``trace``: a loop body's own
     value (its carry or ``xs``, e.g. nn.scan's per-layer FP8 states beside weights the
     body closes over), whose differentiation is decided outside the body, unseen here."""
@@ -136,7 +137,7 @@ CLOSED_OVER = (
     "accumulation\"); or pass the state through the loop in its carry.")
 
 
-def check_not_closed_over_by_loop(leaves, message: str) -> None:
+def check_not_closed_over_by_loop(leaves: Iterable[Any], message: str) -> None:
     """Raises ValueError(``message`` with ``{loop}``) when a leaf is differentiated at a
     level outside a loop body that is being traced (the body closes over it: JAX would
     sum what the iterations hand back)."""
@@ -149,7 +150,7 @@ def check_not_closed_over_by_loop(leaves, message: str) -> None:
             raise ValueError(message.format(loop=loop))
 
 
-def claim(meta, op: str, operands=()) -> None:
+def claim(meta: Any, op: str, operands: Iterable[Any] = ()) -> None:
     """Trace-time checks of a delayed-scaling `meta` given to an FP8 op with ``operands``.
 
     * A differentiated meta (its leaves are tracers of ``grad``/``vjp``/``jvp``) must be

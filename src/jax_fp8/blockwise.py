@@ -13,6 +13,9 @@ sign (0x7F/0xFF for E4M3, 0x7E/0xFE for E5M2). Per-tensor current scaling
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,11 +30,11 @@ __all__ = ["dequantize_blocks", "quantize_blocks", "quantize_blocks_both",
 BLOCK_SHAPES = ((1, 128), (128, 128))
 
 
-def _is_int(b) -> bool:
+def _is_int(b: Any) -> bool:
     return isinstance(b, (int, np.integer)) and not isinstance(b, (bool, np.bool_))
 
 
-def _block_rows(block_shape) -> int:
+def _block_rows(block_shape: Any) -> int:
     """bm of block_shape (bm, 128); anything but the tuple or list of two ints (1, 128) or
     (128, 128) (floats, bools, other sizes) is a ValueError."""
     ok = (isinstance(block_shape, (tuple, list)) and all(_is_int(b) for b in block_shape)
@@ -63,8 +66,10 @@ def quantize_blocks(x: ArrayLike, block_shape: tuple[int, int] = (1, 128),
     return q, s
 
 
-def quantize_blocks_transposed(x, block_shape=(1, 128), fp8_dtype=jnp.float8_e4m3fn, *,
-                               power_of_2_scale=True, amax_epsilon=0.0):
+def quantize_blocks_transposed(x: ArrayLike, block_shape: tuple[int, int] = (1, 128),
+                               fp8_dtype: DTypeLike = jnp.float8_e4m3fn, *,
+                               power_of_2_scale: bool = True,
+                               amax_epsilon: float = 0.0) -> tuple[jax.Array, jax.Array]:
     """``quantize_blocks(swapaxes(x, -1, -2), ...)`` without a transposed copy of x.
 
     Shapes: x [..., M, K] -> (x_t_fp8 [..., K, M], scale_inv [..., ceil(K/bm), ceil(M/bk)]):
@@ -77,8 +82,10 @@ def quantize_blocks_transposed(x, block_shape=(1, 128), fp8_dtype=jnp.float8_e4m
     return q_t, s_t
 
 
-def quantize_blocks_both(x, block_shape=(1, 128), fp8_dtype=jnp.float8_e4m3fn, *,
-                         power_of_2_scale=True, amax_epsilon=0.0):
+def quantize_blocks_both(x: ArrayLike, block_shape: tuple[int, int] = (1, 128),
+                         fp8_dtype: DTypeLike = jnp.float8_e4m3fn, *,
+                         power_of_2_scale: bool = True,
+                         amax_epsilon: float = 0.0) -> tuple[jax.Array, ...]:
     """``quantize_blocks`` and ``quantize_blocks_transposed`` of x from one read of x (one
     kernel on CUDA): (x_fp8 [..., M, K], scale_inv, x_t_fp8 [..., K, M], scale_inv_t)."""
     rows = _block_rows(block_shape)
@@ -86,7 +93,9 @@ def quantize_blocks_both(x, block_shape=(1, 128), fp8_dtype=jnp.float8_e4m3fn, *
                                    **_options(fp8_dtype, power_of_2_scale, amax_epsilon)))
 
 
-def dequantize_blocks(x_fp8, scale_inv, block_shape=(1, 128), dtype=jnp.float32):
+def dequantize_blocks(x_fp8: ArrayLike, scale_inv: ArrayLike,
+                      block_shape: Sequence[int] = (1, 128),
+                      dtype: DTypeLike = jnp.float32) -> jax.Array:
     """``x_fp8 * scale_inv`` broadcast over each block, in float32, cast to ``dtype``.
 
     Shapes: x_fp8 [..., M, K], scale_inv [..., ceil(M/bm), ceil(K/bk)] -> [..., M, K].

@@ -10,6 +10,8 @@ arithmetic after it is the exact one (docs/semantics.md, "Scale from an amax").
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +23,7 @@ from jax_fp8._primitives import base, block_quantize as bq
 __all__ = ["quantize_current", "scale_from_amax", "scale_inverse"]
 
 
-def _options(fp8_dtype, power_of_2_scale, amax_epsilon) -> dict:
+def _options(fp8_dtype: DTypeLike, power_of_2_scale: Any, amax_epsilon: Any) -> dict:
     if not isinstance(power_of_2_scale, (bool, np.bool_)):
         raise TypeError(f"power_of_2_scale must be a bool, got {power_of_2_scale!r}")
     recipe_lib._check_epsilon(amax_epsilon)
@@ -29,7 +31,7 @@ def _options(fp8_dtype, power_of_2_scale, amax_epsilon) -> dict:
                 power_of_2_scale=bool(power_of_2_scale), amax_epsilon=float(amax_epsilon))
 
 
-def _operand(x, min_ndim=2):
+def _operand(x: ArrayLike, min_ndim: int = 2) -> jax.Array:
     x = jnp.asarray(x)
     if np.dtype(x.dtype) not in bq.INPUT_DTYPES:
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
@@ -57,13 +59,14 @@ def scale_from_amax(amax: ArrayLike, fp8_dtype: DTypeLike = jnp.float8_e4m3fn, *
                                   opts["amax_epsilon"], opts["power_of_2_scale"])
 
 
-def scale_inverse(scale) -> jax.Array:
+def scale_inverse(scale: ArrayLike) -> jax.Array:
     """``1 / scale`` in float32, correctly rounded also where it is subnormal."""
     return bq.scale_inverse(jnp.asarray(scale, jnp.float32))
 
 
-def quantize_current(x, fp8_dtype=jnp.float8_e4m3fn, *, power_of_2_scale=False,
-                     amax_epsilon=0.0):
+def quantize_current(x: ArrayLike, fp8_dtype: DTypeLike = jnp.float8_e4m3fn, *,
+                     power_of_2_scale: bool = False,
+                     amax_epsilon: float = 0.0) -> tuple[jax.Array, jax.Array]:
     """Per-tensor current scaling: (x_fp8 [...], scale_inv float32 []) from max |x|.
 
     The amax is ``jax_fp8.compute_amax(x)`` (under a multi-device jit one max over all
@@ -77,7 +80,8 @@ def quantize_current(x, fp8_dtype=jnp.float8_e4m3fn, *, power_of_2_scale=False,
     return base.compiled_call(_cast_current, x, amax, **opts)
 
 
-def _cast_current(x, amax, *, fp8_dtype, power_of_2_scale, amax_epsilon):
+def _cast_current(x: jax.Array, amax: jax.Array, *, fp8_dtype: np.dtype,
+                  power_of_2_scale: bool, amax_epsilon: float) -> tuple[jax.Array, jax.Array]:
     scale = bq.scale_from_amax_f32(amax, recipe_lib.fp8_max(fp8_dtype), amax_epsilon,
                                    power_of_2_scale)
     return bq.cast_scaled(bq.widen(x), scale, fp8_dtype), bq.scale_inverse(scale)

@@ -8,6 +8,7 @@ under ``jax_fp8.recipes``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -22,7 +23,7 @@ from jax_fp8.meta import Fp8Meta
 __all__ = ["fp8_dot_general", "gemm_flops"]
 
 
-def check_meta(meta, name: str = "meta", shape: tuple = ()) -> recipe_lib.Recipe:
+def check_meta(meta: Any, name: str = "meta", shape: tuple = ()) -> recipe_lib.Recipe:
     """The recipe that runs `meta` (its own, or for a meta of states the recipe that keeps
     state), once that recipe has checked it (states of leading axes ``shape``); TypeError /
     ValueError otherwise."""
@@ -35,7 +36,9 @@ def check_meta(meta, name: str = "meta", shape: tuple = ()) -> recipe_lib.Recipe
     return recipe
 
 
-def canonical_dimension_numbers(dimension_numbers, lhs_ndim, rhs_ndim):
+def canonical_dimension_numbers(
+        dimension_numbers: Any, lhs_ndim: int, rhs_ndim: int,
+) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]:
     """((lc, rc), (lb, rb)) as tuples of ints, checked against the operands' ranks."""
     try:
         (lc, rc), (lb, rb) = dimension_numbers
@@ -65,13 +68,14 @@ MEASURED_REASON = ("kept in its operands' dtype: FP8 is not faster at its sizes 
                    "(min_fp8_flops='measured', jax_fp8.fp8_pays)")
 
 
-def gemm_flops(lhs_shape, rhs_shape, dimension_numbers) -> int:
+def gemm_flops(lhs_shape: Sequence[int], rhs_shape: Sequence[int],
+               dimension_numbers: lax.DotDimensionNumbers) -> int:
     """2 * batch * M * N * K: the FLOPs of ``lax.dot_general`` on these shapes."""
     batch, m, n, k = _gemms.gemm_sizes(lhs_shape, rhs_shape, dimension_numbers)
     return 2 * batch * m * n * k
 
 
-def check_min_fp8_flops(value, name: str = "min_fp8_flops") -> float | str:
+def check_min_fp8_flops(value: Any, name: str = "min_fp8_flops") -> float | str:
     """`value` as a number of FLOPs (float), or ``"measured"`` (`jax_fp8.fp8_pays`)."""
     if isinstance(value, str) and value == fp8_pays.MEASURED:
         return value
@@ -83,7 +87,8 @@ def check_min_fp8_flops(value, name: str = "min_fp8_flops") -> float | str:
     return float(value)
 
 
-def kept_out(recipe, min_fp8_flops, m: int, k: int, n: int) -> tuple[str, str] | None:
+def kept_out(recipe: Any, min_fp8_flops: float | str, m: int, k: int,
+             n: int) -> tuple[str, str] | None:
     """(name scope, why in words) where ``min_fp8_flops`` keeps the GEMM of m rows (batch
     included), k inputs and n outputs in its operands' dtype, else None (FP8)."""
     if isinstance(min_fp8_flops, str):

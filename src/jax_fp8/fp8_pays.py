@@ -34,6 +34,7 @@ import importlib.resources
 import json
 import math
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -57,7 +58,7 @@ def table_for(arch: str) -> dict | None:
     return json.loads(resource.read_text())
 
 
-def _arch(device) -> str | None:
+def _arch(device: Any) -> str | None:
     cap = str(getattr(device, "compute_capability", "") or "")
     if not cap:
         return None
@@ -109,7 +110,7 @@ _local = threading.local()
 
 
 @contextlib.contextmanager
-def deciding_for(arch: str):
+def deciding_for(arch: str) -> Iterator[None]:
     """Inside it, `decide` decides as on a GPU of architecture ``arch`` ("sm_90"), whatever
     the platform the program is traced on. It applies to what is traced inside it: a
     function ``jax.jit`` traced before keeps the decisions of its trace."""

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import string
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -142,9 +142,9 @@ def patched(extra: Sequence[tuple[Any, str, Any]] = ()) -> Iterator[None]:
 
 # ---------------------------------------------------------------------- the GEMM calls
 
-def _converting_dot_general(lhs, rhs, dimension_numbers, precision=None,
-                            preferred_element_type=None, **kwargs):
-    def original():
+def _converting_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any, precision: Any = None,
+                            preferred_element_type: Any = None, **kwargs: Any) -> Any:
+    def original() -> Any:
         return through(jax.lax, "dot_general")(lhs, rhs, dimension_numbers,
                                                precision=precision,
                                                preferred_element_type=preferred_element_type,
@@ -163,8 +163,9 @@ def _converting_dot_general(lhs, rhs, dimension_numbers, precision=None,
                                     preferred_element_type)
 
 
-def _swapped_dot_general(site, side, weight, lhs, rhs, dimension_numbers, precision,
-                         preferred_element_type):
+def _swapped_dot_general(site: Site, side: str, weight: Any, lhs: Any, rhs: Any,
+                         dimension_numbers: Any, precision: Any,
+                         preferred_element_type: Any) -> Any:
     if side == "rhs":
         return site.convert("dot_general", (lhs, rhs, dimension_numbers),
                             precision, preferred_element_type, weight)
@@ -180,7 +181,9 @@ def _swapped_dot_general(site, side, weight, lhs, rhs, dimension_numbers, precis
     return jnp.transpose(out, perm)
 
 
-def matmul_numbers(a_shape, b_shape):
+def matmul_numbers(
+        a_shape: Sequence[int], b_shape: Sequence[int],
+) -> tuple[jax.lax.DotDimensionNumbers, tuple[int, ...] | None] | None:
     """``(dimension_numbers, perm)``: ``jnp.matmul(a, b)`` as ``lax.dot_general(a, b,
     dimension_numbers)`` transposed by ``perm`` (None: as it is); None where matmul
     broadcasts batch axes of different shapes (or an operand is a scalar)."""
@@ -199,7 +202,8 @@ def matmul_numbers(a_shape, b_shape):
     return None
 
 
-def dot_numbers(a_shape, b_shape):
+def dot_numbers(a_shape: Sequence[int],
+                b_shape: Sequence[int]) -> tuple[jax.lax.DotDimensionNumbers, None] | None:
     """``(dimension_numbers, None)``: ``jnp.dot(a, b)`` as ``lax.dot_general`` (a's last
     axis against b's second-to-last, or its only one); None for a scalar operand."""
     na, nb = len(a_shape), len(b_shape)
@@ -208,12 +212,13 @@ def dot_numbers(a_shape, b_shape):
     return (((na - 1,), (max(nb - 2, 0),)), ((), ())), None
 
 
-def _converting_product(name: str, numbers):
+def _converting_product(name: str, numbers: Callable[..., Any]) -> Callable[..., Any]:
     """The converting ``jnp.matmul`` / ``jnp.dot`` (``@``, ``.dot``): a GEMM of a matched
     module with one of its weights as an operand runs as the FP8 ``dot_general`` with the
     same result (`matmul_numbers`, `dot_numbers`); a form that has none is reported."""
-    def converting(a, b, *, precision=None, preferred_element_type=None, **kwargs):
-        def original():
+    def converting(a: Any, b: Any, *, precision: Any = None,
+                   preferred_element_type: Any = None, **kwargs: Any) -> Any:
+        def original() -> Any:
             return through(jnp, name)(a, b, precision=precision,
                                       preferred_element_type=preferred_element_type, **kwargs)
 
@@ -245,7 +250,8 @@ _PRODUCTS = [(jnp, "matmul", _converting_matmul), (jnp, "dot", _converting_dot),
              (_CONTRACTIONS, "dot", _converting_dot)]
 
 
-def explicit_einsum(subscripts: str, lhs_shape, rhs_shape) -> str | None:
+def explicit_einsum(subscripts: str, lhs_shape: Sequence[int],
+                    rhs_shape: Sequence[int]) -> str | None:
     """A two-operand einsum spec with its output and ellipses spelled out
     (``"...d,dh"`` on a 3-d lhs -> ``"abd,dh->abh"``), or None where
     `jax_fp8.fp8_einsum` cannot run it (repeated letters, an ellipsis that broadcasts,
@@ -281,8 +287,9 @@ def explicit_einsum(subscripts: str, lhs_shape, rhs_shape) -> str | None:
     return f"{parts[0]},{parts[1]}->{out}"
 
 
-def _converting_einsum(subscripts, *operands, out=None, optimize="auto", precision=None,
-                       preferred_element_type=None, _dot_general=None, **kwargs):
+def _converting_einsum(subscripts: Any, *operands: Any, out: Any = None, optimize: Any = "auto",
+                       precision: Any = None, preferred_element_type: Any = None,
+                       _dot_general: Any = None, **kwargs: Any) -> Any:
     # An einsum given its own dot_general (not jax.lax.dot_general) stays as it is.
     lax_dot_general = through(jax.lax, "dot_general")
     own = _dot_general not in (None, _converting_dot_general, ORIGINAL["dot_general"],
@@ -292,7 +299,7 @@ def _converting_einsum(subscripts, *operands, out=None, optimize="auto", precisi
     if _dot_general is not None:
         kwargs["_dot_general"] = _dot_general
 
-    def original():
+    def original() -> Any:
         # Without a dot_general of the caller's, jnp.einsum's own (JAX's), as it is.
         return through(jnp, "einsum")(subscripts, *operands, out=out, optimize=optimize,
                                       precision=precision,

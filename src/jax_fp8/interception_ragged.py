@@ -17,6 +17,9 @@ is reported as `jax_fp8.interception` reports a dense one; one of two activation
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import numpy as np
 from jax import lax
@@ -32,7 +35,8 @@ ORIGINAL_RAGGED_DOT = jax.lax.ragged_dot
 ORIGINAL_RAGGED_DOT_GENERAL = jax.lax.ragged_dot_general
 
 
-def expert_weight(site: interception.Site, lhs, rhs) -> tuple[str | None, str | None]:
+def expert_weight(site: interception.Site, lhs: Any,
+                  rhs: Any) -> tuple[str | None, str | None]:
     """``(name, None)``: ``rhs`` is the module's parameter ``name`` (an expert weight
     [G, K, N] multiplied by lhs [M, K]), convert; or ``(None, scope)``: leave the grouped
     GEMM alone, reported for the reason `interception.KEPT_SCOPES` ``scope`` gives (None:
@@ -52,8 +56,9 @@ def expert_weight(site: interception.Site, lhs, rhs) -> tuple[str | None, str | 
     return name, None
 
 
-def _convert(kind, site, lhs, rhs, group_sizes, precision, preferred_element_type, original,
-             swap=False):
+def _convert(kind: str, site: interception.Site, lhs: Any, rhs: Any, group_sizes: Any,
+             precision: Any, preferred_element_type: Any, original: Callable[[], Any],
+             swap: bool = False) -> Any:
     """The grouped GEMM of ``site``'s module: converted, reported or left alone."""
     weight, scope = expert_weight(site, lhs, rhs)
     if weight is None:
@@ -70,9 +75,10 @@ def _convert(kind, site, lhs, rhs, group_sizes, precision, preferred_element_typ
                             preferred_element_type, weight)
 
 
-def _converting_ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None,
-                           group_offset=None, **kwargs):
-    def original():
+def _converting_ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, precision: Any = None,
+                           preferred_element_type: Any = None, group_offset: Any = None,
+                           **kwargs: Any) -> Any:
+    def original() -> Any:
         return interception.through(jax.lax, "ragged_dot")(
             lhs, rhs, group_sizes, precision=precision,
             preferred_element_type=preferred_element_type, group_offset=group_offset,
@@ -87,7 +93,7 @@ def _converting_ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_elem
 
 # The dimension numbers of a mixture-of-experts layer's grouped GEMM (those of ragged_dot,
 # its expert weight [G, K, N] or [G, N, K]), as `jax_fp8.fp8_ragged_dot_general` takes them.
-def _moe_form(numbers, lhs, rhs) -> tuple[bool, bool]:
+def _moe_form(numbers: Any, lhs: Any, rhs: Any) -> tuple[bool, bool]:
     """(is the mixture-of-experts form, with the weight laid out [G, N, K])."""
     try:
         (lc, rc), (lb, rb) = numbers.dot_dimension_numbers
@@ -101,10 +107,11 @@ def _moe_form(numbers, lhs, rhs) -> tuple[bool, bool]:
     return ok, rc == (2,)
 
 
-def _converting_ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers,
-                                   precision=None, preferred_element_type=None,
-                                   group_offset=None, **kwargs):
-    def original():
+def _converting_ragged_dot_general(lhs: Any, rhs: Any, group_sizes: Any,
+                                   ragged_dot_dimension_numbers: Any, precision: Any = None,
+                                   preferred_element_type: Any = None,
+                                   group_offset: Any = None, **kwargs: Any) -> Any:
+    def original() -> Any:
         return interception.through(jax.lax, "ragged_dot_general")(
             lhs, rhs, group_sizes, ragged_dot_dimension_numbers, precision=precision,
             preferred_element_type=preferred_element_type, group_offset=group_offset,

@@ -42,6 +42,7 @@ import jax.export  # noqa: F401  (register_pytree_node_serialization)
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
+from jax.typing import ArrayLike
 
 from jax_fp8 import _hints, recipe as recipe_lib, state as state_lib
 from jax_fp8._fp8_grads import (
@@ -108,7 +109,7 @@ jax.tree_util.register_dataclass(Fp8Meta, data_fields=["input", "kernel", "grad"
                                  meta_fields=["recipe"])
 
 
-def _serialize_aux(aux) -> bytes:
+def _serialize_aux(aux: tuple[Any]) -> bytes:
     (recipe,) = aux
     if recipe is None:
         return b"null"
@@ -117,7 +118,7 @@ def _serialize_aux(aux) -> bytes:
     return json.dumps({"recipe": type(recipe).__name__, **fields}).encode()
 
 
-def _deserialize_aux(data: bytes):
+def _deserialize_aux(data: bytes) -> tuple[recipe_lib.Recipe | None]:
     fields = json.loads(data.decode())
     if fields is None:
         return (None,)
@@ -131,7 +132,7 @@ jax.export.register_pytree_node_serialization(
     deserialize_auxdata=_deserialize_aux)
 
 
-def amax_cotangent(ct: ScalingState, amax, primal: ScalingState,
+def amax_cotangent(ct: ScalingState, amax: ArrayLike, primal: ScalingState,
                    reduce: Any = None) -> ScalingState:
     """The cotangent one use hands back: the amax record (`jax_fp8._fp8_grads.amax_record`)
     of fmax(downstream uses' amax, this use's amax), reduced first by ``reduce(amax,
@@ -149,7 +150,7 @@ def amax_cotangent(ct: ScalingState, amax, primal: ScalingState,
     if isinstance(ct.amax_history, SymbolicZero):
         staged = amax
     else:
-        def value(x, like):
+        def value(x: Any, like: jax.Array) -> Any:
             return jnp.zeros_like(like) if isinstance(x, SymbolicZero) else x
         downstream = ScalingState(ct.amax_history, value(ct.scale, primal.scale),
                                   value(ct.scale_inv, primal.scale_inv),

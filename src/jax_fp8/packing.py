@@ -36,8 +36,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -49,8 +49,11 @@ from jax_fp8._packing_layout import _deserialize_layout, _Layout, _serialize_lay
 from jax_fp8._primitives import split as split_lib
 from jax_fp8.state import HoldsStates, ScalingState
 
+if TYPE_CHECKING:
+    from _collections_abc import dict_items, dict_keys, dict_values
 
-def _is_state(x) -> bool:
+
+def _is_state(x: Any) -> bool:
     return isinstance(x, ScalingState)
 
 
@@ -76,7 +79,8 @@ class PackedStates(HoldsStates):
     others: tuple
     layout: _Layout
 
-    def __new__(cls, groups: tuple = (), others: tuple = (), layout: Any = None):
+    def __new__(cls, groups: tuple = (), others: tuple = (),
+                layout: Any = None) -> PackedStates:
         del groups, others
         # A packed Flax collection (a dict with string keys) is also a read-only mapping
         # of its unpacked states, which Flax's apply takes: the class follows the layout,
@@ -205,13 +209,13 @@ class PackedCollection(PackedStates, dict):
     def __contains__(self, key: object) -> bool:
         return key in self._keys
 
-    def keys(self):
+    def keys(self) -> dict_keys[Any, None]:
         return dict.fromkeys(self._keys).keys()
 
-    def items(self):
+    def items(self) -> dict_items[Any, Any]:
         return self._view().items()
 
-    def values(self):
+    def values(self) -> dict_values[Any, Any]:
         return self._view().values()
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -236,7 +240,7 @@ class PackedCollection(PackedStates, dict):
 
     __hash__ = None
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[PackedStates], tuple[tuple, tuple, _Layout]]:
         # Pickle and copy as a PackedStates, not as the dict of its unpacked states.
         return (PackedStates, (self.groups, self.others, self.layout))
 
@@ -248,7 +252,7 @@ class PackedCollection(PackedStates, dict):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _split_rows(a, sizes):
+def _split_rows(a: jax.Array, sizes: tuple[int, ...]) -> tuple[jax.Array, ...]:
     """a [R, ...] -> consecutive row blocks of the given sizes.
 
     Its gradient is ONE concatenation of the blocks' cotangents, rather than what JAX
@@ -260,11 +264,13 @@ def _split_rows(a, sizes):
     return tuple(split_lib.split_rows(a, sizes))
 
 
-def _split_rows_fwd(a, sizes):
+def _split_rows_fwd(a: jax.Array,
+                    sizes: tuple[int, ...]) -> tuple[tuple[jax.Array, ...], None]:
     return _split_rows(a, sizes), None
 
 
-def _split_rows_bwd(sizes, _, cotangents):
+def _split_rows_bwd(sizes: tuple[int, ...], _: None,
+                    cotangents: Sequence[jax.Array]) -> tuple[jax.Array]:
     del sizes
     return (jnp.concatenate(cotangents, axis=0),)
 
@@ -272,19 +278,22 @@ def _split_rows_bwd(sizes, _, cotangents):
 _split_rows.defvjp(_split_rows_fwd, _split_rows_bwd)
 
 
-def _flatten_with_keys(p: PackedStates):
+def _flatten_with_keys(
+        p: PackedStates) -> tuple[list[tuple[jax.tree_util.GetAttrKey, Any]], _Layout]:
     keys = [jax.tree_util.GetAttrKey(k) for k in p.layout.keys]
     return list(zip(keys, [*p.groups, *p.others])), p.layout
 
 
-def _unflatten(layout, children):
+def _unflatten(layout: _Layout, children: Sequence[Any]) -> PackedStates:
     g = len(layout.groups)
     return PackedStates(tuple(children[:g]), tuple(children[g:]), layout)
 
 
 for _cls in (PackedStates, PackedCollection):
+    # (ignore: JAX's stub types the children Iterable; it passes a sequence, which
+    # `_unflatten` slices)
     jax.tree_util.register_pytree_with_keys(
-        _cls, _flatten_with_keys, _unflatten,
+        _cls, _flatten_with_keys, _unflatten,  # type: ignore[arg-type]
         flatten_func=lambda p: ([*p.groups, *p.others], p.layout))
 
 

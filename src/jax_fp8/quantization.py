@@ -31,7 +31,7 @@ def compute_amax(x: ArrayLike) -> jax.Array:
     return amax_lib.amax(x)
 
 
-def broadcast_to_leading(s, ndim):
+def broadcast_to_leading(s: ArrayLike, ndim: int) -> jax.Array:
     """A per-tensor factor of shape ``[...]`` (leading axes of x) as ``[..., 1, 1, ...]``."""
     s = jnp.asarray(s)
     if s.ndim > ndim:

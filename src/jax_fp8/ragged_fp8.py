@@ -9,6 +9,7 @@ machinery they share in ``jax_fp8._grouped``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -27,7 +28,7 @@ __all__ = ["fp8_ragged_dot", "fp8_ragged_dot_general", "ragged_dot_flops"]
 _OUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
 
 
-def ragged_dot_flops(lhs_shape, rhs_shape) -> int:
+def ragged_dot_flops(lhs_shape: Sequence[int], rhs_shape: Sequence[int]) -> int:
     """2 * M * K * N: the FLOPs of ``lax.ragged_dot(lhs [M, K], rhs [G, K, N])`` (each row
     multiplied by one expert's weight)."""
     m, k = lhs_shape

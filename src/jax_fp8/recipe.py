@@ -23,7 +23,7 @@ FP8_DTYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2),
               np.dtype(jnp.float8_e4m3fnuz), np.dtype(jnp.float8_e5m2fnuz))
 
 
-def canonical_fp8_dtype(fp8_dtype, name: str = "fp8_dtype") -> np.dtype:
+def canonical_fp8_dtype(fp8_dtype: Any, name: str = "fp8_dtype") -> np.dtype:
     """`fp8_dtype` as a NumPy dtype, or a TypeError naming `name`."""
     try:
         dtype = np.dtype(fp8_dtype)
@@ -40,7 +40,7 @@ def fp8_max(fp8_dtype: DTypeLike) -> float:
     return float(jnp.finfo(canonical_fp8_dtype(fp8_dtype)).max)
 
 
-def check_margin(margin) -> float:
+def check_margin(margin: Any) -> float:
     if isinstance(margin, bool) or not isinstance(margin, (int, float, np.integer, np.floating)):
         raise TypeError(f"margin must be a real number, got {margin!r}")
     if not math.isfinite(margin):
@@ -66,7 +66,7 @@ def scaled_max(fp8_dtype: DTypeLike, margin: float) -> float:
     return float(value)
 
 
-def check_algorithm(amax_compute_algo) -> str:
+def check_algorithm(amax_compute_algo: Any) -> str:
     if amax_compute_algo not in ALGORITHMS:
         raise ValueError(f"amax_compute_algo must be one of {ALGORITHMS}, "
                          f"got {amax_compute_algo!r}")
@@ -88,13 +88,13 @@ class Format(enum.Enum):
         return np.dtype(jnp.float8_e5m2 if self is Format.HYBRID else jnp.float8_e4m3fn)
 
 
-def _check_bool(obj, *names):
+def _check_bool(obj: Any, *names: str) -> None:
     for name in names:
         if not isinstance(getattr(obj, name), (bool, np.bool_)):
             raise TypeError(f"{name} must be a bool, got {getattr(obj, name)!r}")
 
 
-def _check_epsilon(amax_epsilon):
+def _check_epsilon(amax_epsilon: Any) -> None:
     if isinstance(amax_epsilon, bool) or not isinstance(
             amax_epsilon, (int, float, np.integer, np.floating)) \
             or not math.isfinite(amax_epsilon) or amax_epsilon < 0:

@@ -21,12 +21,14 @@ import abc
 import dataclasses
 import functools
 import math
-from typing import ClassVar
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike, DTypeLike
 
 from jax_fp8 import _ad, _grouped, recipe as recipe_lib
 from jax_fp8._primitives import axis_types, block_quantize as bq
@@ -51,42 +53,50 @@ class StatelessRecipe(recipe_lib.Recipe):
 
     keeps_state: ClassVar[bool] = False
 
-    def create_meta(self, shape=(), history_len=None):
+    def create_meta(self, shape: Sequence[int] = (), history_len: int | None = None) -> Fp8Meta:
         del shape, history_len  # nothing to keep
         return Fp8Meta(recipe=self)
 
-    def check_meta(self, meta, name="meta", shape=()):
+    def check_meta(self, meta: Any, name: str = "meta", shape: tuple = ()) -> None:
         del shape  # no states
         for field in Fp8Meta.STATES:
             if getattr(meta, field) is not None:
                 raise TypeError(f"{name}.{field} must be None for {type(self).__name__} "
                                 f"(a stateless recipe)")
 
-    def dot_general(self, lhs, rhs, dimension_numbers, meta, out_dtype):
+    def dot_general(self, lhs: Any, rhs: Any, dimension_numbers: Any, meta: Any,
+                    out_dtype: np.dtype) -> tuple[jax.Array, Any]:
         return scaled_dot_general(lhs, rhs, dimension_numbers, self, out_dtype), meta
 
-    def ragged_dot(self, lhs, rhs, group_sizes, meta, out_dtype):
+    def ragged_dot(self, lhs: Any, rhs: Any, group_sizes: Any, meta: Any,
+                   out_dtype: np.dtype) -> tuple[jax.Array, Any]:
         return scaled_ragged_dot(lhs, rhs, group_sizes, self, out_dtype), meta
 
-    def ragged_forward(self, x, w, ends, out_dtype, keep: bool):
+    def ragged_forward(self, x: jax.Array, w: jax.Array, ends: jax.Array, out_dtype: np.dtype,
+                       keep: bool) -> tuple[jax.Array, Any]:
         """x [M, K] . w[g] [K, N] per group of rows (`jax_fp8._grouped`; ``ends``: the
         clamped group ends, int32 [G]) -> ([M, N] in out_dtype, residuals or None)."""
         raise NotImplementedError(f"{type(self).__name__} has no grouped (ragged_dot) GEMM")
 
-    def ragged_backward(self, residuals, g, ends, x_dtype, w_dtype):
+    def ragged_backward(self, residuals: Any, g: jax.Array, ends: jax.Array, x_dtype: np.dtype,
+                        w_dtype: np.dtype) -> tuple[jax.Array, jax.Array]:
         """The gradients (dx [M, K] in x_dtype, dw [G, K, N] in w_dtype) for g [M, N]."""
         raise NotImplementedError(f"{type(self).__name__} has no grouped (ragged_dot) GEMM")
 
     @abc.abstractmethod
-    def matmul_forward(self, x, w, out_dtype, keep: bool):
+    def matmul_forward(self, x: jax.Array, w: jax.Array, out_dtype: np.dtype,
+                       keep: bool) -> tuple[jax.Array, Any]:
         """x [M, K] . w [K, N] -> ([M, N] in out_dtype, residuals or None)."""
 
     @abc.abstractmethod
-    def matmul_backward(self, residuals, g, x_dtype, w_dtype):
+    def matmul_backward(self, residuals: Any, g: jax.Array, x_dtype: np.dtype,
+                        w_dtype: np.dtype) -> tuple[jax.Array, jax.Array]:
         """The gradients (dx [M, K] in x_dtype, dw [K, N] in w_dtype) for g [M, N]."""
 
 
-def scaled_dot_general(lhs, rhs, dimension_numbers, recipe, preferred_element_type=None):
+def scaled_dot_general(lhs: ArrayLike, rhs: ArrayLike,
+                       dimension_numbers: lax.DotDimensionNumbers, recipe: StatelessRecipe,
+                       preferred_element_type: DTypeLike | None = None) -> jax.Array:
     """``lax.dot_general(lhs, rhs, dimension_numbers)`` with FP8 GEMMs per ``recipe``.
 
     Shapes: those of ``lax.dot_general``: lhs [B..., L..., C...] and rhs [B..., C..., R...]
@@ -151,7 +161,8 @@ def scaled_dot_general(lhs, rhs, dimension_numbers, recipe, preferred_element_ty
     return out.reshape(batch_shape + out.shape[1:])
 
 
-def _unbatched(lhs, rhs, lc, rc, recipe, out_dtype):
+def _unbatched(lhs: jax.Array, rhs: jax.Array, lc: tuple[int, ...], rc: tuple[int, ...],
+               recipe: StatelessRecipe, out_dtype: np.dtype) -> jax.Array:
     """scaled_dot_general without batch axes: the operands as x [M, K] and w [K, N].
 
     On a mesh with Explicit axes the free axes that are sharded are moved ahead of the
@@ -176,7 +187,7 @@ def _unbatched(lhs, rhs, lc, rc, recipe, out_dtype):
     return _permute(out, [int(i) for i in np.argsort(produced)])
 
 
-def _sharded_first(a, axes):
+def _sharded_first(a: jax.Array, axes: list[int]) -> list[int]:
     """`axes` (free axes of `a`, ascending) with those sharded on a mesh with Explicit
     axes first, each group in its order; `axes` unchanged elsewhere."""
     if not axis_types.on_explicit_mesh(a):
@@ -186,18 +197,20 @@ def _sharded_first(a, axes):
     return [i for i in axes if spec[i] is not None] + [i for i in axes if spec[i] is None]
 
 
-def _permute(a, perm):
+def _permute(a: jax.Array, perm: Sequence[int]) -> jax.Array:
     return a if list(perm) == list(range(a.ndim)) else lax.transpose(a, tuple(perm))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _fp8_matmul(x, w, recipe, out_dtype, x_dtype, w_dtype):
+def _fp8_matmul(x: jax.Array, w: jax.Array, recipe: StatelessRecipe, out_dtype: np.dtype,
+                x_dtype: np.dtype, w_dtype: np.dtype) -> jax.Array:
     """x [M, K] . w [K, N] -> [M, N] in out_dtype."""
     del x_dtype, w_dtype
     return recipe.matmul_forward(x, w, out_dtype, keep=False)[0]
 
 
-def _fwd(x, w, recipe, out_dtype, x_dtype, w_dtype):
+def _fwd(x: jax.Array, w: jax.Array, recipe: StatelessRecipe, out_dtype: np.dtype,
+         x_dtype: np.dtype, w_dtype: np.dtype) -> tuple[jax.Array, Any]:
     del x_dtype, w_dtype
     x, w = _ad.first_order_only((x, w), _OP)
     out, residuals = recipe.matmul_forward(x, w, out_dtype, keep=True)
@@ -205,7 +218,8 @@ def _fwd(x, w, recipe, out_dtype, x_dtype, w_dtype):
     return out, _ad.hide(residuals)
 
 
-def _bwd(recipe, out_dtype, x_dtype, w_dtype, residuals, g):
+def _bwd(recipe: StatelessRecipe, out_dtype: np.dtype, x_dtype: np.dtype, w_dtype: np.dtype,
+         residuals: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
     del out_dtype
     residuals, g = _ad.first_order_only((_ad.reveal(residuals), g), _OP)
     return recipe.matmul_backward(residuals, g, x_dtype, w_dtype)
@@ -219,7 +233,8 @@ _fp8_matmul.defvjp(_fwd, _bwd)
 _RAGGED_OP = "fp8_ragged_dot (a recipe without state)"
 
 
-def scaled_ragged_dot(lhs, rhs, group_sizes, recipe, out_dtype):
+def scaled_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+                      recipe: StatelessRecipe, out_dtype: DTypeLike) -> jax.Array:
     """``lax.ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G])`` with FP8 GEMMs per
     ``recipe`` (its ``ragged_forward`` / ``ragged_backward``), under one custom VJP. The
     groups are clamped as the grouped GEMM primitive clamps them."""
@@ -230,19 +245,24 @@ def scaled_ragged_dot(lhs, rhs, group_sizes, recipe, out_dtype):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _ragged_matmul(x, w, ends, recipe, out_dtype, x_dtype, w_dtype):
+def _ragged_matmul(x: jax.Array, w: jax.Array, ends: jax.Array, recipe: StatelessRecipe,
+                   out_dtype: np.dtype, x_dtype: np.dtype, w_dtype: np.dtype) -> jax.Array:
     del x_dtype, w_dtype
     return recipe.ragged_forward(x, w, ends, out_dtype, keep=False)[0]
 
 
-def _ragged_fwd(x, w, ends, recipe, out_dtype, x_dtype, w_dtype):
+def _ragged_fwd(x: jax.Array, w: jax.Array, ends: jax.Array, recipe: StatelessRecipe,
+                out_dtype: np.dtype, x_dtype: np.dtype,
+                w_dtype: np.dtype) -> tuple[jax.Array, Any]:
     del x_dtype, w_dtype
     x, w = _ad.first_order_only((x, w), _RAGGED_OP)
     out, residuals = recipe.ragged_forward(x, w, ends, out_dtype, keep=True)
     return out, _ad.hide((residuals, ends))
 
 
-def _ragged_bwd(recipe, out_dtype, x_dtype, w_dtype, residuals, g):
+def _ragged_bwd(recipe: StatelessRecipe, out_dtype: np.dtype, x_dtype: np.dtype,
+                w_dtype: np.dtype, residuals: Any,
+                g: jax.Array) -> tuple[jax.Array, jax.Array, None]:
     del out_dtype
     (residuals, ends), g = _ad.first_order_only((_ad.reveal(residuals), g), _RAGGED_OP)
     dx, dw = recipe.ragged_backward(residuals, g, ends, x_dtype, w_dtype)
@@ -263,12 +283,12 @@ class Types:
     w: object
 
 
-def explicit_type(a):
+def explicit_type(a: jax.Array) -> Any:
     """`a`'s sharding on a mesh with Explicit axes, else None."""
     return jax.typeof(a).sharding if axis_types.on_explicit_mesh(a) else None
 
 
-def typed(grad, sharding):
+def typed(grad: jax.Array, sharding: Any) -> jax.Array:
     """`grad` resharded as its primal (`explicit_type`) where that is not None: e.g. a
     slice of a weight gradient the GEMM summed over the sharded batch."""
     return grad if sharding is None else jax.sharding.reshard(grad, sharding)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from types import FrameType
 from typing import Any
 
@@ -38,7 +38,7 @@ class ScalingState:
     scale_inv: Any
     fp8_dtype: Any = dataclasses.field(default=jnp.float8_e4m3fn)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         # One spelling of the dtype, so tree structures compare and hash equal. JAX
         # rebuilds states on every unflatten, so the common case is a dict lookup.
         try:
@@ -76,7 +76,7 @@ class ScalingState:
 FIELDS = ("amax_history", "scale", "scale_inv")
 
 
-def field_key(field: str, fp8_dtype) -> str:
+def field_key(field: str, fp8_dtype: DTypeLike) -> str:
     """The tree key of a state's array: its field and FP8 format, ``scale_float8_e5m2``.
 
     The format is static, so a restore that only compares keys and shapes (orbax) would
@@ -105,7 +105,7 @@ def is_optax(module: str) -> bool:
     return module == "optax" or module.startswith("optax.")
 
 
-def check_not_optax():
+def check_not_optax() -> None:
     """Raises ValueError when the pytree operation flattening a state was called by optax
     (the Python frames above the flatten, past JAX's own tree functions).
 
@@ -129,12 +129,13 @@ def check_not_optax():
         frame = frame.f_back
 
 
-def _flatten(st: ScalingState):
+def _flatten(st: ScalingState) -> tuple[tuple[Any, Any, Any], np.dtype]:
     check_not_optax()
     return (st.amax_history, st.scale, st.scale_inv), st.fp8_dtype
 
 
-def _flatten_with_keys(st: ScalingState):
+def _flatten_with_keys(
+        st: ScalingState) -> tuple[tuple[tuple[jax.tree_util.GetAttrKey, Any], ...], np.dtype]:
     check_not_optax()
     keys = _KEYS.get(st.fp8_dtype)
     if keys is None:
@@ -143,7 +144,7 @@ def _flatten_with_keys(st: ScalingState):
     return tuple(zip(keys, (st.amax_history, st.scale, st.scale_inv))), st.fp8_dtype
 
 
-def _unflatten(fp8_dtype, arrays) -> ScalingState:
+def _unflatten(fp8_dtype: np.dtype, arrays: Iterable[Any]) -> ScalingState:
     amax_history, scale, scale_inv = arrays
     return ScalingState(amax_history, scale, scale_inv, fp8_dtype=fp8_dtype)
 
@@ -159,7 +160,7 @@ jax_export.register_pytree_node_serialization(
     deserialize_auxdata=lambda data: np.dtype(getattr(jnp, data.decode())))
 
 
-def is_state(x) -> bool:
+def is_state(x: Any) -> bool:
     return isinstance(x, ScalingState)
 
 
@@ -168,12 +169,12 @@ class HoldsStates:
     (`jax_fp8.PackedStates`): `states_info` lists their states through `slot_info`, so
     this module need not know the layouts built on it."""
 
-    def slot_info(self):
+    def slot_info(self) -> list[tuple[Any, np.dtype, int]]:
         """(path in the unpacked tree, fp8_dtype, history_len) for each state held."""
         raise NotImplementedError
 
 
-def _role(path) -> str | None:
+def _role(path: tuple[Any, ...]) -> str | None:
     """"grad", "input", "kernel" from the last key of a state's tree path, else None."""
     if not path:
         return None
@@ -182,7 +183,7 @@ def _role(path) -> str | None:
     return name if name in ("input", "kernel", "grad") else None
 
 
-def check_states_follow(recipe, tree, name: str = "tree",
+def check_states_follow(recipe: Any, tree: Any, name: str = "tree",
                         hints: _hints.StepHints | None = None) -> None:
     """Raises ValueError when a state of `tree` was not made by `recipe` (a stateless
     recipe, current or blockwise, makes none).
@@ -223,7 +224,7 @@ def _refuse(hints: _hints.StepHints | None, problem: str) -> None:
                      f"be given the recipe the layers were made with: {hints.recipe}.")
 
 
-def states_info(tree):
+def states_info(tree: Any) -> list[tuple[tuple[Any, ...], np.dtype, int]]:
     """(path, fp8_dtype, history_len) for every state of `tree`; the states a
     `HoldsStates` node (a PackedStates) holds by their paths in the unpacked tree."""
     out = []

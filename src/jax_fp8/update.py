@@ -6,7 +6,7 @@ Both validate at trace time (errors name the argument) and bind the
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any, TypeAlias
 
 import jax
@@ -22,15 +22,16 @@ from jax_fp8.state import ScalingState, is_state
 AxisName: TypeAlias = Hashable
 
 
-def _check_array(x, name):
+def _check_array(x: Any, name: str) -> None:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name} must be an array, got {type(x).__name__}")
     if x.dtype != jnp.float32:
         raise TypeError(f"{name} must be float32, got {x.dtype}")
 
 
-def _check_state_arrays(history, scale, amax, scale_inv=None, where="", *,
-                        has_scale_inv=False, has_amax=False):
+def _check_state_arrays(history: Any, scale: Any, amax: Any, scale_inv: Any = None,
+                        where: str = "", *, has_scale_inv: bool = False,
+                        has_amax: bool = False) -> None:
     _check_array(history, f"{where}amax_history")
     if history.ndim < 1 or history.shape[-1] < 1:
         raise ValueError(f"{where}amax_history must have a history axis (last) of length "
@@ -49,7 +50,8 @@ def _check_state_arrays(history, scale, amax, scale_inv=None, where="", *,
                              f"amax_history.shape[:-1] = {lead}")
 
 
-def _check_options(amax_compute_algo, power_of_2_scale, skip_unused, implementation):
+def _check_options(amax_compute_algo: str, power_of_2_scale: Any, skip_unused: Any,
+                   implementation: str) -> None:
     recipe_lib.check_algorithm(amax_compute_algo)
     for name, value in (("power_of_2_scale", power_of_2_scale), ("skip_unused", skip_unused)):
         if not isinstance(value, (bool, np.bool_)):
@@ -59,8 +61,11 @@ def _check_options(amax_compute_algo, power_of_2_scale, skip_unused, implementat
                          f"got {implementation!r}")
 
 
-def _bind(histories, scales, scale_invs, amaxes, scaled_maxes, amax_compute_algo,
-          power_of_2_scale, skip_unused, implementation, in_place=True):
+def _bind(histories: Sequence[jax.Array], scales: Sequence[jax.Array],
+          scale_invs: Sequence[jax.Array] | None, amaxes: Sequence[jax.Array] | None,
+          scaled_maxes: Sequence[float], amax_compute_algo: str, power_of_2_scale: bool,
+          skip_unused: bool, implementation: str,
+          in_place: bool = True) -> tuple[Any, Any, Any]:
     operands = [*histories, *scales, *(scale_invs or ()), *(amaxes or ())]
     g = len(histories)
     outs = fp8_update_p.bind(
@@ -137,7 +142,7 @@ def reduce_amaxes(amaxes: Any, axis_name: AxisName) -> Any:
 IN_PLACE_MAX_STATES = 128
 
 
-def _where(paths, i, tree):
+def _where(paths: list[Any], i: int, tree: Any) -> str:
     if paths[0] is None:
         paths[0] = [jax.tree_util.keystr(p) for p, _ in
                     jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_state)[0]]
