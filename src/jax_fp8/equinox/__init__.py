@@ -20,8 +20,6 @@ an `Fp8State` field, which optax and ``eqx.apply_updates`` refuse with an error 
 the loop above (docs/equinox.md).
 """
 
-from __future__ import annotations
-
 from jax_fp8.equinox._conversion import fp8_model
 from jax_fp8.equinox._gemm import fp8_gemm
 from jax_fp8.equinox._linear import Fp8Linear

@@ -14,8 +14,6 @@ Converters to/from Flax's own fp8_ops variables and Transformer Engine's layout:
 `jax_fp8.flax.interop`.
 """
 
-from __future__ import annotations
-
 from jax_fp8.flax import (
     interop,
     nnx,

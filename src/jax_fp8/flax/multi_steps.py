@@ -9,8 +9,6 @@ checkpoints as plain arrays whatever container holds the states), and the one fu
 update runs on the call where the optimizer applies.
 """
 
-from __future__ import annotations
-
 from jax_fp8._training_step import accumulate, find, gradient_step, zero_pending
 
 __all__ = ["accumulate", "find", "gradient_step", "zero_pending"]
