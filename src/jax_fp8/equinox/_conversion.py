@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import sys
 import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -29,18 +30,18 @@ _FLOATS = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32
 FP8_FIELD = "fp8_states"   # the field a converted module of one's own holds its states in
 
 
-def _key_name(key) -> str:
+def _key_name(key: Any) -> str:
     for attr in ("name", "key", "idx"):
         if hasattr(key, attr):
             return str(getattr(key, attr))
     return str(key)
 
 
-def _path(keys) -> str:
+def _path(keys: Sequence[Any]) -> str:
     return "/".join(_key_name(k) for k in keys)
 
 
-def _own_weights(module: eqx.Module) -> dict:
+def _own_weights(module: eqx.Module) -> dict[str, jax.Array]:
     """The module's own float arrays of two or more axes (its weights), by field name."""
     return {f.name: getattr(module, f.name) for f in _fields(module)
             if isinstance(getattr(module, f.name, None), jax.Array)
@@ -48,11 +49,11 @@ def _own_weights(module: eqx.Module) -> dict:
             and np.dtype(getattr(module, f.name).dtype) in _FLOATS}
 
 
-def _fields(module):
+def _fields(module: eqx.Module) -> list[dataclasses.Field[Any]]:
     return [f for f in dataclasses.fields(module) if not f.metadata.get("static", False)]
 
 
-def _own_gemms(module) -> bool:
+def _own_gemms(module: eqx.Module) -> bool:
     """Whether ``module``'s class (not Equinox's) defines a ``__call__`` of its own."""
     cls = getattr(type(module), "_fp8_unconverted", type(module))
     if cls.__module__.split(".")[0] == "equinox":
@@ -60,15 +61,16 @@ def _own_gemms(module) -> bool:
     return any("__call__" in vars(k) for k in cls.__mro__ if k not in (eqx.Module, object))
 
 
-def _converting_call(call):
+def _converting_call(call: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(call)
-    def converting(self, *args, **kwargs):
+    def converting(self: Any, *args: Any, **kwargs: Any) -> Any:
         states = getattr(self, FP8_FIELD)
         rule = self._fp8_rule  # noqa: SLF001
         current = {name: state.meta for name, state in states.items()}
         weights = tuple((name, getattr(self, name)) for name in states)
 
-        def convert(kind, gemm_args, precision, preferred_element_type, weight):
+        def convert(kind: str, gemm_args: tuple[Any, ...], precision: Any,
+                    preferred_element_type: Any, weight: str | None) -> jax.Array:
             if kind == "ragged_dot":
                 return _ragged_dot(self, current, gemm_args, precision,
                                    preferred_element_type, weight)
@@ -98,7 +100,9 @@ def _converting_call(call):
     return converting
 
 
-def _ragged_dot(module, current, gemm_args, precision, preferred_element_type, weight):
+def _ragged_dot(module: Any, current: dict[str, Fp8Meta], gemm_args: tuple[Any, ...],
+                precision: Any, preferred_element_type: Any,
+                weight: Any) -> jax.Array:   # weight: a field name (a ragged_dot has one)
     """A ``jax.lax.ragged_dot`` of the expert weight ``weight`` (a mixture-of-experts
     layer): `jax_fp8.fp8_ragged_dot` with the weight's meta, for a recipe without state. A
     delayed-scaling state would be one per expert, which the states made at conversion
@@ -132,7 +136,7 @@ def _converting_class(cls: Any, rule: Any) -> type:
     return new
 
 
-def _convert_own(module, rule, path):
+def _convert_own(module: eqx.Module, rule: rules_lib.Fp8Rule, path: str) -> Any:
     weights = _own_weights(module)
     if rule.activations and isinstance(rule.recipe, DelayedScaling):
         raise ValueError(
@@ -205,7 +209,7 @@ def fp8_model(model: Any, rules: Any = None) -> Any:
     return converted
 
 
-def _refuse_flax(model):
+def _refuse_flax(model: Any) -> None:
     """TypeError naming jax_fp8.flax.fp8_model for a Flax module (flax itself is only
     looked at when it was imported: a Flax module cannot exist otherwise)."""
     kinds = (("flax.linen", "Module", "linen"), ("flax.nnx", "Module", "NNX"))
@@ -218,7 +222,8 @@ def _refuse_flax(model):
                 f"jax_fp8.flax.fp8_model(model, rules) (docs/convert.md)")
 
 
-def _convert(node, keys, rules, seen):
+def _convert(node: Any, keys: tuple[Any, ...], rules: tuple[rules_lib.Fp8Rule, ...],
+             seen: list[str]) -> Any:
     path = _path(keys)
     if isinstance(node, (eqx.nn.Linear, Fp8Linear)) or hasattr(type(node), "_fp8_unconverted"):
         seen.append(path)

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import string
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from jax_fp8 import _compat, interception
 from jax_fp8.dot_general import check_min_fp8_flops, fp8_dot_general
@@ -29,8 +31,9 @@ from jax_fp8.meta import Fp8Meta
 __all__ = ["fp8_gemm"]
 
 
-def fp8_gemm(kind: str, spec: Any, lhs, rhs, meta: Fp8Meta, *, precision=None,
-             preferred_element_type=None, min_fp8_flops: float | str = 0.0):
+def fp8_gemm(kind: str, spec: Any, lhs: ArrayLike, rhs: ArrayLike, meta: Fp8Meta, *,
+             precision: Any = None, preferred_element_type: Any = None,
+             min_fp8_flops: float | str = 0.0) -> tuple[jax.Array, Fp8Meta]:
     """``(out, meta)`` of the FP8 GEMM ``kind`` ("dot_general": ``spec`` its dimension
     numbers; "einsum": ``spec`` its two-operand equation), ``rhs`` quantized as the
     kernel; under ``jax.vmap`` one GEMM over the batch (module docstring).
@@ -54,12 +57,12 @@ def fp8_gemm(kind: str, spec: Any, lhs, rhs, meta: Fp8Meta, *, precision=None,
 _last_use: dict = {}
 
 
-def _key_leaf(meta):
+def _key_leaf(meta: Fp8Meta) -> jax.core.Tracer | None:
     leaves = jax.tree.leaves(meta)
     return leaves[0] if leaves and isinstance(leaves[0], jax.core.Tracer) else None
 
 
-def _visible(meta) -> bool:
+def _visible(meta: Fp8Meta) -> bool:
     """Whether ``meta``'s values belong to the trace being traced now or one it is
     nested in (a value of a finished inner trace, e.g. a ``vmap`` body, is not)."""
     own = {id(_compat.trace_of(x)) for x in jax.tree.leaves(meta)} - {id(None)}
@@ -70,7 +73,7 @@ def _visible(meta) -> bool:
     return not own
 
 
-def _threaded(meta):
+def _threaded(meta: Fp8Meta) -> Fp8Meta:
     leaf = _key_leaf(meta)
     if leaf is None:
         return meta
@@ -80,19 +83,20 @@ def _threaded(meta):
     return found[1]
 
 
-def _record(given, new) -> None:
+def _record(given: Fp8Meta, new: Fp8Meta) -> None:
     leaf = _key_leaf(given)
     if leaf is None:
         return
     key = id(leaf)
 
-    def forget(_, k=key):
+    def forget(_: Any, k: int = key) -> None:
         _last_use.pop(k, None)
 
     _last_use[key] = (weakref.ref(leaf, forget), new)
 
 
-def _plain(static, lhs, rhs, meta):
+def _plain(static: tuple[Any, ...], lhs: ArrayLike, rhs: ArrayLike, meta: Fp8Meta
+           ) -> tuple[jax.Array, Fp8Meta]:
     kind, spec, precision, preferred_element_type, min_fp8_flops = static
     # The FP8 op's own GEMMs are never converted again by an enclosing converted module.
     with interception.running(None):
@@ -103,7 +107,7 @@ def _plain(static, lhs, rhs, meta):
                           min_fp8_flops=min_fp8_flops)
 
 
-def _with_batch_axis(static):
+def _with_batch_axis(static: tuple[Any, ...]) -> tuple[tuple[Any, ...], int]:
     """``static`` for an input with one more leading axis, and where that axis lands in
     the result."""
     kind, spec, *rest = static
@@ -120,16 +124,18 @@ def _with_batch_axis(static):
     return (kind, f"{letter}{a},{b}->{letter}{out}", *rest), 0
 
 
-def _gemm(static, lhs, rhs, meta):
+def _gemm(static: tuple[Any, ...], lhs: ArrayLike, rhs: ArrayLike, meta: Fp8Meta
+          ) -> tuple[jax.Array, Fp8Meta]:
     if not _compat.batched_here(lhs):
         return _plain(static, lhs, rhs, meta)
 
     @jax.custom_batching.custom_vmap
-    def gemm(lhs, rhs, meta):
+    def gemm(lhs: jax.Array, rhs: jax.Array, meta: Fp8Meta) -> tuple[jax.Array, Fp8Meta]:
         return _plain(static, lhs, rhs, meta)
 
     @gemm.def_vmap
-    def rule(axis_size, in_batched, lhs, rhs, meta):
+    def rule(axis_size: int, in_batched: Sequence[Any], lhs: jax.Array, rhs: jax.Array,
+             meta: Fp8Meta) -> tuple[tuple[jax.Array, Fp8Meta], tuple[bool, Any]]:
         del axis_size
         lhs_batched, rhs_batched, meta_batched = in_batched
         meta_flags, treedef = jax.tree.flatten(meta_batched)
@@ -143,7 +149,8 @@ def _gemm(static, lhs, rhs, meta):
         # A batched kernel or state (stacked layers): the FP8 op's own batching.
         meta_leaves = jax.tree.leaves(meta)
 
-        def one(lhs, rhs, leaves):
+        def one(lhs: jax.Array, rhs: jax.Array, leaves: list[Any]
+                ) -> tuple[jax.Array, list[Any]]:
             out, new = _plain(static, lhs, rhs, jax.tree.unflatten(treedef, leaves))
             return out, jax.tree.leaves(new)
 

@@ -41,7 +41,7 @@ class Fp8Linear(eqx.Module):
     def __init__(self, in_features: int | Literal["scalar"],
                  out_features: int | Literal["scalar"], use_bias: bool = True,
                  dtype: Any = None, *, recipe: Any = None, min_fp8_flops: float | str = 0.0,
-                 key: jax.Array):
+                 key: jax.Array) -> None:
         linear = eqx.nn.Linear(in_features, out_features, use_bias, dtype, key=key)
         self.weight, self.bias = linear.weight, linear.bias
         self.in_features, self.out_features = in_features, out_features

@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
-from typing import Any, BinaryIO
+from collections.abc import Iterator, Sequence
+from typing import IO, Any, BinaryIO
 
 import equinox as eqx
 import jax
@@ -26,14 +27,14 @@ __all__ = ["orbax_restore", "tree_deserialise_leaves", "tree_serialise_leaves"]
 _MAGIC = b"jax_fp8.equinox checkpoint 1\n"
 
 
-def _layout(tree) -> list[list]:
+def _layout(tree: Any) -> list[list]:
     leaves = jax.tree_util.tree_flatten_with_path(eqx.filter(tree, eqx.is_array))[0]
     return [[jax.tree_util.keystr(p), list(np.shape(x)), np.dtype(x.dtype).name]
             for p, x in leaves]
 
 
 @contextlib.contextmanager
-def _opened(path_or_file, mode):
+def _opened(path_or_file: str | pathlib.Path | BinaryIO, mode: str) -> Iterator[IO[Any]]:
     if isinstance(path_or_file, (str, pathlib.Path)):
         with open(path_or_file, mode) as f:
             yield f
@@ -95,7 +96,7 @@ def _compare(saved_by_path: dict, want_by_path: dict) -> None:
                              f"it was saved (another layer, FP8 format or recipe)")
 
 
-def _dotted(path) -> str:
+def _dotted(path: Sequence[Any]) -> str:
     return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))))
                     for k in path)
 

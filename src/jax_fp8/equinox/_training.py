@@ -83,12 +83,12 @@ def apply_updates(model: Any, updates: Any, grads: Any, *, axis_name: Any = None
     placed = jax.tree.map(lambda x: Fp8Placeholder() if isinstance(x, Fp8State) else x, model,
                           is_leaf=is_fp8_node)
 
-    def step(update, value):
+    def step(update: Any, value: Any) -> Any:
         if update is None or isinstance(update, Fp8Placeholder):
             return value
         return (value + update).astype(jnp.result_type(value))
 
-    def optimizer_step():
+    def optimizer_step() -> tuple[Any, None]:
         return jax.tree.map(step, updates, placed,
                             is_leaf=lambda x: x is None or isinstance(x, Fp8Placeholder)), None
 
@@ -109,7 +109,7 @@ def accumulate_grads(total: Any, grads: Any) -> Any:
     states' gradients (observed amaxes) combined by max (`jax_fp8.combine_fp8_grads`), so
     that `apply_updates` after several microbatches sees the max amax of all of them.
     (Summing whole gradient trees, ``jax.tree.map(jnp.add, ...)``, would add the amaxes.)"""
-    def add(a, b):
+    def add(a: Any, b: Any) -> Any:
         if isinstance(a, Fp8State):
             return Fp8State(combine_fp8_grads(a.meta, b.meta), a.recipe)
         if a is None:

@@ -68,8 +68,10 @@ def _check_collection_reaches(module: nn.Module, collection: str, op: str) -> No
                                      fix=fix.format(c=collection)))
 
 
-def _meta_variables(module: nn.Module, recipe, collection, op: str | None = None,
-                    shape: tuple = ()):
+def _meta_variables(module: nn.Module, recipe: Any, collection: str,
+                    op: str | None = None, shape: tuple[int, ...] = ()
+                    ) -> list[nn.Variable] | None:
+    # recipe: a Recipe (Any: the history_len read below is a stateful recipe's only).
     recipe_lib.check_recipe(recipe, "recipe")
     if not recipe.keeps_state:
         return None  # scales from the operands: no state
@@ -285,7 +287,8 @@ def _check_not_carried_read_only(module: nn.Module, meta: Fp8Meta, collection: s
                 op=op, where=_scope(module).path_text, c=collection))
 
 
-def _read(module: nn.Module, vs, recipe, collection, op: str) -> Fp8Meta:
+def _read(module: nn.Module, vs: list[nn.Variable] | None,
+          recipe: recipe_lib.Recipe, collection: str, op: str) -> Fp8Meta:
     if vs is None:
         return Fp8Meta(recipe=recipe)
     meta = Fp8Meta(*(v.value for v in vs))
@@ -303,7 +306,8 @@ def _read(module: nn.Module, vs, recipe, collection, op: str) -> Fp8Meta:
     return meta
 
 
-def _write(module: nn.Module, vs, meta: Fp8Meta, collection):
+def _write(module: nn.Module, vs: list[nn.Variable] | None, meta: Fp8Meta,
+           collection: str) -> None:
     # Thread the meta: the next call of this module consumes what this one returned, so
     # the amaxes of all calls combine by max.
     if vs is None:

@@ -42,11 +42,11 @@ class Fp8Grad(nnx.Param):
 _FP8_GRADS = nnx.Any(Fp8Grad, Fp8State)  # the FP8 part of a gradient nnx.State
 
 
-def _get(var):
+def _get(var: nnx.Variable) -> Any:
     return var.get_value() if hasattr(var, "get_value") else var.value
 
 
-def _set(var, value):
+def _set(var: nnx.Variable, value: Any) -> None:
     if hasattr(var, "set_value"):
         var.set_value(value)
     else:
@@ -54,7 +54,8 @@ def _set(var, value):
 
 
 class _Fp8Base(nnx.Module):
-    def __init__(self, recipe=None, *unexpected, min_fp8_flops: float | str = 0, **unexpected_kw):
+    def __init__(self, recipe: recipe_lib.Recipe | None = None, *unexpected: Any,
+                 min_fp8_flops: float | str = 0, **unexpected_kw: Any) -> None:
         if unexpected or unexpected_kw or hasattr(recipe, "shape"):
             name = type(self).__name__
             raise TypeError(
@@ -72,7 +73,8 @@ class _Fp8Base(nnx.Module):
             self.kernel = Fp8State(meta.kernel)
             self.grad = Fp8State(meta.grad)
 
-    def _report(self, kind: str, lhs, rhs, dimension_numbers) -> None:
+    def _report(self, kind: str, lhs: jax.Array, rhs: jax.Array,
+                dimension_numbers: Any) -> None:
         # The FP8 layer fp8_model gave a module: reported (Fp8ConversionWarning) when it
         # keeps a GEMM below min_fp8_flops. Its report: (path, module type, rule), static.
         report = getattr(self, "_fp8_report", None)
@@ -88,7 +90,7 @@ class _Fp8Base(nnx.Module):
             return Fp8Meta(recipe=self.stateless_recipe)
         return Fp8Meta(*(_get(getattr(self, n)) for n in Fp8Meta.STATES))
 
-    def _thread(self, meta: Fp8Meta):
+    def _thread(self, meta: Fp8Meta) -> None:
         # The returned meta carries the same values as the one read; it is written back
         # so that a second call's amaxes chain into the first's (max, not sum) when the
         # state is differentiated. A call that cannot write to the variables (a sampler's
@@ -151,8 +153,9 @@ class Fp8RaggedDot(_Fp8Base):
     for x [M, K] and w [G, K, N]. Delayed scaling keeps one state per expert (leading axis
     G) for the input, the weight and the gradient."""
 
-    def __init__(self, recipe=None, *unexpected, num_groups: int, min_fp8_flops: float | str = 0,
-                 **unexpected_kw):
+    def __init__(self, recipe: recipe_lib.Recipe | None = None, *unexpected: Any,
+                 num_groups: int, min_fp8_flops: float | str = 0,
+                 **unexpected_kw: Any) -> None:
         super().__init__(recipe, *unexpected, min_fp8_flops=min_fp8_flops, **unexpected_kw)
         if self.stateless_recipe is None:
             for name in Fp8Meta.STATES:
@@ -174,8 +177,9 @@ class Fp8RaggedDot(_Fp8Base):
 class Fp8Linear(nnx.Linear):
     """``nnx.Linear`` whose matmul is an FP8 delayed-scaling GEMM."""
 
-    def __init__(self, in_features: int, out_features: int, *, recipe=None,
-                 min_fp8_flops: float | str = 0, rngs: nnx.Rngs, **kwargs):
+    def __init__(self, in_features: int, out_features: int, *,
+                 recipe: recipe_lib.Recipe | None = None, min_fp8_flops: float | str = 0,
+                 rngs: nnx.Rngs, **kwargs: Any) -> None:
         if "dot_general" in kwargs:
             raise TypeError("Fp8Linear sets dot_general itself")
         super().__init__(in_features, out_features, rngs=rngs,

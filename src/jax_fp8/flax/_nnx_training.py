@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from flax import nnx
@@ -20,6 +20,9 @@ from jax_fp8 import _fp8_grads, _hints, _training_step, meta as meta_lib, recipe
 from jax_fp8._training_step import Fp8Part
 from jax_fp8.flax._nnx_layers import _FP8_GRADS, Fp8Grad, Fp8State, _get, _set
 from jax_fp8.recipe import check_recipe
+
+if TYPE_CHECKING:
+    import optax
 
 # How NNX spells each fix of the training step's errors (jax_fp8._hints); its modules and
 # Flax's NNX ones are named so that an error raised deeper finds it.
@@ -60,7 +63,7 @@ def fp8_state(model: nnx.Module | nnx.State) -> nnx.State:
 
 
 def update_fp8(model: nnx.Module, fp8_grads: Any, recipe: recipe_lib.Recipe | None = None,
-               *, axis_name: Any = None) -> None:
+               *, axis_name: Any = None) -> nnx.State:
     """Replaces every `Fp8State` of ``model`` with ONE fused ``update_states`` call.
 
     Args:
@@ -88,24 +91,24 @@ def update_fp8(model: nnx.Module, fp8_grads: Any, recipe: recipe_lib.Recipe | No
     return new
 
 
-def _split(grads):
+def _split(grads: nnx.State) -> tuple[nnx.State, ...]:
     """(the FP8 part, the rest) of a gradient ``nnx.State``."""
     if hasattr(nnx, "split_state"):
         return nnx.split_state(grads, _FP8_GRADS, ...)
     return grads.split(_FP8_GRADS, ...)
 
 
-def _is_variable(x) -> bool:
+def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def _retyped(tree, cls):
+def _retyped(tree: nnx.State, cls: type[nnx.Variable]) -> nnx.State:
     """``tree`` (an ``nnx.State``) with each variable as a ``cls`` of the same value."""
     return jax.tree.map(lambda v: cls(_get(v)) if _is_variable(v) else v, tree,
                         is_leaf=_is_variable)
 
 
-def _as_states(fp8_grads):
+def _as_states(fp8_grads: nnx.State) -> nnx.State:
     """The FP8 part of a gradient, typed as the model's `Fp8State`s (its structure)."""
     return _retyped(fp8_grads, Fp8State)
 
@@ -126,7 +129,7 @@ def fp8_value_and_grad(loss_fn: Callable, has_aux: bool = False, wrt: Any = nnx.
     value_and_grad = nnx.value_and_grad(loss_fn, argnums=diff, has_aux=has_aux)
 
     @functools.wraps(loss_fn)
-    def f(*args, **kwargs):
+    def f(*args: Any, **kwargs: Any) -> tuple[Any, nnx.State]:
         value, grads = value_and_grad(*args, **kwargs)
         return value, jax.tree.map(
             lambda v: Fp8Grad(_fp8_grads.fp8_grads_from_cotangents(_get(v)))
@@ -160,7 +163,10 @@ def apply_gradients(model: nnx.Module, optimizer: nnx.Optimizer, grads: nnx.Stat
     _step(model, optimizer, grads, recipe, "apply_gradients", kwargs, axis_name)
 
 
-def _step(model, optimizer, grads, recipe, call, kwargs, axis_name=None, pending=None):
+def _step(model: nnx.Module, optimizer: nnx.Optimizer, grads: nnx.State,
+          recipe: recipe_lib.Recipe | None, call: str, kwargs: dict[str, Any],
+          axis_name: Any = None, pending: list[jax.Array] | None = None
+          ) -> list[jax.Array] | None:
     """The training step (`jax_fp8._training_step.step`) on an NNX model: the optimizer
     updates the parameters in place, the FP8 states (and ``pending``) are replaced."""
     fp8_grads, param_grads = _split(grads)
@@ -170,7 +176,7 @@ def _step(model, optimizer, grads, recipe, call, kwargs, axis_name=None, pending
     given = _fp8_grads.holds_fp8_grads(fp8_grads)
     opt_state = getattr(optimizer, "opt_state", None)
 
-    def optimizer_step():
+    def optimizer_step() -> tuple[None, Any]:
         nnx.Optimizer.update(optimizer, model, param_grads, **kwargs)
         return None, getattr(optimizer, "opt_state", None)
 
@@ -204,7 +210,9 @@ class Fp8Optimizer(nnx.Optimizer):
     updated once, when MultiSteps applies.
     """
 
-    def __init__(self, model, tx, *, wrt=nnx.Param, recipe=None, **kwargs):
+    def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, *,
+                 wrt: Any = nnx.Param, recipe: recipe_lib.Recipe | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(model, tx, wrt=wrt, **kwargs)
         self.fp8_recipe = None if recipe is None else check_recipe(recipe)
         pending = _training_step.zero_pending(fp8_state(model), self.opt_state,

@@ -14,6 +14,7 @@ checkpoint whose FP8 layers or recipe changed, or of a checkpoint saved without 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -39,14 +40,14 @@ _FIX = ("The model's FP8 layers or recipe changed since the checkpoint was saved
         "hold another model's steps.")
 
 
-def _key_name(k) -> str:
+def _key_name(k: Any) -> str:
     for attr in ("key", "name", "idx"):
         if hasattr(k, attr):
             return str(getattr(k, attr))
     return str(k)
 
 
-def _parts(path) -> tuple[str, ...]:
+def _parts(path: Sequence[Any]) -> tuple[str, ...]:
     return tuple(_key_name(k) for k in path)
 
 
@@ -59,7 +60,7 @@ def _is_fp8(parts: tuple[str, ...]) -> bool:
         _FIELD.fullmatch(p) or _GROUP.fullmatch(p) for p in parts)
 
 
-def _describe(parts: tuple[str, ...], shape) -> str:
+def _describe(parts: tuple[str, ...], shape: Sequence[int]) -> str:
     """A checkpoint / target FP8 variable in words."""
     for i, p in enumerate(parts):
         m = _GROUP.fullmatch(p)
@@ -74,7 +75,7 @@ def _describe(parts: tuple[str, ...], shape) -> str:
     return f"FP8 bookkeeping {_text(parts)}"
 
 
-def _group_rows(target) -> dict[str, list[str]]:
+def _group_rows(target: Any) -> dict[str, list[str]]:
     """Per packed group key of ``target``: its states' paths in the unpacked tree."""
     out: dict[str, list[str]] = {}
     for packed in jax.tree.leaves(target, is_leaf=lambda x: isinstance(x, PackedStates)):
@@ -84,7 +85,7 @@ def _group_rows(target) -> dict[str, list[str]]:
     return out
 
 
-def _flat(tree) -> dict[tuple[str, ...], tuple]:
+def _flat(tree: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
     """Leaf path -> shape (orbax compares shapes and converts dtypes)."""
     return {_parts(p): tuple(np.shape(x))
             for p, x in jax.tree_util.tree_flatten_with_path(tree)[0] if x is not None}
@@ -135,12 +136,12 @@ def _compare(saved: dict, want: dict, rows: dict, fresh_fp8: bool) -> None:
                                   "restore into the model that wrote it."))
 
 
-def _metadata_tree(checkpointer, directory):
+def _metadata_tree(checkpointer: Any, directory: Any) -> Any:
     metadata = checkpointer.metadata(directory)
     return getattr(metadata, "item_metadata", metadata)
 
 
-def _restore(checkpointer, directory, item):
+def _restore(checkpointer: Any, directory: Any, item: Any) -> Any:
     import orbax.checkpoint as ocp
 
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, item)
@@ -187,7 +188,7 @@ def orbax_restore(checkpointer: Any, directory: Any, target: Any, *,
     raw = checkpointer.restore(directory)
     by_path = {_parts(p): x for p, x in jax.tree_util.tree_flatten_with_path(raw)[0]}
 
-    def take(path, x):
+    def take(path: Sequence[Any], x: Any) -> Any:
         parts = _parts(path)
         if is_state(x) or _is_fp8(parts) or x is None:
             return x

@@ -39,10 +39,13 @@ or into one stacked ScalingState.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
 
 from jax_fp8 import recipe as recipe_lib
 from jax_fp8.flax.linen import FP8_COLLECTION
@@ -60,13 +63,15 @@ _FROM_FLAX_NAME = re.compile(r"^(?:Fp8DirectDotGeneralOp|Fp8DotGeneralOp|NANOOFp
 _TO_FLAX_NAME = re.compile(r"^Fp8DotGeneral_(\d+)$")
 
 
-def _is_state(x):
+def _is_state(x: Any) -> bool:
     return isinstance(x, ScalingState)
 
 
 # ------------------------------------------------------------------------------- Flax
 
-def _map_modules(tree, is_module, convert, rename_key):
+def _map_modules(tree: Any, is_module: Callable[[Any], bool],
+                 convert: Callable[[Any], dict[str, Any]],
+                 rename_key: Callable[[Hashable], Hashable]) -> Any:
     if is_module(tree):
         return convert(tree)
     if isinstance(tree, dict) or hasattr(tree, "items"):
@@ -75,17 +80,18 @@ def _map_modules(tree, is_module, convert, rename_key):
     return tree
 
 
-def _is_flax_module(d):
+def _is_flax_module(d: Any) -> bool:
     return hasattr(d, "keys") and _FLAX_KEYS <= set(d.keys())
 
 
-def _is_our_module(d):
+def _is_our_module(d: Any) -> bool:
     return (hasattr(d, "keys") and _OURS <= set(d.keys())
             and all(_is_state(d[k]) for k in _OURS))
 
 
-def from_flax(tree, *, fwd_dtype=jnp.float8_e4m3fn, bwd_dtype=jnp.float8_e5m2,
-              rename: bool = True, implementation: str = "auto"):
+def from_flax(tree: Any, *, fwd_dtype: DTypeLike = jnp.float8_e4m3fn,
+              bwd_dtype: DTypeLike = jnp.float8_e5m2, rename: bool = True,
+              implementation: str = "auto") -> Any:
     """Flax fp8_ops variables -> jax_fp8 FP8 state (one fused update for all tensors).
 
     Args:
@@ -113,7 +119,7 @@ def from_flax(tree, *, fwd_dtype=jnp.float8_e4m3fn, bwd_dtype=jnp.float8_e5m2,
         return out
     dtypes = {"input": fwd_dtype, "kernel": fwd_dtype, "grad": bwd_dtype}
 
-    def convert(d):
+    def convert(d: Any) -> dict[str, Any]:
         states = {}
         for ours, theirs in _FLAX_PREFIX.items():
             h = jnp.asarray(d[f"{theirs}_amax_history"], jnp.float32)
@@ -126,7 +132,7 @@ def from_flax(tree, *, fwd_dtype=jnp.float8_e4m3fn, bwd_dtype=jnp.float8_e5m2,
             states[ours] = ScalingState(h, 1.0 / s, s, fp8_dtype=dtypes[ours])
         return states
 
-    def rename_key(k):
+    def rename_key(k: Hashable) -> Hashable:
         m = _FROM_FLAX_NAME.match(k) if rename and isinstance(k, str) else None
         return f"Fp8DotGeneral_{m.group(1)}" if m else k
 
@@ -137,7 +143,7 @@ def from_flax(tree, *, fwd_dtype=jnp.float8_e4m3fn, bwd_dtype=jnp.float8_e5m2,
                          implementation=implementation)
 
 
-def _state_to_flax(st: ScalingState):
+def _state_to_flax(st: ScalingState) -> tuple[jax.Array, jax.Array]:
     h = jnp.asarray(st.amax_history, jnp.float32)
     length = h.shape[-1]
     fp8_max = np.float32(recipe_lib.fp8_max(st.fp8_dtype))
@@ -151,7 +157,7 @@ def _state_to_flax(st: ScalingState):
     return flax_h, jnp.asarray(st.scale_inv, jnp.float32)[..., None]
 
 
-def to_flax(tree, *, rename: bool = True):
+def to_flax(tree: Any, *, rename: bool = True) -> Any:
     """jax_fp8 FP8 state -> Flax fp8_ops variables (see the module docstring).
 
     Args:
@@ -169,7 +175,7 @@ def to_flax(tree, *, rename: bool = True):
         out[FLAX_COLLECTION] = to_flax(tree[FP8_COLLECTION], rename=rename)
         return out
 
-    def convert(d):
+    def convert(d: Any) -> dict[str, Any]:
         out = {}
         for ours, theirs in _FLAX_PREFIX.items():
             h, s = _state_to_flax(d[ours])
@@ -177,7 +183,7 @@ def to_flax(tree, *, rename: bool = True):
             out[f"{theirs}_scale"] = s
         return out
 
-    def rename_key(k):
+    def rename_key(k: Hashable) -> Hashable:
         m = _TO_FLAX_NAME.match(k) if rename and isinstance(k, str) else None
         return f"Fp8DirectDotGeneralOp_{m.group(1)}" if m else k
 
@@ -186,7 +192,7 @@ def to_flax(tree, *, rename: bool = True):
 
 # --------------------------------------------------------------------- Transformer Engine
 
-def to_te(tree) -> dict:
+def to_te(tree: Any) -> dict[str, jax.Array]:
     """Every ScalingState of ``tree`` -> TE's ``{"amax_history": [L, N], "scale": [N],
     "scale_inv": [N]}`` (tree order, leading axes of each state flattened in C order).
 
@@ -205,8 +211,8 @@ def to_te(tree) -> dict:
     return {"amax_history": hist.T, "scale": scale, "scale_inv": scale_inv}
 
 
-def from_te(amax_history, scale, scale_inv=None, *, like=None,
-            fp8_dtype=jnp.float8_e4m3fn):
+def from_te(amax_history: ArrayLike, scale: ArrayLike, scale_inv: ArrayLike | None = None, *,
+            like: Any = None, fp8_dtype: DTypeLike = jnp.float8_e4m3fn) -> Any:
     """TE's ``amax_history [L, N]``, ``scale [N]`` (``scale_inv [N]``) -> jax_fp8 state.
 
     With ``like`` (a pytree of ScalingStates, e.g. the model's FP8 state) the N tensors

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -33,13 +33,13 @@ _LINEN_LAYERS = (nn.Dense, nn.DenseGeneral, nn.Einsum)
 _LINEN_OWN_GEMM = (nn.Dense, nn.DenseGeneral)
 
 
-def _linen_path(module) -> str | None:
+def _linen_path(module: nn.Module) -> str | None:
     if getattr(module, "scope", None) is None:
         return None
     return "/".join(str(p) for p in module.path)
 
 
-def _linen_weights(module) -> tuple:
+def _linen_weights(module: nn.Module) -> tuple[tuple[str, Any], ...]:
     """(name, array) of the module's parameters: the arrays its ``self.param`` calls
     returned in this converted call, then those of its params collection (unboxed)."""
     weights = []
@@ -55,7 +55,7 @@ def _linen_weights(module) -> tuple:
     return tuple((name, v) for name, v in weights if hasattr(v, "dtype"))
 
 
-def _keeps_own_gemm(module) -> bool:
+def _keeps_own_gemm(module: object) -> bool:
     """Whether ``module`` is, or runs inside, a layer given its own ``dot_general`` /
     ``dot_general_cls`` (a GEMM of the user's choice: left as it is)."""
     from jax_fp8.flax import linen as fp8_linen
@@ -70,7 +70,7 @@ def _keeps_own_gemm(module) -> bool:
     return False
 
 
-def _no_submodule_here(module, kind):
+def _no_submodule_here(module: nn.Module, kind: str) -> TypeError:
     path = _linen_path(module)
     return TypeError(
         f"fp8_model: module {path!r} ({type(module).__name__}) calls a {kind} with a "
@@ -80,9 +80,10 @@ def _no_submodule_here(module, kind):
         f"@nn.compact")
 
 
-def _weight_layer(module, rule: Fp8Rule, weight: str, kind: str):
+def _weight_layer(module: Any, rule: Fp8Rule, weight: str, kind: str) -> nn.Module:
     """The module's `_WeightFp8` ``<weight>_fp8``: the one created earlier in this call
     of the module (so every GEMM of the weight threads one state), else a new one."""
+    # ``module``: a bound linen module (Any: Flax types its ``scope`` as optional).
     from jax_fp8.flax import linen as fp8_linen
     name = f"{weight}_fp8"
     if module.scope.name_reserved(name):
@@ -103,8 +104,9 @@ def _weight_layer(module, rule: Fp8Rule, weight: str, kind: str):
         raise _no_submodule_here(module, kind) from None
 
 
-def _linen_convert(module, rule: Fp8Rule, kind, args, precision, preferred_element_type,
-                   weight=None):
+def _linen_convert(module: nn.Module, rule: Fp8Rule, kind: str, args: tuple[Any, ...],
+                   precision: Any, preferred_element_type: Any,
+                   weight: str | None = None) -> Any:
     from jax_fp8.flax import linen as fp8_linen
     if weight is not None:   # a GEMM of the module's own parameter: that weight's state
         layer = _weight_layer(module, rule, weight, kind)
@@ -119,7 +121,7 @@ def _linen_convert(module, rule: Fp8Rule, kind, args, precision, preferred_eleme
     return layer(*args, precision=precision, preferred_element_type=preferred_element_type)
 
 
-def _linen_rule(rules, module) -> Fp8Rule | None:
+def _linen_rule(rules: tuple[Fp8Rule, ...], module: nn.Module) -> Fp8Rule | None:
     """The rule that converts a running linen module's GEMMs, or None (none matches, an
     exclusion, a layer with a GEMM of its own, jax_fp8's own FP8 modules, an ``nn.Embed``
     whose attend stays as it is)."""
@@ -134,7 +136,7 @@ def _linen_rule(rules, module) -> Fp8Rule | None:
     return rule
 
 
-def _linen_site(rule: Fp8Rule, module) -> Site:
+def _linen_site(rule: Fp8Rule, module: nn.Module) -> Site:
     """The conversion of a running linen module's GEMMs (made at each GEMM: the module's
     params exist only once its method has created them)."""
     path = _linen_path(module)
@@ -147,7 +149,8 @@ def _linen_site(rule: Fp8Rule, module) -> Site:
                 module_type=type(module).__name__, rule_path=path)
 
 
-def _site_and_key(rules, module):
+def _site_and_key(rules: tuple[Fp8Rule, ...], module: nn.Module
+                  ) -> tuple[Callable[[], Site], tuple[Fp8Rule, bool]] | tuple[None, None]:
     """``(site, key)`` of a running linen module method for `interception.running`: its
     site, made at each GEMM, and the key of its rule; ``(None, None)``: its GEMMs stay as
     they are."""
@@ -158,11 +161,13 @@ def _site_and_key(rules, module):
             (rule, isinstance(module, _LINEN_LAYERS)))
 
 
-def _linen_interceptor(conversion: interception.Conversion, rules):
+def _linen_interceptor(conversion: interception.Conversion, rules: tuple[Fp8Rule, ...]
+                       ) -> Callable[..., Any]:
     """Flax's method interceptor for one converting call: tracks the running module while
     that call is the innermost (a converting call nested in it, of a model with rules of
     its own, tracks its modules itself)."""
-    def interceptor(next_fun, args, kwargs, context):
+    def interceptor(next_fun: Callable[..., Any], args: tuple[Any, ...],
+                    kwargs: dict[str, Any], context: Any) -> Any:
         if interception.current() is not conversion:
             return next_fun(*args, **kwargs)
         site, key = _site_and_key(rules, context.module)
@@ -171,7 +176,7 @@ def _linen_interceptor(conversion: interception.Conversion, rules):
     return interceptor
 
 
-def _raw_method(cls, name: str):
+def _raw_method(cls: type, name: str) -> Callable[..., Any]:
     method = getattr(cls, name)
     while hasattr(method, "method_handler_wrapped"):
         method = method.__wrapped__
@@ -179,7 +184,7 @@ def _raw_method(cls, name: str):
 
 
 @functools.cache
-def _converted_class(cls, rules: tuple[Fp8Rule, ...], methods: tuple[str, ...]):
+def _converted_class(cls: type, rules: tuple[Fp8Rule, ...], methods: tuple[str, ...]) -> type:
     fields = {"_fp8_unconverted": cls, "_fp8_rules": rules}
     for name in methods:
         if not callable(getattr(cls, name, None)):
@@ -193,11 +198,12 @@ def _converted_class(cls, rules: tuple[Fp8Rule, ...], methods: tuple[str, ...]):
     return new
 
 
-def _converting_method(method, rules):
+def _converting_method(method: Callable[..., Any], rules: tuple[Fp8Rule, ...]
+                       ) -> Callable[..., Any]:
     tag = ("linen", rules)
 
     @functools.wraps(method)
-    def converting(self, *args, **kwargs):
+    def converting(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         outer = interception.current()
         if outer is not None and outer.tag == tag:
             # A method of a model converted with the same rules, called from a converting

@@ -5,6 +5,7 @@ rules: flax/rules.py)."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -20,7 +21,7 @@ from jax_fp8.flax._nnx_layers import Fp8DotGeneral, Fp8Einsum, Fp8RaggedDot, _Fp
 __all__ = ["convert"]
 
 
-def _stacked(layer, lead: tuple):
+def _stacked(layer: Any, lead: tuple[int, ...]) -> Any:
     """``layer`` with its FP8 states broadcast to the leading axes ``lead`` of a stacked
     (``nnx.vmap``-created) layer's kernel: the states ``nnx.vmap`` would have made."""
     if lead:
@@ -32,7 +33,8 @@ def _stacked(layer, lead: tuple):
     return layer
 
 
-def _convert(module, rule, path: str) -> bool:
+def _convert(module: nnx.Linear | nnx.LinearGeneral | nnx.Einsum, rule: rules_lib.Fp8Rule,
+             path: str) -> bool:
     """Gives one ``nnx.Linear`` / ``LinearGeneral`` / ``Einsum`` an FP8 GEMM of ``rule``;
     False where the module keeps its own (a custom ``dot_general`` / ``einsum_op``)."""
     kernel = _get(module.kernel)
@@ -63,14 +65,15 @@ def _convert(module, rule, path: str) -> bool:
 _LAYERS = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
 
 
-def _own_params(module) -> tuple:
+def _own_params(module: nnx.Module) -> tuple[tuple[str, Any], ...]:
     """(attribute name, array) of the module's own ``nnx.Param``s."""
     return tuple((name, _get(v)) for name, v in vars(module).items()
                  if isinstance(v, nnx.Param))
 
 
-def _raw_convert(module, rule, counts, kind, args, precision, preferred_element_type,
-                 weight=None):
+def _raw_convert(module: nnx.Module, rule: rules_lib.Fp8Rule, counts: dict[str, int],
+                 kind: str, args: tuple[Any, Any, Any], precision: Any,
+                 preferred_element_type: Any, weight: str | None = None) -> jax.Array:
     """A module's own GEMM through an FP8 module of ``module``, created at the first
     eager call: ``<weight>_fp8`` for a GEMM of its parameter ``<weight>`` (every GEMM of
     that weight shares and threads its state), else (two activations)
@@ -126,9 +129,10 @@ def _raw_convert(module, rule, counts, kind, args, precision, preferred_element_
     return out
 
 
-def _converting_call(method, rule):
+def _converting_call(method: Callable[..., Any], rule: rules_lib.Fp8Rule | None
+                     ) -> Callable[..., Any]:
     @functools.wraps(method)
-    def converting(self, *args, **kwargs):
+    def converting(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
         if rule is None:   # an unmatched module: its GEMMs stay as they are
             with rules_lib.running(None):
                 return method(self, *args, **kwargs)
@@ -145,14 +149,15 @@ def _converting_call(method, rule):
 
 
 @functools.cache
-def _converting_class(cls, rule):
+def _converting_class(cls: type, rule: rules_lib.Fp8Rule | None) -> type:
     new = type(cls.__name__, (cls,), {"__call__": _converting_call(cls.__call__, rule),
                                       "_fp8_unconverted": cls})
     new.__qualname__, new.__module__ = cls.__qualname__, cls.__module__
     return new
 
 
-def convert(model: nnx.Module, rules=None, *example_args, **example_kwargs):
+def convert(model: nnx.Module, rules: Any = None, *example_args: Any,
+            **example_kwargs: Any) -> nnx.Module:
     """`jax_fp8.flax.fp8_model` for an NNX ``model``: converted in place and returned."""
     rules = rules_lib.as_rules(rules)
     # What a converted module reports under (Fp8ConversionWarning): once per model.

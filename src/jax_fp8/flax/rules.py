@@ -8,6 +8,8 @@ GEMM of that parameter.
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 
 from jax_fp8.interception import (
@@ -29,7 +31,7 @@ __all__ = ["AUTO_MIN_FP8_FLOPS", "ORIGINAL", "PARAM_PATCH", "Fp8ConversionWarnin
            "reporting", "rule_for", "running", "track"]
 
 
-def _recording_param(module, name, *args, **kwargs):
+def _recording_param(module: nn.Module, name: str, *args: Any, **kwargs: Any) -> Any:
     """``nn.Module.param`` that also records, for the converted call running in this
     thread, the very array it returns (after any unboxing: a partitioned parameter under
     a mesh comes back as a new, sharding-constrained array), so a GEMM of it, or of an

@@ -16,6 +16,8 @@ Registered when ``jax_fp8.flax`` is imported.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 from flax import serialization
 
@@ -34,7 +36,7 @@ def _where() -> str:
     return path.removeprefix(".").removeprefix("/") or "the top level"
 
 
-def _text(value) -> str:
+def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
@@ -69,18 +71,19 @@ def _from_state_dict(target: ScalingState, state: dict) -> ScalingState:
     return ScalingState(history, scale, scale_inv, fp8_dtype=target.fp8_dtype)
 
 
-def _describe(rows) -> dict:
+def _describe(rows: Sequence[tuple[str, int, str, tuple[int, ...]]]
+              ) -> dict[str, tuple[str, int, tuple[int, ...]]]:
     """{path: (fp8 dtype, history length, lead shape)} of a packed state's rows."""
     return {path: (dtype, length, tuple(lead)) for dtype, length, path, lead in rows}
 
 
-def _target_rows(p: PackedStates):
+def _target_rows(p: PackedStates) -> list[tuple[str, int, str, tuple[int, ...]]]:
     return [(np.dtype(dtype).name, int(length), path, tuple(lead))
             for (dtype, length), rows in zip(p.layout.groups, p.layout.rows)
             for path, lead in rows]
 
 
-def _saved_rows(state: dict):
+def _saved_rows(state: dict) -> list[tuple[str, int, str, tuple[int, ...]]]:
     """The rows a packed state dict was saved with, or raises naming why there are none."""
     out = []
     for key, entry in state.items():
@@ -103,10 +106,11 @@ def _saved_rows(state: dict):
     return out
 
 
-def _layout_error(saved, want) -> ValueError:
+def _layout_error(saved: Sequence[tuple[str, int, str, tuple[int, ...]]],
+                  want: Sequence[tuple[str, int, str, tuple[int, ...]]]) -> ValueError:
     have, need = _describe(saved), _describe(want)
 
-    def desc(info):
+    def desc(info: tuple[str, int, tuple[int, ...]]) -> str:
         dtype, length, lead = info
         return f"{dtype}, history {length}" + (f", lead shape {lead}" if lead else "")
 
