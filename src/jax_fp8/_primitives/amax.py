@@ -12,24 +12,31 @@ replica groups, and XLA combines them into one all-reduce.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import ShapedArray
 from jax.sharding import NamedSharding, PartitionSpec
+from jax.typing import ArrayLike
 
 from jax_fp8._primitives import axis_types, base
 
 
-def _local_amax(x):
+def _local_amax(x: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
-def _shardings(params, mesh, arg_shapes):
+def _shardings(params: dict[str, Any], mesh: jax.sharding.Mesh, arg_shapes: Sequence[Any],
+               ) -> tuple[tuple[Any], NamedSharding]:
     del params
     return (arg_shapes[0].sharding,), NamedSharding(mesh, PartitionSpec())
 
 
-def _sharding_rule(params, operand_types):
+def _sharding_rule(params: dict[str, Any], operand_types: Sequence[Any],
+                   ) -> tuple[str, dict[str, Any]]:
     del params
     factors = [f"d{i}" for i in range(len(operand_types[0].shape))]
     # Every axis is reduced: the result is a scalar, replicated (each device's max is
@@ -37,7 +44,7 @@ def _sharding_rule(params, operand_types):
     return " ".join(factors) + " -> ", {"reduction_factors": tuple(factors)}
 
 
-def _abstract_eval(x):
+def _abstract_eval(x: ShapedArray) -> ShapedArray:
     # (x.update keeps shard_map's manual-axis type of x on the result; on a mesh with
     # Explicit axes the scalar is typed replicated on it, as jnp.max's is.)
     if axis_types.on_explicit_mesh(x):
@@ -46,7 +53,7 @@ def _abstract_eval(x):
     return x.update(shape=(), dtype=np.float32, weak_type=False)
 
 
-def _reference_where(x):
+def _reference_where(x: ShapedArray) -> str | None:
     """Where the max runs as XLA's own reduction in the caller's types, and why."""
     if axis_types.varying_axes(x):
         return ("inside shard_map: each device's own amax (the caller reduces it across "
@@ -69,7 +76,7 @@ amax_p = base.register(base.Spec(
 varying_axes = axis_types.varying_axes
 
 
-def amax(x) -> jax.Array:
+def amax(x: ArrayLike) -> jax.Array:
     """max |x| over the whole tensor as a float32 scalar (NaN propagates).
 
     Inside shard_map a per-device value (the user, or fp8_dot_general's backward, reduces
@@ -79,7 +86,7 @@ def amax(x) -> jax.Array:
 
 # --------------------------------------------------------------- amax for a state under vmap
 
-def amax_for_state(amax, like):
+def amax_for_state(amax: jax.Array, like: jax.Array) -> jax.Array:
     """`amax` as the observation of the state whose scale is `like` (same shape).
 
     The identity, except under ``jax.vmap`` where `amax` is batched and the state is not
@@ -89,14 +96,15 @@ def amax_for_state(amax, like):
     return amax_for_state_p.bind(amax, like)
 
 
-def _afs_abstract_eval(amax, like):
+def _afs_abstract_eval(amax: ShapedArray, like: ShapedArray) -> ShapedArray:
     if amax.shape != like.shape:
         raise ValueError(f"jax_fp8_amax_for_state: amax shape {amax.shape} must equal the "
                          f"state's scale shape {like.shape}")
     return amax
 
 
-def _afs_batch(args, dims, **params):
+def _afs_batch(args: Sequence[jax.Array], dims: Sequence[Any],
+               **params: Any) -> tuple[jax.Array, int | None]:
     (amax, like), (d_amax, d_like) = args, dims
     if d_amax is not None and d_like is None:
         return jnp.max(amax, axis=d_amax), None

@@ -8,12 +8,15 @@ primitive per device on Explicit meshes (`on_explicit_mesh`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import jax
 
 from jax_fp8._primitives import jax_compat
 
 
-def varying_axes(x) -> frozenset:
+def varying_axes(x: Any) -> frozenset[Any]:
     """The manual mesh axes x (an array or an abstract value) varies over inside
     shard_map; empty elsewhere."""
     aval = x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x)
@@ -23,7 +26,7 @@ def varying_axes(x) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))  # earlier spelling
 
 
-def vary_like(arrays) -> list:
+def vary_like(arrays: Sequence[Any]) -> list[Any]:
     """Every array of `arrays` made to vary over the union of their manual axes (inside
     shard_map), so a primitive taking them all types its results over that union; the
     arrays unchanged elsewhere."""
@@ -37,7 +40,7 @@ def vary_like(arrays) -> list:
     return out
 
 
-def check_same_varying(name: str, avals) -> None:
+def check_same_varying(name: str, avals: Sequence[Any]) -> None:
     """Abstract-eval check that all operands of primitive `name` vary over the same
     manual axes (the frame's bind makes them so with `vary_like`).
 
@@ -51,7 +54,7 @@ def check_same_varying(name: str, avals) -> None:
                          "which align them")
 
 
-def on_explicit_mesh(x) -> bool:
+def on_explicit_mesh(x: Any) -> bool:
     """Whether x's type (an array or an abstract value) carries a mesh with Explicit axes
     (sharding in types)."""
     aval = x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x)

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import jax
@@ -93,7 +93,7 @@ class _Primitive(Primitive):
     """A primitive whose ``implementation`` parameter defaults to `DEFAULT`, with the frame's
     rules for shard_map's varying axes and Explicit meshes (see the module docstring)."""
 
-    def bind(self, *args, **params):
+    def bind(self, *args: Any, **params: Any) -> Any:
         if params.get("implementation", "auto") == "auto":
             params["implementation"] = DEFAULT   # "auto" unless the environment says "jnp"
         spec = SPECS[self.name]
@@ -106,7 +106,7 @@ class _Primitive(Primitive):
         return super().bind(*args, **params)
 
 
-def _spec_of(aval, mesh) -> NamedSharding:
+def _spec_of(aval: Any, mesh: jax.sharding.Mesh) -> NamedSharding:
     """aval's sharding on `mesh` (replicated where its type names no mesh)."""
     sharding: Any = getattr(aval, "sharding", None)
     if getattr(getattr(sharding, "mesh", None), "empty", True):
@@ -114,7 +114,8 @@ def _spec_of(aval, mesh) -> NamedSharding:
     return NamedSharding(mesh, sharding.spec)
 
 
-def _explicit_mesh_bind(spec: Spec, prim, args, params):
+def _explicit_mesh_bind(spec: Spec, prim: Primitive, args: Sequence[Any],
+                        params: dict[str, Any]) -> Any:
     """`prim` on operands typed on a mesh with Explicit axes: resharded to the shardings
     its Partitioning asks for, then each device's computation (as under
     custom_partitioning) under shard_map, whose results carry the result shardings."""
@@ -128,7 +129,7 @@ def _explicit_mesh_bind(spec: Spec, prim, args, params):
     arg_shardings, result_shardings = part.shardings(params, mesh, shapes)
     args = [jax.sharding.reshard(a, s) for a, s in zip(args, arg_shardings)]
 
-    def per_device(*operands):
+    def per_device(*operands: Any) -> Any:
         return _per_device(spec, prim, params, mesh, arg_shardings, operands, local)
 
     specs = lambda shardings: tuple(s.spec for s in shardings)  # noqa: E731
@@ -144,14 +145,15 @@ def per_device_scope(name: str) -> str:
     return f"{name}_per_device"
 
 
-def _per_device(spec: Spec, prim, params, mesh, arg_shardings, operands,
-                implementation=PER_DEVICE):
+def _per_device(spec: Spec, prim: Primitive, params: dict[str, Any], mesh: jax.sharding.Mesh,
+                arg_shardings: Any, operands: Sequence[Any],
+                implementation: str = PER_DEVICE) -> Any:
     """One device's computation of a partitioned `prim` on the shards it holds (with
     ``implementation="jnp"``: the reference on them)."""
     part = spec.partitioning
     assert part is not None, "called only for a partitioned spec"
 
-    def bind(*ops, **kw):
+    def bind(*ops: Any, **kw: Any) -> Any:
         outs = prim.bind(*ops, implementation=implementation, **kw)
         return tuple(outs) if spec.multiple_results else outs
 
@@ -189,12 +191,12 @@ def register(spec: Spec) -> Primitive:
     return prim
 
 
-def eager_impl(prim):
+def eager_impl(prim: Primitive) -> Callable[..., Any]:
     """An impl rule that runs `prim` as a compiled one-primitive program (`compiled_call`)."""
     return functools.partial(compiled_call, prim.bind)
 
 
-def compiled_call(fn: Callable, *operands, **params):
+def compiled_call(fn: Callable[..., Any], *operands: Any, **params: Any) -> Any:
     """``fn(*operands, **params)`` run as one compiled program, also eagerly and under
     ``jax.disable_jit()`` (which would otherwise run it op by op, or turn a primitive's
     jit back into its impl): one jit per `fn` and static (hashable) `params`, kept for the
@@ -204,7 +206,7 @@ def compiled_call(fn: Callable, *operands, **params):
 
 
 @functools.cache
-def _compiled(fn: Callable, static: tuple):
+def _compiled(fn: Callable[..., Any], static: tuple[Any, ...]) -> Callable[..., Any]:
     return jax.jit(functools.partial(fn, **dict(static)))
 
 
@@ -214,10 +216,10 @@ class _Rules:
     spec: Spec
     prim: Primitive
 
-    def _results(self, outs, value):
+    def _results(self, outs: Any, value: Any) -> Any:
         return [value] * len(outs) if self.spec.multiple_results else value
 
-    def abstract_eval(self, *avals, implementation, **params):
+    def abstract_eval(self, *avals: Any, implementation: str, **params: Any) -> Any:
         if implementation not in IMPLEMENTATIONS + (PER_DEVICE,):
             raise ValueError(f"{self.spec.name}: implementation must be one of "
                              f"{IMPLEMENTATIONS}, got {implementation!r}")
@@ -227,14 +229,16 @@ class _Rules:
 
     # ----------------------------------------------------------------------- lowering
 
-    def lowering(self, ctx, *operands, platform, implementation, **params):
+    def lowering(self, ctx: Any, *operands: Any, platform: str | None, implementation: str,
+                 **params: Any) -> Any:
         how = choose(self.spec, platform, ctx, implementation, params)
         if how == KERNEL:
-            return self.spec.kernels[platform].lower(ctx, *operands, **params)
+            # KERNEL is chosen only for a platform with a kernel (never None).
+            return self.spec.kernels[cast(str, platform)].lower(ctx, *operands, **params)
         if how == PARTITIONED:
             partitioned = functools.partial(self._partitioned(), static_params(params))
 
-            def fn(*ops):
+            def fn(*ops: Any) -> Any:
                 with jax.named_scope(per_device_scope(self.spec.name)):
                     return partitioned(*ops)
 
@@ -243,38 +247,41 @@ class _Rules:
             return self.spec.reference_lowering(ctx, *operands, **params)
         return self._lower_fun(self._reference(static_params(params)))(ctx, *operands)
 
-    def _lower_fun(self, fn):
+    def _lower_fun(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         if self.spec.multiple_results:
             return mlir.lower_fun(lambda *ops: list(fn(*ops)), multiple_results=True)
         return mlir.lower_fun(fn, multiple_results=False)
 
     @functools.cache  # noqa: B019 (one _Rules per primitive, alive as long as the process)
-    def _reference(self, static):
+    def _reference(self, static: tuple[Any, ...]) -> Callable[..., Any]:
         fn = functools.partial(cast(Callable, self.spec.reference), **dict(static))
         return jax.jit(fn) if self.spec.cache_reference else fn
 
     @functools.cache  # noqa: B019
-    def _partitioned(self):
+    def _partitioned(self) -> Any:
         part = cast(Partitioning, self.spec.partitioning)   # made only for a spec with one
 
-        def per_device(static, *operands):
+        def per_device(static: tuple[Any, ...], *operands: Any) -> Any:
             outs = self.prim.bind(*operands, implementation=PER_DEVICE, **dict(static))
             return tuple(outs) if self.spec.multiple_results else outs
 
-        def partition(static, mesh, arg_shapes, result_shape):
+        def partition(static: tuple[Any, ...], mesh: jax.sharding.Mesh, arg_shapes: Any,
+                      result_shape: Any) -> tuple[Any, Callable[..., Any], Any, Any]:
             del result_shape
             args, results = part.shardings(dict(static), mesh, arg_shapes)
 
-            def lower(*operands):
+            def lower(*operands: Any) -> Any:
                 return _per_device(self.spec, self.prim, dict(static), mesh, args, operands)
 
             return mesh, lower, results, args
 
-        def infer(static, mesh, arg_shapes, result_shape):
+        def infer(static: tuple[Any, ...], mesh: jax.sharding.Mesh, arg_shapes: Any,
+                  result_shape: Any) -> Any:
             del result_shape
             return part.shardings(dict(static), mesh, arg_shapes)[1]
 
-        def rule(static, mesh, operand_types, result_types):
+        def rule(static: tuple[Any, ...], mesh: Any, operand_types: Any,
+                 result_types: Any) -> Any:
             del mesh, result_types
             return part.rule(dict(static), operand_types)
 
@@ -285,13 +292,15 @@ class _Rules:
 
     # ----------------------------------------------------------------------- batching
 
-    def batch_leading_axes(self, args, dims, **params):
+    def batch_leading_axes(self, args: Sequence[Any], dims: Sequence[int | None],
+                           **params: Any) -> tuple[Any, Any]:
         size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
         args = [batching.bdim_at_front(a, d, size) for a, d in zip(args, dims)]
         outs = self.prim.bind(*args, **params)
         return outs, self._results(outs, 0)
 
-    def batch_reference(self, args, dims, *, implementation, **params):
+    def batch_reference(self, args: Sequence[Any], dims: Sequence[int | None], *,
+                        implementation: str, **params: Any) -> tuple[Any, Any]:
         del implementation
         outs = jax.vmap(functools.partial(cast(Callable, self.spec.reference), **params),
                         in_axes=tuple(dims))(*args)
@@ -299,14 +308,16 @@ class _Rules:
 
     # ---------------------------------------------------------------------------- JVP
 
-    def jvp_zero(self, primals, tangents, **params):
+    def jvp_zero(self, primals: Sequence[Any], tangents: Sequence[Any],
+                 **params: Any) -> tuple[Any, Any]:
         del tangents
         outs = self.prim.bind(*primals, **params)
         if self.spec.multiple_results:
             return outs, [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in outs]
         return outs, ad.Zero(jax.typeof(outs).to_tangent_aval())
 
-    def jvp_reference(self, primals, tangents, *, implementation, **params):
+    def jvp_reference(self, primals: Sequence[Any], tangents: Sequence[Any], *,
+                      implementation: str, **params: Any) -> tuple[Any, Any]:
         del implementation
         tangents = [ad.instantiate_zeros(t) for t in tangents]
         reference = cast(Callable, self.spec.reference)

@@ -34,13 +34,17 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.core import ShapedArray
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
+from jax.typing import DTypeLike
 
 from jax_fp8 import _registration
 from jax_fp8._primitives import base, kernel_types, partition_specs as specs
@@ -61,8 +65,9 @@ MIN_CUBLASLT_VERSION = 120900
 
 
 
-def _abstract_eval(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype,
-                   scale_layout):
+def _abstract_eval(a: ShapedArray, a_scale: ShapedArray, b: ShapedArray, b_scale: ShapedArray, *,
+                   a_block_rows: int, b_block_rows: int, out_dtype: np.dtype,
+                   scale_layout: str) -> ShapedArray:
     if scale_layout not in SCALE_LAYOUTS:
         raise ValueError(f"jax_fp8_block_gemm: scale_layout must be one of {SCALE_LAYOUTS}")
     for name, q, rows in (("a", a, a_block_rows), ("b", b, b_block_rows)):
@@ -82,7 +87,7 @@ def _abstract_eval(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dt
     return a.update(shape=a.shape[:-1] + (b.shape[-2],), dtype=out_dtype, weak_type=False)
 
 
-def dequantize(q, scale_inv, block_rows):
+def dequantize(q: Any, scale_inv: jax.Array, block_rows: int) -> jax.Array:
     """q [..., R, K] * scale_inv broadcast over its blocks, in float32: the IEEE product,
     also for a subnormal scale_inv (taken as two normal factors); products in the
     subnormal range read as zeros of their sign (XLA flushes them)."""
@@ -95,8 +100,9 @@ def dequantize(q, scale_inv, block_rows):
     return ((x * s) * f).reshape(lead + (rb * block_rows, kb * BLOCK))[..., :r, :k]
 
 
-def reference(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype,
-              scale_layout="spec"):
+def reference(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array, *,
+              a_block_rows: int, b_block_rows: int, out_dtype: DTypeLike,
+              scale_layout: str = "spec") -> jax.Array:
     if scale_layout == "gemm":
         a_scale = from_gemm_layout(a_scale, a_block_rows, *a.shape[-2:])
         b_scale = from_gemm_layout(b_scale, b_block_rows, *b.shape[-2:])
@@ -159,7 +165,8 @@ def cutlass_status() -> tuple[bool, str]:
     return True, f"{len(names)} CUTLASS sm_90a configurations: {', '.join(names)}"
 
 
-def cublas_supports(a, b, a_block_rows, b_block_rows, out_dtype) -> bool:
+def cublas_supports(a: Any, b: Any, a_block_rows: int, b_block_rows: int,
+                    out_dtype: DTypeLike) -> bool:
     """Whether cuBLASLt's block-scaled FP8 GEMM takes a [..., M, K] . b [..., N, K] (abstract
     values, or anything with shape and dtype) into `out_dtype` (a float16 result is the
     custom call's float32, converted). The limits are ffi/block_gemm_limits.h's
@@ -181,7 +188,7 @@ _KERNEL_CODES = {"auto": 0, "cublaslt": 1, "fallback": 2}
 _KERNEL_CUTLASS = 100
 
 
-def _kernel_code(kernel):
+def _kernel_code(kernel: str) -> int:
     if kernel in _KERNEL_CODES:
         return _KERNEL_CODES[kernel]
     names = cutlass_configs()
@@ -191,8 +198,9 @@ def _kernel_code(kernel):
     return _KERNEL_CUTLASS + names.index(kernel)
 
 
-def _ffi_gemm(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype, scale_layout,
-              force_fallback=False, kernel="auto"):
+def _ffi_gemm(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array, *,
+              a_block_rows: int, b_block_rows: int, out_dtype: DTypeLike, scale_layout: str,
+              force_fallback: bool = False, kernel: str = "auto") -> jax.Array:
     """The custom call. ``kernel``: "auto" (the handler's measured table: a CUTLASS
     configuration, else cuBLASLt, else its plain kernel), "cublaslt" (else the plain
     kernel), "fallback" (the plain kernel; also ``force_fallback=True``) or a name from
@@ -213,17 +221,19 @@ def _ffi_gemm(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype, 
     return out.astype(out_dtype)
 
 
-def _kernel_lowering(ctx, *operands, **params):
+def _kernel_lowering(ctx: Any, *operands: Any, **params: Any) -> Any:
     return mlir.lower_fun(functools.partial(_ffi_gemm, **params), multiple_results=False)(
         ctx, *operands)
 
 
-def _kernel_supports(a, a_scale, b, b_scale, *, a_block_rows, b_block_rows, out_dtype, **_):
+def _kernel_supports(a: ShapedArray, a_scale: ShapedArray, b: ShapedArray, b_scale: ShapedArray, *,
+                     a_block_rows: int, b_block_rows: int, out_dtype: np.dtype,
+                     **_: Any) -> bool:
     del a_scale, b_scale
     return cublas_supports(a, b, a_block_rows, b_block_rows, out_dtype)
 
 
-def _kernel_refuses(*avals, **params):
+def _kernel_refuses(*avals: Any, **params: Any) -> str | None:
     """Why the custom call cannot run in this process (`cublas_status`), else None."""
     del avals, params
     ok, why = cublas_status()
@@ -232,7 +242,9 @@ def _kernel_refuses(*avals, **params):
 
 # ----------------------------------------------------------------------- partitioning
 
-def _gemm_specs(params, mesh, a_shape, a_spec, b_shape, b_spec):
+def _gemm_specs(params: dict[str, Any], mesh: jax.sharding.Mesh, a_shape: Sequence[int],
+                a_spec: Sequence[Any], b_shape: Sequence[int], b_spec: Sequence[Any],
+                ) -> tuple[tuple[Any, ...], Any, Any, Any]:
     """(lead, m, n, k) PartitionSpec entries for the GEMM a [..., M, K] . b [..., N, K]:
     a's batch and M axes, b's N axis, and K as a's (else b's), each kept where its shards
     hold whole blocks (and the GEMM layout's scales need no padding) and its mesh axes
@@ -243,7 +255,7 @@ def _gemm_specs(params, mesh, a_shape, a_spec, b_shape, b_spec):
     kb = -(-k // BLOCK)
     used: set = set()
 
-    def take(entry, size, whole, padded):
+    def take(entry: Any, size: int, whole: bool, padded: int | None) -> Any:
         axes = specs.spec_axes(entry)
         if not axes or used & set(axes):
             return None
@@ -261,12 +273,14 @@ def _gemm_specs(params, mesh, a_shape, a_spec, b_shape, b_spec):
     return lead, m_entry, n_entry, k_entry
 
 
-def _scale_spec(lead, rows_entry, k_entry, block_rows, gemm):
+def _scale_spec(lead: tuple[Any, ...], rows_entry: Any, k_entry: Any, block_rows: int,
+                gemm: bool) -> tuple[Any, ...]:
     # GEMM layout: 1x128 scales [..., kb, R], 128x128 [..., rb, kb]; spec layout [..., R, kb]
     return lead + ((k_entry, rows_entry) if gemm and block_rows == 1 else (rows_entry, k_entry))
 
 
-def _gemm_shardings(params, mesh, arg_shapes):
+def _gemm_shardings(params: dict[str, Any], mesh: jax.sharding.Mesh, arg_shapes: Sequence[Any],
+                    ) -> tuple[tuple[NamedSharding, ...], NamedSharding]:
     a, _, b, _ = arg_shapes
     lead, m, n, k = _gemm_specs(params, mesh, a.shape, specs.padded_spec(a.sharding, a.ndim),
                                 b.shape, specs.padded_spec(b.sharding, b.ndim))
@@ -277,7 +291,9 @@ def _gemm_shardings(params, mesh, arg_shapes):
     return tuple(named(s) for s in operand_specs), named(lead + (m, n))
 
 
-def _gemm_local(bind, operands, *, mesh, shardings, params):
+def _gemm_local(bind: Callable[..., Any], operands: Sequence[jax.Array], *,
+                mesh: jax.sharding.Mesh, shardings: Sequence[NamedSharding],
+                params: dict[str, Any]) -> jax.Array:
     """One device's GEMM on its shards. With K sharded: the float32 GEMM of its K-shard,
     summed over the devices holding the other K-shards (psum), then rounded once to
     out_dtype. That is the one-device GEMM's sum of float32 block products in another
@@ -296,7 +312,8 @@ def _gemm_local(bind, operands, *, mesh, shardings, params):
     return jax.lax.psum(partial, k_axes).astype(params["out_dtype"])
 
 
-def _gemm_rule(params, operand_types):
+def _gemm_rule(params: dict[str, Any], operand_types: Sequence[Any],
+               ) -> tuple[str, dict[str, Any]]:
     lead = tuple(f"b{i}" for i in range(len(operand_types[0].shape) - 2))
     gemm = params["scale_layout"] == "gemm"
     factors = (lead + ("m", "k"), _scale_spec(lead, "m", "k", params["a_block_rows"], gemm),
@@ -315,8 +332,9 @@ block_gemm_p = base.register(base.Spec(
     partitioning=PARTITIONING, same_varying=True))
 
 
-def block_gemm(a, a_scale_inv, b, b_scale_inv, *, a_block_rows, b_block_rows, out_dtype,
-               implementation="auto", scale_layout="spec"):
+def block_gemm(a: jax.Array, a_scale_inv: jax.Array, b: jax.Array, b_scale_inv: jax.Array, *,
+               a_block_rows: int, b_block_rows: int, out_dtype: DTypeLike,
+               implementation: str = "auto", scale_layout: str = "spec") -> jax.Array:
     """Binds the primitive: a [..., M, K], b [..., N, K] (with their scale_inv) -> [..., M, N];
     `implementation` is one of base.IMPLEMENTATIONS."""
     return block_gemm_p.bind(a, a_scale_inv, b, b_scale_inv, a_block_rows=int(a_block_rows),

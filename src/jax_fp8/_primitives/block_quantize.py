@@ -25,12 +25,16 @@ needs no XLA op between its quantization and its GEMMs. ``to_gemm_layout`` /
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.core import ShapedArray
 from jax.sharding import NamedSharding, PartitionSpec
+from jax.typing import DTypeLike
 
 from jax_fp8 import _registration, recipe as recipe_lib
 from jax_fp8._primitives import base, kernel_types, partition_specs as specs
@@ -62,7 +66,7 @@ def _round4(n: int) -> int:
     return -(-n // 4) * 4
 
 
-def gemm_scale_shape(shape, block_rows: int) -> tuple:
+def gemm_scale_shape(shape: Sequence[int], block_rows: int) -> tuple[int, ...]:
     """The block GEMM's (cuBLASLt's) scale_inv shape for an operand [..., R, K], the
     layout of ffi/block_scale_layout.h: 1x128 blocks [..., ceil(K/128), round_up(R, 4)]
     (R contiguous), 128x128 tiles [..., ceil(R/128), round_up(ceil(K/128), 4)]."""
@@ -72,7 +76,7 @@ def gemm_scale_shape(shape, block_rows: int) -> tuple:
     return tuple(lead) + tail
 
 
-def scale_shape(shape, block_rows: int, layout: str = "spec") -> tuple:
+def scale_shape(shape: Sequence[int], block_rows: int, layout: str = "spec") -> tuple[int, ...]:
     """scale_inv's shape for an operand [..., R, K] in either layout."""
     if layout == "gemm":
         return gemm_scale_shape(shape, block_rows)
@@ -80,12 +84,12 @@ def scale_shape(shape, block_rows: int, layout: str = "spec") -> tuple:
     return tuple(lead) + (scale_rows(r, block_rows), -(-k // BLOCK))
 
 
-def to_gemm_layout(scale_inv, block_rows: int):
+def to_gemm_layout(scale_inv: jax.Array, block_rows: int) -> jax.Array:
     """scale_inv [..., R or ceil(R/128), ceil(K/128)] in the GEMM layout (padded with 1.0)."""
     return pad_scales(jnp.swapaxes(scale_inv, -1, -2) if block_rows == 1 else scale_inv)
 
 
-def pad_scales(s):
+def pad_scales(s: jax.Array) -> jax.Array:
     """GEMM-layout scales `s` with their last axis padded with 1.0 to a multiple of 4, as
     the kernels read them."""
     pad = _round4(s.shape[-1]) - s.shape[-1]
@@ -94,7 +98,7 @@ def pad_scales(s):
     return jnp.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, pad)], constant_values=1.0)
 
 
-def from_gemm_layout(scale_inv, block_rows: int, r: int, k: int):
+def from_gemm_layout(scale_inv: jax.Array, block_rows: int, r: int, k: int) -> jax.Array:
     """The inverse of to_gemm_layout for an operand [..., r, k]."""
     if block_rows == 1:
         return jnp.swapaxes(scale_inv[..., :r], -1, -2)
@@ -102,8 +106,9 @@ def from_gemm_layout(scale_inv, block_rows: int, r: int, k: int):
     return scale_inv[..., :kb]
 
 
-def quantize_reference(x, *, block_rows: int, fp8_dtype, power_of_2_scale: bool,
-                       amax_epsilon: float):
+def quantize_reference(x: Any, *, block_rows: int, fp8_dtype: DTypeLike,
+                       power_of_2_scale: bool, amax_epsilon: float,
+                       ) -> tuple[jax.Array, jax.Array]:
     """x [..., M, K] -> (q [..., M, K], scale_inv [..., M or ceil(M/128), ceil(K/128)])."""
     *lead, m, k = x.shape
     lead, b = tuple(lead), math.prod(lead)
@@ -128,12 +133,13 @@ def quantize_reference(x, *, block_rows: int, fp8_dtype, power_of_2_scale: bool,
 TARGET = "jax_fp8_block_quantize"
 
 
-def _like(x, shape, dtype):
+def _like(x: ShapedArray, shape: tuple[int, ...], dtype: DTypeLike) -> ShapedArray:
     return x.update(shape=shape, dtype=dtype, weak_type=False)
 
 
-def _abstract_eval(x, *, block_rows, fp8_dtype, power_of_2_scale, amax_epsilon, rowwise,
-                   colwise, scale_layout):
+def _abstract_eval(x: ShapedArray, *, block_rows: int, fp8_dtype: np.dtype, power_of_2_scale: bool,
+                   amax_epsilon: float, rowwise: bool, colwise: bool, scale_layout: str,
+                   ) -> list[ShapedArray]:
     del power_of_2_scale, amax_epsilon
     if x.ndim < 2 or np.dtype(x.dtype) not in INPUT_DTYPES:
         raise TypeError(f"jax_fp8_block_quantize: takes a float32/bfloat16/float16 array of "
@@ -154,10 +160,11 @@ def _abstract_eval(x, *, block_rows, fp8_dtype, power_of_2_scale, amax_epsilon, 
     return outs
 
 
-def _reference(x, *, block_rows, fp8_dtype, power_of_2_scale, amax_epsilon, rowwise, colwise,
-               scale_layout):
-    opts = dict(block_rows=block_rows, fp8_dtype=fp8_dtype, power_of_2_scale=power_of_2_scale,
-                amax_epsilon=amax_epsilon)
+def _reference(x: jax.Array, *, block_rows: int, fp8_dtype: np.dtype, power_of_2_scale: bool,
+               amax_epsilon: float, rowwise: bool, colwise: bool, scale_layout: str,
+               ) -> list[jax.Array]:
+    opts: dict[str, Any] = dict(block_rows=block_rows, fp8_dtype=fp8_dtype,
+                                power_of_2_scale=power_of_2_scale, amax_epsilon=amax_epsilon)
     outs = []
     for wanted, a in ((rowwise, x), (colwise, jnp.swapaxes(x, -1, -2))):
         if wanted:
@@ -166,7 +173,7 @@ def _reference(x, *, block_rows, fp8_dtype, power_of_2_scale, amax_epsilon, roww
     return outs
 
 
-def kernel_supports(shape, dtype, fp8_dtype) -> bool:
+def kernel_supports(shape: Sequence[int], dtype: DTypeLike, fp8_dtype: DTypeLike) -> bool:
     """Whether the CUDA kernel takes x: an input and FP8 type it reads and writes, and sizes
     its launcher takes (ffi/block_quantize_cuda.cu's BlockQuantizeSupports, asked of the
     CUDA module itself)."""
@@ -178,8 +185,9 @@ def kernel_supports(shape, dtype, fp8_dtype) -> bool:
             and module.block_quantize_supports(batch, int(m), int(k)))
 
 
-def _kernel_lowering(ctx, x, *, block_rows, fp8_dtype, power_of_2_scale, amax_epsilon, rowwise,
-                     colwise, scale_layout):
+def _kernel_lowering(ctx: Any, x: Any, *, block_rows: int, fp8_dtype: np.dtype,
+                     power_of_2_scale: bool, amax_epsilon: float, rowwise: bool, colwise: bool,
+                     scale_layout: str) -> Any:
     del fp8_dtype
     return jax.ffi.ffi_lowering(TARGET)(
         ctx, x, tile_2d=block_rows == BLOCK, rowwise=bool(rowwise), colwise=bool(colwise),
@@ -189,7 +197,8 @@ def _kernel_lowering(ctx, x, *, block_rows, fp8_dtype, power_of_2_scale, amax_ep
 
 # ------------------------------------------------------------------------ partitioning
 
-def _kept_axes(params, shape, spec, mesh):
+def _kept_axes(params: dict[str, Any], shape: Sequence[int], spec: Sequence[Any],
+               mesh: jax.sharding.Mesh) -> tuple[Any, ...]:
     """x's PartitionSpec entries with each axis whose shards would cut a block (or make
     the GEMM layout's scales padded inside the array) replaced by None."""
     rows, rowwise, colwise = params["block_rows"], params["rowwise"], params["colwise"]
@@ -204,7 +213,8 @@ def _kept_axes(params, shape, spec, mesh):
     k_padded = [c for c, on in ((-(-k // BLOCK), rowwise and rows == BLOCK),
                                 (k, colwise and rows == 1))
                 if gemm and on]
-    rules = [(False, [])] * len(lead) + [(m_whole, m_padded), (k_whole, k_padded)]
+    rules: list[tuple[bool, list[int]]] = ([(False, [])] * len(lead)
+                                           + [(m_whole, m_padded), (k_whole, k_padded)])
     kept = []
     for n, entry, (whole, padded) in zip(shape, spec, rules):
         shards = specs.axes_size(mesh, specs.spec_axes(entry))
@@ -212,7 +222,7 @@ def _kept_axes(params, shape, spec, mesh):
     return tuple(kept)
 
 
-def shards_fit(n: int, shards: int, whole: bool, padded_counts) -> bool:
+def shards_fit(n: int, shards: int, whole: bool, padded_counts: Iterable[int]) -> bool:
     """Whether an axis of n values splits into `shards` equal pieces, each of whole
     128-blocks where `whole`, with every count of GEMM-layout scales along it in
     `padded_counts` a multiple of 4 (no padding inside the array)."""
@@ -220,7 +230,7 @@ def shards_fit(n: int, shards: int, whole: bool, padded_counts) -> bool:
             and all(c % 4 == 0 for c in padded_counts))
 
 
-def _result_specs(params, kept):
+def _result_specs(params: dict[str, Any], kept: Any) -> list[tuple[Any, ...]]:
     """The results' PartitionSpecs for x's kept spec (lead..., m, k)."""
     *lead, m, k = kept
     rows, gemm = params["block_rows"], params["scale_layout"] == "gemm"
@@ -233,14 +243,16 @@ def _result_specs(params, kept):
     return out
 
 
-def _shardings(params, mesh, arg_shapes):
+def _shardings(params: dict[str, Any], mesh: jax.sharding.Mesh, arg_shapes: Sequence[Any],
+               ) -> tuple[tuple[NamedSharding], tuple[NamedSharding, ...]]:
     (x,) = arg_shapes
     kept = _kept_axes(params, x.shape, specs.padded_spec(x.sharding, x.ndim), mesh)
     named = lambda spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
     return (named(kept),), tuple(named(spec) for spec in _result_specs(params, kept))
 
 
-def _local(bind, operands, *, mesh, shardings, params):
+def _local(bind: Callable[..., Any], operands: Sequence[jax.Array], *, mesh: jax.sharding.Mesh,
+           shardings: Sequence[NamedSharding], params: dict[str, Any]) -> tuple[jax.Array, ...]:
     """One device's quantization; a GEMM-layout scale whose padded axis is sharded is cut
     to this device's scales (the kernel pads a shard's count to a multiple of 4, the
     global array holds no padding there)."""
@@ -262,7 +274,8 @@ def _local(bind, operands, *, mesh, shardings, params):
     return tuple(outs)
 
 
-def _sharding_rule(params, operand_types):
+def _sharding_rule(params: dict[str, Any], operand_types: Sequence[Any],
+                   ) -> tuple[str, dict[str, Any]]:
     lead = " ".join(f"b{i}" for i in range(len(operand_types[0].shape) - 2))
     specs = _result_specs(params, tuple(f"b{i}" for i in range(len(lead.split()))) + ("m", "k"))
     results = ", ".join(" ".join(spec) for spec in specs)
@@ -283,8 +296,9 @@ block_quantize_p = base.register(base.Spec(
     partitioning=PARTITIONING))
 
 
-def block_quantize(x, *, block_rows, fp8_dtype, power_of_2_scale, amax_epsilon, rowwise=True,
-                   colwise=False, implementation="auto", scale_layout="spec"):
+def block_quantize(x: jax.Array, *, block_rows: int, fp8_dtype: DTypeLike, power_of_2_scale: bool,
+                   amax_epsilon: float, rowwise: bool = True, colwise: bool = False,
+                   implementation: str = "auto", scale_layout: str = "spec") -> list[jax.Array]:
     """Binds the primitive (see the module docstring for the results); `implementation`
     is one of base.IMPLEMENTATIONS."""
     return block_quantize_p.bind(

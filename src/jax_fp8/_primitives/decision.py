@@ -8,6 +8,9 @@ program.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from jax_fp8 import _registration
 from jax_fp8._primitives.spec import (
     DEFAULT,
@@ -20,7 +23,7 @@ from jax_fp8._primitives.spec import (
 )
 
 
-def partition_devices(ctx) -> int:
+def partition_devices(ctx: Any) -> int:
     """The devices a jit being lowered runs over (1 inside shard_map or pmap, and when
     lowering for ``jax.export``: custom_partitioning runs a Python callback inside XLA's
     partitioner, which a serialized program cannot carry; there the bare custom call is
@@ -31,13 +34,13 @@ def partition_devices(ctx) -> int:
     return getattr(ctx.module_context.axis_context, "num_devices", 1)
 
 
-def needs_partitioning(ctx) -> bool:
+def needs_partitioning(ctx: Any) -> bool:
     """True under a jit over several devices (`partition_devices`)."""
     return partition_devices(ctx) > 1
 
 
-def decide(spec: Spec, platform: str | None, avals, implementation: str, params: dict,
-           num_devices: int = 1) -> tuple[str, str]:
+def decide(spec: Spec, platform: str | None, avals: Sequence[Any], implementation: str,
+           params: dict[str, Any], num_devices: int = 1) -> tuple[str, str]:
     """Which lowering of `spec` runs on `platform` (None: one without a kernel) for
     operands `avals` under a jit over `num_devices` devices, and why: (`KERNEL`,
     `PARTITIONED` or `REFERENCE`, the reason in words)."""
@@ -79,7 +82,8 @@ def jnp_reason() -> str:
     return "implementation='jnp'" + (f" ({ENV}=jnp)" if DEFAULT == "jnp" else "")
 
 
-def choose(spec: Spec, platform: str | None, ctx, implementation: str, params: dict) -> str:
+def choose(spec: Spec, platform: str | None, ctx: Any, implementation: str,
+           params: dict[str, Any]) -> str:
     """Which lowering of `spec` runs on `platform` in lowering context `ctx` (`decide`)."""
     return decide(spec, platform, ctx.avals_in, implementation, params,
                   partition_devices(ctx))[0]

@@ -13,9 +13,11 @@ NumPy oracle (tests/block_reference.py).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike, DTypeLike
 
 from jax_fp8 import recipe as recipe_lib
 from jax_fp8._primitives.quotient import divide_rn, quotient_bits
@@ -27,17 +29,17 @@ _MIN_NORMAL, _FLT_MAX = U32(0x00800000), U32(0x7F7FFFFF)
 _ONE, _POW2 = U32(0x3F800000), U32(0xFF800000)
 
 
-def to_bits(x):
+def to_bits(x: jax.Array) -> jax.Array:
     """The bits of a float32 array, as uint32."""
     return lax.bitcast_convert_type(x, jnp.uint32)
 
 
-def from_bits(u):
+def from_bits(u: jax.Array) -> jax.Array:
     """The float32 array whose bits are the uint32 u."""
     return lax.bitcast_convert_type(u, jnp.float32)
 
 
-def widen(x):
+def widen(x: jax.Array) -> jax.Array:
     """x (float32, bfloat16 or float16) as float32, exactly: subnormals stay subnormals."""
     dtype = np.dtype(x.dtype)
     if dtype == np.float32:
@@ -56,14 +58,14 @@ def widen(x):
     raise TypeError(f"x must be float32, bfloat16 or float16, got {dtype}")
 
 
-def abs_bits(x32):
+def abs_bits(x32: jax.Array) -> jax.Array:
     """The bits of |x| with NaN as 0: their unsigned order is the order of the values."""
     mag = to_bits(x32) & _MAG
     return jnp.where(mag > _INF, U32(0), mag)
 
 
-def scale_from_amax_f32(amax, fp8_max: float, amax_epsilon: float = 0.0,
-                        power_of_2_scale: bool = False):
+def scale_from_amax_f32(amax: ArrayLike, fp8_max: float, amax_epsilon: float = 0.0,
+                        power_of_2_scale: bool = False) -> jax.Array:
     """The scale from a float32 amax (any shape), as IEEE float32 bits (docs/semantics.md,
     "Scale from an amax")."""
     a = to_bits(jnp.asarray(amax, jnp.float32))
@@ -85,7 +87,7 @@ def scale_from_amax_f32(amax, fp8_max: float, amax_epsilon: float = 0.0,
     return from_bits(s)
 
 
-def scale_inverse(scale):
+def scale_inverse(scale: jax.Array) -> jax.Array:
     """1 / scale, correctly rounded, also where the result is subnormal (scale > 2**126).
     For a zero, infinite, NaN or subnormal scale the result is XLA's."""
     b = to_bits(scale)
@@ -97,13 +99,13 @@ def scale_inverse(scale):
     return from_bits(jnp.where(finite, exact, plain) | sign)
 
 
-def pow2_inverse(scale):
+def pow2_inverse(scale: jax.Array) -> jax.Array:
     """1 / scale for a power of two scale = 2**(e - 127), 1 <= e <= 254, on its bits."""
     e = to_bits(scale) >> 23
     return from_bits(jnp.where(e <= 253, (U32(254) - e) << 23, U32(1) << 22))
 
 
-def up_scaled(v):
+def up_scaled(v: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(v * 2**64, 2**-64) where v is subnormal, else (v, 1): both factors normal, and
     their product v exactly (for a float32 v >= 0)."""
     mag = to_bits(v) & _MAG
@@ -112,7 +114,7 @@ def up_scaled(v):
     return jnp.where(sub, up, v), jnp.where(sub, F32(2.0 ** -64), F32(1.0))
 
 
-def nan_byte(fp8_dtype) -> tuple[int, bool]:
+def nan_byte(fp8_dtype: DTypeLike) -> tuple[int, bool]:
     """(the quantized byte of a NaN, whether x's sign is or-ed in) for an FP8 dtype."""
     dtype = np.dtype(fp8_dtype)
     if dtype.name.endswith("fnuz"):
@@ -120,7 +122,7 @@ def nan_byte(fp8_dtype) -> tuple[int, bool]:
     return (0x7E if dtype == jnp.float8_e5m2 else 0x7F), True
 
 
-def cast_scaled(x32, scale, fp8_dtype):
+def cast_scaled(x32: jax.Array, scale: jax.Array, fp8_dtype: DTypeLike) -> jax.Array:
     """saturate_cast(x * scale) with IEEE float32 arithmetic (x and scale broadcast):
     clip to +-fp8_max, round to nearest even; a NaN x gives the type's quiet NaN (0x7F /
     0x7E for E4M3 / E5M2, with x's sign)."""

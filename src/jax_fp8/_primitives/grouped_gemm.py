@@ -54,13 +54,17 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.core import ShapedArray
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
+from jax.typing import DTypeLike
 
 from jax_fp8 import _registration
 from jax_fp8._primitives import axis_types, base, kernel_types, partition_specs as specs
@@ -76,11 +80,12 @@ OUT_TYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
 MAX_ROWS = 2 ** 31 - 1   # group sizes are int32
 
 
-def is_fp8(dtype) -> bool:
+def is_fp8(dtype: DTypeLike) -> bool:
     return np.dtype(dtype).name.startswith("float8")
 
 
-def check_scales_and_out(name: str, g: int, scales, out_dtype) -> None:
+def check_scales_and_out(name: str, g: int, scales: Iterable[tuple[str, Any]],
+                         out_dtype: DTypeLike) -> None:
     """Raises unless each (label, aval) of ``scales`` is float32[g] (one scale inverse per
     group) and ``out_dtype`` is one of `OUT_TYPES`: the checks a grouped GEMM primitive's
     abstract evaluation shares."""
@@ -93,7 +98,9 @@ def check_scales_and_out(name: str, g: int, scales, out_dtype) -> None:
                         f"{np.dtype(out_dtype)}")
 
 
-def _abstract_eval(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, *, out_dtype, kernel):
+def _abstract_eval(lhs: ShapedArray, rhs: ShapedArray, group_sizes: ShapedArray,
+                   lhs_scale_inv: ShapedArray, rhs_scale_inv: ShapedArray, *,
+                   out_dtype: np.dtype, kernel: bool) -> ShapedArray:
     del kernel
     name = TARGET
     if lhs.ndim != 2 or rhs.ndim != 3 or not is_fp8(lhs.dtype) or not is_fp8(rhs.dtype):
@@ -114,7 +121,7 @@ def _abstract_eval(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, *, out_d
                       weak_type=False)
 
 
-def clamped_group_ends(group_sizes, m: int):
+def clamped_group_ends(group_sizes: jax.Array, m: int) -> jax.Array:
     """The end row of each group (int32 [G]) under the module's clamping: the prefix sums of
     the sizes clamped to [0, m], each sum capped at m (a saturating scan: no overflow)."""
     sizes = jnp.clip(group_sizes, 0, m).astype(jnp.uint32)
@@ -123,21 +130,22 @@ def clamped_group_ends(group_sizes, m: int):
     return ends.astype(jnp.int32)
 
 
-def row_groups(ends, m: int):
+def row_groups(ends: jax.Array, m: int) -> jax.Array:
     """The group of each of m rows (int32 [m]) for the clamped group ends: G for the rows
     past the last group."""
     rows = jnp.arange(m, dtype=jnp.int32)
     return jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)
 
 
-def ragged_product(lhs, rhs, ends, precision=None):
+def ragged_product(lhs: jax.Array, rhs: jax.Array, ends: jax.Array,
+                   precision: lax.PrecisionLike = None) -> jax.Array:
     """acc [M, N] float32: each row of lhs [M, K] times its group's rhs[g] [N, K] (groups as
     the clamped `ends` say), the rows past the last group 0; IEEE for infinities and NaNs,
     which stay in their group's rows. lhs and rhs: FP8 (exact products) or float32."""
     m, n = lhs.shape[0], rhs.shape[1]
     group = row_groups(ends, m)
 
-    def ragged(_):
+    def ragged(_: None) -> jax.Array:
         sizes = jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
         numbers = lax.RaggedDotDimensionNumbers(
             dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=(0,),
@@ -145,9 +153,9 @@ def ragged_product(lhs, rhs, ends, precision=None):
         return lax.ragged_dot_general(lhs, rhs, sizes, numbers, precision=precision,
                                       preferred_element_type=jnp.float32)
 
-    def per_group(_):
+    def per_group(_: None) -> jax.Array:
         # Each group's rows from its own dense product: IEEE for every row.
-        def body(g, acc):
+        def body(g: jax.Array, acc: jax.Array) -> jax.Array:
             prod = lax.dot_general(lhs, rhs[g], (((1,), (1,)), ((), ())), precision=precision,
                                    preferred_element_type=jnp.float32)
             return jnp.where((group == g)[:, None], prod, acc)
@@ -162,7 +170,9 @@ def ragged_product(lhs, rhs, ends, precision=None):
     return lax.cond(jnp.all(jnp.isfinite(rhs)), ragged, per_group, None)
 
 
-def reference(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, *, out_dtype, kernel=False):
+def reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+              lhs_scale_inv: jax.Array, rhs_scale_inv: jax.Array, *, out_dtype: DTypeLike,
+              kernel: bool = False) -> jax.Array:
     """The module's numbers in jax.numpy: steps 1-4 of the module docstring."""
     del kernel
     m, n = lhs.shape[0], rhs.shape[1]
@@ -215,7 +225,7 @@ def kernel_status() -> tuple[bool, str]:
     return cutlass_status(kernel_configs(), "grouped GEMM")
 
 
-def kernel_supports(lhs, rhs, out_dtype) -> bool:
+def kernel_supports(lhs: Any, rhs: Any, out_dtype: DTypeLike) -> bool:
     """Whether the kernel takes lhs [M, K] . rhs [G, N, K] into `out_dtype` (abstract values
     or anything with shape and dtype): ffi/grouped_gemm_limits.h's GroupedGemmSupports,
     asked of the built module (either carries it); False where neither is built."""
@@ -235,7 +245,9 @@ def workspace_bytes(groups: int) -> int:
     return int(module.grouped_gemm_workspace_bytes(int(groups)))
 
 
-def _refuses(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, *, out_dtype, kernel):
+def _refuses(lhs: ShapedArray, rhs: ShapedArray, group_sizes: ShapedArray,
+             lhs_scale_inv: ShapedArray, rhs_scale_inv: ShapedArray, *,
+             out_dtype: np.dtype, kernel: bool) -> str | None:
     del group_sizes, lhs_scale_inv, rhs_scale_inv
     if not kernel:
         return OFF_REASON
@@ -249,8 +261,9 @@ def _refuses(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, *, out_dtype, 
     return None
 
 
-def _ffi_grouped_gemm(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, *, out_dtype,
-                      kernel):
+def _ffi_grouped_gemm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+                      lhs_scale_inv: jax.Array, rhs_scale_inv: jax.Array, *,
+                      out_dtype: np.dtype, kernel: bool) -> jax.Array:
     del kernel
     m, n, g = lhs.shape[0], rhs.shape[1], rhs.shape[0]
     kernel_dtype = kernel_types.gemm_output(out_dtype)
@@ -260,7 +273,7 @@ def _ffi_grouped_gemm(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, *, ou
     return out.astype(out_dtype)
 
 
-def _kernel_lowering(ctx, *operands, **params):
+def _kernel_lowering(ctx: Any, *operands: Any, **params: Any) -> Any:
     return mlir.lower_fun(functools.partial(_ffi_grouped_gemm, **params),
                           multiple_results=False)(ctx, *operands)
 
@@ -273,12 +286,13 @@ def _kernel_lowering(ctx, *operands, **params):
 # A device's rows [r0, r0 + M_local) meet the groups clamped to them: its group sizes are
 # computed on the device from the global ones, so the bits of every row are one device's.
 
-def _grouped_specs(mesh, lhs_shape, lhs_spec, rhs_shape, rhs_spec):
+def _grouped_specs(mesh: jax.sharding.Mesh, lhs_shape: Sequence[int], lhs_spec: Sequence[Any],
+                   rhs_shape: Sequence[int], rhs_spec: Sequence[Any]) -> tuple[Any, Any]:
     """(m, n) PartitionSpec entries: lhs's M where its shards are even, rhs's N where they
     are and its mesh axes are not M's."""
     used: set = set()
 
-    def take(entry, size):
+    def take(entry: Any, size: int) -> Any:
         axes = specs.spec_axes(entry)
         if not axes or used & set(axes) or size % specs.axes_size(mesh, axes):
             return None
@@ -288,7 +302,8 @@ def _grouped_specs(mesh, lhs_shape, lhs_spec, rhs_shape, rhs_spec):
     return take(lhs_spec[0], lhs_shape[0]), take(rhs_spec[1], rhs_shape[1])
 
 
-def _grouped_shardings(params, mesh, arg_shapes):
+def _grouped_shardings(params: dict[str, Any], mesh: jax.sharding.Mesh, arg_shapes: Sequence[Any],
+                       ) -> tuple[tuple[NamedSharding, ...], NamedSharding]:
     del params
     lhs, rhs = arg_shapes[:2]
     m, n = _grouped_specs(mesh, lhs.shape, specs.padded_spec(lhs.sharding, 2), rhs.shape,
@@ -298,7 +313,8 @@ def _grouped_shardings(params, mesh, arg_shapes):
             named(m, n))
 
 
-def local_group_sizes(group_sizes, local_m: int, mesh, m_axes):
+def local_group_sizes(group_sizes: jax.Array, local_m: int, mesh: jax.sharding.Mesh,
+                      m_axes: tuple[str, ...]) -> jax.Array:
     """Inside a per-device computation over the token axis sharded on ``m_axes`` (each device
     ``local_m`` rows, in order): this device's group sizes (int32 [G]), the global groups
     (clamped as `clamped_group_ends` clamps them) clamped to its rows."""
@@ -309,7 +325,9 @@ def local_group_sizes(group_sizes, local_m: int, mesh, m_axes):
     return local.astype(jnp.int32)
 
 
-def _grouped_local(bind, operands, *, mesh, shardings, params):
+def _grouped_local(bind: Callable[..., Any], operands: Sequence[jax.Array], *,
+                   mesh: jax.sharding.Mesh, shardings: Sequence[NamedSharding],
+                   params: dict[str, Any]) -> Any:
     """One device's rows: the global groups clamped to them."""
     lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv = operands
     m_axes = specs.spec_axes(specs.padded_spec(shardings[0], 2)[0])
@@ -320,7 +338,8 @@ def _grouped_local(bind, operands, *, mesh, shardings, params):
     return bind(lhs, rhs, local, lhs_scale_inv, rhs_scale_inv, **params)
 
 
-def _grouped_rule(params, operand_types):
+def _grouped_rule(params: dict[str, Any], operand_types: Sequence[Any],
+                  ) -> tuple[str, dict[str, Any]]:
     del params, operand_types
     return "m k, g n k, g, g, g -> m n", {"need_replication_factors": ("k", "g")}
 
@@ -344,8 +363,9 @@ def kernel_switch() -> bool:
     return value == "auto"
 
 
-def grouped_gemm(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, *, out_dtype,
-                 implementation="auto"):
+def grouped_gemm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+                 lhs_scale_inv: jax.Array, rhs_scale_inv: jax.Array, *, out_dtype: DTypeLike,
+                 implementation: str = "auto") -> jax.Array:
     """Binds the primitive: lhs [M, K], rhs [G, N, K] (FP8), group_sizes int32 [G],
     lhs_scale_inv and rhs_scale_inv float32 [G] -> out [M, N] in `out_dtype` (bfloat16,
     float16 or float32), the numbers of the module docstring.

@@ -52,13 +52,17 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.core import ShapedArray
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
+from jax.typing import DTypeLike
 
 from jax_fp8 import _registration
 from jax_fp8._primitives import base, grouped_gemm as gg, partition_specs as specs
@@ -78,8 +82,9 @@ _KERNEL_OUT = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
 _ALIGN = 16   # tokens per TMA boundary (16 bytes of FP8)
 
 
-def _abstract_eval(lhs, grad, group_sizes, lhs_scale_inv, grad_scale_inv, *, out_dtype,
-                   kernel):
+def _abstract_eval(lhs: ShapedArray, grad: ShapedArray, group_sizes: ShapedArray,
+                   lhs_scale_inv: ShapedArray, grad_scale_inv: ShapedArray, *,
+                   out_dtype: np.dtype, kernel: bool) -> ShapedArray:
     del kernel
     name = TARGET
     if lhs.ndim != 2 or grad.ndim != 2 or not gg.is_fp8(lhs.dtype) or not gg.is_fp8(grad.dtype):
@@ -104,7 +109,8 @@ def _abstract_eval(lhs, grad, group_sizes, lhs_scale_inv, grad_scale_inv, *, out
                       weak_type=False, **extra)
 
 
-def ragged_contract(a, b, ends, precision=None):
+def ragged_contract(a: jax.Array, b: jax.Array, ends: jax.Array,
+                    precision: lax.PrecisionLike = None) -> jax.Array:
     """[G, K, N] float32: for each group g, a_g^T . b_g over the group's rows of a [M, K] and
     b [M, N] (FP8 or float32), the groups ending at the clamped `ends`; the rows past the last
     group take part in none. Both operands are masked per group, so a NaN stays in its
@@ -117,8 +123,9 @@ def ragged_contract(a, b, ends, precision=None):
                                   preferred_element_type=jnp.float32)
 
 
-def reference(lhs, grad, group_sizes, lhs_scale_inv, grad_scale_inv, *, out_dtype,
-              kernel=False):
+def reference(lhs: jax.Array, grad: jax.Array, group_sizes: jax.Array,
+              lhs_scale_inv: jax.Array, grad_scale_inv: jax.Array, *, out_dtype: DTypeLike,
+              kernel: bool = False) -> jax.Array:
     """The module's numbers in jax.numpy: steps 1-4 of the module docstring."""
     del kernel
     ends = gg.clamped_group_ends(group_sizes, lhs.shape[0])
@@ -136,7 +143,7 @@ def padded_columns(m: int, groups: int) -> int:
     return -(-m // _ALIGN) * _ALIGN + _ALIGN * (groups + 1)
 
 
-def column_starts(ends):
+def column_starts(ends: jax.Array) -> jax.Array:
     """pstart [G] (int32): group g's first column in the padded operands, the sum over
     h < g of ceil16(m_h) for the clamped sizes m_h."""
     sizes = jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
@@ -144,7 +151,7 @@ def column_starts(ends):
     return jnp.cumsum(padded) - padded
 
 
-def pad_transpose(x, ends, mp: int):
+def pad_transpose(x: jax.Array, ends: jax.Array, mp: int) -> jax.Array:
     """x [M, C] (FP8) -> [C, mp]: group g's rows (the clamped `ends`) in columns
     [pstart_g, pstart_g + m_g) (`column_starts`), every other column 0 (rows past the last
     group are not copied). A gather and a transpose of the bytes."""
@@ -180,7 +187,7 @@ def kernel_status() -> tuple[bool, str]:
     return gg.cutlass_status(kernel_configs(), "grouped weight-gradient")
 
 
-def kernel_supports(lhs, grad, groups: int, out_dtype) -> bool:
+def kernel_supports(lhs: Any, grad: Any, groups: int, out_dtype: DTypeLike) -> bool:
     """Whether the kernel takes lhs [M, K]^T . grad [M, N] for `groups` groups into
     `out_dtype`: ffi/grouped_wgrad_limits.h's GroupedWgradSupports on the padded operands,
     asked of the built module (either carries it); False where neither is built."""
@@ -195,7 +202,9 @@ def kernel_supports(lhs, grad, groups: int, out_dtype) -> bool:
         int(n), int(padded_columns(m, groups)), int(groups))
 
 
-def _refuses(lhs, grad, group_sizes, lhs_scale_inv, grad_scale_inv, *, out_dtype, kernel):
+def _refuses(lhs: ShapedArray, grad: ShapedArray, group_sizes: ShapedArray,
+             lhs_scale_inv: ShapedArray, grad_scale_inv: ShapedArray, *,
+             out_dtype: np.dtype, kernel: bool) -> str | None:
     del lhs_scale_inv, grad_scale_inv
     if not kernel:
         return OFF_REASON
@@ -209,8 +218,9 @@ def _refuses(lhs, grad, group_sizes, lhs_scale_inv, grad_scale_inv, *, out_dtype
     return None
 
 
-def _ffi_grouped_wgrad(lhs, grad, group_sizes, lhs_scale_inv, grad_scale_inv, *, out_dtype,
-                       kernel):
+def _ffi_grouped_wgrad(lhs: jax.Array, grad: jax.Array, group_sizes: jax.Array,
+                       lhs_scale_inv: jax.Array, grad_scale_inv: jax.Array, *,
+                       out_dtype: np.dtype, kernel: bool) -> jax.Array:
     del kernel
     m, k, n, g = lhs.shape[0], lhs.shape[1], grad.shape[1], group_sizes.shape[0]
     ends = gg.clamped_group_ends(group_sizes, m)
@@ -225,7 +235,7 @@ def _ffi_grouped_wgrad(lhs, grad, group_sizes, lhs_scale_inv, grad_scale_inv, *,
     return out.astype(out_dtype)
 
 
-def _kernel_lowering(ctx, *operands, **params):
+def _kernel_lowering(ctx: Any, *operands: Any, **params: Any) -> Any:
     return mlir.lower_fun(functools.partial(_ffi_grouped_wgrad, **params),
                           multiple_results=False)(ctx, *operands)
 
@@ -241,7 +251,7 @@ def _kernel_lowering(ctx, *operands, **params):
 # kernel off XLA partitions the reference (the same arithmetic: partial sums, one
 # all-reduce, one scale and rounding).
 
-def _m_entry(mesh, lhs):
+def _m_entry(mesh: jax.sharding.Mesh, lhs: Any) -> Any:
     """lhs's M sharding entry where its shards are even, else None."""
     entry = specs.padded_spec(lhs.sharding, 2)[0]
     axes = specs.spec_axes(entry)
@@ -250,7 +260,8 @@ def _m_entry(mesh, lhs):
     return entry
 
 
-def _wgrad_shardings(params, mesh, arg_shapes):
+def _wgrad_shardings(params: dict[str, Any], mesh: jax.sharding.Mesh, arg_shapes: Sequence[Any],
+                     ) -> tuple[tuple[NamedSharding, ...], NamedSharding]:
     del params
     m = _m_entry(mesh, arg_shapes[0])
     named = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
@@ -258,7 +269,9 @@ def _wgrad_shardings(params, mesh, arg_shapes):
             named(None, None, None))
 
 
-def _wgrad_local(bind, operands, *, mesh, shardings, params):
+def _wgrad_local(bind: Callable[..., Any], operands: Sequence[jax.Array], *,
+                 mesh: jax.sharding.Mesh, shardings: Sequence[NamedSharding],
+                 params: dict[str, Any]) -> Any:
     """One device's rows: its partial sums of the global groups clamped to them, summed
     over the devices in float32, then scaled and rounded once."""
     lhs, grad, group_sizes, lhs_scale_inv, grad_scale_inv = operands
@@ -275,12 +288,13 @@ def _wgrad_local(bind, operands, *, mesh, shardings, params):
     return (acc * alpha[:, None, None]).astype(params["out_dtype"])
 
 
-def _wgrad_rule(params, operand_types):
+def _wgrad_rule(params: dict[str, Any], operand_types: Sequence[Any],
+                ) -> tuple[str, dict[str, Any]]:
     del params, operand_types
     return "m k, m n, g, g, g -> g k n", {"reduction_factors": ("m",)}
 
 
-def _wgrad_partitions(*avals, kernel, **params) -> bool:
+def _wgrad_partitions(*avals: Any, kernel: bool, **params: Any) -> bool:
     """Partition (per device, then one all-reduce) only with the kernel asked for."""
     del avals, params
     return kernel
@@ -296,8 +310,9 @@ grouped_wgrad_p = base.register(base.Spec(
     partitioning=PARTITIONING))
 
 
-def grouped_wgrad(lhs, grad, group_sizes, lhs_scale_inv, grad_scale_inv, *, out_dtype,
-                  implementation="auto"):
+def grouped_wgrad(lhs: jax.Array, grad: jax.Array, group_sizes: jax.Array,
+                  lhs_scale_inv: jax.Array, grad_scale_inv: jax.Array, *, out_dtype: DTypeLike,
+                  implementation: str = "auto") -> jax.Array:
     """Binds the primitive: lhs [M, K], grad [M, N] (FP8), group_sizes int32 [G],
     lhs_scale_inv and grad_scale_inv float32 [G] -> out [G, K, N] in `out_dtype` (bfloat16,
     float16 or float32), the numbers of the module docstring.

@@ -8,6 +8,8 @@ their device assignment.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 
 _MISSING = ("jax_fp8 needs {what} of this jax ({version}), which it no longer has; its "
@@ -39,14 +41,14 @@ def check() -> None:
 check()
 
 
-def pvary(x, axes):
+def pvary(x: Any, axes: tuple[str, ...] | str) -> Any:
     """``x`` made to vary over the manual mesh axes `axes` (inside shard_map)."""
     if hasattr(jax.lax, "pcast"):
         return jax.lax.pcast(x, axes, to="varying")
     return getattr(jax.lax, "pvary")(x, axes)  # noqa: B009 (older jax; not in the stubs)
 
 
-def require_devices_during_lowering(prim) -> None:
+def require_devices_during_lowering(prim: Any) -> None:
     """custom_partitioning needs the device assignment when it is lowered; JAX provides it
     only for the primitives in this (internal) set, as for custom_partitioning's own."""
     _dispatch.prim_requires_devices_during_lowering.add(prim)

@@ -6,6 +6,9 @@ zero in its own float32 arithmetic (docs/semantics.md): a subnormal amax, scale 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -13,13 +16,15 @@ from jax import lax
 _FLT_MAX = np.float32(np.finfo(np.float32).max)
 
 
-def fmax_num(a, b):
+def fmax_num(a: jax.Array, b: jax.Array) -> jax.Array:
     """IEEE maximumNumber: NaN ignored, +0 > -0 (scaling_math.h's fmax_num)."""
     a_wins = jnp.isnan(b) | (a > b) | ((a == b) & ~jnp.signbit(a))
     return jnp.where(jnp.isnan(a), b, jnp.where(a_wins, a, b))
 
 
-def update_one(history, scale, amax, *, scaled_max, algo, power_of_2_scale, skip_unused):
+def update_one(history: jax.Array, scale: jax.Array, amax: jax.Array | None, *,
+               scaled_max: float, algo: int, power_of_2_scale: bool,
+               skip_unused: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One state: history [..., L], scale [...], amax [...] or None -> 3 arrays."""
     h0 = history[..., 0] if amax is None else fmax_num(history[..., 0], amax)
     if algo == 0:  # "max": fmax over {0, h0, h[1..L-1]}; NaN is neutral like 0
@@ -45,7 +50,7 @@ def update_one(history, scale, amax, *, scaled_max, algo, power_of_2_scale, skip
     return new_history, s, reciprocal(s)
 
 
-def reciprocal(s):
+def reciprocal(s: jax.Array) -> jax.Array:
     """1 / s as XLA divides (the update's jnp fallback; subnormal results may flush, as
     docs/semantics.md says); a NaN s gives that NaN quieted, as scaling_math.h's
     scale_inverse does. The kernels' exact 1 / scale is `exact.scale_inverse`."""
@@ -54,8 +59,10 @@ def reciprocal(s):
     return jnp.where(jnp.isnan(s), quiet, np.float32(1.0) / s)
 
 
-def update_many(histories, scales, amaxes, *, scaled_max, amax_compute_algo,
-                power_of_2_scale, skip_unused):
+def update_many(histories: Sequence[jax.Array], scales: Sequence[jax.Array],
+                amaxes: Sequence[jax.Array] | None, *, scaled_max: Sequence[float],
+                amax_compute_algo: int, power_of_2_scale: bool, skip_unused: bool,
+                ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
     """All states of one call; amaxes is None or a list like scales."""
     outs = [update_one(h, s, None if amaxes is None else amaxes[i], scaled_max=scaled_max[i],
                        algo=amax_compute_algo, power_of_2_scale=power_of_2_scale,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 # The wide types the quantizing kernels read (ffi/transpose_cuda.cu, ffi/block_quantize_cuda.cu).
 WIDE_INPUTS = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
@@ -19,7 +20,7 @@ FP8_OUTPUTS = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 GEMM_OUTPUTS = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
 
 
-def gemm_output(out_dtype) -> np.dtype:
+def gemm_output(out_dtype: DTypeLike) -> np.dtype:
     """The type a GEMM kernel is asked to write for a result in `out_dtype`: float32 for a
     float16 result (rounded once after the custom call, as the reference rounds), else
     `out_dtype` itself (the kernels' limits take `GEMM_OUTPUTS`)."""

@@ -23,14 +23,17 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jax.sharding import PartitionSpec
+from jax.typing import ArrayLike, DTypeLike
 
 from jax_fp8 import _registration, recipe as recipe_lib
 from jax_fp8._primitives import amax as amax_lib, axis_types, base, kernel_types
@@ -47,7 +50,7 @@ def _rotation(ndim: int, k: int) -> tuple[int, ...]:
     return tuple(range(k, ndim)) + tuple(range(k))
 
 
-def _abstract_eval(x, *, k=1):
+def _abstract_eval(x: ShapedArray, *, k: int = 1) -> ShapedArray:
     if x.ndim < 2 or not 0 < k < x.ndim or np.dtype(x.dtype).itemsize != 1:
         raise TypeError(f"jax_fp8_transpose_bytes: takes an array [A..., B...] of a 1-byte "
                         f"type with 0 < k < rank A axes (a matrix: k = 1), got "
@@ -61,15 +64,15 @@ def _abstract_eval(x, *, k=1):
     return x.update(shape=shape, weak_type=False)
 
 
-def _rotate(x, *, k=1):
+def _rotate(x: jax.Array, *, k: int = 1) -> jax.Array:
     return lax.transpose(x, _rotation(x.ndim, k))
 
 
-def _swap(x):
+def _swap(x: jax.Array) -> jax.Array:
     return lax.transpose(x, (1, 0))
 
 
-def _ffi_rotate(x, *, k):
+def _ffi_rotate(x: jax.Array, *, k: int) -> jax.Array:
     """The custom call on x seen as the matrix [prod A, prod B]."""
     lead, trail = x.shape[:k], x.shape[k:]
     rows, cols = math.prod(lead), math.prod(trail)
@@ -77,15 +80,15 @@ def _ffi_rotate(x, *, k):
     return call(x.reshape(rows, cols)).reshape(trail + lead)
 
 
-def _transpose_lowering(ctx, x, *, k=1):
+def _transpose_lowering(ctx: Any, x: Any, *, k: int = 1) -> Any:
     return mlir.lower_fun(functools.partial(_ffi_rotate, k=k), multiple_results=False)(ctx, x)
 
 
-def _transpose_supports(x, *, k=1):
+def _transpose_supports(x: ShapedArray, *, k: int = 1) -> bool:
     return kernel_supports(math.prod(x.shape[:k]), math.prod(x.shape[k:]))
 
 
-def _transpose_reference_where(x, *, k=1):
+def _transpose_reference_where(x: ShapedArray, *, k: int = 1) -> str | None:
     del k
     if axis_types.on_explicit_mesh(x):
         # (The kernel's matrix view would need sharding rules of its own for the reshapes.)
@@ -93,7 +96,7 @@ def _transpose_reference_where(x, *, k=1):
     return None
 
 
-def _transpose_transpose(ct, x, *, k=1, **params):
+def _transpose_transpose(ct: Any, x: Any, *, k: int = 1, **params: Any) -> list[Any]:
     del x
     return [transpose_bytes_p.bind(ct, k=ct.ndim - k, **params)]
 
@@ -105,7 +108,7 @@ transpose_bytes_p: Primitive = base.register(base.Spec(
     kernels={"cuda": base.Kernel(_transpose_lowering, supports=_transpose_supports)}))
 
 
-def rotate_axes(x, k: int):
+def rotate_axes(x: jax.Array, k: int) -> jax.Array:
     """x [A..., B...] -> [B..., A...] (k = number of A axes), i.e. lax.transpose(x,
     (k, ..., n-1, 0, ..., k-1)): for a 1-byte (FP8) x the byte-transpose primitive, whose
     kernel on CUDA transposes x seen as the matrix [prod A, prod B]; other types (not the
@@ -121,7 +124,8 @@ def rotate_axes(x, k: int):
 # --------------------------------------------------------------------------- quantize
 
 
-def _qt_abstract_eval(x, scale, *, fp8_dtype):
+def _qt_abstract_eval(x: ShapedArray, scale: ShapedArray, *, fp8_dtype: np.dtype,
+                      ) -> tuple[ShapedArray, ShapedArray, ShapedArray]:
     if x.ndim != 2 or scale.shape != () or scale.dtype != np.float32:
         raise TypeError(f"jax_fp8_quantize_transpose: takes a matrix and a float32 scalar, "
                         f"got {x.dtype}{list(x.shape)}, {scale.dtype}{list(scale.shape)}")
@@ -131,7 +135,8 @@ def _qt_abstract_eval(x, scale, *, fp8_dtype):
             x.update(shape=(), dtype=np.float32, weak_type=False))
 
 
-def _qt_reference(x, scale, *, fp8_dtype):
+def _qt_reference(x: jax.Array, scale: jax.Array, *, fp8_dtype: np.dtype,
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """What the kernel computes, in jax.numpy: jax_fp8.quantize's saturating cast,
     lax.transpose and compute_amax (so also its one-collective amax under a multi-device
     jit)."""
@@ -141,13 +146,13 @@ def _qt_reference(x, scale, *, fp8_dtype):
     return q, _swap(q), amax
 
 
-def _qt_takes(x, scale, *, fp8_dtype):
+def _qt_takes(x: ShapedArray, scale: ShapedArray, *, fp8_dtype: np.dtype) -> bool:
     del scale
     return (kernel_supports(*x.shape) and np.dtype(x.dtype) in kernel_types.WIDE_INPUTS
             and np.dtype(fp8_dtype) in kernel_types.FP8_OUTPUTS)
 
 
-def _qt_kernel(ctx, x, scale, *, fp8_dtype):
+def _qt_kernel(ctx: Any, x: Any, scale: Any, *, fp8_dtype: np.dtype) -> Any:
     return jax.ffi.ffi_lowering("jax_fp8_quantize_transpose")(
         ctx, x, scale, fp8_max=np.float32(recipe_lib.fp8_max(fp8_dtype)))
 
@@ -159,7 +164,7 @@ quantize_transpose_p = base.register(base.Spec(
     batch="reference", jvp="reference", kernels={"cuda": base.Kernel(_qt_kernel, _qt_takes)}))
 
 
-def quantize_rotate_applies(x, fp8_dtype) -> bool:
+def quantize_rotate_applies(x: jax.Array, fp8_dtype: DTypeLike) -> bool:
     """Whether quantize_rotate may take x: a tensor of a type the kernel reads, outside
     shard_map's per-device values and Explicit meshes (the kernel's amax is a plain
     scalar). Elsewhere callers quantize, take the amax and rotate_axes separately."""
@@ -168,7 +173,8 @@ def quantize_rotate_applies(x, fp8_dtype) -> bool:
             and not axis_types.varying_axes(x) and not axis_types.on_explicit_mesh(x))
 
 
-def quantize_rotate(x, k: int, scale, fp8_dtype):
+def quantize_rotate(x: jax.Array, k: int, scale: ArrayLike, fp8_dtype: DTypeLike,
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(quantize(x), rotate_axes(quantize(x), k), compute_amax(x)) in one pass over x on
     CUDA (ffi/transpose_cuda.cu), the same bits as those three anywhere.
 

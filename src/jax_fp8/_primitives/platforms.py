@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 from jax import lax
@@ -61,7 +62,7 @@ def decide_platform(choice: ByPlatform, platform: str | None,
     return VARIANT, f"the {platform} variant: {variant.what}"
 
 
-def device_platform(device) -> str:
+def device_platform(device: Any) -> str:
     """The platform name lowering uses for `device`: "cuda" or "rocm" for a GPU, else
     its platform ("cpu", "tpu")."""
     if device.platform == "gpu":
@@ -70,7 +71,7 @@ def device_platform(device) -> str:
     return device.platform
 
 
-def _concrete_platform(x) -> str | None:
+def _concrete_platform(x: Any) -> str | None:
     """The platform of a concrete array's device (as code run with jit disabled has);
     None for a tracer or a non-array."""
     if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
@@ -78,7 +79,7 @@ def _concrete_platform(x) -> str | None:
     return device_platform(next(iter(x.devices())))
 
 
-def by_platform(choice: ByPlatform) -> Callable:
+def by_platform(choice: ByPlatform) -> Callable[..., Any]:
     """`choice` as a function ``run(*operands, **params)``: the version `decide_platform`
     picks for the platform it runs on. `params` are static (hashable); operands may be
     pytrees of arrays.
@@ -98,12 +99,12 @@ def by_platform(choice: ByPlatform) -> Callable:
     BY_PLATFORM[choice.name] = choice
 
     @functools.cache
-    def staged(static):
+    def staged(static: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
         params = dict(static)
         reference = functools.partial(choice.reference, **params)
         variants = {p: functools.partial(v.fn, **params) for p, v in choice.variants.items()}
 
-        def run(*operands):
+        def run(*operands: Any) -> Any:
             if DEFAULT == "jnp":
                 return reference(*operands)
             return lax.platform_dependent(*operands, default=reference, **variants)
@@ -111,7 +112,7 @@ def by_platform(choice: ByPlatform) -> Callable:
         run.__name__ = run.__qualname__ = choice.name
         return jax.jit(run)
 
-    def call(*operands, **params):
+    def call(*operands: Any, **params: Any) -> Any:
         platform = _concrete_platform(operands[0])
         if platform is None:
             return staged(static_params(params))(*operands)

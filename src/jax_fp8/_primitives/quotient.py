@@ -21,16 +21,20 @@ of the primitive ``quotient_bits_p``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import ShapedArray
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
+from jax.typing import ArrayLike
 
 from jax_fp8._primitives import base
 
 
-def quotient_bits(a, b, *, subnormal=True):
+def quotient_bits(a: ArrayLike, b: ArrayLike, *, subnormal: bool = True) -> jax.Array:
     """The bits (uint32) of a / b in float32, rounded to nearest even: subnormal quotients
     exact, overflow to inf, a NaN operand or 0/0 a quiet NaN. a and b are read as XLA reads
     float32 values (a subnormal operand may be read as zero). ``subnormal=False``: fewer
@@ -40,13 +44,13 @@ def quotient_bits(a, b, *, subnormal=True):
     return quotient_bits_p.bind(a, b, subnormal=bool(subnormal))
 
 
-def divide_rn(a, b):
+def divide_rn(a: ArrayLike, b: ArrayLike) -> jax.Array:
     """a / b in float32, correctly rounded, for a quotient that is normal or overflows
     (to inf); zero, subnormal and NaN quotients unspecified (`quotient_bits` has them)."""
     return jax.lax.bitcast_convert_type(quotient_bits(a, b, subnormal=False), jnp.float32)
 
 
-def product_bits(a, b, c):
+def product_bits(a: ArrayLike, b: ArrayLike, c: ArrayLike) -> jax.Array:
     """The bits (uint32) of a * b * c in float32, rounded once to nearest even (subnormal
     results exact), for a, b, c float32 values XLA reads as they are (normal: scale a
     subnormal up by a power of two in c) whose float64 product is exact (a * b: 48
@@ -55,30 +59,30 @@ def product_bits(a, b, c):
     return product_bits_p.bind(a, b, c)
 
 
-def _abstract_eval(a, *others, **params):
+def _abstract_eval(a: ShapedArray, *others: ShapedArray, **params: Any) -> ShapedArray:
     del others, params
     return a.update(dtype=np.dtype(np.uint32), weak_type=False)
 
 
-def _lowering(ctx, a, b, *, subnormal):
+def _lowering(ctx: Any, a: ir.Value, b: ir.Value, *, subnormal: bool) -> list[ir.Value]:
     f64 = ir.RankedTensorType.get(ctx.avals_out[0].shape, ir.F64Type.get())
     return _rounded(ctx, hlo.divide(hlo.convert(f64, a), hlo.convert(f64, b)), subnormal)
 
 
-def _product_lowering(ctx, a, b, c):
+def _product_lowering(ctx: Any, a: ir.Value, b: ir.Value, c: ir.Value) -> list[ir.Value]:
     f64 = ir.RankedTensorType.get(ctx.avals_out[0].shape, ir.F64Type.get())
     ab = hlo.multiply(hlo.convert(f64, a), hlo.convert(f64, b))
     return _rounded(ctx, hlo.multiply(ab, hlo.convert(f64, c)), True)
 
 
-def _rounded(ctx, q, subnormal):
+def _rounded(ctx: Any, q: ir.Value, subnormal: bool) -> list[ir.Value]:
     """The float64 value q as float32 bits (uint32), rounded to nearest even in integers."""
     (aval,) = ctx.avals_out
     shape = aval.shape
     u64 = ir.IntegerType.get_unsigned(64)
     u32 = ir.RankedTensorType.get(shape, ir.IntegerType.get_unsigned(32))
 
-    def c(v):
+    def c(v: int) -> ir.Value:
         return hlo.constant(ir.DenseElementsAttr.get_splat(
             ir.RankedTensorType.get(shape, u64), ir.IntegerAttr.get(u64, int(v))))
 

@@ -38,13 +38,17 @@ sharded ``dot_general`` does), not one rounding of the float32 sum.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.core import ShapedArray
 from jax.interpreters import ad, mlir
 from jax.sharding import NamedSharding, PartitionSpec
+from jax.typing import DTypeLike
 
 from jax_fp8 import _registration
 from jax_fp8._primitives import axis_types, base, grouped_gemm as gg, partition_specs as specs
@@ -65,7 +69,7 @@ _KERNEL_TYPES = {
 }
 
 
-def _shapes(lhs, rhs, groups, mode):
+def _shapes(lhs: Any, rhs: Any, groups: int, mode: int) -> tuple[int, int, int, int]:
     """(m, k, n, g) of the product, or raises naming the shapes it needs."""
     need = {FORWARD: "lhs [M, K] and rhs [G, K, N]", TRANSPOSED: "lhs [M, K] and rhs [G, N, K]",
             WEIGHT_GRAD: "lhs [M, K] and rhs [M, N]"}[mode]
@@ -84,7 +88,8 @@ def _shapes(lhs, rhs, groups, mode):
     return m, k, (b if mode == FORWARD else a), g
 
 
-def _abstract_eval(lhs, rhs, group_sizes, *, mode, out_dtype):
+def _abstract_eval(lhs: ShapedArray, rhs: ShapedArray, group_sizes: ShapedArray, *, mode: int,
+                   out_dtype: np.dtype) -> ShapedArray:
     if mode not in MODES:
         raise ValueError(f"{TARGET}: mode must be one of {MODES}, got {mode!r}")
     for label, x in (("lhs", lhs), ("rhs", rhs)):
@@ -109,7 +114,7 @@ def _abstract_eval(lhs, rhs, group_sizes, *, mode, out_dtype):
     return lhs.update(shape=shape, dtype=np.dtype(out_dtype), weak_type=False, **extra)
 
 
-def _numbers(mode):
+def _numbers(mode: int) -> lax.RaggedDotDimensionNumbers:
     if mode == WEIGHT_GRAD:
         return lax.RaggedDotDimensionNumbers(
             dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=(0,),
@@ -119,7 +124,8 @@ def _numbers(mode):
         lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
 
 
-def reference(lhs, rhs, group_sizes, *, mode, out_dtype):
+def reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, mode: int,
+              out_dtype: np.dtype) -> jax.Array:
     """The module's numbers in jax.numpy: ``jax.lax.ragged_dot_general`` of the clamped
     sizes, float32 accumulation (float64 for float64 operands), one rounding. Where rhs has
     an infinite or NaN weight (``FORWARD``, ``TRANSPOSED``), each group's rows come from its
@@ -135,7 +141,7 @@ def reference(lhs, rhs, group_sizes, *, mode, out_dtype):
     ends = gg.clamped_group_ends(group_sizes, m)
     sizes = jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
 
-    def ragged(_):
+    def ragged(_: None) -> jax.Array:
         return lax.ragged_dot_general(lhs, rhs, sizes, _numbers(mode),
                                       preferred_element_type=acc_type)
 
@@ -144,8 +150,8 @@ def reference(lhs, rhs, group_sizes, *, mode, out_dtype):
     group = gg.row_groups(ends, m)
     contract = 1 if mode == FORWARD else 2
 
-    def per_group(_):
-        def body(i, acc):
+    def per_group(_: None) -> jax.Array:
+        def body(i: jax.Array, acc: jax.Array) -> jax.Array:
             prod = lax.dot_general(lhs, rhs[i], (((1,), (contract - 1,)), ((), ())),
                                    preferred_element_type=acc_type)
             return jnp.where((group == i)[:, None], prod, acc)
@@ -170,7 +176,8 @@ def kernel_status() -> tuple[bool, str]:
     return gg.cutlass_status(kernel_configs(), "grouped GEMM")
 
 
-def kernel_supports(lhs, rhs, group_sizes, *, mode, out_dtype) -> bool:
+def kernel_supports(lhs: Any, rhs: Any, group_sizes: Any, *, mode: int,
+                    out_dtype: DTypeLike) -> bool:
     """Whether the kernel takes this product (abstract values or anything with shape and
     dtype): the types compiled and ffi/ragged_dot_limits.h's RaggedDotSupports."""
     module = _registration.CUDA_MODULE or _registration.CPU_MODULE
@@ -184,7 +191,8 @@ def kernel_supports(lhs, rhs, group_sizes, *, mode, out_dtype) -> bool:
                                       int(g))
 
 
-def _refuses(lhs, rhs, group_sizes, *, mode, out_dtype):
+def _refuses(lhs: ShapedArray, rhs: ShapedArray, group_sizes: ShapedArray, *, mode: int,
+             out_dtype: np.dtype) -> str | None:
     ok, why = kernel_status()
     if not ok:
         return why
@@ -195,7 +203,8 @@ def _refuses(lhs, rhs, group_sizes, *, mode, out_dtype):
     return None
 
 
-def _ffi_ragged_dot(lhs, rhs, group_sizes, *, mode, out_dtype):
+def _ffi_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, mode: int,
+                    out_dtype: np.dtype) -> jax.Array:
     shape = _abstract_eval(jax.typeof(lhs), jax.typeof(rhs), jax.typeof(group_sizes),
                            mode=mode, out_dtype=out_dtype).shape
     g = group_sizes.shape[0]
@@ -205,7 +214,7 @@ def _ffi_ragged_dot(lhs, rhs, group_sizes, *, mode, out_dtype):
     return out
 
 
-def _kernel_lowering(ctx, *operands, **params):
+def _kernel_lowering(ctx: Any, *operands: Any, **params: Any) -> Any:
     return mlir.lower_fun(functools.partial(_ffi_ragged_dot, **params),
                           multiple_results=False)(ctx, *operands)
 
@@ -214,7 +223,8 @@ def _kernel_lowering(ctx, *operands, **params):
 # Bilinear in (lhs, rhs): the JVP is the product of each tangent with the other primal, and
 # each product's transposes are the other two products.
 
-def _transpose(ct, lhs, rhs, group_sizes, *, mode, out_dtype, implementation):
+def _transpose(ct: Any, lhs: Any, rhs: Any, group_sizes: Any, *, mode: int,
+               out_dtype: np.dtype, implementation: str) -> list[Any]:
     del out_dtype
     if type(ct) is ad.Zero:
         return [None if not ad.is_undefined_primal(x) else ad.Zero(x.aval) for x in (lhs, rhs)] \
@@ -246,7 +256,8 @@ def _transpose(ct, lhs, rhs, group_sizes, *, mode, out_dtype, implementation):
     return [ct_lhs, ct_rhs, None]
 
 
-def _jvp(primals, tangents, **params):
+def _jvp(primals: Sequence[Any], tangents: Sequence[Any],
+         **params: Any) -> tuple[Any, Any]:
     lhs, rhs, group_sizes = primals
     out = ragged_dot_p.bind(lhs, rhs, group_sizes, **params)
     terms = []
@@ -263,7 +274,7 @@ def _jvp(primals, tangents, **params):
 # Each device runs the kernel on the rows of the token axis it holds, the global groups
 # clamped to them (computed on the device, as the FP8 grouped GEMM's rule does).
 
-def _m_entry(mesh, x):
+def _m_entry(mesh: jax.sharding.Mesh, x: Any) -> Any:
     entry = specs.padded_spec(x.sharding, x.ndim)[0]
     axes = specs.spec_axes(entry)
     if not axes or x.shape[0] % specs.axes_size(mesh, axes):
@@ -271,7 +282,8 @@ def _m_entry(mesh, x):
     return entry
 
 
-def _shardings(params, mesh, arg_shapes):
+def _shardings(params: dict[str, Any], mesh: jax.sharding.Mesh, arg_shapes: Sequence[Any],
+               ) -> tuple[tuple[NamedSharding, ...], NamedSharding]:
     lhs, rhs = arg_shapes[:2]
     named = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
     m = _m_entry(mesh, lhs)
@@ -280,7 +292,9 @@ def _shardings(params, mesh, arg_shapes):
     return (named(m, None), named(), named()), named(m, None)
 
 
-def _local(bind, operands, *, mesh, shardings, params):
+def _local(bind: Callable[..., Any], operands: Sequence[jax.Array], *,
+           mesh: jax.sharding.Mesh, shardings: Sequence[NamedSharding],
+           params: dict[str, Any]) -> Any:
     lhs, rhs, group_sizes = operands
     m_axes = specs.spec_axes(specs.padded_spec(shardings[0], 2)[0])
     if not m_axes:
@@ -293,7 +307,8 @@ def _local(bind, operands, *, mesh, shardings, params):
     return lax.psum(acc, m_axes).astype(params["out_dtype"])
 
 
-def _rule(params, operand_types):
+def _rule(params: dict[str, Any], operand_types: Sequence[Any],
+          ) -> tuple[str, dict[str, Any]]:
     del operand_types
     if params["mode"] == WEIGHT_GRAD:
         return "m k, m n, g -> g k n", {"reduction_factors": ("m",)}
@@ -311,7 +326,8 @@ ad.primitive_jvps[ragged_dot_p] = _jvp
 ad.primitive_transposes[ragged_dot_p] = _transpose
 
 
-def ragged_product(lhs, rhs, group_sizes, *, mode, out_dtype, implementation="auto"):
+def ragged_product(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, mode: int,
+                   out_dtype: DTypeLike, implementation: str = "auto") -> jax.Array:
     """Binds the primitive (the module docstring's products and numbers).
 
     implementation: "auto" (the CUDA kernel where it is built and takes the operands, else

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from jax_fp8 import _registration
 
@@ -24,12 +25,12 @@ PER_DEVICE = "per_device"
 REFERENCE, KERNEL, PARTITIONED = "reference", "kernel", "partitioned"
 
 
-def _always(*avals, **params) -> bool:
+def _always(*avals: Any, **params: Any) -> bool:
     del avals, params
     return True
 
 
-def _no_reason(*avals, **params) -> None:
+def _no_reason(*avals: Any, **params: Any) -> None:
     del avals, params
     return None
 
@@ -117,6 +118,6 @@ def kernels_on(platform: str) -> tuple[str, ...]:
                  if platform in spec.kernels and _registration.has_kernel(name, platform))
 
 
-def static_params(params: dict) -> tuple:
+def static_params(params: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     """`params` as a hashable key (sorted items): one jit, or one cache entry, per value."""
     return tuple(sorted(params.items()))

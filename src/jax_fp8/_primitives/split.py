@@ -11,23 +11,27 @@ the slices themselves; the bits are a copy's everywhere.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.core import ShapedArray
 from jax.interpreters import ad
 
 from jax_fp8._primitives import base
 
 
-def _abstract_eval(a, *, sizes):
+def _abstract_eval(a: ShapedArray, *, sizes: tuple[int, ...]) -> list[ShapedArray]:
     if a.ndim != 1 or a.dtype != np.float32 or sum(sizes) != a.shape[0] or min(sizes) < 0:
         raise TypeError(f"jax_fp8_split_rows: takes float32[R] and sizes summing to R, got "
                         f"{a.dtype}{list(a.shape)} and {sizes}")
     return [a.update(shape=(n,), weak_type=False) for n in sizes]
 
 
-def _slices(a, *, sizes):
+def _slices(a: jax.Array, *, sizes: Sequence[int]) -> list[jax.Array]:
     out, start = [], 0
     for n in sizes:
         out.append(lax.slice_in_dim(a, start, start + n))
@@ -35,14 +39,15 @@ def _slices(a, *, sizes):
     return out
 
 
-def _transpose(cts, a, *, sizes, implementation):
+def _transpose(cts: Sequence[Any], a: Any, *, sizes: tuple[int, ...], implementation: str,
+               ) -> list[jax.Array]:
     del a, implementation
     pieces = [jnp.zeros((n,), np.float32) if type(ct) is ad.Zero else ct
               for ct, n in zip(cts, sizes)]
     return [jnp.concatenate(pieces)]
 
 
-def _refuses(a, *, sizes):
+def _refuses(a: ShapedArray, *, sizes: tuple[int, ...]) -> str | None:
     """Splits the kernels leave to XLA's slices, and why (the one decision of which runs)."""
     del a
     if len(sizes) < 2:
@@ -60,7 +65,7 @@ split_rows_p = base.register(base.Spec(
     jvp="linear", transpose=_transpose, kernels={"cpu": _KERNEL, "cuda": _KERNEL}))
 
 
-def split_rows(a, sizes) -> list:
+def split_rows(a: jax.Array, sizes: Iterable[int]) -> list[jax.Array]:
     """a float32 [R] -> [a[0:n0], a[n0:n0 + n1], ...] for sizes (n0, n1, ...) summing to R
     (the primitive: its kernel or slices, as `base.decide` says); other arrays (dtype,
     rank), which are not the primitive's operands, are split with lax.slice_in_dim along

@@ -19,6 +19,9 @@ factors (passed through to its results) and a history factor that needs replicat
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
@@ -30,7 +33,9 @@ IMPLEMENTATIONS = base.IMPLEMENTATIONS
 TARGET = "jax_fp8_update"
 
 
-def split_operands(operands, num_states, has_scale_inv, has_amax):
+def split_operands(operands: Sequence[Any], num_states: int, has_scale_inv: bool,
+                   has_amax: bool) -> tuple[list[Any], list[Any], list[Any] | None,
+                                            list[Any] | None]:
     """Flat operands -> (histories, scales, scale_invs | None, amaxes | None)."""
     g = num_states
     histories, scales = list(operands[:g]), list(operands[g:2 * g])
@@ -40,8 +45,9 @@ def split_operands(operands, num_states, has_scale_inv, has_amax):
     return histories, scales, scale_invs, amaxes
 
 
-def _abstract_eval(*avals, scaled_max, amax_compute_algo, power_of_2_scale, skip_unused,
-                   has_scale_inv, has_amax, in_place):
+def _abstract_eval(*avals: Any, scaled_max: tuple[float, ...], amax_compute_algo: int,
+                   power_of_2_scale: bool, skip_unused: bool, has_scale_inv: bool,
+                   has_amax: bool, in_place: bool) -> list[Any]:
     del amax_compute_algo, power_of_2_scale, skip_unused, in_place
     g = len(scaled_max)
     want = g * (2 + has_scale_inv + has_amax)
@@ -69,8 +75,9 @@ def _abstract_eval(*avals, scaled_max, amax_compute_algo, power_of_2_scale, skip
     return [a.update(weak_type=False) for a in histories + scales + scales]
 
 
-def _reference(*operands, scaled_max, amax_compute_algo, power_of_2_scale, skip_unused,
-               has_scale_inv, has_amax, in_place):
+def _reference(*operands: jax.Array, scaled_max: tuple[float, ...], amax_compute_algo: int,
+               power_of_2_scale: bool, skip_unused: bool, has_scale_inv: bool,
+               has_amax: bool, in_place: bool) -> list[jax.Array]:
     del in_place
     histories, scales, _, amaxes = split_operands(operands, len(scaled_max), has_scale_inv,
                                                   has_amax)
@@ -81,8 +88,9 @@ def _reference(*operands, scaled_max, amax_compute_algo, power_of_2_scale, skip_
     return [*h, *s, *si]
 
 
-def _ffi_attributes(scaled_max, amax_compute_algo, power_of_2_scale, skip_unused,
-                    has_scale_inv, has_amax, in_place):
+def _ffi_attributes(scaled_max: tuple[float, ...], amax_compute_algo: int,
+                    power_of_2_scale: bool, skip_unused: bool, has_scale_inv: bool,
+                    has_amax: bool, in_place: bool) -> dict[str, Any]:
     return dict(scaled_max=np.asarray(scaled_max, dtype=np.float32),
                 amax_compute_algo=np.int32(amax_compute_algo),
                 power_of_2_scale=np.bool_(power_of_2_scale),
@@ -92,8 +100,9 @@ def _ffi_attributes(scaled_max, amax_compute_algo, power_of_2_scale, skip_unused
                 in_place=np.bool_(in_place))
 
 
-def _kernel_lowering(ctx, *operands, scaled_max, amax_compute_algo, power_of_2_scale,
-                     skip_unused, has_scale_inv, has_amax, in_place):
+def _kernel_lowering(ctx: Any, *operands: Any, scaled_max: tuple[float, ...],
+                     amax_compute_algo: int, power_of_2_scale: bool, skip_unused: bool,
+                     has_scale_inv: bool, has_amax: bool, in_place: bool) -> Any:
     """The bare custom call (what each device runs on its own shards). In place, every
     state result aliases its operand; out of place none does (XLA's compile time grows
     superlinearly with the number of aliased operands of one custom call)."""
@@ -107,7 +116,7 @@ def _kernel_lowering(ctx, *operands, scaled_max, amax_compute_algo, power_of_2_s
 
 # ----------------------------------------------------------------------- partitioning
 
-def _layout(params):
+def _layout(params: dict[str, Any]) -> tuple[int, list[str]]:
     """(num_states, operand kinds) of a flat operand list."""
     g = len(params["scaled_max"])
     kinds = ["history"] * g + ["scale"] * g
@@ -116,7 +125,8 @@ def _layout(params):
     return g, kinds
 
 
-def _sharding_rule(params, operand_types):
+def _sharding_rule(params: dict[str, Any], operand_types: Sequence[Any],
+                   ) -> tuple[str, dict[str, Any]]:
     g, kinds = _layout(params)
     factors, need_replication = [], []
     for i in range(g):
@@ -132,7 +142,8 @@ def _sharding_rule(params, operand_types):
     return rule, {"need_replication_factors": tuple(need_replication)}
 
 
-def _shardings(params, mesh, arg_shapes):
+def _shardings(params: dict[str, Any], mesh: jax.sharding.Mesh, arg_shapes: Sequence[Any],
+               ) -> tuple[tuple[NamedSharding, ...], tuple[NamedSharding, ...]]:
     """Per-operand and per-result shardings: each state's history's leading spec."""
     g, kinds = _layout(params)
     lead = [specs.padded_spec(arg_shapes[i].sharding, arg_shapes[i].ndim)[:-1]

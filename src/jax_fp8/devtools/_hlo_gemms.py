@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import math
 import re
+from collections.abc import Iterable
 from typing import NamedTuple, cast
 
 from jax_fp8.devtools._hlo_text import (
@@ -107,7 +108,8 @@ def _dims(shape: str) -> list[int] | None:
     return [int(d) for d in dims] if all(d.isdigit() for d in dims) else None
 
 
-def _size(lhs: list[int], rhs: list[int], contracting, batch) -> GemmSize | None:
+def _size(lhs: list[int], rhs: list[int], contracting: Iterable[int],
+          batch: Iterable[int]) -> GemmSize | None:
     try:
         k = math.prod(lhs[i] for i in contracting)
         b = math.prod(lhs[i] for i in batch)
@@ -159,7 +161,7 @@ def _gemm_size(mod: Module, comp: str, ins: Instruction) -> GemmSize | None:
     return _size(lhs, rhs, axes["lhs_contracting"], axes["lhs_batch"])
 
 
-def _first_dot(mod: Module, name: str, seen: set):
+def _first_dot(mod: Module, name: str, seen: set[str]) -> tuple[str, Instruction] | None:
     if name in seen:
         return None
     seen.add(name)
@@ -198,7 +200,7 @@ def gemm_sizes(program: Program) -> dict[str, GemmSize]:
     return out
 
 
-def fp8_gemms(program) -> dict[str, int]:
+def fp8_gemms(program: Program) -> dict[str, int]:
     """FP8 GEMMs by kind, e.g.
     ``{'__cublas$lt$matmul$f8': 240, '__triton_nested_gemm_fusion': 48}``."""
     return dict(sorted(collections.Counter(g.kind for g in gemms(program) if g.fp8).items()))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -100,19 +100,19 @@ def explain(f: Callable[..., Any], *args: Any, platform: str | None = None,
     return rows
 
 
-def _platform(leaves) -> str:
+def _platform(leaves: Iterable[Any]) -> str:
     devices = next((d for x in leaves for d in getattr(getattr(x, "sharding", None),
                                                          "device_set", ())), None)
     return base.device_platform(devices or jax.devices()[0])
 
 
-def _num_devices(leaves) -> int:
+def _num_devices(leaves: Iterable[Any]) -> int:
     counts = [len(getattr(getattr(x, "sharding", None), "device_set", ()) or ()) for x in leaves]
     mesh = jax.sharding.get_abstract_mesh()
     return max(counts + [1 if mesh.empty else mesh.size])
 
 
-def _sub_jaxprs(value):
+def _sub_jaxprs(value: Any) -> Iterator[jax.extend.core.Jaxpr]:
     if isinstance(value, jax.extend.core.ClosedJaxpr):
         yield value.jaxpr
     elif isinstance(value, jax.extend.core.Jaxpr):
@@ -122,7 +122,8 @@ def _sub_jaxprs(value):
             yield from _sub_jaxprs(v)
 
 
-def _walk(jaxpr, where: str, platform: str, num_devices: int, rows: list) -> None:
+def _walk(jaxpr: jax.extend.core.Jaxpr, where: str, platform: str, num_devices: int,
+          rows: list[Row]) -> None:
     for eqn in jaxpr.eqns:
         here = "/".join(p for p in (where, str(eqn.source_info.name_stack)) if p)
         name = eqn.primitive.name
@@ -166,7 +167,8 @@ def _walk(jaxpr, where: str, platform: str, num_devices: int, rows: list) -> Non
                 _walk(sub, here, platform, inner, rows)
 
 
-def _platform_branch(branches_platforms, platform: str) -> int | None:
+def _platform_branch(branches_platforms: Sequence[Sequence[str] | None] | None,
+                     platform: str) -> int | None:
     """The branch of a ``lax.platform_dependent`` cond that lowers on `platform` (its
     platforms', else the default's), or None for another cond or no such branch."""
     if branches_platforms is None:
@@ -177,7 +179,8 @@ def _platform_branch(branches_platforms, platform: str) -> int | None:
     return next((i for i, p in enumerate(branches_platforms) if p is None), None)
 
 
-def _gemm_row(where, avals, dimension_numbers, name: str = "dot_general") -> Row:
+def _gemm_row(where: str, avals: Sequence[Any], dimension_numbers: Any,
+             name: str = "dot_general") -> Row:
     (lc, rc), (lb, rb) = dimension_numbers
     lhs, rhs = avals
     free = lambda a, c, b: math.prod(d for i, d in enumerate(a.shape)  # noqa: E731
@@ -234,7 +237,7 @@ def _without_scope(name: str, where: str) -> str:
     return re.sub(rf"\({re.escape(name)}\)", "", where)
 
 
-def _fmt(aval) -> str:
+def _fmt(aval: Any) -> str:
     return f"{np.dtype(aval.dtype).name}[{','.join(map(str, aval.shape))}]"
 
 

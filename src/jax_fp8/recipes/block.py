@@ -20,9 +20,11 @@ again.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from jax_fp8 import _grouped, recipe as recipe_lib
 from jax_fp8._primitives import block_gemm as gemm_lib, block_quantize as bq
@@ -61,7 +63,7 @@ class Float8BlockScaling(StatelessRecipe):
     w_block_scaling_dim: int = 2
     grad_block_scaling_dim: int = 1
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.fp8_format, Format):
             raise TypeError(f"fp8_format must be a jax_fp8.Format, got {self.fp8_format!r}")
         recipe_lib._check_bool(self, "power_of_2_scale")
@@ -79,18 +81,20 @@ class Float8BlockScaling(StatelessRecipe):
                 raise ValueError(f"{a}_block_scaling_dim and {b}_block_scaling_dim cannot "
                                  f"both be 2: at most one operand of a GEMM has 2-D blocks")
 
-    def block_shape(self, role: str) -> tuple:
+    def block_shape(self, role: str) -> tuple[int, int]:
         """The block shape of ``role`` ("x", "w" or "grad"): (1, 128) or (128, 128)."""
         dim = getattr(self, f"{role}_block_scaling_dim")
         return (1, 128) if dim == 1 else (128, 128)
 
-    def _quantize(self, a, role, fp8_dtype, rowwise, colwise):
+    def _quantize(self, a: jax.Array, role: str, fp8_dtype: DTypeLike, rowwise: bool,
+                  colwise: bool) -> list[jax.Array]:
         return bq.block_quantize(a, block_rows=self.block_shape(role)[0], fp8_dtype=fp8_dtype,
                                  power_of_2_scale=self.power_of_2_scale,
                                  amax_epsilon=self.amax_epsilon, rowwise=rowwise,
                                  colwise=colwise, scale_layout="gemm")
 
-    def matmul_forward(self, x, w, out_dtype, keep):
+    def matmul_forward(self, x: jax.Array, w: jax.Array, out_dtype: DTypeLike, keep: bool,
+                       ) -> tuple[jax.Array, tuple[Any, ...] | None]:
         fwd = self.fp8_format.fwd_dtype
         xr, wr = self.block_shape("x")[0], self.block_shape("w")[0]
         if keep:
@@ -103,7 +107,8 @@ class Float8BlockScaling(StatelessRecipe):
             residuals = None
         return _gemm(qx, sx, qw, sw, xr, wr, out_dtype), residuals
 
-    def matmul_backward(self, residuals, g, x_dtype, w_dtype):
+    def matmul_backward(self, residuals: tuple[Any, ...], g: jax.Array, x_dtype: DTypeLike,
+                        w_dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
         qx_t, sx_t, qw_kn, sw_kn, types = residuals
         xr, wr, gr = (self.block_shape(r)[0] for r in ("x", "w", "grad"))
         qg, sg, qg_t, sg_t = self._quantize(g, "grad", self.fp8_format.bwd_dtype, True, True)
@@ -126,20 +131,22 @@ class Float8BlockScaling(StatelessRecipe):
                     f"spanning two experts' tokens; a grouped GEMM takes "
                     f"{role}_block_scaling_dim=1 (1 x 128 blocks, the default)")
 
-        def quantize(a, role, fp8_dtype):
+        # (q, scale_inv): the primitive's results, a list (Blocks says a tuple)
+        def quantize(a: jax.Array, role: str, fp8_dtype: DTypeLike) -> Any:
             return bq.block_quantize(a, block_rows=self.block_shape(role)[0],
                                      fp8_dtype=fp8_dtype,
                                      power_of_2_scale=self.power_of_2_scale,
                                      amax_epsilon=self.amax_epsilon)
 
-        def elements(x32, amax, fp8_dtype):
+        def elements(x32: jax.Array, amax: jax.Array, fp8_dtype: DTypeLike,
+                     ) -> tuple[jax.Array, jax.Array]:
             scale = bq.scale_from_amax_f32(amax, recipe_lib.fp8_max(fp8_dtype),
                                            self.amax_epsilon, self.power_of_2_scale)
             inverse = bq.pow2_inverse(scale) if self.power_of_2_scale else \
                 bq.scale_inverse(scale)
             return bq.cast_scaled(x32, scale, fp8_dtype), inverse
 
-        def dequantize_elements(q, scale_inv):
+        def dequantize_elements(q: jax.Array, scale_inv: jax.Array) -> jax.Array:
             s, f = up_scaled(scale_inv)
             return (q.astype(jnp.float32) * s) * f
 
@@ -148,15 +155,18 @@ class Float8BlockScaling(StatelessRecipe):
             dequantize=lambda q, s, role: gemm_lib.dequantize(q, s, self.block_shape(role)[0]),
             elements=elements, dequantize_elements=dequantize_elements)
 
-    def ragged_forward(self, x, w, ends, out_dtype, keep):
+    def ragged_forward(self, x: jax.Array, w: jax.Array, ends: jax.Array, out_dtype: DTypeLike,
+                       keep: bool) -> tuple[jax.Array, Any]:
         return _grouped.blocked_forward(self._blocks(), self.fp8_format.fwd_dtype, x, w, ends,
                                         out_dtype, keep)
 
-    def ragged_backward(self, residuals, g, ends, x_dtype, w_dtype):
+    def ragged_backward(self, residuals: Any, g: jax.Array, ends: jax.Array, x_dtype: DTypeLike,
+                        w_dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
         return _grouped.blocked_backward(self._blocks(), self.fp8_format.bwd_dtype, residuals,
                                          g, ends, x_dtype, w_dtype)
 
 
-def _gemm(a, sa, b, sb, ra, rb, out_dtype):
+def _gemm(a: jax.Array, sa: jax.Array, b: jax.Array, sb: jax.Array, ra: int, rb: int,
+          out_dtype: DTypeLike) -> jax.Array:
     return gemm_lib.block_gemm(a, sa, b, sb, a_block_rows=ra, b_block_rows=rb,
                                out_dtype=out_dtype, scale_layout="gemm")

@@ -15,11 +15,12 @@ whole tensor).
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import DTypeLike
 
 from jax_fp8 import _gemms, _grouped, current, recipe as recipe_lib
 from jax_fp8._primitives import block_quantize as bq, layout
@@ -52,17 +53,18 @@ class Float8CurrentScaling(StatelessRecipe):
     power_of_2_scale: bool = False
     amax_epsilon: float = 0.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.fp8_format, Format):
             raise TypeError(f"fp8_format must be a jax_fp8.Format, got {self.fp8_format!r}")
         recipe_lib._check_bool(self, "power_of_2_scale")
         recipe_lib._check_epsilon(self.amax_epsilon)
 
-    def _quantize(self, a, fp8_dtype):
+    def _quantize(self, a: jax.Array, fp8_dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
         return current.quantize_current(a, fp8_dtype, power_of_2_scale=self.power_of_2_scale,
                                         amax_epsilon=self.amax_epsilon)
 
-    def matmul_forward(self, x, w, out_dtype, keep):
+    def matmul_forward(self, x: jax.Array, w: jax.Array, out_dtype: DTypeLike, keep: bool,
+                       ) -> tuple[jax.Array, tuple[Any, ...] | None]:
         fwd = self.fp8_format.fwd_dtype
         qx, sx = self._quantize(x, fwd)
         qw, sw = self._quantize(w, fwd)
@@ -70,7 +72,8 @@ class Float8CurrentScaling(StatelessRecipe):
                           out_dtype, out_sharding=_product_sharding(qx, qw))
         return out, ((qx, sx, qw, sw) if keep else None)
 
-    def matmul_backward(self, residuals, g, x_dtype, w_dtype):
+    def matmul_backward(self, residuals: tuple[Any, ...], g: jax.Array, x_dtype: DTypeLike,
+                        w_dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
         qx, sx, qw, sw = residuals
         qg, sg = self._quantize(g, self.fp8_format.bwd_dtype)
         hi = lax.Precision.HIGHEST
@@ -88,18 +91,20 @@ class Float8CurrentScaling(StatelessRecipe):
     # One scale per group of rows (the input, the gradient) and per expert (the weight),
     # each from its own amax (jax_fp8._grouped.group_amax: NaN-propagating, exact).
 
-    def _quantize_groups(self, a, ends, fp8_dtype):
+    def _quantize_groups(self, a: jax.Array, ends: jax.Array, fp8_dtype: DTypeLike,
+                         ) -> tuple[jax.Array, jax.Array]:
         """a [M, C] quantized with its rows' group's scale: (q, scale_inv [G])."""
         group = _grouped.row_groups(ends, a.shape[0])
         scale = self._scale(_grouped.group_amax(a, group, ends.shape[0]), fp8_dtype)
         q = bq.cast_scaled(bq.widen(a), _grouped.rows_of(scale, group)[:, None], fp8_dtype)
         return q, bq.scale_inverse(scale)
 
-    def _scale(self, amax, fp8_dtype):
+    def _scale(self, amax: jax.Array, fp8_dtype: DTypeLike) -> jax.Array:
         return bq.scale_from_amax_f32(amax, recipe_lib.fp8_max(fp8_dtype), self.amax_epsilon,
                                       self.power_of_2_scale)
 
-    def ragged_forward(self, x, w, ends, out_dtype, keep):
+    def ragged_forward(self, x: jax.Array, w: jax.Array, ends: jax.Array, out_dtype: DTypeLike,
+                       keep: bool) -> tuple[jax.Array, tuple[Any, ...] | None]:
         x, w = lax.stop_gradient(x), lax.stop_gradient(w)
         fwd = self.fp8_format.fwd_dtype
         qx, sx = self._quantize_groups(x, ends, fwd)
@@ -109,7 +114,8 @@ class Float8CurrentScaling(StatelessRecipe):
         out = _grouped.grouped(qx, jnp.swapaxes(qw, 1, 2), ends, sx, sw, out_dtype)
         return out, ((qx, sx, qw, sw) if keep else None)
 
-    def ragged_backward(self, residuals, g, ends, x_dtype, w_dtype):
+    def ragged_backward(self, residuals: Any, g: jax.Array, ends: jax.Array, x_dtype: DTypeLike,
+                        w_dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
         qx, sx, qw, sw = residuals
         qg, sg = self._quantize_groups(g, ends, self.fp8_format.bwd_dtype)
         dx = _grouped.grouped(qg, qw, ends, sg, sw, x_dtype)           # [M, N] . [G, K, N]
@@ -117,7 +123,7 @@ class Float8CurrentScaling(StatelessRecipe):
         return dx, dw
 
 
-def _product_sharding(x, w):
+def _product_sharding(x: jax.Array, w: jax.Array) -> jax.sharding.NamedSharding | None:
     """On a mesh with Explicit axes: x [M, K] . w [K, N] sharded as x's rows and w's
     columns (a sharded K is summed over); None elsewhere."""
     rows = _gemms.permuted_sharding(x, (0, 1), like=(w,))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -55,7 +56,7 @@ class DelayedScaling(recipe_lib.Recipe):
     power_of_2_scale: bool = False
     skip_unused: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if (isinstance(self.history_len, bool)
                 or not isinstance(self.history_len, (int, np.integer))
                 or self.history_len < 1):
@@ -71,14 +72,15 @@ class DelayedScaling(recipe_lib.Recipe):
         fwd, bwd = self.fp8_format.fwd_dtype, self.fp8_format.bwd_dtype
         return {"input": fwd, "kernel": fwd, "grad": bwd}
 
-    def create_meta(self, shape=(), history_len=None) -> Fp8Meta:
+    def create_meta(self, shape: Sequence[int] = (), history_len: int | None = None,
+                    ) -> Fp8Meta:
         n = self.history_len if history_len is None else history_len
         dtypes = self.state_dtypes()
         return Fp8Meta(input=ScalingState.create(shape, n, dtypes["input"]),
                        kernel=ScalingState.create(shape, n, dtypes["kernel"]),
                        grad=ScalingState.create(shape, n, dtypes["grad"]))
 
-    def check_meta(self, meta, name="meta", shape=()) -> None:
+    def check_meta(self, meta: Any, name: str = "meta", shape: Sequence[int] = ()) -> None:
         if meta.recipe is not None:
             raise TypeError(f"{name}.recipe: a delayed-scaling meta holds states, not a "
                             f"recipe; make it with Fp8Meta.create(DelayedScaling(...))")
@@ -106,12 +108,15 @@ class DelayedScaling(recipe_lib.Recipe):
                                  f"{tuple(st.scale.shape)}; for stacked layers slice the meta "
                                  f"per layer (lax.scan xs / nn.scan)")
 
-    def dot_general(self, lhs, rhs, dimension_numbers, meta, out_dtype):
+    def dot_general(self, lhs: jax.Array, rhs: jax.Array,
+                    dimension_numbers: lax.DotDimensionNumbers, meta: Fp8Meta,
+                    out_dtype: np.dtype) -> tuple[jax.Array, Fp8Meta]:
         _trace_checks.claim(meta, "fp8_dot_general", (lhs, rhs))
         return _fp8_dot(lhs, rhs, meta, dimension_numbers, out_dtype, np.dtype(lhs.dtype),
                         np.dtype(rhs.dtype))
 
-    def ragged_dot(self, lhs, rhs, group_sizes, meta, out_dtype):
+    def ragged_dot(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, meta: Fp8Meta,
+                   out_dtype: np.dtype) -> tuple[jax.Array, Fp8Meta]:
         _trace_checks.claim(meta, "fp8_ragged_dot", (lhs, rhs))
         ends = _grouped.clamped_group_ends(group_sizes, lhs.shape[0])
         return _fp8_ragged(lhs, rhs, ends, meta, out_dtype, np.dtype(lhs.dtype),
@@ -119,6 +124,8 @@ class DelayedScaling(recipe_lib.Recipe):
 
 
 # ------------------------------------------------------------- the GEMM and its custom VJP
+# A `meta` whose states are read is typed Any: Fp8Meta types its states Optional (None for
+# the stateless recipes), a delayed-scaling meta's never are.
 
 def _dequantization_factor(state: ScalingState) -> jax.Array:
     """``1 / state.scale``, derived at use: the stored ``scale_inv`` is not read, so a
@@ -128,7 +135,8 @@ def _dequantization_factor(state: ScalingState) -> jax.Array:
     return scale_inverse(state.scale)
 
 
-def _fwd(lhs, rhs, meta, dimension_numbers, out_dtype):
+def _fwd(lhs: jax.Array, rhs: jax.Array, meta: Any, dimension_numbers: lax.DotDimensionNumbers,
+         out_dtype: np.dtype) -> tuple[tuple[jax.Array, Fp8Meta], tuple[Any, ...]]:
     q_lhs, q_rhs = quantize(lhs, meta.input), quantize(rhs, meta.kernel)
     out = _gemms.gemm(q_lhs, *_gemms.rhs_for_forward(q_rhs, dimension_numbers),
                       _dequantization_factor(meta.input), _dequantization_factor(meta.kernel),
@@ -141,14 +149,15 @@ def _fwd(lhs, rhs, meta, dimension_numbers, out_dtype):
     return (out, meta), res
 
 
-def _empty_slice(x):
+def _empty_slice(x: jax.Array) -> jax.Array:
     """x[:0, ..., :0]: no elements, x's rank and types. A slice, not a reshape: flattening
     an array sharded along a minor axis on a mesh with Explicit axes is a
     ShardingTypeError."""
     return lax.slice(x, (0,) * x.ndim, (0,) * x.ndim)
 
 
-def _to_primal_vma(ct, primal_like, reduce):
+def _to_primal_vma(ct: Any, primal_like: Any, reduce: Callable[[Any, tuple[str, ...]], Any],
+                   ) -> Any:
     """Inside shard_map (check_vma): a cotangent varying over manual axes its primal
     does not vary over is reduced over them: summed for a gradient, as the transpose of
     JAX's implicit broadcast is, and max-ed for an amax."""
@@ -156,13 +165,15 @@ def _to_primal_vma(ct, primal_like, reduce):
     return reduce(ct, extra) if extra else ct
 
 
-def _pmax_ignoring_nan(x, axes):
+def _pmax_ignoring_nan(x: Any, axes: tuple[str, ...]) -> Any:
     # As reduce_amaxes: a NaN amax on one device is ignored, not spread to all. ``x`` an
     # array or a tuple of arrays (one all-reduce for all of them).
     return lax.pmax(jax.tree.map(lambda a: jnp.where(jnp.isnan(a), -jnp.inf, a), x), axes)
 
 
-def _bwd_tail(grad_lhs, grad_rhs, lhs_like, rhs_like, meta, ct_meta, amaxes):
+def _bwd_tail(grad_lhs: jax.Array, grad_rhs: jax.Array, lhs_like: jax.Array, rhs_like: jax.Array,
+              meta: Any, ct_meta: Any, amaxes: Sequence[jax.Array],
+              ) -> tuple[jax.Array, jax.Array, Fp8Meta]:
     """The end of a delayed-scaling GEMM's backward (dense and grouped): the meta's
     cotangent, each state's amax record of fmax(downstream uses' amax, the ``amaxes``
     (input, kernel, gradient) this use observed) (`jax_fp8.meta.amax_cotangent`), those
@@ -178,7 +189,7 @@ def _bwd_tail(grad_lhs, grad_rhs, lhs_like, rhs_like, meta, ct_meta, amaxes):
         # code that averages or sums the gradient tree over the devices (``lax.pmean``)
         # leaves each record's amax as it is (`jax_fp8._fp8_grads.recorded_amax`).
         amaxes = _pmax_ignoring_nan(tuple(amaxes), devices)
-    def to_state(amax, primal):
+    def to_state(amax: jax.Array, primal: ScalingState) -> jax.Array:
         return _to_primal_vma(amax, primal.scale, _pmax_ignoring_nan)
 
     amax_lhs, amax_rhs, amax_g = amaxes
@@ -191,7 +202,9 @@ def _bwd_tail(grad_lhs, grad_rhs, lhs_like, rhs_like, meta, ct_meta, amaxes):
     return grad_lhs, grad_rhs, ct_meta_in
 
 
-def _bwd(dimension_numbers, out_dtype, lhs_dtype, rhs_dtype, res, cts):
+def _bwd(dimension_numbers: lax.DotDimensionNumbers, out_dtype: np.dtype, lhs_dtype: np.dtype,
+         rhs_dtype: np.dtype, res: Any, cts: tuple[Any, Any],
+         ) -> tuple[jax.Array, jax.Array, Fp8Meta]:
     g, ct_meta = cts
     if isinstance(g, SymbolicZero):  # only the threaded meta is used downstream
         aval: Any = g.aval
@@ -227,12 +240,16 @@ def _bwd(dimension_numbers, out_dtype, lhs_dtype, rhs_dtype, res, cts):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _fp8_dot(lhs, rhs, meta, dimension_numbers, out_dtype, lhs_dtype, rhs_dtype):
+def _fp8_dot(lhs: jax.Array, rhs: jax.Array, meta: Fp8Meta,
+             dimension_numbers: lax.DotDimensionNumbers, out_dtype: np.dtype,
+             lhs_dtype: np.dtype, rhs_dtype: np.dtype) -> tuple[jax.Array, Fp8Meta]:
     del lhs_dtype, rhs_dtype
     return _fwd(lhs, rhs, meta, dimension_numbers, out_dtype)[0]
 
 
-def _fwd_rule(lhs, rhs, meta, dimension_numbers, out_dtype, lhs_dtype, rhs_dtype):
+def _fwd_rule(lhs: Any, rhs: Any, meta: Any, dimension_numbers: lax.DotDimensionNumbers,
+              out_dtype: np.dtype, lhs_dtype: np.dtype, rhs_dtype: np.dtype,
+              ) -> tuple[tuple[jax.Array, Fp8Meta], Any]:
     # symbolic_zeros=True: the primals arrive wrapped.
     del lhs_dtype, rhs_dtype
     lhs, rhs, meta = jax.tree.map(lambda p: p.value, (lhs, rhs, meta),
@@ -255,7 +272,7 @@ _fp8_dot.defvjp(_fwd_rule, _bwd, symbolic_zeros=True)
 # expert g's weight with meta.kernel's; the amaxes observed are per group of rows (0 for
 # an empty group) and per expert (jax_fp8._grouped.group_amax / expert_amax).
 
-def _quantize_rows(x, state, group):
+def _quantize_rows(x: jax.Array, state: ScalingState, group: jax.Array) -> jax.Array:
     """x [M, C] quantized with the scale of each row's group (the saturating cast of
     `jax_fp8.quantize`)."""
     fmax = np.float32(recipe_lib.fp8_max(state.fp8_dtype))
@@ -263,7 +280,8 @@ def _quantize_rows(x, state, group):
     return jnp.clip(x.astype(jnp.float32) * scale, -fmax, fmax).astype(state.fp8_dtype)
 
 
-def _ragged_fwd(lhs, rhs, ends, meta):
+def _ragged_fwd(lhs: jax.Array, rhs: jax.Array, ends: jax.Array, meta: Any,
+                ) -> tuple[jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
     group = _grouped.row_groups(ends, lhs.shape[0])
     groups = ends.shape[0]
     q_lhs = _quantize_rows(lhs, meta.input, group)
@@ -273,12 +291,15 @@ def _ragged_fwd(lhs, rhs, ends, meta):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _fp8_ragged(lhs, rhs, ends, meta, out_dtype, lhs_dtype, rhs_dtype):
+def _fp8_ragged(lhs: jax.Array, rhs: jax.Array, ends: jax.Array, meta: Fp8Meta, out_dtype: np.dtype,
+                lhs_dtype: np.dtype, rhs_dtype: np.dtype) -> tuple[jax.Array, Fp8Meta]:
     del lhs_dtype, rhs_dtype
     return _fp8_ragged_fwd_rule_impl(lhs, rhs, ends, meta, out_dtype)[0]
 
 
-def _fp8_ragged_fwd_rule_impl(lhs, rhs, ends, meta, out_dtype):
+def _fp8_ragged_fwd_rule_impl(lhs: jax.Array, rhs: jax.Array, ends: jax.Array, meta: Any,
+                              out_dtype: np.dtype,
+                              ) -> tuple[tuple[jax.Array, Fp8Meta], tuple[Any, ...]]:
     q_lhs, q_rhs, group, (amax_lhs, amax_rhs) = _ragged_fwd(lhs, rhs, ends, meta)
     out = _grouped.grouped(q_lhs, jnp.swapaxes(q_rhs, 1, 2), ends,
                            _dequantization_factor(meta.input),
@@ -287,7 +308,9 @@ def _fp8_ragged_fwd_rule_impl(lhs, rhs, ends, meta, out_dtype):
                          _empty_slice(lhs), _empty_slice(rhs))
 
 
-def _fp8_ragged_fwd_rule(lhs, rhs, ends, meta, out_dtype, lhs_dtype, rhs_dtype):
+def _fp8_ragged_fwd_rule(lhs: Any, rhs: Any, ends: Any, meta: Any, out_dtype: np.dtype,
+                         lhs_dtype: np.dtype, rhs_dtype: np.dtype,
+                         ) -> tuple[tuple[jax.Array, Fp8Meta], Any]:
     del lhs_dtype, rhs_dtype
     lhs, rhs, ends, meta = jax.tree.map(
         lambda p: p.value, (lhs, rhs, ends, meta),
@@ -297,7 +320,8 @@ def _fp8_ragged_fwd_rule(lhs, rhs, ends, meta, out_dtype, lhs_dtype, rhs_dtype):
     return out, _ad.hide(res)
 
 
-def _fp8_ragged_bwd(out_dtype, lhs_dtype, rhs_dtype, res, cts):
+def _fp8_ragged_bwd(out_dtype: np.dtype, lhs_dtype: np.dtype, rhs_dtype: np.dtype, res: Any,
+                    cts: tuple[Any, Any]) -> tuple[jax.Array, jax.Array, None, Fp8Meta]:
     del out_dtype
     g, ct_meta = cts
     if isinstance(g, SymbolicZero):  # only the threaded meta is used downstream

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import ClassVar
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -67,11 +68,12 @@ class MXFP8BlockScaling(StatelessRecipe):
 
     fp8_format: Format = Format.E4M3
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.fp8_format, Format):
             raise TypeError(f"fp8_format must be a jax_fp8.Format, got {self.fp8_format!r}")
 
-    def matmul_forward(self, x, w, out_dtype, keep):
+    def matmul_forward(self, x: jax.Array, w: jax.Array, out_dtype: DTypeLike, keep: bool,
+                       ) -> tuple[jax.Array, tuple[Any, ...] | None]:
         fwd = self.fp8_format.fwd_dtype
         qx, sx = quantize_mxfp8(x, fwd)                    # [M, K], blocks along K
         qw, sw = quantize_mxfp8(w.T, fwd)                  # [N, K]
@@ -82,7 +84,8 @@ class MXFP8BlockScaling(StatelessRecipe):
         qw_kn, sw_kn = quantize_mxfp8(w, fwd)              # [K, N], blocks along N
         return out, (qx_t, sx_t, qw_kn, sw_kn, Types(explicit_type(x), explicit_type(w)))
 
-    def matmul_backward(self, residuals, g, x_dtype, w_dtype):
+    def matmul_backward(self, residuals: tuple[Any, ...], g: jax.Array, x_dtype: DTypeLike,
+                        w_dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
         qx_t, sx_t, qw_kn, sw_kn, types = residuals
         bwd = self.fp8_format.bwd_dtype
         qg, sg = quantize_mxfp8(g, bwd)                    # [M, N], blocks along N
@@ -96,16 +99,18 @@ class MXFP8BlockScaling(StatelessRecipe):
     # gradient's along K (N) within a row, each expert's weight its own; the weight
     # gradient's along the tokens, cut at group boundaries (_grouped).
 
-    def ragged_forward(self, x, w, ends, out_dtype, keep):
+    def ragged_forward(self, x: jax.Array, w: jax.Array, ends: jax.Array, out_dtype: DTypeLike,
+                       keep: bool) -> tuple[jax.Array, Any]:
         return _grouped.blocked_forward(_BLOCKS, self.fp8_format.fwd_dtype, x, w, ends,
                                         out_dtype, keep)
 
-    def ragged_backward(self, residuals, g, ends, x_dtype, w_dtype):
+    def ragged_backward(self, residuals: Any, g: jax.Array, ends: jax.Array, x_dtype: DTypeLike,
+                        w_dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
         return _grouped.blocked_backward(_BLOCKS, self.fp8_format.bwd_dtype, residuals, g,
                                          ends, x_dtype, w_dtype)
 
 
-def _elements(x32, amax, fp8_dtype):
+def _elements(x32: jax.Array, amax: jax.Array, fp8_dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
     """x32 quantized with the E8M0 scale of a block whose amax is `amax` (broadcast), as
     `quantize_mxfp8` quantizes each value: (q, scale_inv float8_e8m0fnu)."""
     x32, amax = jnp.broadcast_arrays(x32, amax)
@@ -117,7 +122,7 @@ def _elements(x32, amax, fp8_dtype):
             lax.bitcast_convert_type(e.astype(jnp.uint8), E8M0))
 
 
-def _dequantize_elements(q, scale_inv):
+def _dequantize_elements(q: jax.Array, scale_inv: jax.Array) -> jax.Array:
     """q * scale_inv elementwise (scale_inv E8M0), as `dequantize_mxfp8`."""
     e = lax.bitcast_convert_type(scale_inv, jnp.uint8).astype(jnp.uint32)
     s = from_bits(jnp.where(e == 255, U32(0x7FC00000),
@@ -127,7 +132,7 @@ def _dequantize_elements(q, scale_inv):
 
 # ----------------------------------------------------------------------------- quantize
 
-def _e8m0(amax, fp8_dtype):
+def _e8m0(amax: jax.Array, fp8_dtype: DTypeLike) -> jax.Array:
     """The E8M0 exponent (uint32, 0..255) of each block amax (float32 >= 0, NaN-free)."""
     rcp = _F32(1) / _F32(recipe_lib.fp8_max(fp8_dtype))      # TE's max_norm_rcp
     up, down = up_scaled(amax)   # a subnormal amax as a normal value times 2**-64
@@ -140,7 +145,7 @@ def _e8m0(amax, fp8_dtype):
         v == 0, U32(0), e)))
 
 
-def _scale(e):
+def _scale(e: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x's factor 1 (e == 0) or 2**(127 - e), as (pre, factor): x * pre * factor with
     both normal (2**(127 - e) < 2**-63 taken as 2**-64 times a normal power of two)."""
     pre = e > 190
@@ -177,20 +182,20 @@ def quantize_mxfp8(x: ArrayLike, fp8_dtype: DTypeLike = jnp.float8_e4m3fn,
         return jax.sharding.auto_axes(_quantize(fp8_dtype), out_sharding=shardings)(x)
 
 
-def _spec(x) -> tuple:
+def _spec(x: Any) -> tuple[Any, ...]:
     """x's PartitionSpec as a tuple of one entry per axis."""
     spec = tuple(jax.typeof(x).sharding.spec)
     return spec + (None,) * (x.ndim - len(spec))
 
 
-def _named(x, spec):
+def _named(x: Any, spec: Sequence[Any]) -> jax.sharding.NamedSharding:
     return jax.typeof(x).sharding.update(spec=jax.sharding.PartitionSpec(*spec))
 
 
 @functools.cache
-def _quantize(fp8_dtype):
+def _quantize(fp8_dtype: np.dtype) -> Callable[..., tuple[jax.Array, jax.Array]]:
     @jax.jit
-    def quantize(x):
+    def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
         *lead, m, k = x.shape
         kb = -(-k // BLOCK)
         pad = [(0, 0)] * len(lead) + [(0, 0), (0, kb * BLOCK - k)]
@@ -247,7 +252,8 @@ def native_status() -> tuple[bool, str]:
     return True, f"SM {caps}"
 
 
-def _gemm(a, sa, b, sb, out_dtype):
+def _gemm(a: jax.Array, sa: jax.Array, b: jax.Array, sb: jax.Array,
+          out_dtype: DTypeLike) -> jax.Array:
     """a [M, K] . b [N, K]^T with their 1 x 32 E8M0 block scales, in out_dtype."""
     if axis_types.on_explicit_mesh(a):
         # Explicit axes: XLA partitions the GEMM; the product is typed with a's rows and
@@ -262,7 +268,8 @@ def _gemm(a, sa, b, sb, out_dtype):
     return _local_gemm(a, sa, b, sb, out_dtype)
 
 
-def _local_gemm(a, sa, b, sb, out_dtype):
+def _local_gemm(a: jax.Array, sa: jax.Array, b: jax.Array, sb: jax.Array,
+                out_dtype: DTypeLike) -> jax.Array:
     native, why = native_status()
     k = a.shape[-1]
     if native:
