@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.typing import ArrayLike, DTypeLike
+from jax.typing import DTypeLike
 
 from jax_fp8 import recipe as recipe_lib
 from jax_fp8._primitives import grouped_gemm as gg, grouped_wgrad as gw
@@ -81,8 +81,8 @@ def rows_of(values: jax.Array, group: jax.Array) -> jax.Array:
 ragged_contract = gw.ragged_contract
 
 
-def scaled_wgrad(q_a: jax.Array, q_b: jax.Array, ends: jax.Array, scale_inv_a: ArrayLike,
-                 scale_inv_b: ArrayLike, out_dtype: DTypeLike) -> jax.Array:
+def scaled_wgrad(q_a: jax.Array, q_b: jax.Array, ends: jax.Array, scale_inv_a: jax.Array,
+                 scale_inv_b: jax.Array, out_dtype: DTypeLike) -> jax.Array:
     """drhs[g] = (sum over group g's rows of q_a^T q_b, float32) * (scale_inv_a[g] *
     scale_inv_b[g]) rounded once to out_dtype: the grouped weight-gradient primitive
     (`_primitives.grouped_wgrad`: a CUTLASS kernel on SM90 where switched on, its reference
@@ -91,8 +91,8 @@ def scaled_wgrad(q_a: jax.Array, q_b: jax.Array, ends: jax.Array, scale_inv_a: A
                             out_dtype=out_dtype)
 
 
-def grouped(q_lhs: jax.Array, q_rhs_t: jax.Array, ends: jax.Array, scale_inv_lhs: ArrayLike,
-            scale_inv_rhs: ArrayLike, out_dtype: DTypeLike) -> jax.Array:
+def grouped(q_lhs: jax.Array, q_rhs_t: jax.Array, ends: jax.Array, scale_inv_lhs: jax.Array,
+            scale_inv_rhs: jax.Array, out_dtype: DTypeLike) -> jax.Array:
     """The grouped FP8 GEMM primitive: q_lhs [M, K] . q_rhs_t[g] [N, K]^T per group."""
     return gg.grouped_gemm(q_lhs, q_rhs_t, group_sizes_of(ends), scale_inv_lhs,
                            scale_inv_rhs, out_dtype=out_dtype)
