@@ -17,5 +17,3 @@ jax.numpy), ``axis_types`` (the Manual axes an array varies over inside shard_ma
 Explicit meshes) and ``partition_specs`` (PartitionSpecs as the partitioning rules read
 them).
 """
-
-from __future__ import annotations

@@ -29,8 +29,6 @@ benchmark logic); hlo and trace work on any backend (on CPU the trace's "kernels
 XLA's op events).
 """
 
-from __future__ import annotations
-
 from jax_fp8.devtools import compilation, explain, hlo, trace
 
 __all__ = ["compilation", "explain", "hlo", "trace"]

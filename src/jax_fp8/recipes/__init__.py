@@ -1,8 +1,6 @@
 """The scaling recipes, one module each, registered with `jax_fp8.recipe.register` as they are
 imported here (each implements `jax_fp8.recipe.Recipe`)."""
 
-from __future__ import annotations
-
 from jax_fp8.recipes.block import Float8BlockScaling
 from jax_fp8.recipes.current import Float8CurrentScaling
 from jax_fp8.recipes.delayed import DelayedScaling
