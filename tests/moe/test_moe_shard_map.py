@@ -68,7 +68,7 @@ def test_linen_experts_in_a_shard_map_convert_as_without_it():
 def test_nnx_experts_in_a_shard_map_convert_as_the_linen_block():
     """MaxText's NNX port: the same numbers as the linen block without the shard_map. (Converted
     without an example input: a stateless recipe makes its FP8 layers at the first call, here
-    inside nnx.jit; an eager first call of a shard_map runs op by op, for minutes.)"""
+    inside nnx.jit, since an eager first call of a shard_map runs op by op.)"""
     x = _x()
     model = mm.NnxShardMapMoeBlock(E, TOP_K, D, F, mesh=_mesh(), rngs=nnx.Rngs(0))
     params = {"gate": {"kernel": model.gate.kernel[...]},
