@@ -13,6 +13,7 @@
 #include "block_gemm_cutlass.h"
 #include "block_scale_layout.h"
 #include "cuda_handler_util.h"
+#include "cutlass_handler.h"
 
 namespace jax_fp8 {
 namespace ffi = xla::ffi;
@@ -160,11 +161,8 @@ ffi::Error BlockGemmInitialize(cudaStream_t, int32_t device, ffi::AnyBuffer a,
   auto cutlass = CutlassChoice(*call, kernel);
   if (!cutlass.has_value()) return cutlass.error();
   if (*cutlass >= 0) {
-    const int err = CutlassConfigAt(*cutlass).prepare(device);
-    if (err != 0) {
-      return ffi::Error::Internal(std::string(kName) + ": CUTLASS setup failed: " +
-                                  cudaGetErrorString(static_cast<cudaError_t>(err)));
-    }
+    const ffi::Error err = CutlassSetupStatus(kName, CutlassConfigAt(*cutlass).prepare(device));
+    if (err.failure()) return err;
   }
   FindPlan(call->g, call->align, device);  // also for CUTLASS: its fallback when it cannot run
   return ffi::Error::Success();
@@ -239,25 +237,16 @@ ffi::Error BlockGemmExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
 
 }  // namespace
 
-#define JAX_FP8_BLOCK_GEMM_BINDING(stage)       \
-  ffi::Ffi::Bind<stage>()                       \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>() \
-      .Ctx<ffi::DeviceOrdinal>()                \
-      .Arg<ffi::AnyBuffer>()                    \
-      .Arg<ffi::AnyBuffer>()                    \
-      .Arg<ffi::AnyBuffer>()                    \
-      .Arg<ffi::AnyBuffer>()                    \
-      .Ret<ffi::AnyBuffer>()                    \
-      .Ret<ffi::AnyBuffer>()                    \
-      .Attr<int32_t>("a_block_rows")            \
-      .Attr<int32_t>("b_block_rows")            \
-      .Attr<int32_t>("kernel")
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp8BlockGemmInitializeCuda, BlockGemmInitialize,
-                              JAX_FP8_BLOCK_GEMM_BINDING(ffi::ExecutionStage::kInitialize));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp8BlockGemmCuda, BlockGemmExecute,
-                              JAX_FP8_BLOCK_GEMM_BINDING(ffi::ExecutionStage::kExecute),
-                              {ffi::Traits::kCmdBufferCompatible});
+JAX_FP8_DEFINE_CUDA_HANDLER_BUNDLE(JaxFp8BlockGemmCuda, BlockGemmExecute,
+                                   JaxFp8BlockGemmInitializeCuda, BlockGemmInitialize,
+                                   .Arg<ffi::AnyBuffer>()      // a
+                                       .Arg<ffi::AnyBuffer>()  // a_scale
+                                       .Arg<ffi::AnyBuffer>()  // b
+                                       .Arg<ffi::AnyBuffer>()  // b_scale
+                                       .Ret<ffi::AnyBuffer>()  // out
+                                       .Ret<ffi::AnyBuffer>()  // workspace
+                                       .Attr<int32_t>("a_block_rows")
+                                       .Attr<int32_t>("b_block_rows")
+                                       .Attr<int32_t>("kernel"));
 
 }  // namespace jax_fp8

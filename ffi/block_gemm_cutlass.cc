@@ -6,37 +6,32 @@
 
 #include <climits>
 
+#include "cutlass_config_table.h"
+
 namespace jax_fp8 {
 
 #if defined(JAX_FP8_HAS_CUTLASS) && defined(JAX_FP8_CUTLASS_ALL)
 extern const CutlassConfig kTileCoop128x128C1Bf16, kTileCoop128x128C2Bf16, kTilePp64x128C1Bf16,
     kTileCoop128x128C1F32, kBlockCoop128x128C1F32, kBlockPp64x128C1F32, kBlockCoop128x128C1Bf16;
-namespace {
-const CutlassConfig* const kConfigs[] = {&kTileCoop128x128C1Bf16, &kTileCoop128x128C2Bf16,
-                                         &kTilePp64x128C1Bf16,    &kTileCoop128x128C1F32,
-                                         &kBlockCoop128x128C1F32, &kBlockPp64x128C1F32,
-                                         &kBlockCoop128x128C1Bf16};
-constexpr int kCount = sizeof(kConfigs) / sizeof(kConfigs[0]);
-}  // namespace
+constexpr const CutlassConfig* kCompiled[] = {&kTileCoop128x128C1Bf16, &kTileCoop128x128C2Bf16,
+                                              &kTilePp64x128C1Bf16,    &kTileCoop128x128C1F32,
+                                              &kBlockCoop128x128C1F32, &kBlockPp64x128C1F32,
+                                              &kBlockCoop128x128C1Bf16};
+constexpr CutlassConfigTable<CutlassConfig> kConfigs(kCompiled);
 #elif defined(JAX_FP8_HAS_CUTLASS)  // the configurations the table below runs
 extern const CutlassConfig kTileCoop128x128C1Bf16;
-namespace {
-const CutlassConfig* const kConfigs[] = {&kTileCoop128x128C1Bf16};
-constexpr int kCount = sizeof(kConfigs) / sizeof(kConfigs[0]);
-}  // namespace
+constexpr const CutlassConfig* kCompiled[] = {&kTileCoop128x128C1Bf16};
+constexpr CutlassConfigTable<CutlassConfig> kConfigs(kCompiled);
 #else
-namespace {
-const CutlassConfig* const kConfigs[] = {nullptr};
-constexpr int kCount = 0;
-}  // namespace
+constexpr CutlassConfigTable<CutlassConfig> kConfigs;
 #endif
 
-int CutlassConfigCount() { return kCount; }
-const CutlassConfig& CutlassConfigAt(int i) { return *kConfigs[i]; }
+int CutlassConfigCount() { return kConfigs.count(); }
+const CutlassConfig& CutlassConfigAt(int i) { return kConfigs.at(i); }
 
 bool CutlassTakes(int i, const CutlassGemm& g, bool e4m3_operands, const uint32_t (&align)[5]) {
-  if (i < 0 || i >= kCount || !e4m3_operands) return false;
-  const CutlassConfig& c = *kConfigs[i];
+  if (i < 0 || i >= kConfigs.count() || !e4m3_operands) return false;
+  const CutlassConfig& c = kConfigs.at(i);
   const int64_t out_vec = c.out_bf16 ? 8 : 4;  // output elements in 16 bytes (TMA store)
   return !g.a_tile && c.b_tile == g.b_tile && c.out_bf16 == g.out_bf16 && g.m > 0 && g.n > 0 &&
          g.k > 0 && g.batch > 0 && g.m <= INT_MAX && g.n <= INT_MAX && g.k <= INT_MAX &&
@@ -48,13 +43,12 @@ bool CutlassTakes(int i, const CutlassGemm& g, bool e4m3_operands, const uint32_
 namespace {
 
 int Find(const char* name) {
-  for (int i = 0; i < kCount; ++i) {
-    const char* a = kConfigs[i]->name;
+  return kConfigs.Find([name](const CutlassConfig& c) {
+    const char* a = c.name;
     const char* b = name;
     while (*a && *a == *b) ++a, ++b;
-    if (*a == *b) return i;
-  }
-  return -1;
+    return *a == *b;
+  });
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 #pragma once
 // Pieces every CUDA FFI handler shares (besides handler_util.h's): the decode of the
-// input and FP8 element types, and the status of a launch.
+// input and FP8 element types, the status of a launch, and the symbols of a handler bundle
+// with an initialize stage.
 #include <string>
 
 #include <cuda_runtime.h>
@@ -40,3 +41,24 @@ inline xla::ffi::Error LaunchStatus(const char* target, cudaError_t err,
 }
 
 }  // namespace jax_fp8
+
+// The binding of a CUDA handler's stage (kInitialize or kExecute) up to its own
+// parameters: XLA's stream and the device ordinal.
+#define JAX_FP8_CUDA_STAGE_BINDING(stage)                    \
+  ::xla::ffi::Ffi::Bind<::xla::ffi::ExecutionStage::stage>() \
+      .Ctx<::xla::ffi::PlatformStream<cudaStream_t>>()       \
+      .Ctx<::xla::ffi::DeviceOrdinal>()
+
+// Defines the two symbols of a handler bundle whose stages take XLA's stream, the device
+// ordinal, then what the binding chain `...` binds (such as
+// `.Arg<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>().Attr<int64_t>("m")`): `initialize`
+// runs `initialize_impl` at the initialize stage (setup, before any execution or
+// command-buffer capture), `execute` runs `execute_impl`, command-buffer compatible (it only
+// enqueues work on the stream).
+#define JAX_FP8_DEFINE_CUDA_HANDLER_BUNDLE(execute, execute_impl, initialize, initialize_impl, \
+                                           ...)                                                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(initialize, initialize_impl,                                   \
+                                JAX_FP8_CUDA_STAGE_BINDING(kInitialize) __VA_ARGS__);          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(execute, execute_impl,                                         \
+                                JAX_FP8_CUDA_STAGE_BINDING(kExecute) __VA_ARGS__,              \
+                                {::xla::ffi::Traits::kCmdBufferCompatible})

@@ -3,30 +3,25 @@
 // when CUTLASS's headers were found.
 #include "grouped_gemm.h"
 
+#include "cutlass_config_table.h"
+
 namespace jax_fp8 {
 
 #if defined(JAX_FP8_HAS_CUTLASS)
 extern const GroupedGemmConfig kGroupedE4m3Bf16, kGroupedE4m3F32, kGroupedE5m2Bf16, kGroupedE5m2F32;
-namespace {
-const GroupedGemmConfig* const kConfigs[] = {&kGroupedE4m3Bf16, &kGroupedE4m3F32, &kGroupedE5m2Bf16,
-                                             &kGroupedE5m2F32};
-constexpr int kCount = sizeof(kConfigs) / sizeof(kConfigs[0]);
-}  // namespace
+constexpr const GroupedGemmConfig* kCompiled[] = {&kGroupedE4m3Bf16, &kGroupedE4m3F32,
+                                                  &kGroupedE5m2Bf16, &kGroupedE5m2F32};
+constexpr CutlassConfigTable<GroupedGemmConfig> kConfigs(kCompiled);
 #else
-namespace {
-const GroupedGemmConfig* const kConfigs[] = {nullptr};
-constexpr int kCount = 0;
-}  // namespace
+constexpr CutlassConfigTable<GroupedGemmConfig> kConfigs;
 #endif
 
-int GroupedGemmConfigCount() { return kCount; }
-const GroupedGemmConfig& GroupedGemmConfigAt(int i) { return *kConfigs[i]; }
+int GroupedGemmConfigCount() { return kConfigs.count(); }
+const GroupedGemmConfig& GroupedGemmConfigAt(int i) { return kConfigs.at(i); }
 
 int GroupedGemmFind(bool lhs_e5m2, bool out_bf16) {
-  for (int i = 0; i < kCount; ++i) {
-    if (kConfigs[i]->lhs_e5m2 == lhs_e5m2 && kConfigs[i]->out_bf16 == out_bf16) return i;
-  }
-  return -1;
+  return kConfigs.Find(
+      [&](const GroupedGemmConfig& c) { return c.lhs_e5m2 == lhs_e5m2 && c.out_bf16 == out_bf16; });
 }
 
 }  // namespace jax_fp8

@@ -1,14 +1,16 @@
 // XLA FFI handler "jax_fp8_grouped_gemm" (see grouped_gemm_cuda.h): decodes and checks the
 // call strictly (types, shapes, the limits of grouped_gemm_limits.h, the workspace's size,
 // 16-byte aligned buffers), then runs the CUTLASS configuration compiled for its types
-// (grouped_gemm_sm90_*.cu). jax_fp8 emits the call only where those checks pass and the
-// module was built with CUTLASS; anything else is an error here, never a silent result.
+// (grouped_gemm_sm90_*.cu) through cutlass_handler.h's stages. jax_fp8 emits the call only
+// where those checks pass and the module was built with CUTLASS; anything else is an error
+// here, never a silent result.
 #include "grouped_gemm_cuda.h"
 
 #include <cstdint>
 #include <string>
 
 #include "cuda_handler_util.h"
+#include "cutlass_handler.h"
 #include "grouped_gemm.h"
 #include "grouped_gemm_limits.h"
 
@@ -16,23 +18,17 @@ namespace jax_fp8 {
 namespace ffi = xla::ffi;
 namespace {
 
-constexpr const char* kName = "jax_fp8_grouped_gemm";
+constexpr char kName[] = "jax_fp8_grouped_gemm";
 
 ffi::Error Invalid(const std::string& msg) { return InvalidArgument(kName, msg); }
 
 bool Fp8(ffi::DataType t) { return t == ffi::DataType::F8E4M3FN || t == ffi::DataType::F8E5M2; }
 
-bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-struct Call {
-  GroupedGemmCall c;
-  int config;
-};
+using Call = CutlassCall<GroupedGemmCall>;
 
 ffi::ErrorOr<Call> Decode(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer group_sizes,
                           ffi::AnyBuffer lhs_scale_inv, ffi::AnyBuffer rhs_scale_inv,
-                          ffi::Result<ffi::AnyBuffer>& out,
-                          ffi::Result<ffi::AnyBuffer>& workspace) {
+                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
   const auto ld = lhs.dimensions(), rd = rhs.dimensions(), od = out->dimensions();
   if (ld.size() != 2 || rd.size() != 3 || od.size() != 2) {
     return ffi::Unexpected(Invalid("need lhs [M, K], rhs [G, N, K] and out [M, N], got lhs " +
@@ -72,12 +68,11 @@ ffi::ErrorOr<Call> Decode(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer
                 ShapeString(ld) + ", rhs " + ShapeString(rd)));
   }
   const int64_t need = GroupedGemmWorkspaceBytes(g);
-  if (workspace->element_type() != ffi::DataType::U8 || workspace->dimensions().size() != 1 ||
-      workspace->dimensions()[0] != need) {
+  if (!WorkspaceIs(*workspace, need)) {
     return ffi::Unexpected(Invalid("the workspace must be uint8[" + std::to_string(need) + "]"));
   }
-  if (!Aligned16(lhs.untyped_data()) || !Aligned16(rhs.untyped_data()) ||
-      !Aligned16(out->untyped_data()) || !Aligned16(workspace->untyped_data())) {
+  if (!Aligned16({lhs.untyped_data(), rhs.untyped_data(), out->untyped_data(),
+                  workspace->untyped_data()})) {
     return ffi::Unexpected(Invalid("lhs, rhs, out and the workspace must be 16-byte aligned"));
   }
   const int config =
@@ -87,73 +82,27 @@ ffi::ErrorOr<Call> Decode(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer
         "no kernel compiled for these types (the module was built without CUTLASS's headers, "
         "or JAX_FP8_CUTLASS=OFF)"));
   }
-  Call call{};
-  call.c = GroupedGemmCall{m,
-                           n,
-                           k,
-                           g,
-                           lhs.untyped_data(),
-                           rhs.untyped_data(),
-                           static_cast<const int32_t*>(group_sizes.untyped_data()),
-                           static_cast<const float*>(lhs_scale_inv.untyped_data()),
-                           static_cast<const float*>(rhs_scale_inv.untyped_data()),
-                           out->untyped_data(),
-                           workspace->untyped_data(),
-                           static_cast<size_t>(need)};
-  call.config = config;
-  return call;
+  return Call{
+      GroupedGemmCall{m, n, k, g, lhs.untyped_data(), rhs.untyped_data(),
+                      static_cast<const int32_t*>(group_sizes.untyped_data()),
+                      static_cast<const float*>(lhs_scale_inv.untyped_data()),
+                      static_cast<const float*>(rhs_scale_inv.untyped_data()), out->untyped_data(),
+                      workspace->untyped_data(), static_cast<size_t>(need)},
+      config};
 }
 
-ffi::Error GroupedGemmInitialize(cudaStream_t, int32_t device, ffi::AnyBuffer lhs,
-                                 ffi::AnyBuffer rhs, ffi::AnyBuffer group_sizes,
-                                 ffi::AnyBuffer lhs_scale_inv, ffi::AnyBuffer rhs_scale_inv,
-                                 ffi::Result<ffi::AnyBuffer> out,
-                                 ffi::Result<ffi::AnyBuffer> workspace) {
-  auto call = Decode(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, out, workspace);
-  if (!call.has_value()) return call.error();
-  const int err = GroupedGemmConfigAt(call->config).prepare(device);
-  if (err != 0) {
-    return ffi::Error::Internal(std::string(kName) + ": CUTLASS setup failed: " +
-                                cudaGetErrorString(static_cast<cudaError_t>(err)));
-  }
-  return ffi::Error::Success();
-}
-
-ffi::Error GroupedGemmExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer lhs,
-                              ffi::AnyBuffer rhs, ffi::AnyBuffer group_sizes,
-                              ffi::AnyBuffer lhs_scale_inv, ffi::AnyBuffer rhs_scale_inv,
-                              ffi::Result<ffi::AnyBuffer> out,
-                              ffi::Result<ffi::AnyBuffer> workspace) {
-  auto call = Decode(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, out, workspace);
-  if (!call.has_value()) return call.error();
-  const int err = GroupedGemmConfigAt(call->config).run(call->c, device, stream);
-  if (err < 0) {
-    return ffi::Error::Internal(std::string(kName) +
-                                ": CUTLASS cannot implement this grouped GEMM (or its workspace "
-                                "is short of grouped_gemm_workspace.h's budget)");
-  }
-  return LaunchStatus(kName, static_cast<cudaError_t>(err));
-}
+using Handler = CutlassHandler<kName, GroupedGemmConfigAt, Decode>;
 
 }  // namespace
 
-#define JAX_FP8_GROUPED_GEMM_BINDING(stage)     \
-  ffi::Ffi::Bind<stage>()                       \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>() \
-      .Ctx<ffi::DeviceOrdinal>()                \
-      .Arg<ffi::AnyBuffer>()                    \
-      .Arg<ffi::AnyBuffer>()                    \
-      .Arg<ffi::AnyBuffer>()                    \
-      .Arg<ffi::AnyBuffer>()                    \
-      .Arg<ffi::AnyBuffer>()                    \
-      .Ret<ffi::AnyBuffer>()                    \
-      .Ret<ffi::AnyBuffer>()
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp8GroupedGemmInitializeCuda, GroupedGemmInitialize,
-                              JAX_FP8_GROUPED_GEMM_BINDING(ffi::ExecutionStage::kInitialize));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp8GroupedGemmCuda, GroupedGemmExecute,
-                              JAX_FP8_GROUPED_GEMM_BINDING(ffi::ExecutionStage::kExecute),
-                              {ffi::Traits::kCmdBufferCompatible});
+JAX_FP8_DEFINE_CUDA_HANDLER_BUNDLE(JaxFp8GroupedGemmCuda, Handler::Execute,
+                                   JaxFp8GroupedGemmInitializeCuda, Handler::Initialize,
+                                   .Arg<ffi::AnyBuffer>()        // lhs
+                                       .Arg<ffi::AnyBuffer>()    // rhs
+                                       .Arg<ffi::AnyBuffer>()    // group_sizes
+                                       .Arg<ffi::AnyBuffer>()    // lhs_scale_inv
+                                       .Arg<ffi::AnyBuffer>()    // rhs_scale_inv
+                                       .Ret<ffi::AnyBuffer>()    // out
+                                       .Ret<ffi::AnyBuffer>());  // workspace
 
 }  // namespace jax_fp8

@@ -3,32 +3,28 @@
 // when CUTLASS's headers were found.
 #include "grouped_wgrad.h"
 
+#include "cutlass_config_table.h"
+
 namespace jax_fp8 {
 
 #if defined(JAX_FP8_HAS_CUTLASS)
 extern const GroupedWgradConfig kGroupedWgradE4m3E4m3Bf16, kGroupedWgradE4m3E4m3F32,
     kGroupedWgradE4m3E5m2Bf16, kGroupedWgradE4m3E5m2F32;
-namespace {
-const GroupedWgradConfig* const kConfigs[] = {&kGroupedWgradE4m3E4m3Bf16, &kGroupedWgradE4m3E4m3F32,
-                                              &kGroupedWgradE4m3E5m2Bf16,
-                                              &kGroupedWgradE4m3E5m2F32};
-constexpr int kCount = sizeof(kConfigs) / sizeof(kConfigs[0]);
-}  // namespace
+constexpr const GroupedWgradConfig* kCompiled[] = {
+    &kGroupedWgradE4m3E4m3Bf16, &kGroupedWgradE4m3E4m3F32, &kGroupedWgradE4m3E5m2Bf16,
+    &kGroupedWgradE4m3E5m2F32};
+constexpr CutlassConfigTable<GroupedWgradConfig> kConfigs(kCompiled);
 #else
-namespace {
-const GroupedWgradConfig* const kConfigs[] = {nullptr};
-constexpr int kCount = 0;
-}  // namespace
+constexpr CutlassConfigTable<GroupedWgradConfig> kConfigs;
 #endif
 
-int GroupedWgradConfigCount() { return kCount; }
-const GroupedWgradConfig& GroupedWgradConfigAt(int i) { return *kConfigs[i]; }
+int GroupedWgradConfigCount() { return kConfigs.count(); }
+const GroupedWgradConfig& GroupedWgradConfigAt(int i) { return kConfigs.at(i); }
 
 int GroupedWgradFind(bool grad_e5m2, bool out_bf16) {
-  for (int i = 0; i < kCount; ++i) {
-    if (kConfigs[i]->grad_e5m2 == grad_e5m2 && kConfigs[i]->out_bf16 == out_bf16) return i;
-  }
-  return -1;
+  return kConfigs.Find([&](const GroupedWgradConfig& c) {
+    return c.grad_e5m2 == grad_e5m2 && c.out_bf16 == out_bf16;
+  });
 }
 
 }  // namespace jax_fp8

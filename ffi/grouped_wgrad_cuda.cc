@@ -1,14 +1,16 @@
 // XLA FFI handler "jax_fp8_grouped_wgrad" (see grouped_wgrad_cuda.h): decodes and checks the
 // call strictly (types, shapes, the limits of grouped_wgrad_limits.h, the workspace's size,
 // 16-byte aligned buffers), then runs the CUTLASS configuration compiled for its types
-// (grouped_wgrad_sm90_*.cu). jax_fp8 emits the call only where those checks pass and the
-// module was built with CUTLASS; anything else is an error here, never a silent result.
+// (grouped_wgrad_sm90_*.cu) through cutlass_handler.h's stages. jax_fp8 emits the call only
+// where those checks pass and the module was built with CUTLASS; anything else is an error
+// here, never a silent result.
 #include "grouped_wgrad_cuda.h"
 
 #include <cstdint>
 #include <string>
 
 #include "cuda_handler_util.h"
+#include "cutlass_handler.h"
 #include "grouped_gemm_workspace.h"
 #include "grouped_wgrad.h"
 #include "grouped_wgrad_limits.h"
@@ -17,20 +19,15 @@ namespace jax_fp8 {
 namespace ffi = xla::ffi;
 namespace {
 
-constexpr const char* kName = "jax_fp8_grouped_wgrad";
+constexpr char kName[] = "jax_fp8_grouped_wgrad";
 
 ffi::Error Invalid(const std::string& msg) { return InvalidArgument(kName, msg); }
 
-bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-struct Call {
-  GroupedWgradCall c;
-  int config;
-};
+using Call = CutlassCall<GroupedWgradCall>;
 
 ffi::ErrorOr<Call> Decode(ffi::AnyBuffer lhs_t, ffi::AnyBuffer grad_t, ffi::AnyBuffer group_sizes,
                           ffi::AnyBuffer lhs_scale_inv, ffi::AnyBuffer grad_scale_inv,
-                          ffi::Result<ffi::AnyBuffer>& out, ffi::Result<ffi::AnyBuffer>& workspace,
+                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
                           int64_t m) {
   const auto ld = lhs_t.dimensions(), gd = grad_t.dimensions(), od = out->dimensions();
   const std::string shapes = "need lhs_t [K, Mp], grad_t [N, Mp] and out [G, K, N], got lhs_t " +
@@ -75,12 +72,11 @@ ffi::ErrorOr<Call> Decode(ffi::AnyBuffer lhs_t, ffi::AnyBuffer grad_t, ffi::AnyB
                                    std::to_string(mp - 16 * (g + 1)) + "]"));
   }
   const int64_t need = GroupedGemmWorkspaceBytes(g);
-  if (workspace->element_type() != ffi::DataType::U8 || workspace->dimensions().size() != 1 ||
-      workspace->dimensions()[0] != need) {
+  if (!WorkspaceIs(*workspace, need)) {
     return ffi::Unexpected(Invalid("the workspace must be uint8[" + std::to_string(need) + "]"));
   }
-  if (!Aligned16(lhs_t.untyped_data()) || !Aligned16(grad_t.untyped_data()) ||
-      !Aligned16(out->untyped_data()) || !Aligned16(workspace->untyped_data())) {
+  if (!Aligned16({lhs_t.untyped_data(), grad_t.untyped_data(), out->untyped_data(),
+                  workspace->untyped_data()})) {
     return ffi::Unexpected(Invalid("lhs_t, grad_t, out and the workspace must be 16-byte aligned"));
   }
   const int config = GroupedWgradFind(gt == ffi::DataType::F8E5M2, ot == ffi::DataType::BF16);
@@ -89,75 +85,28 @@ ffi::ErrorOr<Call> Decode(ffi::AnyBuffer lhs_t, ffi::AnyBuffer grad_t, ffi::AnyB
         "no kernel compiled for these types (the module was built without CUTLASS's headers, "
         "or JAX_FP8_CUTLASS=OFF)"));
   }
-  Call call{};
-  call.c = GroupedWgradCall{m,
-                            k,
-                            n,
-                            mp,
-                            g,
-                            lhs_t.untyped_data(),
-                            grad_t.untyped_data(),
-                            static_cast<const int32_t*>(group_sizes.untyped_data()),
-                            static_cast<const float*>(lhs_scale_inv.untyped_data()),
-                            static_cast<const float*>(grad_scale_inv.untyped_data()),
-                            out->untyped_data(),
-                            workspace->untyped_data(),
-                            static_cast<size_t>(need)};
-  call.config = config;
-  return call;
+  return Call{
+      GroupedWgradCall{m, k, n, mp, g, lhs_t.untyped_data(), grad_t.untyped_data(),
+                       static_cast<const int32_t*>(group_sizes.untyped_data()),
+                       static_cast<const float*>(lhs_scale_inv.untyped_data()),
+                       static_cast<const float*>(grad_scale_inv.untyped_data()),
+                       out->untyped_data(), workspace->untyped_data(), static_cast<size_t>(need)},
+      config};
 }
 
-ffi::Error GroupedWgradInitialize(cudaStream_t, int32_t device, ffi::AnyBuffer lhs_t,
-                                  ffi::AnyBuffer grad_t, ffi::AnyBuffer group_sizes,
-                                  ffi::AnyBuffer lhs_scale_inv, ffi::AnyBuffer grad_scale_inv,
-                                  ffi::Result<ffi::AnyBuffer> out,
-                                  ffi::Result<ffi::AnyBuffer> workspace, int64_t m) {
-  auto call = Decode(lhs_t, grad_t, group_sizes, lhs_scale_inv, grad_scale_inv, out, workspace, m);
-  if (!call.has_value()) return call.error();
-  const int err = GroupedWgradConfigAt(call->config).prepare(device);
-  if (err != 0) {
-    return ffi::Error::Internal(std::string(kName) + ": CUTLASS setup failed: " +
-                                cudaGetErrorString(static_cast<cudaError_t>(err)));
-  }
-  return ffi::Error::Success();
-}
-
-ffi::Error GroupedWgradExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer lhs_t,
-                               ffi::AnyBuffer grad_t, ffi::AnyBuffer group_sizes,
-                               ffi::AnyBuffer lhs_scale_inv, ffi::AnyBuffer grad_scale_inv,
-                               ffi::Result<ffi::AnyBuffer> out,
-                               ffi::Result<ffi::AnyBuffer> workspace, int64_t m) {
-  auto call = Decode(lhs_t, grad_t, group_sizes, lhs_scale_inv, grad_scale_inv, out, workspace, m);
-  if (!call.has_value()) return call.error();
-  const int err = GroupedWgradConfigAt(call->config).run(call->c, device, stream);
-  if (err < 0) {
-    return ffi::Error::Internal(std::string(kName) +
-                                ": CUTLASS cannot implement this grouped GEMM (or its workspace "
-                                "is short of grouped_gemm_workspace.h's budget)");
-  }
-  return LaunchStatus(kName, static_cast<cudaError_t>(err));
-}
+using Handler = CutlassHandler<kName, GroupedWgradConfigAt, Decode>;
 
 }  // namespace
 
-#define JAX_FP8_GROUPED_WGRAD_BINDING(stage)    \
-  ffi::Ffi::Bind<stage>()                       \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>() \
-      .Ctx<ffi::DeviceOrdinal>()                \
-      .Arg<ffi::AnyBuffer>()                    \
-      .Arg<ffi::AnyBuffer>()                    \
-      .Arg<ffi::AnyBuffer>()                    \
-      .Arg<ffi::AnyBuffer>()                    \
-      .Arg<ffi::AnyBuffer>()                    \
-      .Ret<ffi::AnyBuffer>()                    \
-      .Ret<ffi::AnyBuffer>()                    \
-      .Attr<int64_t>("m")
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp8GroupedWgradInitializeCuda, GroupedWgradInitialize,
-                              JAX_FP8_GROUPED_WGRAD_BINDING(ffi::ExecutionStage::kInitialize));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp8GroupedWgradCuda, GroupedWgradExecute,
-                              JAX_FP8_GROUPED_WGRAD_BINDING(ffi::ExecutionStage::kExecute),
-                              {ffi::Traits::kCmdBufferCompatible});
+JAX_FP8_DEFINE_CUDA_HANDLER_BUNDLE(JaxFp8GroupedWgradCuda, Handler::Execute,
+                                   JaxFp8GroupedWgradInitializeCuda, Handler::Initialize,
+                                   .Arg<ffi::AnyBuffer>()      // lhs_t
+                                       .Arg<ffi::AnyBuffer>()  // grad_t
+                                       .Arg<ffi::AnyBuffer>()  // group_sizes
+                                       .Arg<ffi::AnyBuffer>()  // lhs_scale_inv
+                                       .Arg<ffi::AnyBuffer>()  // grad_scale_inv
+                                       .Ret<ffi::AnyBuffer>()  // out
+                                       .Ret<ffi::AnyBuffer>()  // workspace
+                                       .Attr<int64_t>("m"));
 
 }  // namespace jax_fp8

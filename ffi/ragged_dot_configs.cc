@@ -3,32 +3,27 @@
 // CUTLASS's headers were found.
 #include "ragged_dot.h"
 
+#include "cutlass_config_table.h"
+
 namespace jax_fp8 {
 
 #if defined(JAX_FP8_HAS_CUTLASS)
 extern const RaggedDotConfig kRaggedDotForwardBf16, kRaggedDotTransposedBf16, kRaggedDotWgradBf16,
     kRaggedDotWgradBf16F32;
-namespace {
-const RaggedDotConfig* const kConfigs[] = {&kRaggedDotForwardBf16, &kRaggedDotTransposedBf16,
-                                           &kRaggedDotWgradBf16, &kRaggedDotWgradBf16F32};
-constexpr int kCount = sizeof(kConfigs) / sizeof(kConfigs[0]);
-}  // namespace
+constexpr const RaggedDotConfig* kCompiled[] = {&kRaggedDotForwardBf16, &kRaggedDotTransposedBf16,
+                                                &kRaggedDotWgradBf16, &kRaggedDotWgradBf16F32};
+constexpr CutlassConfigTable<RaggedDotConfig> kConfigs(kCompiled);
 #else
-namespace {
-const RaggedDotConfig* const kConfigs[] = {nullptr};
-constexpr int kCount = 0;
-}  // namespace
+constexpr CutlassConfigTable<RaggedDotConfig> kConfigs;
 #endif
 
-int RaggedDotConfigCount() { return kCount; }
-const RaggedDotConfig& RaggedDotConfigAt(int i) { return *kConfigs[i]; }
+int RaggedDotConfigCount() { return kConfigs.count(); }
+const RaggedDotConfig& RaggedDotConfigAt(int i) { return kConfigs.at(i); }
 
 int RaggedDotFind(int mode, bool in_f16, bool out_float) {
-  for (int i = 0; i < kCount; ++i) {
-    const RaggedDotConfig& c = *kConfigs[i];
-    if (c.mode == mode && c.in_f16 == in_f16 && c.out_float == out_float) return i;
-  }
-  return -1;
+  return kConfigs.Find([&](const RaggedDotConfig& c) {
+    return c.mode == mode && c.in_f16 == in_f16 && c.out_float == out_float;
+  });
 }
 
 }  // namespace jax_fp8

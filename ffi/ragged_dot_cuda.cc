@@ -1,14 +1,16 @@
 // XLA FFI handler "jax_fp8_ragged_dot" (see ragged_dot_cuda.h): decodes and checks the call
 // strictly (mode, types, shapes, the limits of ragged_dot_limits.h, the workspace's size,
 // 16-byte aligned buffers), then runs the CUTLASS configuration compiled for its product and
-// types (ragged_dot_sm90_*.cu). jax_fp8 emits the call only where those checks pass and the
-// module was built with CUTLASS; anything else is an error here, never a silent result.
+// types (ragged_dot_sm90_*.cu) through cutlass_handler.h's stages. jax_fp8 emits the call only
+// where those checks pass and the module was built with CUTLASS; anything else is an error
+// here, never a silent result.
 #include "ragged_dot_cuda.h"
 
 #include <cstdint>
 #include <string>
 
 #include "cuda_handler_util.h"
+#include "cutlass_handler.h"
 #include "grouped_gemm_workspace.h"
 #include "ragged_dot.h"
 #include "ragged_dot_limits.h"
@@ -17,16 +19,11 @@ namespace jax_fp8 {
 namespace ffi = xla::ffi;
 namespace {
 
-constexpr const char* kName = "jax_fp8_ragged_dot";
+constexpr char kName[] = "jax_fp8_ragged_dot";
 
 ffi::Error Invalid(const std::string& msg) { return InvalidArgument(kName, msg); }
 
-bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-struct Call {
-  RaggedDotCall c;
-  int config;
-};
+using Call = CutlassCall<RaggedDotCall>;
 
 // The shapes each mode takes, in words, for the error messages.
 const char* ShapesOf(int64_t mode) {
@@ -38,7 +35,7 @@ const char* ShapesOf(int64_t mode) {
 }
 
 ffi::ErrorOr<Call> Decode(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer group_sizes,
-                          ffi::Result<ffi::AnyBuffer>& out, ffi::Result<ffi::AnyBuffer>& workspace,
+                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
                           int64_t mode) {
   if (mode != kRaggedForward && mode != kRaggedTransposed && mode != kRaggedWeightGrad) {
     return ffi::Unexpected(Invalid("mode must be 0, 1 or 2, got " + std::to_string(mode)));
@@ -85,12 +82,11 @@ ffi::ErrorOr<Call> Decode(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer
         shapes));
   }
   const int64_t need = GroupedGemmWorkspaceBytes(g);
-  if (workspace->element_type() != ffi::DataType::U8 || workspace->dimensions().size() != 1 ||
-      workspace->dimensions()[0] != need) {
+  if (!WorkspaceIs(*workspace, need)) {
     return ffi::Unexpected(Invalid("the workspace must be uint8[" + std::to_string(need) + "]"));
   }
-  if (!Aligned16(lhs.untyped_data()) || !Aligned16(rhs.untyped_data()) ||
-      !Aligned16(out->untyped_data()) || !Aligned16(workspace->untyped_data())) {
+  if (!Aligned16({lhs.untyped_data(), rhs.untyped_data(), out->untyped_data(),
+                  workspace->untyped_data()})) {
     return ffi::Unexpected(Invalid("lhs, rhs, out and the workspace must be 16-byte aligned"));
   }
   const int config =
@@ -100,67 +96,24 @@ ffi::ErrorOr<Call> Decode(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer
         Invalid("no kernel compiled for this product and these types (the module was built without "
                 "CUTLASS's headers, or JAX_FP8_CUTLASS=OFF)"));
   }
-  Call call{};
-  call.c = RaggedDotCall{m,
-                         k,
-                         n,
-                         g,
-                         lhs.untyped_data(),
-                         rhs.untyped_data(),
-                         static_cast<const int32_t*>(group_sizes.untyped_data()),
-                         out->untyped_data(),
-                         workspace->untyped_data(),
-                         static_cast<size_t>(need)};
-  call.config = config;
-  return call;
+  return Call{
+      RaggedDotCall{m, k, n, g, lhs.untyped_data(), rhs.untyped_data(),
+                    static_cast<const int32_t*>(group_sizes.untyped_data()), out->untyped_data(),
+                    workspace->untyped_data(), static_cast<size_t>(need)},
+      config};
 }
 
-ffi::Error RaggedDotInitialize(cudaStream_t, int32_t device, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
-                               ffi::AnyBuffer group_sizes, ffi::Result<ffi::AnyBuffer> out,
-                               ffi::Result<ffi::AnyBuffer> workspace, int64_t mode) {
-  auto call = Decode(lhs, rhs, group_sizes, out, workspace, mode);
-  if (!call.has_value()) return call.error();
-  const int err = RaggedDotConfigAt(call->config).prepare(device);
-  if (err != 0) {
-    return ffi::Error::Internal(std::string(kName) + ": CUTLASS setup failed: " +
-                                cudaGetErrorString(static_cast<cudaError_t>(err)));
-  }
-  return ffi::Error::Success();
-}
-
-ffi::Error RaggedDotExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer lhs,
-                            ffi::AnyBuffer rhs, ffi::AnyBuffer group_sizes,
-                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
-                            int64_t mode) {
-  auto call = Decode(lhs, rhs, group_sizes, out, workspace, mode);
-  if (!call.has_value()) return call.error();
-  const int err = RaggedDotConfigAt(call->config).run(call->c, device, stream);
-  if (err < 0) {
-    return ffi::Error::Internal(std::string(kName) +
-                                ": CUTLASS cannot implement this grouped GEMM (or its workspace "
-                                "is short of grouped_gemm_workspace.h's budget)");
-  }
-  return LaunchStatus(kName, static_cast<cudaError_t>(err));
-}
+using Handler = CutlassHandler<kName, RaggedDotConfigAt, Decode>;
 
 }  // namespace
 
-#define JAX_FP8_RAGGED_DOT_BINDING(stage)       \
-  ffi::Ffi::Bind<stage>()                       \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>() \
-      .Ctx<ffi::DeviceOrdinal>()                \
-      .Arg<ffi::AnyBuffer>()                    \
-      .Arg<ffi::AnyBuffer>()                    \
-      .Arg<ffi::AnyBuffer>()                    \
-      .Ret<ffi::AnyBuffer>()                    \
-      .Ret<ffi::AnyBuffer>()                    \
-      .Attr<int64_t>("mode")
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp8RaggedDotInitializeCuda, RaggedDotInitialize,
-                              JAX_FP8_RAGGED_DOT_BINDING(ffi::ExecutionStage::kInitialize));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp8RaggedDotCuda, RaggedDotExecute,
-                              JAX_FP8_RAGGED_DOT_BINDING(ffi::ExecutionStage::kExecute),
-                              {ffi::Traits::kCmdBufferCompatible});
+JAX_FP8_DEFINE_CUDA_HANDLER_BUNDLE(JaxFp8RaggedDotCuda, Handler::Execute,
+                                   JaxFp8RaggedDotInitializeCuda, Handler::Initialize,
+                                   .Arg<ffi::AnyBuffer>()      // lhs
+                                       .Arg<ffi::AnyBuffer>()  // rhs
+                                       .Arg<ffi::AnyBuffer>()  // group_sizes
+                                       .Ret<ffi::AnyBuffer>()  // out
+                                       .Ret<ffi::AnyBuffer>()  // workspace
+                                       .Attr<int64_t>("mode"));
 
 }  // namespace jax_fp8
