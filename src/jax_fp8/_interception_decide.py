@@ -13,13 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fp8 import _gemms
+from jax_fp8 import _gemms, recipe as recipe_lib
 from jax_fp8._interception_follow import _FLOAT64, _FLOATS, follow
 from jax_fp8._interception_report import note
 from jax_fp8._interception_running import weight_of
 from jax_fp8._interception_site import Site
 from jax_fp8.dot_general import KEPT_SCOPE, gemm_flops, kept_out
-from jax_fp8.recipes.delayed import DelayedScaling
 from jax_fp8.rules import Fp8Rule
 
 __all__ = ["KEPT_SCOPES", "check_body", "einsum_dimension_numbers", "einsum_flops",
@@ -42,8 +41,10 @@ KEPT_SCOPES = {
 
 def _takes(rule: Fp8Rule, dtype: np.dtype) -> bool:
     """Whether the rule's recipe takes operands of ``dtype``: float32, bfloat16, float16;
-    delayed scaling float64 too (as its layers do, under x64)."""
-    return dtype in _FLOATS or (dtype == _FLOAT64 and isinstance(rule.recipe, DelayedScaling))
+    float64 too where the recipe says so (`Recipe.takes_float64`, as its layers do, under
+    x64)."""
+    return dtype in _FLOATS or (dtype == _FLOAT64 and rule.recipe is not None
+                                and rule.recipe.takes_float64)
 
 
 def _weight_side(site: Site, lhs: Any,
@@ -88,16 +89,19 @@ def _why(scope: str, site: Site, lhs: Any, rhs: Any, kind: str) -> str:
                 f"(float32, bfloat16, float16): it runs in {names}. Cast the expert weights "
                 f"and tokens to one of those")
     if scope == "fp8_model_dtype":
+        wide = [c.__name__ for c in recipe_lib.registered() if c.takes_float64]
+        also = f"; {recipe_lib.spoken(wide)} also float64" if wide else ""
+        use = f", or use {recipe_lib.spoken(wide)}" if wide else ""
         return (f"its {kind} has {names} operands, which {type(site.rule.recipe).__name__} "
-                f"does not take (float32, bfloat16, float16; delayed scaling also float64): "
-                f"it runs in {names}. Cast the model to a dtype the recipe takes, or use "
-                f"DelayedScaling")
+                f"does not take (float32, bfloat16, float16{also}): it runs in {names}. Cast "
+                f"the model to a dtype the recipe takes{use}")
     if scope == "fp8_model_traced_body":
+        lead = recipe_lib.without_state(site.rule.recipe)[0]
         return (f"its {kind} multiplies its weight inside a jax.jit or jax.checkpoint body "
                 f"it was passed into, where {type(site.rule.recipe).__name__}, which keeps "
                 f"state, cannot run: it runs as written. Give this module a recipe without "
-                f"state (Fp8Rule(path=..., recipe=jax_fp8.Float8CurrentScaling())), or call "
-                f"the GEMM outside the body")
+                f"state (Fp8Rule(path=..., recipe=jax_fp8.{lead}())), or call the GEMM "
+                f"outside the body")
     if scope == "fp8_model_form":
         shapes = " and ".join(str(tuple(np.shape(x))) for x in (lhs, rhs))
         if kind.startswith("ragged_dot"):
@@ -133,13 +137,14 @@ def check_body(site: Site, weight_operand: Any) -> str | None:
     if "argument of shard_map" in steps:
         path = site.rule_path
         where = site.where or (f"module {path!r}" if path else "the root module")
+        lead, *others = recipe_lib.without_state(recipe)
+        alternatives = f" (or {' / '.join(others)})" if others else ""
         raise TypeError(
             f"jax_fp8 fp8_model: {where} ({site.module_type}) runs a GEMM of its weight "
             f"inside a jax.shard_map, where {type(recipe).__name__}, which keeps state, "
             f"cannot run. Give this module a recipe without state: "
             f"Fp8Rule(path={'...' if path is None else repr(path)}, "
-            f"recipe=jax_fp8.Float8CurrentScaling()) (or Float8BlockScaling / "
-            f"MXFP8BlockScaling) before the other rules")
+            f"recipe=jax_fp8.{lead}()){alternatives} before the other rules")
     if any(step.startswith("argument of ") for step in steps):
         return "fp8_model_traced_body"
     return None

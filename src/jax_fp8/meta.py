@@ -110,11 +110,15 @@ jax.tree_util.register_dataclass(Fp8Meta, data_fields=["input", "kernel", "grad"
 
 
 def _serialize_aux(aux: tuple[Any]) -> bytes:
+    """A meta's recipe as stored: ``null`` for a meta of states, else a JSON object of the
+    recipe's registered name (key ``recipe``) then its `Recipe.to_fields`."""
     (recipe,) = aux
     if recipe is None:
         return b"null"
-    fields = {f.name: getattr(recipe, f.name) for f in dataclasses.fields(recipe)}
-    fields["fp8_format"] = fields["fp8_format"].value
+    fields = recipe.to_fields()
+    if "recipe" in fields:
+        raise ValueError(f"{type(recipe).__name__}.to_fields() has a field 'recipe', the key "
+                         f"of the recipe's name in a serialized Fp8Meta")
     return json.dumps({"recipe": type(recipe).__name__, **fields}).encode()
 
 
@@ -122,9 +126,7 @@ def _deserialize_aux(data: bytes) -> tuple[recipe_lib.Recipe | None]:
     fields = json.loads(data.decode())
     if fields is None:
         return (None,)
-    cls = recipe_lib.by_name(fields.pop("recipe"))
-    fields["fp8_format"] = recipe_lib.Format(fields["fp8_format"])
-    return (cls(**fields),)
+    return (recipe_lib.by_name(fields.pop("recipe")).from_fields(fields),)
 
 
 jax.export.register_pytree_node_serialization(

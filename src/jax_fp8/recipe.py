@@ -7,12 +7,16 @@ import abc
 import dataclasses
 import enum
 import math
+import typing
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
+
+if TYPE_CHECKING:
+    from jax_fp8.state import ScalingState
 
 ALGORITHMS = ("max", "most_recent")
 
@@ -101,6 +105,9 @@ def _check_epsilon(amax_epsilon: Any) -> None:
         raise ValueError(f"amax_epsilon must be a finite number >= 0, got {amax_epsilon!r}")
 
 
+RecipeT = TypeVar("RecipeT", bound="Recipe")
+
+
 class Recipe(abc.ABC):
     """The interface of a scaling recipe: every recipe is a frozen, hashable dataclass
     subclassing it, registered with `register` (one module per recipe under
@@ -113,16 +120,68 @@ class Recipe(abc.ABC):
       auto_min_fp8_flops: the forward FLOPs below which ``Fp8Rule(min_fp8_flops="auto")``
         keeps a converted GEMM in its operands' dtype (the recipe's measured break-even,
         docs/benchmarks.md, "One Dense layer").
+      takes_float64: whether its GEMM takes float64 operands (under ``jax_enable_x64``)
+        besides the float32, bfloat16 and float16 every recipe takes.
+      stand_in: for a recipe that keeps state, the name of the registered recipe without
+        state that messages offer first in its place where no state can be kept (inside a
+        ``shard_map``, a grouped GEMM of an Equinox model); None for one that keeps none.
     """
 
     keeps_state: ClassVar[bool]
     auto_min_fp8_flops: ClassVar[float]
-    fp8_format: Format
+    takes_float64: ClassVar[bool] = False
+    stand_in: ClassVar[str | None] = None
 
     def state_dtypes(self) -> dict[str, np.dtype]:
         """The FP8 dtype of each state a GEMM keeps, by role (``input``, ``kernel``,
         ``grad``); empty for a recipe that keeps none."""
         return {}
+
+    def state_history_len(self) -> int | None:
+        """The amax history length L of each state a GEMM keeps (its ``amax_history`` is
+        ``[..., L]``); None for a recipe that keeps none."""
+        return None
+
+    def create_state(self, role: str, shape: Sequence[int] = (),
+                     history_len: int | None = None) -> ScalingState:
+        """A fresh state (zero history, scale 1) for the ``role`` of `state_dtypes`, of
+        leading axes ``shape`` and history length ``history_len`` (default
+        `state_history_len`): the one place a recipe's states are made (its `create_meta`,
+        the layers' variables). TypeError for a recipe that keeps none, ValueError for a
+        role it has no state for."""
+        # state.py imports this module: the state class is imported when first needed.
+        from jax_fp8.state import ScalingState
+
+        name = type(self).__name__
+        if not self.keeps_state:
+            raise TypeError(f"{name} keeps no state: it has no {role!r} state to create")
+        dtypes = self.state_dtypes()
+        if role not in dtypes:
+            raise ValueError(f"{name} keeps no {role!r} state; its states are "
+                             f"{', '.join(dtypes)}")
+        length = self.state_history_len() if history_len is None else history_len
+        if length is None:
+            raise TypeError(f"{name} keeps state but gives no state_history_len()")
+        return ScalingState.create(shape, length, dtypes[role])
+
+    def to_fields(self) -> dict[str, Any]:
+        """The recipe as JSON-able fields: what a serialized meta stores besides the
+        recipe's registered name (jax.export, a packed state's layout); `from_fields`
+        reads them back into an equal recipe. The default: every dataclass field in
+        declaration order, an `enum.Enum` as its value. A recipe with a field JSON cannot
+        hold overrides both; no field may be called ``recipe`` (the name's key)."""
+        return {f.name: _json_value(getattr(self, f.name))
+                for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+
+    @classmethod
+    def from_fields(cls: type[RecipeT], fields: dict[str, Any]) -> RecipeT:
+        """The recipe `to_fields` gave ``fields`` for (a field it lacks takes its default).
+        The default: each field passed to the constructor, one annotated with an
+        `enum.Enum` type converted from its value (annotations must resolve in the
+        recipe's module, as ``typing.get_type_hints`` reads them)."""
+        hints = typing.get_type_hints(cls)
+        return cls(**{name: hints[name](value) if _is_enum(hints.get(name)) else value
+                      for name, value in fields.items()})
 
     @abc.abstractmethod
     def create_meta(self, shape: Sequence[int] = (), history_len: int | None = None) -> Any:
@@ -167,6 +226,14 @@ GEMM_PRIMITIVES: dict[str, tuple[str, Callable[[], str]]] = {}
 DEFAULT = "DelayedScaling"
 
 R = TypeVar("R", bound=type[Recipe])
+
+
+def _json_value(value: Any) -> Any:
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def _is_enum(hint: Any) -> bool:
+    return isinstance(hint, type) and issubclass(hint, enum.Enum)
 
 
 def register(cls: R) -> R:
@@ -223,9 +290,26 @@ def of_states() -> Recipe:
     return next(c for c in _REGISTRY.values() if c.keeps_state)()
 
 
+def without_state(recipe: Recipe | None = None) -> tuple[str, ...]:
+    """The names of the registered recipes that keep no state, in registration order but
+    for ``recipe``'s `Recipe.stand_in` first (default: the default recipe's): what a
+    message offers where no state can be kept."""
+    names = [n for n, c in _REGISTRY.items() if not c.keeps_state]
+    lead = (recipe if recipe is not None else _REGISTRY[DEFAULT]).stand_in
+    if lead in names:
+        names.insert(0, names.pop(names.index(lead)))
+    return tuple(names)
+
+
+def spoken(names: Sequence[str], conjunction: str = "or") -> str:
+    """``names`` as a message lists them: ``"A, B or C"`` (``"A"`` for one)."""
+    if len(names) < 2:
+        return "".join(names)
+    return f"{', '.join(names[:-1])} {conjunction} {names[-1]}"
+
+
 def _names() -> str:
-    names = [f"jax_fp8.{n}" if i == 0 else n for i, n in enumerate(_REGISTRY)]
-    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+    return spoken([f"jax_fp8.{n}" if i == 0 else n for i, n in enumerate(_REGISTRY)])
 
 
 def check_recipe(recipe: Any, name: str = "recipe") -> Any:

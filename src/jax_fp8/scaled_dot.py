@@ -122,8 +122,9 @@ def scaled_dot_general(lhs: ArrayLike, rhs: ArrayLike,
                                jax_fp8.Float8BlockScaling())   # x [B, T, D], kernel [D, H]
     """
     if not isinstance(recipe, StatelessRecipe):
-        raise TypeError(f"recipe must be a recipe that keeps no state (e.g. "
-                        f"jax_fp8.Float8CurrentScaling or Float8BlockScaling), got "
+        offered = recipe_lib.spoken([f"jax_fp8.{n}" if i == 0 else n for i, n in
+                                     enumerate(recipe_lib.without_state())])
+        raise TypeError(f"recipe must be a recipe that keeps no state ({offered}), got "
                         f"{type(recipe).__name__}")
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     for name, a in (("lhs", lhs), ("rhs", rhs)):

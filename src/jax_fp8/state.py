@@ -188,8 +188,8 @@ def check_states_follow(recipe: Any, tree: Any, name: str = "tree",
     """Raises ValueError when a state of `tree` was not made by `recipe` (a stateless
     recipe, current or blockwise, makes none).
 
-    Each state's history length must be ``recipe.history_len`` and its FP8 dtype the
-    one the recipe gives its role (``fwd_dtype`` for ``input``/``kernel``, ``bwd_dtype``
+    Each state's history length must be ``recipe.state_history_len()`` and its FP8 dtype
+    the one the recipe gives its role (``fwd_dtype`` for ``input``/``kernel``, ``bwd_dtype``
     for ``grad``; either for states whose role the tree does not name). The message
     names ``hints``' fix (default: the framework on the call stack, else plain JAX's).
     """
@@ -200,14 +200,13 @@ def check_states_follow(recipe: Any, tree: Any, name: str = "tree",
             _refuse(hints, f"{name}{jax.tree_util.keystr(found[0][0])} is a delayed-scaling "
                            f"state, but the recipe {type(recipe).__name__} keeps none")
         return
-    dtypes = recipe.state_dtypes()
+    dtypes, length = recipe.state_dtypes(), recipe.state_history_len()
     for path, fp8_dtype, history_len in found:
         role = _role(path)
         want = (dtypes[role],) if role in dtypes else tuple(dtypes.values())
         problems = []
-        if history_len != recipe.history_len:
-            problems.append(f"history length {history_len}, the recipe's is "
-                            f"{recipe.history_len}")
+        if history_len != length:
+            problems.append(f"history length {history_len}, the recipe's is {length}")
         if fp8_dtype not in want:
             problems.append(f"FP8 dtype {fp8_dtype.name}, the recipe's is "
                             f"{' or '.join(d.name for d in dict.fromkeys(want))}")

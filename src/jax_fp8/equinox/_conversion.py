@@ -15,13 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fp8 import interception, rules as rules_lib
+from jax_fp8 import interception, recipe as recipe_lib, rules as rules_lib
 from jax_fp8.equinox._gemm import fp8_gemm
 from jax_fp8.equinox._linear import Fp8Linear
 from jax_fp8.equinox._state import Fp8State
 from jax_fp8.meta import Fp8Meta
 from jax_fp8.ragged_fp8 import fp8_ragged_dot
-from jax_fp8.recipe import DelayedScaling
 from jax_fp8.rules import Fp8ConversionWarning
 
 __all__ = ["fp8_model"]
@@ -110,12 +109,12 @@ def _ragged_dot(module: Any, current: dict[str, Fp8Meta], gemm_args: tuple[Any, 
     rule = module._fp8_rule  # noqa: SLF001
     meta = current[weight]
     if not meta.stateless:
+        offered = ", ".join(f"{n}()" for n in recipe_lib.without_state(rule.recipe))
         raise ValueError(
             f"jax_fp8.equinox.fp8_model: {type(module).__name__} multiplies its weight "
             f"{weight!r} in a jax.lax.ragged_dot (a mixture-of-experts layer), whose "
             f"delayed-scaling state is one per expert; the Equinox converter makes one state "
-            f"per weight. Convert this module with a recipe without state "
-            f"(Float8CurrentScaling(), Float8BlockScaling(), MXFP8BlockScaling()), or "
+            f"per weight. Convert this module with a recipe without state ({offered}), or "
             f"exclude it with Fp8Rule(path=..., recipe=None) before the other rules")
     lhs, rhs, group_sizes = gemm_args
     out, _ = fp8_ragged_dot(lhs, rhs, group_sizes, meta, precision=precision,
@@ -138,13 +137,14 @@ def _converting_class(cls: Any, rule: Any) -> type:
 
 def _convert_own(module: eqx.Module, rule: rules_lib.Fp8Rule, path: str) -> Any:
     weights = _own_weights(module)
-    if rule.activations and isinstance(rule.recipe, DelayedScaling):
+    if rule.activations and rule.recipe is not None and rule.recipe.keeps_state:
+        offered = recipe_lib.spoken([f"{n}()" for n in recipe_lib.without_state(rule.recipe)])
         raise ValueError(
-            f"jax_fp8.equinox.fp8_model: Fp8Rule(activations=True) with delayed scaling "
-            f"matches {type(module).__name__} at {path!r}: a GEMM of two activations would "
-            f"need an FP8 state of its own, which an Equinox model cannot add while it runs. "
-            f"Use Float8CurrentScaling() or Float8BlockScaling() for that rule (they keep no "
-            f"state), or activations=False")
+            f"jax_fp8.equinox.fp8_model: Fp8Rule(activations=True) with "
+            f"{type(rule.recipe).__name__} (a recipe that keeps state) matches "
+            f"{type(module).__name__} at {path!r}: a GEMM of two activations would need an "
+            f"FP8 state of its own, which an Equinox model cannot add while it runs. Use "
+            f"{offered} for that rule (they keep no state), or activations=False")
     if not weights and not rule.activations:
         return module
     module_class: Any = type(module)

@@ -21,7 +21,6 @@ import jax
 
 from jax_fp8 import _compat, _trace_checks, recipe as recipe_lib
 from jax_fp8.meta import Fp8Meta, scales_frozen
-from jax_fp8.state import ScalingState
 
 FP8_COLLECTION = "fp8_meta"
 
@@ -68,17 +67,15 @@ def _check_collection_reaches(module: nn.Module, collection: str, op: str) -> No
                                      fix=fix.format(c=collection)))
 
 
-def _meta_variables(module: nn.Module, recipe: Any, collection: str,
+def _meta_variables(module: nn.Module, recipe: recipe_lib.Recipe, collection: str,
                     op: str | None = None, shape: tuple[int, ...] = ()
                     ) -> list[nn.Variable] | None:
-    # recipe: a Recipe (Any: the history_len read below is a stateful recipe's only).
     recipe_lib.check_recipe(recipe, "recipe")
     if not recipe.keeps_state:
         return None  # scales from the operands: no state
     _check_collection_reaches(module, collection, op or type(module).__name__)
-    dtypes = recipe.state_dtypes()
-    return [module.variable(collection, name, ScalingState.create, shape, recipe.history_len,
-                            dtypes[name]) for name in Fp8Meta.STATES]
+    return [module.variable(collection, name, recipe.create_state, name, shape)
+            for name in Fp8Meta.STATES]
 
 
 # A module applied with its FP8 collection immutable cannot write the threaded meta back;

@@ -48,6 +48,10 @@ class DelayedScaling(recipe_lib.Recipe):
 
     keeps_state: ClassVar[bool] = True
     auto_min_fp8_flops: ClassVar[float] = 2.0 ** 36
+    # Its quantize and GEMMs widen or take any floating operand (its layers under x64).
+    takes_float64: ClassVar[bool] = True
+    # One scale per tensor, as delayed scaling's, taken from the tensor itself.
+    stand_in: ClassVar[str | None] = "Float8CurrentScaling"
 
     history_len: int = 1024
     amax_compute_algo: str = "max"
@@ -72,13 +76,14 @@ class DelayedScaling(recipe_lib.Recipe):
         fwd, bwd = self.fp8_format.fwd_dtype, self.fp8_format.bwd_dtype
         return {"input": fwd, "kernel": fwd, "grad": bwd}
 
+    def state_history_len(self) -> int:
+        return self.history_len
+
     def create_meta(self, shape: Sequence[int] = (), history_len: int | None = None,
                     ) -> Fp8Meta:
-        n = self.history_len if history_len is None else history_len
-        dtypes = self.state_dtypes()
-        return Fp8Meta(input=ScalingState.create(shape, n, dtypes["input"]),
-                       kernel=ScalingState.create(shape, n, dtypes["kernel"]),
-                       grad=ScalingState.create(shape, n, dtypes["grad"]))
+        input_, kernel, grad = (self.create_state(role, shape, history_len)
+                                for role in Fp8Meta.STATES)
+        return Fp8Meta(input=input_, kernel=kernel, grad=grad)
 
     def check_meta(self, meta: Any, name: str = "meta", shape: Sequence[int] = ()) -> None:
         if meta.recipe is not None:
