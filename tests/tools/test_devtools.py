@@ -216,6 +216,46 @@ def test_gemms_gpu_style():
         "loop_fusion": "loop fusion", "upd": "custom-call:jax_fp8_update"}
 
 
+# jax_fp8's grouped GEMMs as XLA:GPU compiles them (4 experts, 256 routed rows): the FP8
+# grouped GEMM, its weight gradient (operands transposed, rows padded to 320) and the bf16
+# grouped kernel, each a custom call with its workspace.
+GROUPED_HLO = """HloModule jit_moe, is_scheduled=true
+
+ENTRY %main (x: f8e4m3fn[256,64], w: f8e4m3fn[4,32,64], n: s32[4], s: f32[4], xt: f8e4m3fn[64,320], gt: f8e5m2[32,320], xb: bf16[256,64], wb: bf16[4,64,32]) -> (bf16[256,32], bf16[4,64,32], bf16[256,32]) {
+  %x = f8e4m3fn[256,64]{1,0} parameter(0)
+  %w = f8e4m3fn[4,32,64]{2,1,0} parameter(1)
+  %n = s32[4]{0} parameter(2)
+  %s = f32[4]{0} parameter(3)
+  %xt = f8e4m3fn[64,320]{1,0} parameter(4)
+  %gt = f8e5m2[32,320]{1,0} parameter(5)
+  %xb = bf16[256,64]{1,0} parameter(6)
+  %wb = bf16[4,64,32]{2,1,0} parameter(7)
+  %grouped = (bf16[256,32]{1,0}, u8[4096]{0}) custom-call(%x, %w, %n, %s, %s), custom_call_target="jax_fp8_grouped_gemm", api_version=API_VERSION_TYPED_FFI
+  %wgrad = (bf16[4,64,32]{2,1,0}, u8[4096]{0}) custom-call(%xt, %gt, %n, %s, %s), custom_call_target="jax_fp8_grouped_wgrad", api_version=API_VERSION_TYPED_FFI
+  %ragged = (bf16[256,32]{1,0}, u8[4096]{0}) custom-call(%xb, %wb, %n), custom_call_target="jax_fp8_ragged_dot", api_version=API_VERSION_TYPED_FFI
+  %o1 = bf16[256,32]{1,0} get-tuple-element(%grouped), index=0
+  %o2 = bf16[4,64,32]{2,1,0} get-tuple-element(%wgrad), index=0
+  %o3 = bf16[256,32]{1,0} get-tuple-element(%ragged), index=0
+  ROOT %t = (bf16[256,32]{1,0}, bf16[4,64,32]{2,1,0}, bf16[256,32]{1,0}) tuple(%o1, %o2, %o3)
+}
+"""
+
+
+def test_grouped_gemms_are_gemms_fp8_by_their_operands():
+    assert sorted(hlo.gemms(GROUPED_HLO)) == sorted([
+        hlo.Gemm("grouped", "jax_fp8_grouped_gemm", True),
+        hlo.Gemm("wgrad", "jax_fp8_grouped_wgrad", True),
+        hlo.Gemm("ragged", "jax_fp8_ragged_dot", False)])
+    assert hlo.fp8_gemms(GROUPED_HLO) == {"jax_fp8_grouped_gemm": 1, "jax_fp8_grouped_wgrad": 1}
+    # Summed over the groups: the product's rows; the weight gradient's padded rows.
+    assert hlo.gemm_sizes(GROUPED_HLO) == {"grouped": hlo.GemmSize(1, 256, 32, 64),
+                                           "wgrad": hlo.GemmSize(1, 64, 32, 320),
+                                           "ragged": hlo.GemmSize(1, 256, 32, 64)}
+    families = hlo.op_families(GROUPED_HLO)
+    assert {k: families[k] for k in ("grouped", "wgrad", "ragged")} == {
+        "grouped": "fp8 gemm", "wgrad": "fp8 gemm", "ragged": "gemm"}
+
+
 def test_collectives():
     got = hlo.collectives(COLLECTIVE_HLO)
     assert got == [

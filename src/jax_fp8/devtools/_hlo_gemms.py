@@ -1,7 +1,8 @@
 """The GEMMs of a compiled HLO program: which kernels are GEMMs, FP8 or not, and their sizes.
 
 Part of `jax_fp8.devtools.hlo` (which re-exports every public name here): a GEMM is a
-GEMM library custom call, a fusion around a dot, or a bare dot.
+GEMM library custom call (jax_fp8's grouped GEMMs included), a fusion around a dot, or a
+bare dot.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import re
 from collections.abc import Iterable
 from typing import NamedTuple, cast
 
+from jax_fp8._primitives import grouped_gemm, grouped_wgrad, ragged_dot
 from jax_fp8.devtools._hlo_text import (
     _ARRAY,
     Instruction,
@@ -28,6 +30,15 @@ from jax_fp8.devtools._hlo_text import (
     tuple_elements,
 )
 
+# jax_fp8's grouped GEMM custom calls: G products in one kernel, counted as one GEMM (FP8
+# where an operand is). Not all their targets say "gemm", as a library call's do.
+_GROUPED_TARGETS = frozenset({grouped_gemm.TARGET, grouped_wgrad.TARGET, ragged_dot.TARGET})
+
+
+def _is_gemm_call(target: str) -> bool:
+    return target in _GROUPED_TARGETS or re.search(r"gemm|matmul", target, re.IGNORECASE) \
+        is not None
+
 _DOTS = frozenset({"dot", "scaled-dot", "ragged-dot"})
 
 
@@ -36,7 +47,7 @@ class Gemm(NamedTuple):
 
     name: str      # the instruction's name
     kind: str      # custom-call target, fusion kind (e.g. "__triton_gemm") or "dot"
-    fp8: bool      # an FP8 operand (or an FP8 library call, target ending in "$f8")
+    fp8: bool      # an FP8 operand (or a cuBLAS FP8 call, target ending in "$f8")
 
 
 class GemmSize(NamedTuple):
@@ -72,15 +83,20 @@ def _dots(mod: Module, name: str, seen: set) -> list[bool]:
 
 
 def gemms(program: Program) -> list[Gemm]:
-    """The kernel-level GEMMs: GEMM library custom calls (target with "gemm"/"matmul"),
-    fusions whose body has a dot (e.g. Triton GEMMs) and bare dots."""
+    """The kernel-level GEMMs: GEMM library custom calls (target with "gemm"/"matmul", and
+    jax_fp8's grouped GEMMs: its FP8 grouped GEMM and weight gradient, `jax_fp8.ragged_dot`'s
+    kernel), fusions whose body has a dot (e.g. Triton GEMMs) and bare dots."""
     mod = parse(program)
     out = []
     for comp, ins in _walk(mod):
         if ins.opcode == "custom-call":
             target = _target(ins)
-            if re.search(r"gemm|matmul", target, re.IGNORECASE):
-                out.append(Gemm(ins.name, target, target.endswith("$f8")))
+            if _is_gemm_call(target):
+                types = {i.name: i.shape for i in mod.computations[comp]}
+                fp8 = target.endswith("$f8") or any(
+                    _is_fp8(d) for op in gemm_operands(ins)
+                    for d in _dtypes(types.get(op.partition("#")[0], "")))
+                out.append(Gemm(ins.name, target, fp8))
         elif ins.opcode == "fusion":
             dots = [f for c in _callees(ins.line) for f in _dots(mod, c, set())]
             if dots:
@@ -141,6 +157,8 @@ def _gemm_size(mod: Module, comp: str, ins: Instruction) -> GemmSize | None:
     if len(shapes) < 2 or None in shapes:
         return None
     lhs, rhs = cast("list[list[int]]", shapes)
+    if ins.opcode == "custom-call" and _target(ins) in _GROUPED_TARGETS:
+        return _grouped_size(lhs, _dims(tuple_elements(ins.shape)[0]))
     if block:
         return _size(lhs, rhs, (len(lhs) - 1,), tuple(range(len(lhs) - 2)))
     patterns = _DOT_DIMS if ins.opcode in _DOTS else _GEMM_CONFIG_DIMS
@@ -159,6 +177,20 @@ def _gemm_size(mod: Module, comp: str, ins: Instruction) -> GemmSize | None:
     axes = {side: [int(a) for a in re.findall(r"\d+", m.group(1))] if m else []
             for side, m in found.items()}
     return _size(lhs, rhs, axes["lhs_contracting"], axes["lhs_batch"])
+
+
+def _grouped_size(lhs: list[int], out: list[int] | None) -> GemmSize | None:
+    """A grouped GEMM's sizes summed over its groups, from its first operand and result:
+    a product [M, K] -> [M, N] (all M rows, those past the last group included; K
+    contracted) or a weight gradient [G, K, N] (its first operand [M, K] or [K, M], the M
+    rows contracted, padding included): an upper bound of the FLOPs it computes."""
+    if out is None or len(lhs) != 2:
+        return None
+    if len(out) == 2:
+        return GemmSize(1, out[0], out[1], lhs[1])
+    if len(out) == 3 and out[1] in lhs:
+        return GemmSize(1, out[1], out[2], math.prod(lhs) // out[1])
+    return None
 
 
 def _first_dot(mod: Module, name: str, seen: set[str]) -> tuple[str, Instruction] | None:
@@ -184,7 +216,7 @@ def gemm_sizes(program: Program) -> dict[str, GemmSize]:
     out = {}
     for comp, ins in _walk(mod):
         size = None
-        if ins.opcode == "custom-call" and re.search(r"gemm|matmul", _target(ins), re.IGNORECASE):
+        if ins.opcode == "custom-call" and _is_gemm_call(_target(ins)):
             # cuBLAS calls take A and B first; jax_fp8's block-scaled GEMM as above
             size = _gemm_size(mod, comp, ins)
         elif ins.opcode == "fusion":
