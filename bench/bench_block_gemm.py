@@ -8,7 +8,7 @@ weight [out, in] in 128x128 tiles, bf16 out), the data gradient ([tokens, out] x
 [in, out] tiles, bf16 out) and the weight gradient ([in, tokens] x [out, tokens], both in
 1x128 blocks along the tokens, float32 out), as jax_fp8's block recipe calls them
 (scales already in the GEMM's layout, so the custom call is the only work). Per-tensor
-FP8 is ``jax_fp8._gemms.gemm`` (cuBLASLt through XLA, autotuned) with fast accumulation
+FP8 is ``jax_fp8.gemm._gemms.gemm`` (cuBLASLt through XLA, autotuned) with fast accumulation
 ("fast") and with float32 accumulation ("f32acc"), at the same shapes and output types
 (its GEMM kernel's time alone).
 
@@ -42,12 +42,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fp8 import _gemms  # noqa: E402
 from jax_fp8._primitives import (
     block_gemm as bg,  # noqa: E402
     block_quantize as bq,  # noqa: E402
 )
 from jax_fp8.devtools import trace  # noqa: E402
+from jax_fp8.gemm import _gemms  # noqa: E402
 from llm_models import SIZES  # noqa: E402
 
 E4M3 = jnp.float8_e4m3fn

@@ -5,7 +5,7 @@ its contraction), jax_fp8's bf16 grouped kernel (`jax_fp8.ragged_dot`'s primitiv
 CUTLASS family in bfloat16: the baseline), XLA's own ``jax.lax.ragged_dot`` /
 ``ragged_dot_general`` in bfloat16 (which XLA:GPU expands into a dense product over all
 experts), the FP8 primitives' jax.numpy references, and a dense per-tensor FP8 GEMM of the
-same (M, K, N) (XLA's cuBLASLt FP8 GEMM through ``jax_fp8._gemms.gemm``, fast accumulation
+same (M, K, N) (XLA's cuBLASLt FP8 GEMM through ``jax_fp8.gemm._gemms.gemm``, fast accumulation
 and float32 accumulation).
 
 Shapes (``--models``): the expert GEMMs of one MoE layer over ``tokens x top_k`` routed rows,
@@ -52,13 +52,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import common  # noqa: E402
-from jax_fp8 import _gemms  # noqa: E402
 from jax_fp8._primitives import (
     grouped_gemm as gg,  # noqa: E402
     grouped_wgrad as gw,  # noqa: E402
     ragged_dot as rd,  # noqa: E402
 )
 from jax_fp8.devtools import trace  # noqa: E402
+from jax_fp8.gemm import _gemms  # noqa: E402
 
 MODELS = {**common.MOE_MODELS, "tiny": (4, 2, 64, 32, 16)}  # experts, top_k, d, ffn, tokens
 NT = (((1,), (1,)), ((), ()))

@@ -325,7 +325,7 @@ def time_fp8_gemm_alone(g, steps, seed=0) -> dict:
     cuBLASLt's algorithm as XLA autotunes it for that GEMM alone): {"tflops": with the
     row's accumulation (fast for a forward GEMM, float32 for a backward one),
     "tflops_other_accumulation": with the other}. GPU kernel time of ``steps`` calls."""
-    from jax_fp8 import _gemms
+    from jax_fp8.gemm import _gemms
     if g.get("batch") != 1 or None in (g.get("m"), g.get("n"), g.get("k")) \
             or not str(g.get("kind", "")).startswith("__cublas"):
         return {}   # (a block-scaled GEMM is not a per-tensor one)

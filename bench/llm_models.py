@@ -447,7 +447,7 @@ XLA_PIECES = {
                       lambda x, fp8_dtype: False),
     # The forward GEMM's FP8 kernel left as stored: XLA casts it into a transpose for the
     # forward GEMM and transposes it back for the input gradient's.
-    "kernel_rotation": ("jax_fp8._gemms", "rhs_for_forward",
+    "kernel_rotation": ("jax_fp8.gemm._gemms", "rhs_for_forward",
                         lambda q_rhs, dimension_numbers: (q_rhs, dimension_numbers)),
     # Neither layout kernel takes any size: every FP8 transpose, and the gradient's
     # quantize + transpose + amax, lower to XLA's own ops.

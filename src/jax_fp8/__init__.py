@@ -24,17 +24,18 @@ Public API (reference: ``docs/reference/``, built by ``mkdocs build``; the arith
 
 # grouped_gemm, grouped_wgrad: register jax_fp8_grouped_gemm and jax_fp8_grouped_wgrad (their
 # FFI targets are in every module's table).
-# interception_ragged: the converters' interception of jax.lax.ragged_dot.
-from jax_fp8 import interception_ragged as _interception_ragged  # noqa: F401
+# interception.ragged: the converters' interception of jax.lax.ragged_dot.
 from jax_fp8._primitives import (
     grouped_gemm as _grouped_gemm,  # noqa: F401
     grouped_wgrad as _grouped_wgrad,  # noqa: F401
     ragged_dot as _ragged_dot_primitive,  # noqa: F401
 )
 from jax_fp8._registration import HAS_CPU_KERNEL, HAS_CUDA_KERNEL, export_disabled_checks
-from jax_fp8.blockwise import quantize_blocks, scale_from_amax
-from jax_fp8.dot_general import fp8_dot_general
-from jax_fp8.einsum import fp8_einsum
+from jax_fp8.gemm.dot_general import fp8_dot_general
+from jax_fp8.gemm.einsum import fp8_einsum
+from jax_fp8.gemm.ragged import ragged_dot
+from jax_fp8.gemm.ragged_fp8 import fp8_ragged_dot, fp8_ragged_dot_general
+from jax_fp8.interception import ragged as _interception_ragged  # noqa: F401
 from jax_fp8.meta import (
     AmaxGrad,
     Fp8Meta,
@@ -47,8 +48,7 @@ from jax_fp8.meta import (
 )
 from jax_fp8.packing import PackedStates, pack_states, unpack_states
 from jax_fp8.quantization import compute_amax, dequantize, quantize
-from jax_fp8.ragged import ragged_dot
-from jax_fp8.ragged_fp8 import fp8_ragged_dot, fp8_ragged_dot_general
+from jax_fp8.quantization.blockwise import quantize_blocks, scale_from_amax
 from jax_fp8.recipe import Format, Recipe, fp8_max, scaled_max
 from jax_fp8.recipes import (
     DelayedScaling,

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax_fp8.recipes  # noqa: F401  (registers the recipes whose default() is asked below)
 from jax_fp8 import recipe as recipe_lib
-from jax_fp8.dot_general import check_min_fp8_flops
+from jax_fp8.gemm.dot_general import check_min_fp8_flops
 from jax_fp8.recipe import default as default_recipe
 
 __all__ = ["AUTO_MIN_FP8_FLOPS", "Fp8ConversionWarning", "Fp8Rule", "as_rules", "rule_for"]

@@ -10,7 +10,8 @@ import pytest
 
 import helpers
 import jax_fp8
-from jax_fp8 import Fp8Meta, ScalingState, _gemms
+from jax_fp8 import Fp8Meta, ScalingState
+from jax_fp8.gemm import _gemms
 
 F32 = np.float32
 DN = (((1,), (0,)), ((), ()))

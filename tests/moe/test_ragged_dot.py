@@ -355,7 +355,7 @@ def test_errors_name_the_fix():
 def test_min_fp8_flops_keeps_ragged_dot():
     x, w = _x_w(jnp.bfloat16)
     meta = jax_fp8.Fp8Meta.create(RECIPES["delayed"], shape=(G,))
-    assert jax_fp8.ragged_fp8.ragged_dot_flops(x.shape, w.shape) == 2 * M * K * N
+    assert jax_fp8.gemm.ragged_fp8.ragged_dot_flops(x.shape, w.shape) == 2 * M * K * N
     out, same = jax_fp8.fp8_ragged_dot(x, w, SIZES, meta, min_fp8_flops=2 * M * K * N + 1)
     assert same is meta
     np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.lax.ragged_dot(x, w, SIZES)))

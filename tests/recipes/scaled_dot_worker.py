@@ -21,8 +21,8 @@ import gemm_bounds as tg
 import helpers
 import jax_fp8
 from gemm_bounds import expected
-from jax_fp8 import blockwise
-from jax_fp8.scaled_dot import scaled_dot_general
+from jax_fp8.gemm.scaled_dot import scaled_dot_general
+from jax_fp8.quantization import blockwise
 
 RESULTS: dict[str, str] = {}
 assert jax.device_count() == 8, jax.devices()

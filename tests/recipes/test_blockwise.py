@@ -35,8 +35,8 @@ from block_cases import (
     nan_tile_cases,
     run,
 )
-from jax_fp8 import blockwise
 from jax_fp8._primitives import block_quantize as bq, quotient
+from jax_fp8.quantization import blockwise
 
 F32 = np.float32
 TARGET = 'custom_call_target="jax_fp8_block_quantize"'

@@ -14,8 +14,8 @@ import pytest
 import jax_fp8
 from jax_fp8 import fp8_pays
 from jax_fp8.devtools.explain import explain
-from jax_fp8.dot_general import MEASURED_REASON
 from jax_fp8.flax import fp8_model
+from jax_fp8.gemm.dot_general import MEASURED_REASON
 
 DELAYED, BLOCK = jax_fp8.DelayedScaling(), jax_fp8.Float8BlockScaling()
 

@@ -16,8 +16,8 @@ from flax import nnx
 
 import jax_fp8
 from helpers import assert_bits_equal
-from jax_fp8.dot_general import gemm_flops
 from jax_fp8.flax import Fp8DotGeneral, Fp8TrainState
+from jax_fp8.gemm.dot_general import gemm_flops
 
 DN = (((1,), (0,)), ((), ()))
 rng = np.random.default_rng(0)

@@ -19,7 +19,7 @@ import moe_models as mm
 from helpers import rand
 from jax_fp8 import meta as meta_lib, recipe as recipe_lib
 from jax_fp8.flax import Fp8Rule, fp8_model
-from jax_fp8.scaled_dot import StatelessRecipe, scaled_dot_general
+from jax_fp8.gemm.scaled_dot import StatelessRecipe, scaled_dot_general
 
 DN = (((1,), (0,)), ((), ()))
 

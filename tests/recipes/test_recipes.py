@@ -67,7 +67,7 @@ def test_stateless_metas_through_the_functional_api(name):
     np.testing.assert_allclose(out, x @ w, rtol=0.1, atol=0.1 * float(jnp.max(jnp.abs(x @ w))))
     eout, _ = jax_fp8.fp8_einsum("md,dn->mn", x, w, meta)
     np.testing.assert_array_equal(eout, out)
-    direct = jax_fp8.scaled_dot.scaled_dot_general(x, w, DN, recipe)
+    direct = jax_fp8.gemm.scaled_dot.scaled_dot_general(x, w, DN, recipe)
     np.testing.assert_array_equal(out, direct)
 
 

@@ -26,7 +26,7 @@ import jax_fp8.flax as jfl
 import jax_fp8.flax.nnx as jfnnx
 from jax_fp8 import Fp8Meta
 from jax_fp8.devtools import hlo
-from jax_fp8.scaled_dot import scaled_dot_general
+from jax_fp8.gemm.scaled_dot import scaled_dot_general
 
 F32 = np.float32
 DN = (((1,), (0,)), ((), ()))

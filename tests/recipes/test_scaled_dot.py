@@ -20,7 +20,7 @@ import helpers
 import jax_fp8
 from gemm_bounds import expected
 from jax_fp8 import Format
-from jax_fp8.scaled_dot import scaled_dot_general
+from jax_fp8.gemm.scaled_dot import scaled_dot_general
 
 F32 = np.float32
 DENSE = (((1,), (0,)), ((), ()))

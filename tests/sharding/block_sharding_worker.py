@@ -20,9 +20,9 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_fp8
-from jax_fp8 import blockwise
 from jax_fp8._primitives import base, block_gemm as gemm_lib, block_quantize as bq
 from jax_fp8.devtools import compilation, hlo
+from jax_fp8.quantization import blockwise
 
 assert jax.device_count() == 8
 DN = (((1,), (0,)), ((), ()))

@@ -32,9 +32,9 @@ import jax.extend.core
 import numpy as np
 
 from jax_fp8 import recipe as recipe_lib
-from jax_fp8._gemms import WIDENED_REASON, WIDENED_SCOPE
 from jax_fp8._primitives import base
-from jax_fp8.dot_general import KEPT_REASON, KEPT_SCOPE, MEASURED_REASON, MEASURED_SCOPE
+from jax_fp8.gemm._gemms import WIDENED_REASON, WIDENED_SCOPE
+from jax_fp8.gemm.dot_general import KEPT_REASON, KEPT_SCOPE, MEASURED_REASON, MEASURED_SCOPE
 from jax_fp8.interception import KEPT_SCOPES
 
 __all__ = ["Row", "explain", "table"]

@@ -19,8 +19,8 @@ from jax_fp8 import interception, recipe as recipe_lib, rules as rules_lib
 from jax_fp8.equinox._gemm import fp8_gemm
 from jax_fp8.equinox._linear import Fp8Linear
 from jax_fp8.equinox._state import Fp8State
+from jax_fp8.gemm.ragged_fp8 import fp8_ragged_dot
 from jax_fp8.meta import Fp8Meta
-from jax_fp8.ragged_fp8 import fp8_ragged_dot
 from jax_fp8.rules import Fp8ConversionWarning
 
 __all__ = ["fp8_model"]

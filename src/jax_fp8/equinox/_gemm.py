@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jax_fp8 import _compat, interception
-from jax_fp8.dot_general import check_min_fp8_flops, fp8_dot_general
-from jax_fp8.einsum import fp8_einsum
+from jax_fp8.gemm.dot_general import check_min_fp8_flops, fp8_dot_general
+from jax_fp8.gemm.einsum import fp8_einsum
 from jax_fp8.meta import Fp8Meta
 
 __all__ = ["fp8_gemm"]

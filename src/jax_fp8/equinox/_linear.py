@@ -8,9 +8,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from jax_fp8.dot_general import check_min_fp8_flops
 from jax_fp8.equinox._gemm import fp8_gemm
 from jax_fp8.equinox._state import Fp8State
+from jax_fp8.gemm.dot_general import check_min_fp8_flops
 
 __all__ = ["Fp8Linear"]
 

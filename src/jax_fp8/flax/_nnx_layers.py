@@ -16,10 +16,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_fp8 import _trace_checks, interception, recipe as recipe_lib
-from jax_fp8.dot_general import check_min_fp8_flops, fp8_dot_general
-from jax_fp8.einsum import fp8_einsum
+from jax_fp8.gemm.dot_general import check_min_fp8_flops, fp8_dot_general
+from jax_fp8.gemm.einsum import fp8_einsum
+from jax_fp8.gemm.ragged_fp8 import fp8_ragged_dot
 from jax_fp8.meta import Fp8Meta
-from jax_fp8.ragged_fp8 import fp8_ragged_dot
 
 
 class Fp8State(nnx.Variable):

@@ -63,11 +63,11 @@ import flax.linen as nn
 import jax
 
 import jax_fp8.recipes  # noqa: F401  (registers the recipes whose default() is asked below)
-from jax_fp8.dot_general import fp8_dot_general
-from jax_fp8.einsum import fp8_einsum
 from jax_fp8.flax._linen_variables import FP8_COLLECTION, _meta_variables, _read, _write
 from jax_fp8.flax._train_state import Fp8TrainState, fp8_value_and_grad, split_fp8
-from jax_fp8.ragged_fp8 import fp8_ragged_dot
+from jax_fp8.gemm.dot_general import fp8_dot_general
+from jax_fp8.gemm.einsum import fp8_einsum
+from jax_fp8.gemm.ragged_fp8 import fp8_ragged_dot
 from jax_fp8.recipe import Recipe, default as default_recipe
 
 __all__ = ["FP8_COLLECTION", "Fp8DotGeneral", "Fp8Einsum", "Fp8TrainState", "fp8_value_and_grad",

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_fp8 import interception
-from jax_fp8.dot_general import fp8_dot_general
-from jax_fp8.einsum import fp8_einsum
 from jax_fp8.flax import rules as rules_lib
 from jax_fp8.flax._nnx_layers import Fp8DotGeneral, Fp8Einsum, Fp8RaggedDot, _Fp8Base, _get
+from jax_fp8.gemm.dot_general import fp8_dot_general
+from jax_fp8.gemm.einsum import fp8_einsum
 
 __all__ = ["convert"]
 

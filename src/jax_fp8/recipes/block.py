@@ -1,5 +1,5 @@
 """Blockwise scaling (DeepSeek-V3's recipe, Transformer Engine's ``Float8BlockScaling``): one
-scale per 1 x 128 block or 128 x 128 tile, in the Dense form of `jax_fp8.scaled_dot`:
+scale per 1 x 128 block or 128 x 128 tile, in the Dense form of `jax_fp8.gemm.scaled_dot`:
 
   forward  out = x . w:    x quantized row-wise (blocks along K, role "x"), w column-wise
                            (the operand [N, K], role "w"), the block GEMM primitive
@@ -26,11 +26,12 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from jax_fp8 import _grouped, recipe as recipe_lib
+from jax_fp8 import recipe as recipe_lib
 from jax_fp8._primitives import block_gemm as gemm_lib, block_quantize as bq
 from jax_fp8._primitives.exact import up_scaled
+from jax_fp8.gemm import _grouped
+from jax_fp8.gemm.scaled_dot import StatelessRecipe, Types, explicit_type, typed
 from jax_fp8.recipe import Format
-from jax_fp8.scaled_dot import StatelessRecipe, Types, explicit_type, typed
 
 __all__ = ["Float8BlockScaling"]
 

@@ -2,7 +2,7 @@
 its own amax (``jax_fp8.compute_amax``; under a multi-device jit one max over all devices).
 
 Its GEMMs are the ones delayed scaling runs (``_gemms.gemm``: XLA's FP8 GEMM on CUDA, the
-result scaled by scale_inv_a * scale_inv_b), in the Dense form of `jax_fp8.scaled_dot`:
+result scaled by scale_inv_a * scale_inv_b), in the Dense form of `jax_fp8.gemm.scaled_dot`:
 
   forward  out = x . w     x and w quantized with fwd_dtype
   dgrad    dx  = g . w^T   g quantized with bwd_dtype (E5M2 under HYBRID)
@@ -22,10 +22,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import DTypeLike
 
-from jax_fp8 import _gemms, _grouped, current, recipe as recipe_lib
+from jax_fp8 import recipe as recipe_lib
 from jax_fp8._primitives import block_quantize as bq, layout
+from jax_fp8.gemm import _gemms, _grouped
+from jax_fp8.gemm.scaled_dot import StatelessRecipe
+from jax_fp8.quantization import current
 from jax_fp8.recipe import Format
-from jax_fp8.scaled_dot import StatelessRecipe
 
 __all__ = ["Float8CurrentScaling"]
 
@@ -89,7 +91,7 @@ class Float8CurrentScaling(StatelessRecipe):
 
     # ----------------------------------------------- grouped GEMMs (fp8_ragged_dot)
     # One scale per group of rows (the input, the gradient) and per expert (the weight),
-    # each from its own amax (jax_fp8._grouped.group_amax: NaN-propagating, exact).
+    # each from its own amax (jax_fp8.gemm._grouped.group_amax: NaN-propagating, exact).
 
     def _quantize_groups(self, a: jax.Array, ends: jax.Array, fp8_dtype: DTypeLike,
                          ) -> tuple[jax.Array, jax.Array]:

@@ -21,11 +21,12 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from jax_fp8 import _ad, _gemms, _grouped, _trace_checks, meta as meta_lib, recipe as recipe_lib
+from jax_fp8 import _trace_checks, meta as meta_lib, recipe as recipe_lib
 from jax_fp8._primitives import amax as amax_lib, layout
-from jax_fp8.current import scale_inverse
+from jax_fp8.gemm import _ad, _gemms, _grouped
 from jax_fp8.meta import Fp8Meta
 from jax_fp8.quantization import compute_amax, quantize
+from jax_fp8.quantization.current import scale_inverse
 from jax_fp8.recipe import Format
 from jax_fp8.state import ScalingState
 
@@ -275,7 +276,7 @@ _fp8_dot.defvjp(_fwd_rule, _bwd, symbolic_zeros=True)
 # One state per expert for the input, the kernel and the gradient (leading axis G): group
 # g's rows are quantized with meta.input's scale [g] (the gradient's with meta.grad's),
 # expert g's weight with meta.kernel's; the amaxes observed are per group of rows (0 for
-# an empty group) and per expert (jax_fp8._grouped.group_amax / expert_amax).
+# an empty group) and per expert (jax_fp8.gemm._grouped.group_amax / expert_amax).
 
 def _quantize_rows(x: jax.Array, state: ScalingState, group: jax.Array) -> jax.Array:
     """x [M, C] quantized with the scale of each row's group (the saturating cast of

@@ -7,7 +7,7 @@ E8M0 exponent ``e`` is v's biased exponent rounded up to the next power of two (
 Engine's ``float_to_e8m0``), ``scale_inv = 2^(e - 127)`` and
 ``x_fp8 = saturate_cast(x * (1 if e == 0 else 2^(127 - e)))``.
 
-The GEMMs, in the Dense form of `jax_fp8.scaled_dot` (every operand blocked along the axis
+The GEMMs, in the Dense form of `jax_fp8.gemm.scaled_dot` (every operand blocked along the axis
 its GEMM contracts, so each tensor is quantized twice, each time from the high-precision
 tensor, as block scaling's 1-D blocks are):
 
@@ -34,12 +34,14 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
-from jax_fp8 import _grouped, _registration, current, recipe as recipe_lib
+from jax_fp8 import _registration, recipe as recipe_lib
 from jax_fp8._primitives import axis_types
 from jax_fp8._primitives.exact import U32, abs_bits, cast_scaled, from_bits, up_scaled, widen
 from jax_fp8._primitives.quotient import product_bits
+from jax_fp8.gemm import _grouped
+from jax_fp8.gemm.scaled_dot import StatelessRecipe, Types, explicit_type, typed
+from jax_fp8.quantization import current
 from jax_fp8.recipe import Format
-from jax_fp8.scaled_dot import StatelessRecipe, Types, explicit_type, typed
 
 __all__ = ["MXFP8BlockScaling", "dequantize_mxfp8", "native_status", "quantize_mxfp8"]
 

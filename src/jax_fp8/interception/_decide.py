@@ -13,12 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fp8 import _gemms, recipe as recipe_lib
-from jax_fp8._interception_follow import _FLOAT64, _FLOATS, follow
-from jax_fp8._interception_report import note
-from jax_fp8._interception_running import weight_of
-from jax_fp8._interception_site import Site
-from jax_fp8.dot_general import KEPT_SCOPE, gemm_flops, kept_out
+from jax_fp8 import recipe as recipe_lib
+from jax_fp8.gemm import _gemms
+from jax_fp8.gemm.dot_general import KEPT_SCOPE, gemm_flops, kept_out
+from jax_fp8.interception._follow import _FLOAT64, _FLOATS, follow
+from jax_fp8.interception._report import note
+from jax_fp8.interception._running import weight_of
+from jax_fp8.interception._site import Site
 from jax_fp8.rules import Fp8Rule
 
 __all__ = ["KEPT_SCOPES", "check_body", "einsum_dimension_numbers", "einsum_flops",

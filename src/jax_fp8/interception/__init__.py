@@ -30,11 +30,11 @@ operand it can follow to a parameter, operands of a dtype the recipe does not ta
 reported once as a `jax_fp8.Fp8ConversionWarning` (`reporting`), and the GEMM runs under
 a name scope that ``jax_fp8.devtools.explain`` reads (`KEPT_SCOPES`).
 
-Following a weight is `jax_fp8._interception_follow`, the report
-`jax_fp8._interception_report`, installing and the cache key
-`jax_fp8._interception_install`, the running sites and calls
-`jax_fp8._interception_running`, what a GEMM becomes and why
-`jax_fp8._interception_decide`; this module re-exports their public names.
+Following a weight is `jax_fp8.interception._follow`, the report
+`jax_fp8.interception._report`, installing and the cache key
+`jax_fp8.interception._install`, the running sites and calls
+`jax_fp8.interception._running`, what a GEMM becomes and why
+`jax_fp8.interception._decide`; this module re-exports their public names.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_fp8 import _compat
-from jax_fp8._interception_decide import (
+from jax_fp8.interception._decide import (
     KEPT_SCOPES,
     _kept,
     _weight_side,
@@ -58,7 +58,7 @@ from jax_fp8._interception_decide import (
     einsum_flops,
     note_gemm,
 )
-from jax_fp8._interception_follow import (
+from jax_fp8.interception._follow import (
     _BINDS,
     _TRANSFORMS,
     FOLLOWED,
@@ -66,9 +66,9 @@ from jax_fp8._interception_follow import (
     local,
     track,
 )
-from jax_fp8._interception_install import conversion_key, installed, installed_now, through
-from jax_fp8._interception_report import note, reporting
-from jax_fp8._interception_running import (
+from jax_fp8.interception._install import conversion_key, installed, installed_now, through
+from jax_fp8.interception._report import note, reporting
+from jax_fp8.interception._running import (
     _SITE_KEY,
     Conversion,
     _conversions,
@@ -77,7 +77,7 @@ from jax_fp8._interception_running import (
     running,
     weight_of,
 )
-from jax_fp8._interception_site import Site
+from jax_fp8.interception._site import Site
 
 __all__ = ["FOLLOWED", "KEPT_SCOPES", "ORIGINAL", "Conversion", "Site", "conversion_key",
            "check_body", "converting", "current", "einsum_flops", "explicit_einsum", "follow",
@@ -90,7 +90,7 @@ _CONTRACTIONS = _compat.numpy_contractions()
 ORIGINAL = {"dot_general": jax.lax.dot_general, "einsum": jnp.einsum,
             "matmul": _CONTRACTIONS.matmul, "dot": _CONTRACTIONS.dot}
 # Further (owner, attribute, replacement) that `patched` installs with the two above (each
-# a GEMM function a module of its own intercepts: jax_fp8.interception_ragged's
+# a GEMM function a module of its own intercepts: jax_fp8.interception.ragged's
 # jax.lax.ragged_dot).
 PATCHES: list[tuple[Any, str, Any]] = []
 
@@ -129,7 +129,7 @@ def patched(extra: Sequence[tuple[Any, str, Any]] = ()) -> Iterator[None]:
     products, the following ``bind``s and `PATCHES` for the duration, and each
     ``(owner, attribute, replacement)`` of ``extra`` (a framework's own hook, e.g. the
     Flax adapter's recording ``Module.param``): all or none, reference counted per
-    attribute over threads (`jax_fp8._interception_install.installed`). Other threads
+    attribute over threads (`jax_fp8.interception._install.installed`). Other threads
     see JAX as it is, since the replacements act only where a converted method runs
     (`running`)."""
     with installed([(jax.lax, "dot_general", _converting_dot_general),

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_fp8._interception_install import through
+from jax_fp8.interception._install import through
 
 _FLOATS = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
 _FLOAT64 = np.dtype(np.float64)

@@ -4,11 +4,11 @@ scaled from its own amax.
 The numbers (docs/semantics.md, "Current and blockwise scaling"): a block's amax is
 ``fmaxf(0, |x_1|, ..., |x_n|)`` (NaN ignored), its scale Transformer Engine's
 ``compute_scale_from_amax`` (``scale_from_amax``, shared with current scaling in
-``jax_fp8.current``), ``x_fp8 = saturate_cast(x * s)`` and ``scale_inv = 1 / s``, all
+``jax_fp8.quantization.current``), ``x_fp8 = saturate_cast(x * s)`` and ``scale_inv = 1 / s``, all
 IEEE float32 with subnormals kept. The CUDA kernel (ffi/block_quantize_cuda.cu) and the
 jax.numpy path give the same bits; a NaN x becomes the FP8 type's quiet NaN with x's
 sign (0x7F/0xFF for E4M3, 0x7E/0xFE for E5M2). Per-tensor current scaling
-(``quantize_current``) lives in ``jax_fp8.current`` and is re-exported here.
+(``quantize_current``) lives in ``jax_fp8.quantization.current`` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -22,7 +22,13 @@ import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
 from jax_fp8._primitives import block_gemm as gemm_lib, block_quantize as bq
-from jax_fp8.current import _operand, _options, quantize_current, scale_from_amax, scale_inverse  # noqa: F401
+from jax_fp8.quantization.current import (  # noqa: F401
+    _operand,
+    _options,
+    quantize_current,
+    scale_from_amax,
+    scale_inverse,
+)
 
 __all__ = ["dequantize_blocks", "quantize_blocks", "quantize_blocks_both",
            "quantize_blocks_transposed", "quantize_current", "scale_from_amax", "scale_inverse"]

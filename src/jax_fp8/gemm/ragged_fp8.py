@@ -4,7 +4,7 @@ operands and a custom VJP, for any recipe.
 Here the call is only checked and canonicalised (the operands, ``group_sizes``, the result
 dtype, a GEMM kept out of FP8 below ``min_fp8_flops``); the G GEMMs are the meta's
 recipe's (``recipe.ragged_dot``, each recipe in its module under ``jax_fp8.recipes``; the
-machinery they share in ``jax_fp8._grouped``).
+machinery they share in ``jax_fp8.gemm._grouped``).
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
-from jax_fp8 import _compat, _grouped
-from jax_fp8.dot_general import check_meta, check_min_fp8_flops, kept_out
+from jax_fp8 import _compat
+from jax_fp8.gemm import _grouped
+from jax_fp8.gemm.dot_general import check_meta, check_min_fp8_flops, kept_out
+from jax_fp8.gemm.ragged import ragged_dot
 from jax_fp8.meta import Fp8Meta
-from jax_fp8.ragged import ragged_dot
 
 __all__ = ["fp8_ragged_dot", "fp8_ragged_dot_general", "ragged_dot_flops"]
 

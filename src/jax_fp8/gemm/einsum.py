@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike, DTypeLike
 
-from jax_fp8.dot_general import fp8_dot_general
+from jax_fp8.gemm.dot_general import fp8_dot_general
 from jax_fp8.meta import Fp8Meta
 
 __all__ = ["fp8_einsum"]

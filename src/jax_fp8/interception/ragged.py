@@ -25,7 +25,7 @@ import numpy as np
 from jax import lax
 
 from jax_fp8 import interception
-from jax_fp8._interception_follow import _FLOATS
+from jax_fp8.interception._follow import _FLOATS
 
 __all__ = ["ORIGINAL_RAGGED_DOT", "ORIGINAL_RAGGED_DOT_GENERAL", "expert_weight"]
 

@@ -11,9 +11,9 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-from jax_fp8._interception_follow import chain, local
-from jax_fp8._interception_install import conversion_key
-from jax_fp8._interception_site import Site
+from jax_fp8.interception._follow import chain, local
+from jax_fp8.interception._install import conversion_key
+from jax_fp8.interception._site import Site
 
 __all__ = ["Conversion", "current", "running", "weight_of"]
 

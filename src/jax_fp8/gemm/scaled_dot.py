@@ -30,8 +30,9 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
-from jax_fp8 import _ad, _grouped, recipe as recipe_lib
+from jax_fp8 import recipe as recipe_lib
 from jax_fp8._primitives import axis_types, block_quantize as bq
+from jax_fp8.gemm import _ad, _grouped
 from jax_fp8.meta import Fp8Meta
 
 __all__ = ["StatelessRecipe", "scaled_dot_general"]
@@ -74,7 +75,7 @@ class StatelessRecipe(recipe_lib.Recipe):
 
     def ragged_forward(self, x: jax.Array, w: jax.Array, ends: jax.Array, out_dtype: np.dtype,
                        keep: bool) -> tuple[jax.Array, Any]:
-        """x [M, K] . w[g] [K, N] per group of rows (`jax_fp8._grouped`; ``ends``: the
+        """x [M, K] . w[g] [K, N] per group of rows (`jax_fp8.gemm._grouped`; ``ends``: the
         clamped group ends, int32 [G]) -> ([M, N] in out_dtype, residuals or None)."""
         raise NotImplementedError(f"{type(self).__name__} has no grouped (ragged_dot) GEMM")
 

@@ -17,7 +17,8 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
-from jax_fp8 import _gemms, fp8_pays, recipe as recipe_lib
+from jax_fp8 import fp8_pays, recipe as recipe_lib
+from jax_fp8.gemm import _gemms
 from jax_fp8.meta import Fp8Meta
 
 __all__ = ["fp8_dot_general", "gemm_flops"]
@@ -110,7 +111,7 @@ def fp8_dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: Any, meta
     Shapes are those of ``lax.dot_general(lhs, rhs, dimension_numbers)``; lhs is the
     input (activations), rhs the kernel (weights). The GEMM is the meta's recipe's: a meta
     of a recipe without state (``Fp8Meta.create(Float8BlockScaling())``) runs
-    ``jax_fp8.scaled_dot.scaled_dot_general`` and is returned as is. Delayed scaling (the
+    ``jax_fp8.gemm.scaled_dot.scaled_dot_general`` and is returned as is. Delayed scaling (the
     rest of this docstring): both are quantized with
     ``meta.input`` / ``meta.kernel`` (their current scales), the FP8 arrays go straight
     into ``lax.dot_general`` and the result is multiplied by both ``1 / scale``. Backward:

@@ -19,11 +19,11 @@ import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from jax_fp8._interception_follow import local
+from jax_fp8.interception._follow import local
 from jax_fp8.rules import Fp8ConversionWarning
 
 if TYPE_CHECKING:
-    from jax_fp8._interception_site import Site
+    from jax_fp8.interception._site import Site
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _lock = threading.Lock()
