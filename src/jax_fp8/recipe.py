@@ -9,14 +9,11 @@ import enum
 import math
 import typing
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
-
-if TYPE_CHECKING:
-    from jax_fp8.state import ScalingState
 
 ALGORITHMS = ("max", "most_recent")
 
@@ -143,26 +140,15 @@ class Recipe(abc.ABC):
         return None
 
     def create_state(self, role: str, shape: Sequence[int] = (),
-                     history_len: int | None = None) -> ScalingState:
-        """A fresh state (zero history, scale 1) for the ``role`` of `state_dtypes`, of
-        leading axes ``shape`` and history length ``history_len`` (default
-        `state_history_len`): the one place a recipe's states are made (its `create_meta`,
-        the layers' variables). TypeError for a recipe that keeps none, ValueError for a
-        role it has no state for."""
-        # state.py imports this module: the state class is imported when first needed.
-        from jax_fp8.state import ScalingState
-
-        name = type(self).__name__
-        if not self.keeps_state:
-            raise TypeError(f"{name} keeps no state: it has no {role!r} state to create")
-        dtypes = self.state_dtypes()
-        if role not in dtypes:
-            raise ValueError(f"{name} keeps no {role!r} state; its states are "
-                             f"{', '.join(dtypes)}")
-        length = self.state_history_len() if history_len is None else history_len
-        if length is None:
-            raise TypeError(f"{name} keeps state but gives no state_history_len()")
-        return ScalingState.create(shape, length, dtypes[role])
+                     history_len: int | None = None) -> Any:
+        """A fresh `jax_fp8.ScalingState` (zero history, scale 1) for the ``role`` of
+        `state_dtypes`, of leading axes ``shape`` and history length ``history_len``
+        (default `state_history_len`): the one place a recipe's states are made (its
+        `create_meta`, the layers' variables). A recipe that keeps state implements it
+        (`jax_fp8.state.new_state` makes one from these members); TypeError for one that
+        keeps none, ValueError for a role it has no state for."""
+        raise TypeError(f"{type(self).__name__} keeps no state: it has no {role!r} state "
+                        f"to create")
 
     def to_fields(self) -> dict[str, Any]:
         """The recipe as JSON-able fields: what a serialized meta stores besides the

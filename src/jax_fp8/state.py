@@ -234,3 +234,18 @@ def states_info(tree: Any) -> list[tuple[tuple[Any, ...], np.dtype, int]]:
         elif is_state(leaf):
             out.append((path, leaf.fp8_dtype, leaf.history_len))
     return out
+
+
+def new_state(recipe: Any, role: str, shape: Sequence[int] = (),
+              history_len: int | None = None) -> ScalingState:
+    """A fresh state of ``recipe`` (one that keeps state) for ``role``, as
+    `jax_fp8.recipe.Recipe.create_state` describes: its dtype from ``recipe.state_dtypes()``,
+    its history length ``history_len`` or ``recipe.state_history_len()``."""
+    name = type(recipe).__name__
+    dtypes = recipe.state_dtypes()
+    if role not in dtypes:
+        raise ValueError(f"{name} keeps no {role!r} state; its states are {', '.join(dtypes)}")
+    length = recipe.state_history_len() if history_len is None else history_len
+    if length is None:
+        raise TypeError(f"{name} keeps state but gives no state_history_len()")
+    return ScalingState.create(shape, length, dtypes[role])

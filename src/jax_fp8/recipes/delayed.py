@@ -28,7 +28,7 @@ from jax_fp8.meta import Fp8Meta
 from jax_fp8.quantization import compute_amax, quantize
 from jax_fp8.quantization.current import scale_inverse
 from jax_fp8.recipe import Format
-from jax_fp8.state import ScalingState
+from jax_fp8.state import ScalingState, new_state
 
 __all__ = ["DelayedScaling"]
 
@@ -79,6 +79,10 @@ class DelayedScaling(recipe_lib.Recipe):
 
     def state_history_len(self) -> int:
         return self.history_len
+
+    def create_state(self, role: str, shape: Sequence[int] = (),
+                     history_len: int | None = None) -> ScalingState:
+        return new_state(self, role, shape, history_len)
 
     def create_meta(self, shape: Sequence[int] = (), history_len: int | None = None,
                     ) -> Fp8Meta:
