@@ -273,6 +273,29 @@ def mse_fp8_step(state, x, y):
     return state.apply_gradients(grads=g, fp8_grads=fg), val
 
 
+def mean_squared_error(out, y):
+    return jnp.mean((out - y) ** 2)
+
+
+def train_steps(state, x, y, steps, loss=mean_squared_error, **apply_kwargs):
+    """`steps` jitted steps of an `Fp8TrainState` on loss(the model's output for x, y), the
+    model applied with `apply_kwargs`, the gradient w.r.t. the parameters and the FP8 state
+    taken by ``state.value_and_grad`` (one tree, as apply_gradients takes it). Returns (the
+    losses, a list of arrays; the final state)."""
+    @jax.jit
+    def step(state):
+        def loss_fn(params, fp8):
+            return loss(state.apply_model(params, fp8, x, **apply_kwargs), y)
+        loss_value, grads = state.value_and_grad(loss_fn)()
+        return state.apply_gradients(grads=grads), loss_value
+
+    losses = []
+    for _ in range(steps):
+        state, loss_value = step(state)
+        losses.append(loss_value)
+    return losses, state
+
+
 def recorder(results: dict):
     """For the *_worker.py scripts: a decorator that runs the function at once and records
     "ok", or its traceback, under its name in `results` (one failing check does not stop

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 
+import jax_fp8.equinox as jfe
+
 
 class FeedForwardBlock(eqx.Module):
     mlp: eqx.nn.Linear
@@ -128,3 +130,17 @@ def lm_loss(model, tokens):
     labels = tokens[:, 1:]
     logp = jax.nn.log_softmax(logits)
     return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+
+def lm_train_step(static, optim):
+    """The train step of the model ``eqx.combine(dynamic, static)`` on `lm_loss` with the
+    optax optimizer `optim` over its parameters (``jfe.params``), the FP8 states updated by
+    ``jfe.apply_updates``: step(dynamic, opt_state, tokens) -> (the new model's arrays, the
+    new opt_state, the loss)."""
+    def step(dynamic, opt_state, tokens):
+        model = eqx.combine(dynamic, static)
+        loss, grads = eqx.filter_value_and_grad(lm_loss)(model, tokens)
+        updates, opt_state = optim.update(jfe.params(grads), opt_state, jfe.params(model))
+        model = jfe.apply_updates(model, updates, grads)
+        return eqx.filter(model, eqx.is_array), opt_state, loss
+    return step

@@ -13,7 +13,7 @@ import pytest
 
 import jax_fp8
 import jax_fp8.equinox as jfe
-from eqx_models import Transformer, lm_loss
+from eqx_models import Transformer, lm_train_step
 from helpers import E2E_RECIPES
 from jax_fp8.devtools import hlo
 
@@ -21,16 +21,6 @@ RECIPES = {"delayed": jax_fp8.DelayedScaling(history_len=8),
            "current": jax_fp8.Float8CurrentScaling(),
            "block": jax_fp8.Float8BlockScaling()}
 optim = optax.adamw(1e-3)
-
-
-def step_of(static):
-    def step(dynamic, opt_state, tokens):
-        model = eqx.combine(dynamic, static)
-        loss, grads = eqx.filter_value_and_grad(lm_loss)(model, tokens)
-        updates, opt_state = optim.update(jfe.params(grads), opt_state, jfe.params(model))
-        model = jfe.apply_updates(model, updates, grads)
-        return eqx.filter(model, eqx.is_array), opt_state, loss
-    return step
 
 
 def _converted(recipe, hidden=32, layers=2):
@@ -42,7 +32,7 @@ def test_cuda_train_step_has_three_fp8_gemms_per_projection_over_the_batch():
     model = _converted(RECIPES["delayed"])
     dynamic, static = eqx.partition(model, eqx.is_array)
     tokens = jr.randint(jr.key(1), (4, 9), 0, 64)
-    lowered = jax.jit(step_of(static)).trace(
+    lowered = jax.jit(lm_train_step(static, optim)).trace(
         dynamic, optim.init(jfe.params(model)), tokens).lower(lowering_platforms=("cuda",))
     text = lowered.as_text(dialect="hlo")
     gemms = hlo.gemms(text)
@@ -67,7 +57,7 @@ def test_every_recipe_trains(name):
     dynamic, static = eqx.partition(model, eqx.is_array)
     opt_state = optim.init(jfe.params(model))
     tokens = jr.randint(jr.key(1), (2, 9), 0, 64)
-    step = jax.jit(step_of(static))
+    step = jax.jit(lm_train_step(static, optim))
     losses = []
     for _ in range(2):
         dynamic, opt_state, loss = step(dynamic, opt_state, tokens)

@@ -15,6 +15,7 @@ import helpers
 import jax_fp8
 from helpers import rand
 from jax_fp8.flax import Fp8DotGeneral, Fp8TrainState, nnx as fnnx
+from nnx_mlp import Fp8Mlp
 
 RECIPE = jax_fp8.DelayedScaling(history_len=8)
 IS_STATE = lambda x: isinstance(x, jax_fp8.ScalingState)  # noqa: E731
@@ -83,16 +84,8 @@ def test_bare_fp8_meta_tree_checkpoint(tmp_path):
 
 
 def test_nnx_fp8_state_checkpoint(tmp_path):
-    class Net(nnx.Module):
-        def __init__(self, rngs):
-            self.a = fnnx.Fp8Linear(8, 8, recipe=RECIPE, rngs=rngs)
-            self.b = fnnx.Fp8Linear(8, 4, recipe=RECIPE, rngs=rngs)
-
-        def __call__(self, x):
-            return self.b(nnx.relu(self.a(x)))
-
     x = rand(0, (8, 8), 3.0)
-    net = Net(nnx.Rngs(0))
+    net = Fp8Mlp(nnx.Rngs(0), recipe=RECIPE, sizes=(8, 8, 4))
 
     @nnx.jit
     def step(net):
@@ -102,11 +95,11 @@ def test_nnx_fp8_state_checkpoint(tmp_path):
     step(net)
     step(net)
     state = nnx.state(net)
-    other = Net(nnx.Rngs(1))
+    other = Fp8Mlp(nnx.Rngs(1), recipe=RECIPE, sizes=(8, 8, 4))
     restored = _save_restore(tmp_path / "nnx", state, nnx.state(other))
     nnx.update(other, restored)
     _assert_same_states(fnnx.fp8_state(other), fnnx.fp8_state(net))
-    np.testing.assert_array_equal(other.a.kernel[...], net.a.kernel[...])
-    st = fnnx.fp8_state(other)["a"]["dot_general"]["input"]
+    np.testing.assert_array_equal(other.l1.kernel[...], net.l1.kernel[...])
+    st = fnnx.fp8_state(other)["l1"]["dot_general"]["input"]
     st = st.get_value() if hasattr(st, "get_value") else st.value
     assert float(st.scale) != 1.0 and float(st.amax_history[-1]) == float(jax_fp8.compute_amax(x))

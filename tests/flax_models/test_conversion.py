@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 import jax_fp8
+from helpers import assert_trees_equal, train_steps
 from jax_fp8.devtools import hlo
 from jax_fp8.flax import (
     FP8_COLLECTION,
@@ -32,11 +33,6 @@ KEY = jax.random.key(0)
 RECIPE = jax_fp8.DelayedScaling(history_len=4)
 DG = functools.partial(Fp8DotGeneral, recipe=RECIPE)
 RULE = Fp8Rule(recipe=RECIPE, min_fp8_flops=0)
-
-
-def _equal(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
 def _n_states(tree):
@@ -144,18 +140,7 @@ def _train(model, x, y, steps=3, **apply_kwargs):
     """Losses and final state of `steps` Fp8TrainState steps (adam) from model.init."""
     state = Fp8TrainState.create(apply_fn=model.apply, variables=jax.jit(model.init)(KEY, x),
                                  tx=optax.adam(1e-2), recipe=RECIPE)
-
-    @jax.jit
-    def step(state):
-        def loss_fn(params, fp8):
-            return _xent(state.apply_model(params, fp8, x, **apply_kwargs), y)
-        loss, grads = state.value_and_grad(loss_fn)()
-        return state.apply_gradients(grads=grads), loss
-
-    losses = []
-    for _ in range(steps):
-        state, loss = step(state)
-        losses.append(loss)
+    losses, state = train_steps(state, x, y, steps, loss=_xent, **apply_kwargs)
     return np.asarray(jnp.stack(losses)), state
 
 
@@ -167,14 +152,14 @@ def _data(shape=(8, 8), classes=4):
 
 def _check_same_as_by_hand(converted, by_hand, x, y, n_states, **kwargs):
     v, vh = jax.jit(converted.init)(KEY, x), jax.jit(by_hand.init)(KEY, x)
-    _equal(v, vh)
+    assert_trees_equal(v, vh)
     assert _n_states(v[FP8_COLLECTION]) == n_states
     np.testing.assert_array_equal(converted.apply(v, x, **kwargs), by_hand.apply(vh, x, **kwargs))
     losses, state = _train(converted, x, y, **kwargs)
     losses_h, state_h = _train(by_hand, x, y, **kwargs)
     np.testing.assert_array_equal(losses, losses_h)
-    _equal(state.params, state_h.params)
-    _equal(state.fp8, state_h.fp8)
+    assert_trees_equal(state.params, state_h.params)
+    assert_trees_equal(state.fp8, state_h.fp8)
     hist = jax_fp8.unpack_states(state.fp8)
     assert any(np.any(s.amax_history != 0) for s in jax.tree.leaves(
         hist, is_leaf=lambda s: isinstance(s, jax_fp8.ScalingState)))
@@ -185,7 +170,7 @@ def test_linen_every_kind_of_gemm_equals_the_hand_written_model():
     x, y = _data()
     v = _check_same_as_by_hand(fp8_model(Raw(), RULE), RawByHand(), x, y, n_states=5 * 3)
     # The params are those of the unconverted model: same paths, same initial values.
-    _equal(v["params"], jax.jit(Raw().init)(KEY, x)["params"])
+    assert_trees_equal(v["params"], jax.jit(Raw().init)(KEY, x)["params"])
 
 
 def test_linen_eager_evaluation_twice():
@@ -199,7 +184,7 @@ def test_linen_eager_evaluation_twice():
 def test_linen_a_hand_written_fp8_model_converts_to_itself():
     x, _ = _data()
     v, v2 = (jax.jit(m.init)(KEY, x) for m in (RawByHand(), fp8_model(RawByHand(), RULE)))
-    _equal(v, v2)
+    assert_trees_equal(v, v2)
     np.testing.assert_array_equal(jax.jit(RawByHand().apply)(v, x),
                                   jax.jit(fp8_model(RawByHand(), RULE).apply)(v, x))
 
@@ -514,12 +499,12 @@ def test_nnx_layers_equal_the_hand_written_model():
     x, y = _data()
     model = fp8_model(NnxModel(nnx.Rngs(0)), RULE)
     by_hand = _nnx_by_hand(nnx.Rngs(0))
-    _equal(nnx.state(model, nnx.Param), nnx.state(by_hand, nnx.Param))
-    _equal(fnnx.fp8_state(model), fnnx.fp8_state(by_hand))
+    assert_trees_equal(nnx.state(model, nnx.Param), nnx.state(by_hand, nnx.Param))
+    assert_trees_equal(fnnx.fp8_state(model), fnnx.fp8_state(by_hand))
     assert _n_states(fnnx.fp8_state(model)) == 7 * 3
     np.testing.assert_array_equal(model(x), by_hand(x))
     np.testing.assert_array_equal(_nnx_train(model, x, y), _nnx_train(by_hand, x, y))
-    _equal(nnx.state(model), nnx.state(by_hand))
+    assert_trees_equal(nnx.state(model), nnx.state(by_hand))
 
 
 def test_nnx_rules():
@@ -593,9 +578,9 @@ def test_nnx_scan_over_vmap_stacked_layers_equals_the_hand_written_model():
     x, y = _data()
     model = fp8_model(NnxStack(nnx.Rngs(0)), [Fp8Rule(path="head", recipe=None), RULE])
     by_hand = NnxStack(nnx.Rngs(0), fp8=True)
-    _equal(nnx.state(model), nnx.state(by_hand))
+    assert_trees_equal(nnx.state(model), nnx.state(by_hand))
     np.testing.assert_array_equal(_nnx_train(model, x, y), _nnx_train(by_hand, x, y))
-    _equal(nnx.state(model), nnx.state(by_hand))
+    assert_trees_equal(nnx.state(model), nnx.state(by_hand))
     hist = np.asarray(model.blocks.a.dot_general.input.get_value().amax_history)
     assert hist.shape == (3, RECIPE.history_len) and np.all(np.any(hist > 0, axis=1))
 
@@ -629,10 +614,10 @@ def test_nnx_own_gemms_equal_the_hand_written_model():
     model = fp8_model(NnxRaw(nnx.Rngs(0)), RULE, x)      # one eager call adds them
     by_hand = NnxRaw(nnx.Rngs(0), fp8=True)
     assert _n_states(fnnx.fp8_state(model)) == 2 * 3
-    _equal(nnx.state(model), nnx.state(by_hand))
+    assert_trees_equal(nnx.state(model), nnx.state(by_hand))
     np.testing.assert_array_equal(model(x), by_hand(x))
     np.testing.assert_array_equal(_nnx_train(model, x, y), _nnx_train(by_hand, x, y))
-    _equal(nnx.state(model), nnx.state(by_hand))
+    assert_trees_equal(nnx.state(model), nnx.state(by_hand))
     assert type(model).__name__ == "NnxRaw" and isinstance(model, NnxRaw)
     assert jax.lax.dot_general is rules_lib.ORIGINAL["dot_general"]
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
 import sys
 
 import flax.linen as nn
@@ -19,7 +17,9 @@ import optax
 import pytest
 from flax import nnx, serialization
 
+import helpers
 import jax_fp8
+from helpers import assert_trees_equal, train_steps
 from jax_fp8.flax import (
     FP8_COLLECTION,
     Fp8DotGeneral,
@@ -34,11 +34,6 @@ KEY = jax.random.key(0)
 RECIPE = jax_fp8.DelayedScaling(history_len=4)
 RULE = Fp8Rule(recipe=RECIPE, min_fp8_flops=0)
 IS_STATE = lambda x: isinstance(x, jax_fp8.ScalingState)  # noqa: E731
-
-
-def _equal(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
 def _staged(fp8_grads):
@@ -188,7 +183,7 @@ def test_linen_a_layer_with_its_own_dot_general_stays_as_it_is(layer, activation
     model = fp8_model(layer, Fp8Rule(recipe=RECIPE, activations=activations, min_fp8_flops=0))
     v = model.init(KEY, x)
     assert FP8_COLLECTION not in v
-    _equal(v, layer.init(KEY, x))
+    assert_trees_equal(v, layer.init(KEY, x))
     np.testing.assert_array_equal(model.apply(v, x), layer.apply(v, x))
     np.testing.assert_array_equal(jax.jit(model.apply)(v, x), jax.jit(layer.apply)(v, x))
 
@@ -253,10 +248,10 @@ def test_linen_own_gemms_take_the_state_of_their_weight_across_branches():
     conv_b, conv_a = fp8_model(_Branchy(True), RULE), fp8_model(_Branchy(False), RULE)
     hand_b, hand_a = _Branchy(True, True), _Branchy(False, True)
     v = conv_b.init(KEY, x)
-    _equal(v, hand_b.init(KEY, x))
+    assert_trees_equal(v, hand_b.init(KEY, x))
     assert sorted(v[FP8_COLLECTION]) == ["wa_fp8", "wb_fp8"]
     state, state_h = _linen_train(conv_a, v, x), _linen_train(hand_a, v, x)  # without wb
-    _equal(state.fp8, state_h.fp8)
+    assert_trees_equal(state.fp8, state_h.fp8)
     fp8 = jax_fp8.unpack_states(state.fp8)
     assert float(fp8["wa_fp8"]["kernel"].scale) != 1.0   # wa's state trained, wb's not
     assert float(fp8["wb_fp8"]["kernel"].scale) == 1.0
@@ -361,7 +356,7 @@ def test_nnx_own_gemms_take_the_state_of_their_weight_across_branches():
     got = model(x, True)             # eager: wb gets its own fresh state
     assert float(model.wb_fp8.kernel.get_value().scale) == 1.0
     np.testing.assert_array_equal(got, by_hand(x, True))
-    _equal(nnx.state(model), nnx.state(by_hand))
+    assert_trees_equal(nnx.state(model), nnx.state(by_hand))
     np.testing.assert_array_equal(nnx.jit(lambda m, x: m(x, True))(model, x),
                                   nnx.jit(lambda m, x: m(x, True))(by_hand, x))
 
@@ -390,9 +385,6 @@ def test_nnx_one_weight_multiplied_twice_has_one_state_and_the_max_amax():
 
 # ------------------------------------------- partitioned parameters under a mesh (8 CPUs)
 
-PREFIX = "JAX_FP8_CONVERSION_MESH "
-
-
 class _Partitioned(nn.Module):
     """MaxText-style: parameters annotated with nn.with_partitioning, multiplied in the
     module's own einsum / dot_general."""
@@ -413,17 +405,20 @@ class _Partitioned(nn.Module):
 
 
 def _mesh_worker():
-    """Runs in a fresh process with 8 host CPU devices; prints the checks' outcomes."""
+    """Runs in a fresh process with 8 host CPU devices (helpers.run_8_device_worker); prints
+    the check's outcome on its RESULTS line."""
     results = {}
-    mesh = jax.make_mesh((2, 4), ("data", "model"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    x = jax.random.normal(jax.random.key(1), (8, 16))
-    y = jax.random.normal(jax.random.key(2), (8, 16))
-    conv, hand = fp8_model(_Partitioned(), RULE), _Partitioned(by_hand=True)
-    try:
+
+    @helpers.recorder(results)
+    def linen_partitioned_params_under_a_mesh():
+        mesh = jax.make_mesh((2, 4), ("data", "model"),
+                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        x = jax.random.normal(jax.random.key(1), (8, 16))
+        y = jax.random.normal(jax.random.key(2), (8, 16))
+        conv, hand = fp8_model(_Partitioned(), RULE), _Partitioned(by_hand=True)
         with jax.set_mesh(mesh):
             v, vh = jax.jit(conv.init)(KEY, x), jax.jit(hand.init)(KEY, x)
-            _equal(nn.meta.unbox(v), nn.meta.unbox(vh))
+            assert_trees_equal(nn.meta.unbox(v), nn.meta.unbox(vh))
             assert sorted(v[FP8_COLLECTION]) == ["w1_fp8", "w2_fp8"], list(v)
             out = jax.jit(conv.apply)(v, x)
             np.testing.assert_array_equal(out, jax.jit(hand.apply)(vh, x))
@@ -434,41 +429,19 @@ def _mesh_worker():
                 params, fp8 = nn.meta.unbox(variables["params"]), variables[FP8_COLLECTION]
                 state = Fp8TrainState.create(apply_fn=model.apply, params=params, fp8=fp8,
                                              tx=optax.adam(1e-2), recipe=RECIPE)
-
-                @jax.jit
-                def step(state):
-                    def loss_fn(params, fp8):
-                        return jnp.mean((state.apply_model(params, fp8, x) - y) ** 2)
-                    loss, grads = state.value_and_grad(loss_fn)()
-                    return state.apply_gradients(grads=grads), loss
-
-                losses = []
-                for _ in range(3):
-                    state, loss = step(state)
-                    losses.append(float(loss))
-                finals.append((losses, state.params, jax_fp8.unpack_states(state.fp8)))
+                losses, state = train_steps(state, x, y, steps=3)
+                finals.append(([float(loss) for loss in losses], state.params,
+                               jax_fp8.unpack_states(state.fp8)))
             assert finals[0][0] == finals[1][0], (finals[0][0], finals[1][0])
-            _equal(finals[0][1], finals[1][1])
-            _equal(finals[0][2], finals[1][2])
-        results["linen_partitioned_params_under_a_mesh"] = "ok"
-    except Exception as err:  # noqa: BLE001  (reported to the test)
-        import traceback
-        results["linen_partitioned_params_under_a_mesh"] = "".join(
-            traceback.format_exception(err))
-    print(PREFIX + json.dumps(results))
+            assert_trees_equal(finals[0][1], finals[1][1])
+            assert_trees_equal(finals[0][2], finals[1][2])
+
+    print("RESULTS " + json.dumps(results))
 
 
 def test_linen_partitioned_params_under_a_mesh_equal_the_hand_written_model():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                        " --xla_force_host_platform_device_count=8").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "mesh"],
-                          cwd=os.path.dirname(os.path.abspath(__file__)), env=env,
-                          capture_output=True, text=True, timeout=300)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(PREFIX)]
-    assert proc.returncode == 0 and lines, (proc.stdout[-3000:], proc.stderr[-3000:])
-    result = json.loads(lines[-1][len(PREFIX):])["linen_partitioned_params_under_a_mesh"]
+    results = helpers.run_8_device_worker("test_conversion_cases.py", "mesh")
+    result = results["linen_partitioned_params_under_a_mesh"]
     if result != "ok":
         pytest.fail(result, pytrace=False)
 

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import jax_fp8
-from helpers import rand
+from helpers import assert_trees_equal, rand, train_steps
 from jax_fp8.devtools import explain
 from jax_fp8.flax import (
     FP8_COLLECTION,
@@ -42,11 +42,6 @@ def record(fn, *args):
         warnings.simplefilter("always")
         out = fn(*args)
     return out, [str(w.message) for w in caught if issubclass(w.category, Fp8ConversionWarning)]
-
-
-def _equal(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
 SPELLINGS = {
@@ -84,19 +79,7 @@ class Proj(nn.Module):
 def _train(model, variables, x, y):
     state = Fp8TrainState.create(apply_fn=model.apply, variables=variables,
                                  tx=optax.sgd(1e-2), recipe=RECIPE)
-
-    @jax.jit
-    def step(state):
-        def loss_fn(params, fp8):
-            return jnp.mean((state.apply_model(params, fp8, x) - y) ** 2)
-        loss, grads = state.value_and_grad(loss_fn)()
-        return state.apply_gradients(grads=grads), loss
-
-    losses = []
-    for _ in range(2):
-        state, loss = step(state)
-        losses.append(loss)
-    return losses, state
+    return train_steps(state, x, y, steps=2)
 
 
 @pytest.mark.parametrize("spelling", sorted(SPELLINGS))
@@ -104,15 +87,15 @@ def test_linen_matrix_products_equal_the_hand_written_layer(spelling):
     x, y = rand(0, (16, 32)), rand(1, (16, 8))
     converted, by_hand = fp8_model(Proj(spelling), RULE), Proj(spelling, by_hand=True)
     v, vh = converted.init(KEY, x), by_hand.init(KEY, x)
-    _equal(v, vh)
+    assert_trees_equal(v, vh)
     assert sorted(v[FP8_COLLECTION]) == ["Dense_0", "w_fp8"]
     out, caught = record(converted.apply, v, x)
     assert not caught, caught
     np.testing.assert_array_equal(out, by_hand.apply(vh, x))
     (losses, state), (losses_h, state_h) = _train(converted, v, x, y), _train(by_hand, vh, x, y)
     np.testing.assert_array_equal(losses, losses_h)
-    _equal(state.params, state_h.params)
-    _equal(state.fp8, state_h.fp8)
+    assert_trees_equal(state.params, state_h.params)
+    assert_trees_equal(state.fp8, state_h.fp8)
     jax_fp8.check_fp8_updated(state.fp8)
 
 
@@ -134,7 +117,7 @@ def test_nnx_at_of_a_param_equals_the_hand_written_layer():
     model, caught = record(fp8_model, NnxProj(nnx.Rngs(0)), RULE, x)
     assert not caught and isinstance(model.w_fp8, fnnx.Fp8DotGeneral)
     by_hand = NnxProj(nnx.Rngs(0), by_hand=True)
-    _equal(nnx.state(model), nnx.state(by_hand))
+    assert_trees_equal(nnx.state(model), nnx.state(by_hand))
     np.testing.assert_array_equal(model(x), by_hand(x))
 
     def train(m):
@@ -144,7 +127,7 @@ def test_nnx_at_of_a_param_equals_the_hand_written_layer():
         return loss
 
     np.testing.assert_array_equal(train(model), train(by_hand))
-    _equal(nnx.state(model), nnx.state(by_hand))
+    assert_trees_equal(nnx.state(model), nnx.state(by_hand))
 
 
 def test_equinox_at_of_a_weight_runs_as_the_fp8_dot_general():

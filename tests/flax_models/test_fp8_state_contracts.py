@@ -18,11 +18,7 @@ from jax_fp8.flax import Fp8DotGeneral, Fp8TrainState, nnx as fnnx
 
 RECIPE = jax_fp8.DelayedScaling(history_len=4)
 
-
-@pytest.fixture(autouse=True)
-def on_cpu():
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
+pytestmark = pytest.mark.usefixtures("on_cpu")
 
 
 class MLP(nn.Module):

@@ -23,16 +23,13 @@ import jax_fp8
 from helpers import assert_trees_equal, rand
 from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8TrainState, nnx as fnnx
 from jax_fp8.state import is_state
+from nnx_mlp import Fp8Mlp
 
 RECIPE = jax_fp8.DelayedScaling(history_len=4)
 REFUSES_ARITHMETIC = r"jax_fp8 FP8 gradient: observed amaxes, no arithmetic"
 S = 2.0 ** 8   # a loss scale (a power of two, as DynamicScale's)
 
-
-@pytest.fixture(autouse=True)
-def on_cpu():
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
+pytestmark = pytest.mark.usefixtures("on_cpu")
 
 
 class MLP(nn.Module):
@@ -397,15 +394,6 @@ def test_linen_tree_util_round_trips_of_the_state_and_variables(pack_fp8):
 
 # --------------------------------------------------------------------------------- NNX
 
-class Net(nnx.Module):
-    def __init__(self, rngs):
-        self.l1 = fnnx.Fp8Linear(8, 16, recipe=RECIPE, rngs=rngs)
-        self.l2 = fnnx.Fp8Linear(16, 4, recipe=RECIPE, rngs=rngs)
-
-    def __call__(self, x):
-        return self.l2(nnx.relu(self.l1(x)))
-
-
 def _nnx_loss(scale=1.0):
     def loss_fn(model, x, y):
         return jnp.mean((model(x) - y) ** 2) * scale
@@ -418,7 +406,7 @@ def _is_fp8_grad(v):
 
 def test_nnx_fp8_gradients_refuse_arithmetic_and_param_only_scaling_is_right():
     x, y = rand(0, (16, 8)), rand(1, (16, 4))
-    model = Net(nnx.Rngs(0))
+    model = Fp8Mlp(nnx.Rngs(0), recipe=RECIPE)
     _, grads = fnnx.fp8_value_and_grad(_nnx_loss(S))(model, x, y)
     with pytest.raises(TypeError, match=REFUSES_ARITHMETIC):
         jax.jit(lambda g: jax.tree.map(lambda a: a / S, g))(grads)
@@ -426,7 +414,7 @@ def test_nnx_fp8_gradients_refuse_arithmetic_and_param_only_scaling_is_right():
         jax.jit(lambda g: sum(jnp.sum(a ** 2) for a in jax.tree.leaves(g)))(grads)
 
     def newest(scale):
-        m = Net(nnx.Rngs(0))
+        m = Fp8Mlp(nnx.Rngs(0), recipe=RECIPE)
         opt = fnnx.Fp8Optimizer(m, optax.sgd(1e-2), wrt=nnx.Param, recipe=RECIPE)
 
         @nnx.jit
@@ -448,7 +436,7 @@ def test_nnx_fp8_gradients_refuse_arithmetic_and_param_only_scaling_is_right():
 
 def test_nnx_ema_of_the_model_state_evaluates_consistently():
     x, y = rand(0, (16, 8)), rand(1, (16, 4))
-    model = Net(nnx.Rngs(0))
+    model = Fp8Mlp(nnx.Rngs(0), recipe=RECIPE)
     opt = fnnx.Fp8Optimizer(model, optax.sgd(1e-2), wrt=nnx.Param, recipe=RECIPE)
 
     @nnx.jit
@@ -460,7 +448,7 @@ def test_nnx_ema_of_the_model_state_evaluates_consistently():
     for _ in range(4):
         step(model, opt)
         ema = jax.tree.map(lambda e, v: 0.5 * e + 0.5 * v, ema, nnx.state(model))
-    ema_model = Net(nnx.Rngs(1))
+    ema_model = Fp8Mlp(nnx.Rngs(1), recipe=RECIPE)
     nnx.update(ema_model, ema)
     out = ema_model(x)
     p = nnx.state(ema_model, nnx.Param)
@@ -474,7 +462,7 @@ def test_nnx_tree_util_round_trips_and_optax_contrib():
     merged back, computes the same; an optax.contrib optimizer in Fp8Optimizer gives
     optax's parameters from the same gradients and updates the FP8 state."""
     x, y = rand(0, (16, 8)), rand(1, (16, 4))
-    model = Net(nnx.Rngs(0))
+    model = Fp8Mlp(nnx.Rngs(0), recipe=RECIPE)
     graphdef, state = nnx.split(model)
     leaves, treedef = jax.tree_util.tree_flatten(state)
     for again in (jax.tree_util.tree_unflatten(treedef, leaves), jax.tree.map(lambda a: a, state)):

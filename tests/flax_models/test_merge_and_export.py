@@ -16,14 +16,11 @@ import jax_fp8
 from helpers import assert_trees_equal, rand
 from jax_fp8.flax import Fp8DotGeneral, Fp8TrainState, nnx as fnnx
 from jax_fp8.packing import PackedCollection
+from nnx_mlp import Fp8Mlp
 
 RECIPE = jax_fp8.DelayedScaling(history_len=4)   # HYBRID: E4M3 and E5M2 groups
 
-
-@pytest.fixture(autouse=True)
-def on_cpu():
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
+pytestmark = pytest.mark.usefixtures("on_cpu")
 
 
 X, Y = rand(0, (16, 8)), rand(1, (16, 4))
@@ -31,18 +28,9 @@ X, Y = rand(0, (16, 8)), rand(1, (16, 4))
 
 # ------------------------------------------------------------------ nnx.merge from leaves
 
-class Net(nnx.Module):
-    def __init__(self, rngs):
-        self.hidden = fnnx.Fp8Linear(8, 16, recipe=RECIPE, rngs=rngs)
-        self.out = fnnx.Fp8Linear(16, 4, recipe=RECIPE, rngs=rngs)
-
-    def __call__(self, x):
-        return self.out(nnx.relu(self.hidden(x)))
-
-
 def _trained_net():
     """A model whose FP8 states were updated twice (scales other than 1)."""
-    model = Net(nnx.Rngs(0))
+    model = Fp8Mlp(nnx.Rngs(0), recipe=RECIPE)
     opt = fnnx.Fp8Optimizer(model, optax.sgd(1e-2), wrt=nnx.Param, recipe=RECIPE)
 
     @nnx.jit
@@ -71,7 +59,7 @@ def test_nnx_merge_takes_one_leaf_per_variable_as_flax_defines_it():
         nnx.merge(g, jax.tree.leaves(s))                         # Flax's own rule
 
     model = _trained_net()
-    assert float(model.hidden.dot_general.input.get_value().scale) != 1.0
+    assert float(model.l1.dot_general.input.get_value().scale) != 1.0
     want = model(X)
     graphdef, state = nnx.split(model)
     n_vars = len(jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)))

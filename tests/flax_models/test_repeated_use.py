@@ -20,11 +20,7 @@ RECIPE = jax_fp8.DelayedScaling(history_len=4)
 REUSED = r"already given to another FP8 op.*apply it once"
 LOOPED = r"is differentiated but closed over by a `{loop}` body.*combine_fp8_grads"
 
-
-@pytest.fixture(autouse=True)
-def on_cpu():
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
+pytestmark = pytest.mark.usefixtures("on_cpu")
 
 
 class Net(nn.Module):

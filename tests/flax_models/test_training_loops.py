@@ -20,6 +20,7 @@ import jax_fp8
 from helpers import assert_trees_equal, rand, recipe_variant_cases
 from jax_fp8.flax import FP8_COLLECTION, Fp8DotGeneral, Fp8TrainState, nnx as fnnx
 from jax_fp8.state import is_state
+from nnx_mlp import Fp8Mlp
 
 DELAYED = jax_fp8.DelayedScaling(history_len=4)
 RECIPES = helpers.RECIPES
@@ -202,13 +203,8 @@ def test_linen_frozen_scales_freezes_the_one_call_path(tx):
 
 # -------------------------------------------------------------------------------- NNX
 
-class Net(nnx.Module):
-    def __init__(self, recipe, rngs):
-        self.l1 = fnnx.Fp8Linear(D, 16, recipe=recipe, rngs=rngs)
-        self.l2 = fnnx.Fp8Linear(16, 4, recipe=recipe, rngs=rngs)
-
-    def __call__(self, x):
-        return self.l2(nnx.relu(self.l1(x)))
+def _net(recipe):
+    return Fp8Mlp(nnx.Rngs(0), recipe=recipe, sizes=(D, 16, 4))
 
 
 def _loss(model, x, y):
@@ -220,7 +216,7 @@ def test_nnx_plain_optimizer_with_fp8_gradients(recipe):
     """Delayed: the FP8 gradients (Fp8Grad, an nnx.Param) reach optax, which refuses them
     at trace time. Current / block: there are none, and the plain loop is right."""
     x, y = rand(0, (16, D)), rand(1, (16, 4))
-    model = Net(RECIPES[recipe], nnx.Rngs(0))
+    model = _net(RECIPES[recipe])
     opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
 
     @nnx.jit
@@ -240,7 +236,7 @@ def test_nnx_plain_optimizer_with_fp8_gradients(recipe):
 
 
 def test_nnx_optimizers_that_would_take_the_fp8_state_are_refused():
-    model = Net(DELAYED, nnx.Rngs(0))
+    model = _net(DELAYED)
     with pytest.raises(ValueError, match=REFUSED):
         nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Any(nnx.Param, fnnx.Fp8State))
     with pytest.raises(ValueError, match=REFUSED):
@@ -255,7 +251,7 @@ def test_nnx_optimizers_that_would_take_the_fp8_state_are_refused():
 @pytest.mark.parametrize("recipe, tx", recipe_variant_cases(TXS, "chain"))
 def test_nnx_fp8_optimizer_with_optax_wrappers_updates_params_and_fp8(recipe, tx):
     x, y = rand(0, (16, D)), rand(1, (16, 4))
-    model = Net(RECIPES[recipe], nnx.Rngs(0))
+    model = _net(RECIPES[recipe])
     opt = fnnx.Fp8Optimizer(model, TXS[tx](), wrt=nnx.Param, recipe=RECIPES[recipe])
     params = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
 
@@ -277,7 +273,7 @@ def test_nnx_fp8_optimizer_with_optax_wrappers_updates_params_and_fp8(recipe, tx
 
 def test_nnx_skip_step_on_nan_keeps_params_and_fp8_state():
     y = rand(1, (16, 4))
-    model = Net(DELAYED, nnx.Rngs(0))
+    model = _net(DELAYED)
     opt = fnnx.Fp8Optimizer(model, optax.adam(1e-2), wrt=nnx.Param, recipe=DELAYED)
 
     @nnx.jit
@@ -297,7 +293,7 @@ def test_nnx_skip_step_on_nan_keeps_params_and_fp8_state():
 
 def test_nnx_input_gradients_need_frozen_scales_and_keep_the_state():
     x = rand(0, (16, D))
-    model = Net(DELAYED, nnx.Rngs(0))
+    model = _net(DELAYED)
     saliency = lambda m, x: jax.grad(lambda x: jnp.sum(m(x)))(x)  # noqa: E731
     with pytest.raises(ValueError, match=r"frozen_scales"):
         nnx.jit(saliency)(model, x)
@@ -310,7 +306,7 @@ def test_nnx_input_gradients_need_frozen_scales_and_keep_the_state():
 
 def test_nnx_evaluation_inside_the_train_step():
     x, y = rand(0, (16, D)), rand(1, (16, 4))
-    model = Net(DELAYED, nnx.Rngs(0))
+    model = _net(DELAYED)
     opt = fnnx.Fp8Optimizer(model, optax.adam(1e-2), wrt=nnx.Param, recipe=DELAYED)
 
     @nnx.jit
@@ -327,7 +323,7 @@ def test_nnx_evaluation_inside_the_train_step():
 @pytest.mark.parametrize("how", ["Fp8Optimizer", "apply_gradients", "multi_steps"])
 def test_nnx_frozen_scales_freezes_the_one_call_path(how):
     x, y = rand(0, (16, D)), rand(1, (16, 4))
-    model = Net(DELAYED, nnx.Rngs(0))
+    model = _net(DELAYED)
     if how == "apply_gradients":
         opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     else:
@@ -475,4 +471,4 @@ def test_linen_and_nnx_refuse_two_multi_steps_alike():
     with pytest.raises(ValueError, match=TWO_ACCUMULATIONS):
         _linen(DELAYED, tx)
     with pytest.raises(ValueError, match=TWO_ACCUMULATIONS):
-        fnnx.Fp8Optimizer(Net(DELAYED, nnx.Rngs(0)), tx, wrt=nnx.Param, recipe=DELAYED)
+        fnnx.Fp8Optimizer(_net(DELAYED), tx, wrt=nnx.Param, recipe=DELAYED)

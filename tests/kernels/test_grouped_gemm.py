@@ -82,14 +82,19 @@ def scales(rng, g):
 
 
 @functools.cache
-def jitted(out_dtype, implementation="auto"):
-    return jax.jit(lambda *a: gg.grouped_gemm(*a, out_dtype=out_dtype,
-                                              implementation=implementation))
+def jitted(primitive, out_dtype, implementation="auto"):
+    return jax.jit(lambda *a: primitive(*a, out_dtype=out_dtype, implementation=implementation))
 
 
-def call(lhs, rhs, sizes, ls, rs, out_dtype, implementation="auto"):
-    fn = jitted(np.dtype(out_dtype), implementation)
+def call_primitive(primitive, lhs, rhs, sizes, ls, rs, out_dtype, implementation="auto"):
+    """`primitive` (grouped_gemm, or grouped_wgrad in test_grouped_wgrad.py), jitted once per
+    out_dtype and implementation, on the default device (the group sizes as int32): its
+    output as a NumPy array."""
+    fn = jitted(primitive, np.dtype(out_dtype), implementation)
     return np.asarray(fn(lhs, rhs, np.asarray(sizes, np.int32), ls, rs))
+
+
+call = functools.partial(call_primitive, gg.grouped_gemm)
 
 
 SIZES = {
@@ -158,6 +163,25 @@ def test_reference_large_values_round_once():
     assert np.isneginf(call(lhs, rhs, (4,), ls, rs, np.float16)).all()
 
 
+def assert_batched_and_scale_grad(primitive, np_oracle, lhs, rhs, sizes, ls, rs):
+    """Operands with a leading batch axis (sizes and scales [B, G]): jax.vmap of `primitive`
+    (float32 out) equals `np_oracle` on each batch bit for bit; and the gradient of the sum
+    of batch 0's output w.r.t. its lhs_scale_inv[g] equals the sum of `np_oracle`'s output
+    with lhs_scale_inv = the unit vector e_g (the output is linear in each group's scale),
+    to rtol 1e-6."""
+    batched = jax.vmap(lambda *a: primitive(*a, out_dtype=jnp.float32))(lhs, rhs, sizes, ls, rs)
+    for i in range(len(lhs)):
+        np.testing.assert_array_equal(
+            np.asarray(batched[i]), np_oracle(lhs[i], rhs[i], sizes[i], ls[i], rs[i], np.float32))
+    grad = jax.grad(lambda s: primitive(lhs[0], rhs[0], sizes[0], s, rs[0],
+                                        out_dtype=jnp.float32).sum())(ls[0])
+    groups = ls.shape[1]
+    for g in range(groups):
+        unit = (np.arange(groups) == g).astype(np.float32)
+        want = np_oracle(lhs[0], rhs[0], sizes[0], unit, rs[0], np.float32).sum(dtype=np.float64)
+        np.testing.assert_allclose(float(grad[g]), want, rtol=1e-6)
+
+
 def test_reference_under_vmap_and_grad():
     """Batched (vmap of the reference) and differentiated w.r.t. the scales (the reference's
     derivative): d out / d lhs_scale_inv[g] = sum of group g's rows of acc * rhs_scale_inv[g]."""
@@ -166,18 +190,7 @@ def test_reference_under_vmap_and_grad():
     rhs = exact_values(rng, (2, 3, 8, 32), E4M3)
     sizes = np.array([[4, 0, 8], [1, 2, 3]], np.int32)
     ls, rs = scales(rng, 6).reshape(2, 3), scales(rng, 6).reshape(2, 3)
-    batched = jax.vmap(lambda *a: gg.grouped_gemm(*a, out_dtype=jnp.float32))(
-        lhs, rhs, sizes, ls, rs)
-    for i in range(2):
-        np.testing.assert_array_equal(
-            np.asarray(batched[i]), oracle(lhs[i], rhs[i], sizes[i], ls[i], rs[i], np.float32))
-    grad = jax.grad(lambda s: gg.grouped_gemm(lhs[0], rhs[0], sizes[0], s, rs[0],
-                                              out_dtype=jnp.float32).sum())(ls[0])
-    ones = np.ones(3, np.float32)
-    for g in range(3):
-        unit = np.where(np.arange(3) == g, ones, 0).astype(np.float32)
-        want = oracle(lhs[0], rhs[0], sizes[0], unit, rs[0], np.float32).sum(dtype=np.float64)
-        np.testing.assert_allclose(float(grad[g]), want, rtol=1e-6)
+    assert_batched_and_scale_grad(gg.grouped_gemm, oracle, lhs, rhs, sizes, ls, rs)
 
 
 # ------------------------------------------------------------------------ argument checks
@@ -326,6 +339,8 @@ def exact_bound(lhs, rhs, sizes, ls, rs):
 
 
 def assert_within(out, e, s, coef, out_dtype, what):
+    """|out - E| <= coef S (1 + u_out) + u_out |E| elementwise (the module docstring's
+    bound; coef a number, or an array broadcast against out)."""
     u_out = U_OUT[np.dtype(out_dtype)]
     err = np.abs(np.asarray(out, np.float64) - e)
     bound = coef * (1 + u_out) * s + u_out * np.abs(e)
@@ -335,26 +350,56 @@ def assert_within(out, e, s, coef, out_dtype, what):
 
 
 def kernel_coef(k):
+    """The kernel's coefficient of S for a contraction of length k (a number or an array)."""
     return 2.0 ** -10 + (k / 128 + 4) * U
 
 
-def _gpu_hlo(gpu_device, *ops, out_dtype, implementation="cuda"):
-    fn = jax.jit(lambda *a: gg.grouped_gemm(*a, out_dtype=out_dtype,
-                                            implementation=implementation))
+# The GPU helpers below take the primitive first (grouped_gemm here; test_grouped_wgrad.py
+# runs them with grouped_wgrad, whose operands are alike: lhs, grad, group sizes, two
+# scales) and, where they look for its custom call, the module's TARGET.
+
+def gpu_hlo(primitive, gpu_device, *ops, out_dtype, implementation="cuda"):
+    """The compiled HLO text of `primitive` on `ops`, put on gpu_device."""
+    fn = jax.jit(lambda *a: primitive(*a, out_dtype=out_dtype, implementation=implementation))
     return fn.lower(*jax.device_put(ops, gpu_device)).compile().as_text()
 
 
-def _gpu_run(gpu_device, lhs, rhs, sizes, ls, rs, out_dtype, implementation):
+def gpu_run(primitive, gpu_device, lhs, rhs, sizes, ls, rs, out_dtype, implementation):
+    """`primitive`'s output on gpu_device (the group sizes as int32), as a NumPy array."""
     ops = (lhs, rhs, np.asarray(sizes, np.int32), ls, rs)
-    fn = lambda *a: gg.grouped_gemm(*a, out_dtype=out_dtype,  # noqa: E731
-                                    implementation=implementation)
+    fn = lambda *a: primitive(*a, out_dtype=out_dtype,  # noqa: E731
+                              implementation=implementation)
     return np.asarray(helpers.run_on(gpu_device, fn, *ops))
 
 
-@pytest.mark.gpu
-def test_gpu_kernel_status():
-    ok, why = gg.kernel_status()
-    assert ok, why
+def assert_kernel_and_reference_exact(primitive, target, gpu_device, ops, out_dtype, want):
+    """On gpu_device: the program compiled with implementation="cuda" holds the custom call
+    `target`, and its output and the reference's (implementation="jnp") equal `want` bit
+    for bit."""
+    assert f'custom_call_target="{target}"' in gpu_hlo(primitive, gpu_device, *ops,
+                                                         out_dtype=out_dtype)
+    out = gpu_run(primitive, gpu_device, *ops, out_dtype, "cuda")
+    ref = gpu_run(primitive, gpu_device, *ops, out_dtype, "jnp")
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(ref, want)
+
+
+def assert_falls_back(primitive, target, gpu_device, ops, out_dtype, want):
+    """Operands the kernel does not take, on gpu_device with implementation="cuda": no
+    custom call `target` in the compiled program, the output equal to `want` bit for bit,
+    and explain's row of `target` says the kernel does not take these operands."""
+    assert f'custom_call_target="{target}"' not in gpu_hlo(primitive, gpu_device, *ops,
+                                                             out_dtype=out_dtype)
+    out = gpu_run(primitive, gpu_device, *ops, out_dtype, "cuda")
+    np.testing.assert_array_equal(out, want)
+    (row,) = [r for r in explain.explain(
+        lambda *a: primitive(*a, out_dtype=out_dtype, implementation="cuda"),
+        *jax.device_put(ops, gpu_device)) if r.name == target]
+    assert "does not take these operands" in row.why
+
+
+_gpu_hlo = functools.partial(gpu_hlo, gg.grouped_gemm)
+_gpu_run = functools.partial(gpu_run, gg.grouped_gemm)
 
 
 @pytest.mark.gpu
@@ -371,12 +416,8 @@ def test_gpu_kernel_matches_reference_bit_for_bit(gpu_device, case, lhs_type, ou
     rhs = integer_values(rng, (g, n, k), E4M3)
     ls, rs = scales(rng, g), scales(rng, g)
     ops = (lhs, rhs, np.asarray(SIZES[case], np.int32), ls, rs)
-    assert TARGET in _gpu_hlo(gpu_device, *ops, out_dtype=out_dtype)
-    out = _gpu_run(gpu_device, *ops, out_dtype, "cuda")
-    ref = _gpu_run(gpu_device, *ops, out_dtype, "jnp")
-    want = oracle(lhs, rhs, SIZES[case], ls, rs, out_dtype)
-    np.testing.assert_array_equal(out, want)
-    np.testing.assert_array_equal(ref, want)
+    assert_kernel_and_reference_exact(gg.grouped_gemm, gg.TARGET, gpu_device, ops, out_dtype,
+                                      oracle(lhs, rhs, SIZES[case], ls, rs, out_dtype))
 
 
 @pytest.mark.gpu
@@ -414,13 +455,8 @@ def test_gpu_refused_sizes_fall_back(gpu_device, n, k, out_dtype):
     rhs = exact_values(rng, (2, n, k), E4M3)
     sizes, ls, rs = (7, 5), scales(rng, 2), scales(rng, 2)
     ops = (lhs, rhs, np.asarray(sizes, np.int32), ls, rs)
-    assert TARGET not in _gpu_hlo(gpu_device, *ops, out_dtype=out_dtype)
-    out = _gpu_run(gpu_device, *ops, out_dtype, "cuda")
-    np.testing.assert_array_equal(out, oracle(lhs, rhs, sizes, ls, rs, out_dtype))
-    (row,) = [r for r in explain.explain(
-        lambda *a: gg.grouped_gemm(*a, out_dtype=out_dtype, implementation="cuda"),
-        *jax.device_put(ops, gpu_device)) if r.name == gg.TARGET]
-    assert "does not take these operands" in row.why
+    assert_falls_back(gg.grouped_gemm, gg.TARGET, gpu_device, ops, out_dtype,
+                      oracle(lhs, rhs, sizes, ls, rs, out_dtype))
 
 
 @pytest.mark.gpu

@@ -25,10 +25,11 @@ import numpy as np
 import pytest
 
 import helpers
+import test_grouped_gemm as tgg
 from jax_fp8 import _registration
 from jax_fp8._primitives import base, grouped_gemm as gg, grouped_wgrad as gw
 from jax_fp8.devtools import explain
-from test_grouped_gemm import U_OUT, U, exact_values, integer_values, scales
+from test_grouped_gemm import exact_values, integer_values, scales
 
 F32 = np.float32
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -66,15 +67,7 @@ def oracle(lhs, grad, sizes, ls, gs, out_dtype):
         return out.astype(out_dtype)
 
 
-@functools.cache
-def jitted(out_dtype, implementation="auto"):
-    return jax.jit(lambda *a: gw.grouped_wgrad(*a, out_dtype=out_dtype,
-                                               implementation=implementation))
-
-
-def call(lhs, grad, sizes, ls, gs, out_dtype, implementation="auto"):
-    fn = jitted(np.dtype(out_dtype), implementation)
-    return np.asarray(fn(lhs, grad, np.asarray(sizes, np.int32), ls, gs))
+call = functools.partial(tgg.call_primitive, gw.grouped_wgrad)
 
 
 SIZES = {
@@ -196,17 +189,7 @@ def test_reference_under_vmap_and_grad():
     grad = exact_values(rng, (2, 12, 8), E5M2)
     sizes = np.array([[4, 0, 8], [1, 2, 3]], np.int32)
     ls, gs = scales(rng, 6).reshape(2, 3), scales(rng, 6).reshape(2, 3)
-    batched = jax.vmap(lambda *a: gw.grouped_wgrad(*a, out_dtype=jnp.float32))(
-        lhs, grad, sizes, ls, gs)
-    for i in range(2):
-        np.testing.assert_array_equal(
-            np.asarray(batched[i]), oracle(lhs[i], grad[i], sizes[i], ls[i], gs[i], np.float32))
-    d = jax.grad(lambda s: gw.grouped_wgrad(lhs[0], grad[0], sizes[0], s, gs[0],
-                                            out_dtype=jnp.float32).sum())(ls[0])
-    for g in range(3):
-        unit = (np.arange(3) == g).astype(np.float32)
-        want = oracle(lhs[0], grad[0], sizes[0], unit, gs[0], np.float32).sum(dtype=np.float64)
-        np.testing.assert_allclose(float(d[g]), want, rtol=1e-6)
+    tgg.assert_batched_and_scale_grad(gw.grouped_wgrad, oracle, lhs, grad, sizes, ls, gs)
 
 
 # ------------------------------------------------------------------------ argument checks
@@ -415,33 +398,8 @@ def exact_bound(lhs, grad, sizes, ls, gs):
     return e, s, clamped
 
 
-def assert_within(out, e, s, lengths, out_dtype, what):
-    u_out = U_OUT[np.dtype(out_dtype)]
-    coef = np.array([2.0 ** -10 + (mg / 128 + 4) * U for mg in lengths])[:, None, None]
-    err = np.abs(np.asarray(out, np.float64) - e)
-    bound = coef * (1 + u_out) * s + u_out * np.abs(e)
-    worst = np.argmax(err - bound)
-    assert (err <= bound).all(), (f"{what}: |out - E| = {err.flat[worst]:.3g} > bound "
-                                  f"{bound.flat[worst]:.3g}")
-
-
-def _gpu_hlo(gpu_device, *ops, out_dtype, implementation="cuda"):
-    fn = jax.jit(lambda *a: gw.grouped_wgrad(*a, out_dtype=out_dtype,
-                                             implementation=implementation))
-    return fn.lower(*jax.device_put(ops, gpu_device)).compile().as_text()
-
-
-def _gpu_run(gpu_device, lhs, grad, sizes, ls, gs, out_dtype, implementation):
-    ops = (lhs, grad, np.asarray(sizes, np.int32), ls, gs)
-    fn = lambda *a: gw.grouped_wgrad(*a, out_dtype=out_dtype,  # noqa: E731
-                                     implementation=implementation)
-    return np.asarray(helpers.run_on(gpu_device, fn, *ops))
-
-
-@pytest.mark.gpu
-def test_gpu_kernel_status():
-    ok, why = gw.kernel_status()
-    assert ok, why
+_gpu_hlo = functools.partial(tgg.gpu_hlo, gw.grouped_wgrad)
+_gpu_run = functools.partial(tgg.gpu_run, gw.grouped_wgrad)
 
 
 @pytest.mark.gpu
@@ -458,12 +416,9 @@ def test_gpu_kernel_matches_reference_bit_for_bit(gpu_device, case, grad_type, o
     grad = integer_values(rng, (m, n), grad_type)
     ls, gs = scales(rng, g), scales(rng, g)
     ops = (lhs, grad, np.asarray(SIZES[case], np.int32), ls, gs)
-    assert TARGET in _gpu_hlo(gpu_device, *ops, out_dtype=out_dtype)
-    out = _gpu_run(gpu_device, *ops, out_dtype, "cuda")
-    ref = _gpu_run(gpu_device, *ops, out_dtype, "jnp")
     want = oracle(lhs, grad, SIZES[case], ls, gs, out_dtype)
-    np.testing.assert_array_equal(out, want)
-    np.testing.assert_array_equal(ref, want)
+    tgg.assert_kernel_and_reference_exact(gw.grouped_wgrad, gw.TARGET, gpu_device, ops,
+                                          out_dtype, want)
 
 
 @pytest.mark.gpu
@@ -488,7 +443,9 @@ def test_gpu_kernel_within_bound(gpu_device, m, k, n, g, sizes, grad_type, out_d
     ls, gs = scales(rng, g) * F32(2.0 ** -8), scales(rng, g) * F32(2.0 ** -8)
     out = _gpu_run(gpu_device, lhs, grad, sizes, ls, gs, out_dtype, "cuda")
     e, s, lengths = exact_bound(lhs, grad, sizes, ls, gs)
-    assert_within(out, e, s, lengths, out_dtype, f"{m}x{k}x{n} g={g}")
+    # each group's bound with its own contraction length m_g
+    coef = tgg.kernel_coef(np.asarray(lengths))[:, None, None]
+    tgg.assert_within(out, e, s, coef, out_dtype, f"{m}x{k}x{n} g={g}")
     for i, size in enumerate(lengths):
         if size == 0:
             assert (out[i] == 0).all()
@@ -515,13 +472,8 @@ def test_gpu_refused_sizes_fall_back(gpu_device):
     grad = exact_values(rng, (16, 20), E5M2)
     sizes, ls, gs = (7, 5), scales(rng, 2), scales(rng, 2)
     ops = (lhs, grad, np.asarray(sizes, np.int32), ls, gs)
-    assert TARGET not in _gpu_hlo(gpu_device, *ops, out_dtype=jnp.bfloat16)
-    out = _gpu_run(gpu_device, *ops, jnp.bfloat16, "cuda")
-    np.testing.assert_array_equal(out, oracle(lhs, grad, sizes, ls, gs, jnp.bfloat16))
-    (row,) = [r for r in explain.explain(
-        lambda *a: gw.grouped_wgrad(*a, out_dtype=jnp.bfloat16, implementation="cuda"),
-        *jax.device_put(ops, gpu_device)) if r.name == gw.TARGET]
-    assert "does not take these operands" in row.why
+    tgg.assert_falls_back(gw.grouped_wgrad, gw.TARGET, gpu_device, ops, jnp.bfloat16,
+                          oracle(lhs, grad, sizes, ls, gs, jnp.bfloat16))
 
 
 def test_kernel_wrapper_lowered_for_cuda():

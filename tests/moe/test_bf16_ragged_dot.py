@@ -217,12 +217,6 @@ def _run(gpu_device, lhs, rhs, sizes, mode, out_dtype, implementation):
 
 
 @pytest.mark.gpu
-def test_gpu_kernel_status():
-    ok, why = rd.kernel_status()
-    assert ok, why
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("mode", rd.MODES, ids=["forward", "transposed", "wgrad"])
 def test_gpu_kernel_matches_reference_bit_for_bit(gpu_device, case, mode):

@@ -23,6 +23,7 @@ import jax_fp8
 from jax_fp8._primitives import base, block_gemm as gemm_lib, block_quantize as bq
 from jax_fp8.devtools import compilation, hlo
 from jax_fp8.quantization import blockwise
+from partition_checks import bits_equal
 
 assert jax.device_count() == 8
 DN = (((1,), (0,)), ((), ()))
@@ -78,12 +79,6 @@ def dots(text) -> list:
                 out.append([ins.shape.split("{")[0], GEMM_SCOPE in ins.line,
                             [types.get(o, "?") for o in hlo.operands(ins)]])
     return out
-
-
-def bits_equal(a, b) -> bool:
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return len(la) == len(lb) and all(np.asarray(x).tobytes() == np.asarray(y).tobytes()
-                                      for x, y in zip(la, lb))
 
 
 def max_rel(a, b) -> float:

@@ -5,7 +5,6 @@ all-gathers of the partitioned program by dtype, the FP8 GEMMs of the partitione
 and how far the sharded step's loss and new FP8 state are from the one-device step's
 (relative to the largest value: the two programs sum over the batch in another order)."""
 
-import collections
 import json
 import os
 
@@ -20,8 +19,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_fp8
 import jax_fp8.equinox as jfe
-from eqx_models import Transformer, lm_loss
+from eqx_models import Transformer, lm_train_step
 from jax_fp8.devtools import compilation, hlo
+from partition_checks import gathers
 
 assert jax.device_count() == 8
 mesh = Mesh(np.array(jax.devices()), ("fsdp",))
@@ -42,14 +42,6 @@ def shardings(dynamic):
     return jax.tree_util.tree_map_with_path(spec, dynamic)
 
 
-def gathers(lowered) -> dict:
-    out = collections.defaultdict(list)
-    for c in hlo.collectives(compilation.partitioned(lowered)):
-        if c.opcode == "all-gather":
-            out[c.dtypes[0]].append(c.bytes)
-    return dict(out)
-
-
 def case(recipe):
     model = jfe.fp8_model(Transformer(64, 64, 128, 4, 1, key=jr.key(0)),
                           jax_fp8.Fp8Rule(recipe=recipe, min_fp8_flops=0))
@@ -57,7 +49,7 @@ def case(recipe):
     opt_state = optim.init(jfe.params(model))
     tokens = jr.randint(jr.key(1), (8, 9), 0, 64)
     weight_shardings = shardings(dynamic)
-    one_device = step_of(static)
+    one_device = lm_train_step(static, optim)
 
     def step(dynamic, opt_state, tokens):
         return one_device(eqx.filter_shard(dynamic, weight_shardings), opt_state, tokens)
@@ -86,17 +78,6 @@ def case(recipe):
 def rel_diff(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-
-def step_of(static):
-    """The Equinox train step of the model ``eqx.combine(dynamic, static)``."""
-    def step(dynamic, opt_state, tokens):
-        model = eqx.combine(dynamic, static)
-        loss, grads = eqx.filter_value_and_grad(lm_loss)(model, tokens)
-        updates, opt_state = optim.update(jfe.params(grads), opt_state, jfe.params(model))
-        model = jfe.apply_updates(model, updates, grads)
-        return eqx.filter(model, eqx.is_array), opt_state, loss
-    return step
 
 
 results = {name: case(recipe) for name, recipe in RECIPES.items()}

@@ -4,7 +4,6 @@ all-gathers of the partitioned program (before XLA:CPU widens FP8 collectives) b
 those of the same step in bf16, and whether the sharded step equals the one-device step
 bit for bit."""
 
-import collections
 import json
 import os
 
@@ -21,29 +20,13 @@ import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_fp8
-from jax_fp8.devtools import compilation, hlo
 from jax_fp8.flax import Fp8DotGeneral, Fp8TrainState
+from partition_checks import bits_equal, gathers
 
 assert jax.device_count() == 8
 DN = (((1,), (0,)), ((), ()))
 LAYERS, D, ROWS = 4, 256, 64
 RECIPE = jax_fp8.DelayedScaling(history_len=16)
-
-
-def gathers(lowered) -> dict:
-    """{dtype: [bytes of each all-gather]} of the partitioned program."""
-    out = collections.defaultdict(list)
-    for c in hlo.collectives(compilation.partitioned(lowered)):
-        if c.opcode == "all-gather":
-            out[c.dtypes[0]].append(c.bytes)
-    return dict(out)
-
-
-def bits_equal(a, b) -> bool:
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return len(la) == len(lb) and all(
-        np.asarray(x).tobytes() == np.asarray(y).tobytes()
-        for x, y in zip(la, lb))
 
 
 rng = np.random.default_rng(0)

@@ -15,6 +15,7 @@ from flax import jax_utils, nnx
 import jax_fp8
 from helpers import recorder
 from jax_fp8.flax import Fp8DotGeneral, Fp8TrainState, nnx as fnnx
+from nnx_mlp import Fp8Mlp
 
 assert jax.device_count() == 8
 RECIPE = jax_fp8.DelayedScaling(history_len=4)
@@ -61,24 +62,26 @@ def run(mode):
     return step(jax_utils.replicate(state), XS, YS)
 
 
+def refusal(error, fn, *args) -> str:
+    """The message of the `error` that fn(*args) raises; AssertionError("not refused") if it
+    raises none."""
+    try:
+        fn(*args)
+    except error as err:
+        return str(err)
+    raise AssertionError("not refused")
+
+
 @check
 def linen_pmean_over_all_gradients_is_refused():
-    try:
-        run("pmean_all")
-    except TypeError as err:
-        assert "jax_fp8 FP8 gradient" in str(err), err
-        return
-    raise AssertionError("not refused")
+    msg = refusal(TypeError, run, "pmean_all")
+    assert "jax_fp8 FP8 gradient" in msg, msg
 
 
 @check
 def linen_without_axis_name_is_refused():
-    try:
-        run("no_axis_name")
-    except ValueError as err:
-        assert "jax.pmap" in str(err) and "axis_name='batch'" in str(err), err
-        return
-    raise AssertionError("not refused")
+    msg = refusal(ValueError, run, "no_axis_name")
+    assert "jax.pmap" in msg and "axis_name='batch'" in msg, msg
 
 
 @check
@@ -92,17 +95,8 @@ def linen_axis_name_takes_the_max_over_devices():
     jax.tree.map(np.testing.assert_array_equal, replicas[0], jax.tree.map(np.asarray, want))
 
 
-class Net(nnx.Module):
-    def __init__(self, rngs):
-        self.l1 = fnnx.Fp8Linear(8, 16, recipe=RECIPE, rngs=rngs)
-        self.l2 = fnnx.Fp8Linear(16, 4, recipe=RECIPE, rngs=rngs)
-
-    def __call__(self, x):
-        return self.l2(nnx.relu(self.l1(x)))
-
-
 def nnx_run(axis_name):
-    net = Net(nnx.Rngs(0))
+    net = Fp8Mlp(nnx.Rngs(0), recipe=RECIPE)
     opt = fnnx.Fp8Optimizer(net, optax.sgd(0.1), wrt=nnx.Param, recipe=RECIPE)
     graphdef, st = nnx.split((net, opt))
 
@@ -119,12 +113,8 @@ def nnx_run(axis_name):
 
 @check
 def nnx_without_axis_name_is_refused():
-    try:
-        nnx_run(None)
-    except ValueError as err:
-        assert "jax.pmap" in str(err) and "axis_name='batch'" in str(err), err
-        return
-    raise AssertionError("not refused")
+    msg = refusal(ValueError, nnx_run, None)
+    assert "jax.pmap" in msg and "axis_name='batch'" in msg, msg
 
 
 @check
