@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import sys
+import tempfile
 
 import jax
 import pytest
@@ -29,6 +31,46 @@ import ieee_reference
 # pytest put this folder on sys.path to import this file; the others go on here, before
 # any test module is imported.
 sys.path[:0] = [d for d in helpers.TEST_DIRS if d not in sys.path]
+
+
+
+# XLA's persistent compilation cache, one per run, shared by the pytest-xdist workers and
+# the fresh processes the long cases start (both inherit the environment): many cases
+# compile a program another case already compiled (one model under several
+# parametrizations, the reference beside each converted step), and XLA's compile is most of
+# a case's time. A hit is keyed by the program's text, jax's version and XLA's flags: the
+# executable XLA would build. The run's controller makes the folder and removes it at the
+# end; a JAX_COMPILATION_CACHE_DIR of the caller's is used as it is and kept;
+# JAX_FP8_TEST_XLA_CACHE=0 switches the cache off.
+_XLA_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+_OWN_XLA_CACHE = None
+
+
+def _use_xla_cache(config):
+    global _OWN_XLA_CACHE
+    if os.environ.get("JAX_FP8_TEST_XLA_CACHE", "1") == "0":
+        return
+    if _XLA_CACHE_ENV not in os.environ and not hasattr(config, "workerinput"):
+        _OWN_XLA_CACHE = tempfile.mkdtemp(prefix="jax_fp8_tests_xla_cache_")
+        os.environ[_XLA_CACHE_ENV] = _OWN_XLA_CACHE
+    if _XLA_CACHE_ENV not in os.environ:    # a worker of a controller that set none
+        return
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    jax.config.update("jax_compilation_cache_dir", os.environ[_XLA_CACHE_ENV])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes",
+                      int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
+
+
+def pytest_configure(config):
+    _use_xla_cache(config)
+
+
+def pytest_unconfigure(config):
+    if _OWN_XLA_CACHE is not None:
+        shutil.rmtree(_OWN_XLA_CACHE, ignore_errors=True)
 
 
 def pytest_addoption(parser):
