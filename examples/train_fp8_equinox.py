@@ -152,7 +152,7 @@ def train(args, data: Corpus, fp8: bool) -> dict:
     def train_step(model, opt_state, tokens, targets):
         loss, grads = eqx.filter_value_and_grad(loss_fn)(model, tokens, targets)
         updates, opt_state = optim.update(jfe.params(grads), opt_state, jfe.params(model))
-        return jfe.apply_updates(model, updates, grads), opt_state, loss
+        return jfe.apply_updates(model, updates, grads, opt_state=opt_state), opt_state, loss
 
     eval_loss = eqx.filter_jit(loss_fn)
     name = f"fp8 ({args.recipe})" if fp8 else "float32"

@@ -245,3 +245,33 @@ def test_inference_reads_the_state_and_input_gradients_need_frozen_scales():
         saliency(x)
     with jax_fp8.frozen_scales():
         assert saliency(x).shape == x.shape
+
+
+def test_multi_steps_is_refused_given_the_optimizer_state():
+    """optax.MultiSteps applies once per k calls while apply_updates updates the FP8
+    states at every call: given opt_state, the step refuses it, naming accumulate_grads;
+    the same optimizer without MultiSteps trains."""
+    model = _mlp()
+    x, y = _data()
+    for optimizer, refused in ((optax.MultiSteps(optax.adamw(1e-3), every_k_schedule=2), True),
+                               (optax.chain(optax.clip_by_global_norm(1.0),
+                                            optax.MultiSteps(optax.sgd(1e-3), 2)), True),
+                               (optax.adamw(1e-3), False)):
+        opt_state = optimizer.init(jfe.params(model))
+
+        @eqx.filter_jit
+        def step(model, opt_state, x, y, optimizer=optimizer):
+            grads = eqx.filter_grad(sum_loss)(model, x, y)
+            updates, opt_state = optimizer.update(jfe.params(grads), opt_state,
+                                                  jfe.params(model))
+            return jfe.apply_updates(model, updates, grads, opt_state=opt_state), opt_state
+
+        if refused:
+            with pytest.raises(ValueError, match=r"jax_fp8\.equinox\.apply_updates: the "
+                               r"optimizer wraps optax\.MultiSteps.*jax_fp8\.equinox\."
+                               r"accumulate_grads"):
+                step(model, opt_state, x, y)
+        else:
+            new, _ = step(model, opt_state, x, y)
+            assert not np.array_equal(new.layers[0].fp8.meta.input.amax_history,
+                                      model.layers[0].fp8.meta.input.amax_history)

@@ -9,7 +9,8 @@ checkpoints (imports no Flax).
         loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
         updates, opt_state = optim.update(jax_fp8.equinox.params(grads), opt_state,
                                           jax_fp8.equinox.params(model))
-        model = jax_fp8.equinox.apply_updates(model, updates, grads)   # ONE FP8 update
+        model = jax_fp8.equinox.apply_updates(model, updates, grads,   # ONE FP8 update
+                                              opt_state=opt_state)
         return model, opt_state, loss
 
 Models are called per example under ``jax.vmap``, and keep that call: under a ``vmap``

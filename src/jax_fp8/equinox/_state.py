@@ -42,6 +42,10 @@ EQUINOX = _hints.StepHints(
             "`jax_fp8.equinox.fp8_model(model, jax_fp8.Fp8Rule(recipe=recipe))` do (not "
             "`Fp8State(meta, recipe)` with a meta of another recipe)"),
     param_grads="`jax_fp8.equinox.params(grads)`",
+    multi_steps=("Accumulate the microbatches' gradient trees with "
+                 "`jax_fp8.equinox.accumulate_grads` (their amaxes combined by max) and call "
+                 "`jax_fp8.equinox.apply_updates` once per optimizer step, with an optimizer "
+                 "not wrapped in optax.MultiSteps."),
 )
 _hints.register(("equinox", "jax_fp8.equinox"), EQUINOX)
 

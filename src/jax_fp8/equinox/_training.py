@@ -55,7 +55,8 @@ def _parts(model: Any, grads: Any) -> tuple[list, list[Fp8Part], list[str]]:
     return held, parts, missing
 
 
-def apply_updates(model: Any, updates: Any, grads: Any, *, axis_name: Any = None) -> Any:
+def apply_updates(model: Any, updates: Any, grads: Any, *, opt_state: Any = None,
+                  axis_name: Any = None) -> Any:
     """One training step's new model: the optimizer's ``updates`` added to the parameters
     (as ``eqx.apply_updates``) and every FP8 state updated from ``grads`` by ONE fused
     update (`jax_fp8.update_states`, one call per recipe).
@@ -66,6 +67,9 @@ def apply_updates(model: Any, updates: Any, grads: Any, *, axis_name: Any = None
         None where an FP8 state stands).
       grads: the whole gradient tree of ``eqx.filter_value_and_grad(loss_fn)(model,
         ...)``: its FP8 states' gradients carry the amaxes the step observed.
+      opt_state: the optimizer state ``optim.update`` returned with ``updates``; given, an
+        optimizer that wraps ``optax.MultiSteps`` (which applies once per k calls, while
+        this would update the FP8 states at every call) is refused, naming the fix.
       axis_name: inside ``jax.pmap`` (or ``shard_map``), the mapped axis (or axes) whose
         devices' amaxes the update max-reduces first (one ``pmax``); required under
         ``pmap``.
@@ -75,9 +79,9 @@ def apply_updates(model: Any, updates: Any, grads: Any, *, axis_name: Any = None
         state's meta does not follow the recipe it carries; ``grads`` holds no gradient
         for a delayed-scaling state (its scales would never change), unless traced inside
         `jax_fp8.frozen_scales` (then the FP8 states are kept as they are); or traced
-        inside ``jax.pmap`` without ``axis_name``. (``optax.MultiSteps`` is not seen here:
-        accumulate the microbatches' gradients with `accumulate_grads` and call this once
-        per optimizer step.)
+        inside ``jax.pmap`` without ``axis_name``; ``opt_state`` holds an
+        ``optax.MultiSteps`` (accumulate the microbatches' gradients with
+        `accumulate_grads` and call this once per optimizer step).
     """
     held, parts, missing = _parts(model, grads)
     placed = jax.tree.map(lambda x: Fp8Placeholder() if isinstance(x, Fp8State) else x, model,
@@ -94,7 +98,7 @@ def apply_updates(model: Any, updates: Any, grads: Any, *, axis_name: Any = None
 
     stepped, updated, _ = _training_step.step(
         EQUINOX.at("jax_fp8.equinox.apply_updates"), parts, optimizer_step,
-        name=type(model).__name__, missing=missing, axis_name=axis_name)
+        name=type(model).__name__, missing=missing, opt_state=opt_state, axis_name=axis_name)
     new = dict(held)
     for part, metas in zip(parts, updated):
         for p, meta in metas.items():
