@@ -397,6 +397,34 @@ def test_collectives_of_a_sharded_cpu_program():
     assert sorted(c["bytes"] for c in got) == [4, 256]   # a scalar max, 64 summed floats
 
 
+_CACHED_PARTITION_SCRIPT = r"""
+import json, sys, jax, jax.numpy as jnp
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jax_fp8.devtools import compilation, hlo
+mesh = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+x = jax.device_put(jnp.ones((8, 64)), NamedSharding(mesh, P("d")))
+lowered = jax.jit(lambda x: x.sum(axis=0), out_shardings=NamedSharding(mesh, P())).lower(x)
+lowered.compile()   # the program now in the persistent cache
+print("RESULT " + json.dumps([[c.opcode for c in hlo.collectives(compilation.partitioned(lowered))]
+                              for _ in range(2)]))
+"""
+
+
+def test_partitioned_where_the_persistent_cache_holds_the_program(tmp_path):
+    """JAX's persistent compilation cache returns a program it holds without running XLA's
+    passes: `partitioned` still gets the partitioner's text, every time."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    proc = subprocess.run([sys.executable, "-c", _CACHED_PARTITION_SCRIPT, str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, proc.stderr[-3000:]
+    assert json.loads(line[0][len("RESULT "):]) == [["all-reduce"], ["all-reduce"]]
+
+
 # ---------------------------------------------------------------------------- traces
 
 def _gpu_events():

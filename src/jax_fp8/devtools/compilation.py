@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import glob
 import os
+import secrets
 import tempfile
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import jax
 
 if TYPE_CHECKING:
     from jax.stages import Compiled, Lowered
@@ -39,13 +42,26 @@ def alias_bytes(compiled: Compiled) -> int | None:
     return memory(compiled).get("alias_size_in_bytes")
 
 
+def _past_the_persistent_cache() -> dict[str, Any]:
+    """Compiler options that make a compile one JAX's persistent compilation cache has
+    never seen, where that cache is on: a program it holds comes back without XLA running
+    its passes, so nothing would be dumped. The option the cache's key includes only caps
+    how many buffers XLA's buffer-assignment debug text lists."""
+    if jax.config.jax_compilation_cache_dir is None:
+        return {}
+    return {"xla_debug_buffer_assignment_show_max": 2 ** 20 + secrets.randbelow(2 ** 40)}
+
+
 def compile_partitioned(lowered: Lowered) -> tuple[Compiled, str]:
     """``(compiled, text)``: ``lowered.compile()`` and, from the same compile, the HLO text
     right after XLA's SPMD partitioner (see `partitioned`), dumped into a temporary
-    directory. Raises ValueError for a program that is not partitioned (one device)."""
+    directory (also where JAX's persistent compilation cache holds the program: this
+    compile is keyed apart from it). Raises ValueError for a program that is not
+    partitioned (one device)."""
     with tempfile.TemporaryDirectory() as d:
         compiled = lowered.compile(compiler_options={
-            "xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+            "xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning",
+            **_past_the_persistent_cache()})
         files = sorted(glob.glob(os.path.join(d, "*after_spmd-partitioning*.txt")))
         if not files:
             raise ValueError("the program ran no SPMD partitioner (a one-device program?)")
