@@ -83,8 +83,9 @@ def _run_slow(config):
 
 
 # The cases marked `long`: tests that run fresh Python processes (the multi-device
-# workers, the examples, the benchmarks' smoke runs, the documentation's snippets), each
-# paying an interpreter, jax's import and its compiles. README.md's test command
+# workers but sharding_worker.py's, the examples, the benchmarks' smoke runs, the
+# documentation's snippets), each paying an interpreter, jax's import and its compiles,
+# and the long runs (100,000 updates in a scan). README.md's test command
 # deselects them (pyproject.toml's addopts: -m "not long"); .ci/run runs them in a step of
 # their own (pytest -m long). By file (under tests/), and by test function.
 LONG_FILES = frozenset({
@@ -92,12 +93,15 @@ LONG_FILES = frozenset({
     "sharding/test_codebase_sharding.py", "sharding/test_equinox_fsdp.py",
     "sharding/test_explicit_mesh.py", "sharding/test_fsdp.py", "sharding/test_multiprocess.py",
     "sharding/test_equinox_pmap.py", "sharding/test_pmap.py",
-    "sharding/test_ragged_dot_sharding.py",
+    "sharding/test_ragged_dot_sharding.py", "sharding/test_moe_sharding.py",
+    "sharding/test_grouped_wgrad_sharding.py",
     "sharding/test_sequence_sharding.py",
     "sharding/test_tensor_parallel.py",
     "tools/test_bench_llm_smoke.py", "tools/test_bench_multigpu_smoke.py",
     "tools/test_bench_smoke.py", "tools/test_bench_train_step_smoke.py",
+    "tools/test_bench_moe_smoke.py", "tools/test_bench_grouped_gemm_smoke.py",
     "tools/test_examples.py",
+    "kernels/test_long_run.py",    # 100,000 updates in a scan against the reference
 })
 LONG_FUNCTIONS = frozenset({
     "test_snippet_runs_on_its_own", "test_section_runs_as_one_program",   # tools/test_docs.py
