@@ -47,7 +47,7 @@ def _past_the_persistent_cache() -> dict[str, Any]:
     never seen, where that cache is on: a program it holds comes back without XLA running
     its passes, so nothing would be dumped. The option the cache's key includes only caps
     how many buffers XLA's buffer-assignment debug text lists."""
-    if jax.config.jax_compilation_cache_dir is None:
+    if getattr(jax.config, "jax_compilation_cache_dir", None) is None:
         return {}
     return {"xla_debug_buffer_assignment_show_max": 2 ** 20 + secrets.randbelow(2 ** 40)}
 
