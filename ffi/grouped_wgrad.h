@@ -13,15 +13,15 @@
 // float32 accumulator every 4 wgmma K-steps: 128 tokens), one float32 multiply by alpha_g and
 // one rounding to the output type. An empty group's out[g] is alpha_g * 0.
 //
-// The operands come transposed and padded (jax_fp8/_primitives/grouped_wgrad.py builds them
-// in XLA): lhs_t [k, mp] and grad_t [n, mp], the tokens contiguous (K-major, as FP8 wgmma
-// reads both operands), group g's tokens in columns [pstart_g, pstart_g + size_g) with
-// pstart_g = sum over h < g of ceil16(size_h) (16-column, i.e. 16-byte, boundaries: TMA),
-// every other column 0. mp % 16 == 0 and m <= mp - 16 * (groups + 1), so the groups'
-// columns end before the last 16 columns, which are 0: an empty group reads them (a contraction of
-// 16 zeros), never a contraction of length 0. Each group's GEMM contracts over ceil16(size_g)
-// columns (its tokens and the zero columns after them: the same sums, a contraction of 16-byte
-// rows).
+// The operands come transposed and padded (jax_fp8/_primitives/grouped_wgrad.py builds them:
+// a gather of rows in XLA, the bytes transposed by transpose_cuda.cu): lhs_t [k, mp] and
+// grad_t [n, mp], the tokens contiguous (K-major, as FP8 wgmma reads both operands), group
+// g's tokens in columns [pstart_g, pstart_g + size_g) with pstart_g = sum over h < g of
+// ceil16(size_h) (16-column, i.e. 16-byte, boundaries: TMA), every other column 0.
+// mp % 16 == 0 and m <= mp - 16 * (groups + 1), so the groups' columns end before the last
+// 16 columns, which are 0: an empty group reads them (a contraction of 16 zeros), never a
+// contraction of length 0. Each group's GEMM contracts over ceil16(size_g) columns (its
+// tokens and the zero columns after them: the same sums, a contraction of 16-byte rows).
 #include <cstddef>
 #include <cstdint>
 

@@ -96,12 +96,14 @@ def padded_oracle(x, sizes, mp):
 
 
 @pytest.mark.parametrize("case", sorted(SIZES))
-def test_padded_transpose_layout(case):
-    """pad_transpose (the kernel's operands, built in XLA): each group's rows transposed into
-    columns starting on 16-column boundaries, every other byte 0, rows past the groups not
-    copied, the last 16 columns 0; Mp = round16(M) + 16 (G + 1)."""
+@pytest.mark.parametrize("c", [24, 22], ids=["words", "bytes"])
+def test_padded_transpose_layout(case, c):
+    """pad_transpose (the kernel's operands): each group's rows transposed into columns
+    starting on 16-column boundaries, every other byte 0, rows past the groups not copied,
+    the last 16 columns 0; Mp = round16(M) + 16 (G + 1). Rows gathered as 32-bit words
+    (C % 4 == 0) or as bytes."""
     rng = np.random.default_rng(len(case))
-    m, c = 40, 24
+    m = 40
     sizes = SIZES[case]
     mp = gw.padded_columns(m, len(sizes))
     assert mp == 48 + 16 * 6 and mp % 16 == 0
@@ -464,6 +466,29 @@ def test_gpu_kernel_nan_and_inf(gpu_device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m, c, sizes", [
+    (40, 24, SIZES["uneven"]),
+    (40, 22, SIZES["past_m"]),                 # C % 4: bytes gathered, XLA's transpose
+    (4096, 2048, (500, 0, 1200, 3, 2000, 393)),
+    (1000, 768, (17,) * 50 + (0,) * 14),
+])
+def test_gpu_padded_transpose_layout(gpu_device, m, c, sizes):
+    """The kernel's operands as its CUDA lowering builds them (rows gathered in XLA, the
+    bytes transposed by ffi/transpose_cuda.cu where it takes the sizes): the NumPy layout,
+    byte for byte."""
+    rng = np.random.default_rng(m + c)
+    x = rng.integers(0, 256, (m, c)).astype(np.uint8).view(np.dtype(E4M3))
+    mp = gw.padded_columns(m, len(sizes))
+    fn = jax.jit(lambda x, ends: gw.pad_transpose(x, ends, mp, transpose=gw._transpose_bytes))
+    ends = gg.clamped_group_ends(jnp.asarray(sizes, jnp.int32), m)
+    x_gpu, ends_gpu = jax.device_put(x, gpu_device), jax.device_put(ends, gpu_device)
+    text = fn.lower(x_gpu, ends_gpu).as_text()
+    assert ("jax_fp8_transpose_bytes" in text) == (c % 4 == 0), text[-2000:]
+    got = np.asarray(fn(x_gpu, ends_gpu)).view(np.uint8)
+    np.testing.assert_array_equal(got, padded_oracle(x, sizes, mp))
+
+
+@pytest.mark.gpu
 def test_gpu_refused_sizes_fall_back(gpu_device):
     """N % 8 with a bf16 output: no custom call, the reference's numbers, and explain says
     why."""
@@ -477,7 +502,7 @@ def test_gpu_refused_sizes_fall_back(gpu_device):
 
 
 def test_kernel_wrapper_lowered_for_cuda():
-    """The kernel's lowering (the padded transpose in XLA, then the custom call), lowered for
+    """The kernel's lowering (the padded transpose, then the custom call), lowered for
     CUDA without a GPU: one custom call of the padded FP8 operands [K, Mp] and [N, Mp], the
     group sizes (clamped by the kernel to the attribute m = M, as the padded layout clamps
     them) and the scales, into [G, K, N] and the grouped GEMM's workspace; float16 out

@@ -22,10 +22,10 @@ operands into zero-padded dense [M, G, .] tensors: memory G times the operands'.
 
 The CUDA kernel (ffi/grouped_wgrad_cuda.cc: the grouped GEMM's CUTLASS SM90 ptr-array kernel,
 ffi/grouped_wgrad_sm90.cuh) takes each group as one GEMM of (M, N, K) = (K, N,
-ceil16(m_g)) (the columns past its tokens are 0). FP8
-wgmma reads both operands K-major (the tokens contiguous), and TMA loads each group's operands
-only from 16-byte boundaries, so the wrapper below first builds, in XLA (a gather and a
-transpose of FP8 bytes, `pad_transpose`), lhs_t [K, Mp] and grad_t [N, Mp]: group g's tokens
+ceil16(m_g)) (the columns past its tokens are 0). FP8 wgmma reads both operands K-major
+(the tokens contiguous), and TMA loads each group's operands only from 16-byte boundaries,
+so the wrapper below first builds (`pad_transpose`: a gather of rows in XLA, then
+ffi/transpose_cuda.cu's transpose of the bytes) lhs_t [K, Mp] and grad_t [N, Mp]: group g's tokens
 in columns [pstart_g, pstart_g + m_g), pstart_g = sum over h < g of ceil16(m_h), every other
 column 0, Mp = round16(M) + 16 * (G + 1) (`padded_columns`: the last 16 columns always 0; an
 empty group's GEMM reads those, a contraction of 16 zeros). The tensor cores sum each 128
@@ -65,7 +65,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import DTypeLike
 
 from jax_fp8 import _registration
-from jax_fp8._primitives import base, grouped_gemm as gg, partition_specs as specs
+from jax_fp8._primitives import base, grouped_gemm as gg, layout, partition_specs as specs
 
 TARGET = "jax_fp8_grouped_wgrad"
 # "1" (the default): the CUDA kernel runs where it is built and takes the operands; "0": the
@@ -151,13 +151,10 @@ def column_starts(ends: jax.Array) -> jax.Array:
     return jnp.cumsum(padded) - padded
 
 
-def pad_transpose(x: jax.Array, ends: jax.Array, mp: int) -> jax.Array:
-    """x [M, C] (FP8) -> [C, mp]: group g's rows (the clamped `ends`) in columns
-    [pstart_g, pstart_g + m_g) (`column_starts`), every other column 0 (rows past the last
-    group are not copied). A gather and a transpose of the bytes."""
+def padded_rows(ends: jax.Array, mp: int) -> tuple[jax.Array, jax.Array]:
+    """For each of the mp padded columns: the row of x it holds and whether it holds one
+    (group g's rows, the clamped `ends`, in columns [pstart_g, pstart_g + m_g))."""
     groups = ends.shape[0]
-    if x.shape[0] == 0 or groups == 0:
-        return jnp.zeros((x.shape[1], mp), x.dtype)
     sizes = jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
     starts = ends - sizes
     pstart = column_starts(ends)
@@ -168,10 +165,40 @@ def pad_transpose(x: jax.Array, ends: jax.Array, mp: int) -> jax.Array:
                      0, groups - 1)
     offset = cols - pstart[group]
     inside = (offset >= 0) & (offset < sizes[group])
-    rows = jnp.where(inside, starts[group] + offset, 0)
-    bytes_ = lax.bitcast_convert_type(x, jnp.uint8)
-    picked = jnp.where(inside[:, None], bytes_[rows], jnp.uint8(0))          # [mp, C]
-    return lax.bitcast_convert_type(picked.T, x.dtype)
+    return jnp.where(inside, starts[group] + offset, 0), inside
+
+
+def _transpose_bytes(x: jax.Array) -> jax.Array:
+    """[R, C] -> [C, R] of a 1-byte array: ffi/transpose_cuda.cu's kernel where the CUDA
+    module is loaded and takes the sizes (XLA's transpose of 1-byte elements runs at a
+    fraction of a copy's speed), else XLA's. Only called from the CUDA lowering."""
+    rows, cols = x.shape
+    if layout.kernel_supports(rows, cols):
+        call = jax.ffi.ffi_call("jax_fp8_transpose_bytes",
+                                jax.ShapeDtypeStruct((cols, rows), x.dtype))
+        return call(x)
+    return x.T
+
+
+def pad_transpose(x: jax.Array, ends: jax.Array, mp: int, *,
+                  transpose: Callable[[jax.Array], jax.Array] = lambda t: t.T) -> jax.Array:
+    """x [M, C] (FP8) -> [C, mp]: group g's rows (the clamped `ends`) in columns
+    [pstart_g, pstart_g + m_g) (`column_starts`), every other column 0 (rows past the last
+    group are not copied). A gather of rows (as 32-bit words where C % 4 == 0: a quarter of
+    the elements) and a `transpose` of the bytes."""
+    groups = ends.shape[0]
+    if x.shape[0] == 0 or groups == 0:
+        return jnp.zeros((x.shape[1], mp), x.dtype)
+    rows, inside = padded_rows(ends, mp)
+    m, c = x.shape
+    if c % 4 == 0:
+        words = lax.bitcast_convert_type(x.reshape(m, c // 4, 4), jnp.uint32)
+        picked_words = jnp.where(inside[:, None], words[rows], jnp.uint32(0))
+        picked = lax.bitcast_convert_type(picked_words, jnp.uint8).reshape(mp, c)
+    else:
+        picked = jnp.where(inside[:, None], lax.bitcast_convert_type(x, jnp.uint8)[rows],
+                           jnp.uint8(0))                                  # [mp, C]
+    return lax.bitcast_convert_type(transpose(picked), x.dtype)
 
 
 # ------------------------------------------------------------------------- the kernel
@@ -225,7 +252,8 @@ def _ffi_grouped_wgrad(lhs: jax.Array, grad: jax.Array, group_sizes: jax.Array,
     m, k, n, g = lhs.shape[0], lhs.shape[1], grad.shape[1], group_sizes.shape[0]
     ends = gg.clamped_group_ends(group_sizes, m)
     mp = padded_columns(m, g)
-    lhs_t, grad_t = pad_transpose(lhs, ends, mp), pad_transpose(grad, ends, mp)
+    lhs_t = pad_transpose(lhs, ends, mp, transpose=_transpose_bytes)
+    grad_t = pad_transpose(grad, ends, mp, transpose=_transpose_bytes)
     # float16 out: the kernel writes float32, one convert rounds it (as the reference does)
     kernel_dtype = out_dtype if np.dtype(out_dtype) in _KERNEL_OUT else np.dtype(np.float32)
     call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((g, k, n), kernel_dtype),
