@@ -169,14 +169,11 @@ def padded_rows(ends: jax.Array, mp: int) -> tuple[jax.Array, jax.Array]:
 
 
 def _transpose_bytes(x: jax.Array) -> jax.Array:
-    """[R, C] -> [C, R] of a 1-byte array: ffi/transpose_cuda.cu's kernel where the CUDA
-    module is loaded and takes the sizes (XLA's transpose of 1-byte elements runs at a
-    fraction of a copy's speed), else XLA's. Only called from the CUDA lowering."""
-    rows, cols = x.shape
-    if layout.kernel_supports(rows, cols):
-        call = jax.ffi.ffi_call("jax_fp8_transpose_bytes",
-                                jax.ShapeDtypeStruct((cols, rows), x.dtype))
-        return call(x)
+    """[R, C] -> [C, R] of a 1-byte array: layout.py's custom call (ffi/transpose_cuda.cu)
+    where the CUDA module is loaded and takes the sizes, else XLA's transpose. Only called
+    from the CUDA lowering."""
+    if layout.kernel_supports(*x.shape):
+        return layout._ffi_rotate(x, k=1)
     return x.T
 
 
