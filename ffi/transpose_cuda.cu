@@ -161,7 +161,13 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ Tile tile;
   __shared__ unsigned int warp_max[kWarps];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const float scale = *scale_ptr;
+  // Matrix blockIdx.z of the batch: its own scale and amax.
+  const int64_t batch = blockIdx.z;
+  x += batch * rows * cols;
+  q += batch * rows * (cols / 4);
+  q_t += batch * cols * (rows / 4);
+  amax_bits += batch;
+  const float scale = scale_ptr[batch];
   const int64_t in_words = cols / 4;  // groups of 4 elements = words of q
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTileBytes;
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTileBytes;
@@ -220,9 +226,9 @@ dim3 TileGrid(int64_t batch, int64_t rows, int64_t cols) {
 
 template <typename In, Fp8Type kFp8>
 cudaError_t LaunchQuantizeTransposeTyped(cudaStream_t stream, const void* x, const float* scale,
-                                         void* q, void* q_t, float* amax, int64_t rows,
-                                         int64_t cols, float fp8_max) {
-  QuantizeTransposeKernel<In, kFp8><<<TileGrid(1, rows, cols), kThreads, 0, stream>>>(
+                                         void* q, void* q_t, float* amax, int64_t batch,
+                                         int64_t rows, int64_t cols, float fp8_max) {
+  QuantizeTransposeKernel<In, kFp8><<<TileGrid(batch, rows, cols), kThreads, 0, stream>>>(
       static_cast<const In*>(x), scale, static_cast<uint32_t*>(q), static_cast<uint32_t*>(q_t),
       reinterpret_cast<unsigned int*>(amax), rows, cols, fp8_max);
   return cudaGetLastError();
@@ -254,14 +260,15 @@ cudaError_t LaunchRowGatherTranspose(cudaStream_t stream, const void* in, const 
 
 cudaError_t LaunchQuantizeTranspose(cudaStream_t stream, InType in_type, Fp8Type fp8_type,
                                     const void* x, const float* scale, void* q, void* q_t,
-                                    float* amax, int64_t rows, int64_t cols, float fp8_max) {
-  if (!TransposeBytesSupports(1, rows, cols)) return cudaErrorInvalidValue;
-  // The amax is an atomic max over the blocks, from zero (max |x| >= 0).
-  cudaError_t err = cudaMemsetAsync(amax, 0, sizeof(float), stream);
+                                    float* amax, int64_t batch, int64_t rows, int64_t cols,
+                                    float fp8_max) {
+  if (!TransposeBytesSupports(batch, rows, cols)) return cudaErrorInvalidValue;
+  // Each amax is an atomic max over its matrix's blocks, from zero (max |x| >= 0).
+  cudaError_t err = cudaMemsetAsync(amax, 0, batch * sizeof(float), stream);
   if (err != cudaSuccess) return err;
   return DispatchTypes(in_type, fp8_type, cudaErrorInvalidValue, [&](auto in, auto fp8) {
     return LaunchQuantizeTransposeTyped<typename decltype(in)::type, decltype(fp8)::value>(
-        stream, x, scale, q, q_t, amax, rows, cols, fp8_max);
+        stream, x, scale, q, q_t, amax, batch, rows, cols, fp8_max);
   });
 }
 

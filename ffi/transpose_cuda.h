@@ -25,14 +25,17 @@ cudaError_t LaunchTransposeBytes(cudaStream_t stream, const void* in, void* out,
 cudaError_t LaunchRowGatherTranspose(cudaStream_t stream, const void* in, const int32_t* src_rows,
                                      void* out, int64_t in_rows, int64_t rows, int64_t cols);
 
-// For x [rows, cols] of `in_type` and the float32 scalar *scale, in one pass:
-//   q   [rows, cols] = saturate_cast<fp8>(float32(x) * scale)   (NaN stays NaN)
-//   q_t [cols, rows] = q transposed
-//   amax[]           = max |x| as float32 (NaN if any x is NaN)
-// with exactly the bits of jax_fp8.quantize, lax.transpose and jnp.max(jnp.abs(x)).
+// For x [batch, rows, cols] of `in_type` and the float32 scale[batch], in one pass, for
+// each matrix b of the batch:
+//   q[b]   [rows, cols] = saturate_cast<fp8>(float32(x[b]) * scale[b])   (NaN stays NaN)
+//   q_t[b] [cols, rows] = q[b] transposed
+//   amax[b]             = max |x[b]| as float32 (NaN if any x[b] is NaN: the largest
+//                         magnitude bits, as the bits of a non-negative float order)
+// with exactly the bits of jax_fp8.quantize, lax.transpose and jnp.max(jnp.abs(x[b])).
 // fp8_max: the FP8 type's largest finite value, from the caller (one source: Python).
 cudaError_t LaunchQuantizeTranspose(cudaStream_t stream, InType in_type, Fp8Type fp8_type,
                                     const void* x, const float* scale, void* q, void* q_t,
-                                    float* amax, int64_t rows, int64_t cols, float fp8_max);
+                                    float* amax, int64_t batch, int64_t rows, int64_t cols,
+                                    float fp8_max);
 
 }  // namespace jax_fp8

@@ -90,27 +90,43 @@ ffi::Error QuantizeTransposeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   if (!DecodeFp8Type(q->element_type(), &fp8_type)) {
     return InvalidArgument(kName, "q must be f8e4m3fn or f8e5m2");
   }
+  // [R, C] with scalars, or a batch [B, R, C] with scale and amax [B].
   const auto dims = x.dimensions();
-  if (dims.size() != 2 || q->dimensions().size() != 2 || q_t->dimensions().size() != 2 ||
-      q->dimensions()[0] != dims[0] || q->dimensions()[1] != dims[1] ||
-      q_t->dimensions()[0] != dims[1] || q_t->dimensions()[1] != dims[0] ||
-      q_t->element_type() != q->element_type()) {
-    return InvalidArgument(kName, "x, q must be [R, C] and q_t [C, R] of q's type");
+  const size_t rank = dims.size();
+  const bool batched = rank == 3;
+  if ((rank != 2 && rank != 3) || q->dimensions().size() != rank ||
+      q_t->dimensions().size() != rank || q_t->element_type() != q->element_type()) {
+    return InvalidArgument(kName,
+                           "x, q must be [R, C] or [B, R, C] and q_t [C, R] or [B, C, R] "
+                           "of q's type");
   }
-  if (scale.element_type() != ffi::DataType::F32 || scale.element_count() != 1 ||
-      amax->element_type() != ffi::DataType::F32 || amax->element_count() != 1) {
-    return InvalidArgument(kName, "scale and amax must be float32 scalars");
+  const int64_t batch = batched ? dims[0] : 1, rows = dims[rank - 2], cols = dims[rank - 1];
+  const auto qd = q->dimensions(), td = q_t->dimensions();
+  if ((batched && (qd[0] != batch || td[0] != batch)) || qd[rank - 2] != rows ||
+      qd[rank - 1] != cols || td[rank - 2] != cols || td[rank - 1] != rows) {
+    return InvalidArgument(kName,
+                           "x, q must be [R, C] or [B, R, C] and q_t [C, R] or [B, C, R] "
+                           "of q's type");
   }
-  const int64_t rows = dims[0], cols = dims[1];
-  if (!TransposeBytesSupports(1, rows, cols)) {
-    return InvalidArgument(
-        kName, "sizes not supported: " + std::to_string(rows) + " x " + std::to_string(cols));
+  auto per_matrix = [&](ffi::DataType t, ffi::Span<const int64_t> d) {
+    return t == ffi::DataType::F32 && (batched ? d.size() == 1 && d[0] == batch : d.size() == 0);
+  };
+  if (!per_matrix(scale.element_type(), scale.dimensions()) ||
+      !per_matrix(amax->element_type(), amax->dimensions())) {
+    return InvalidArgument(kName,
+                           "scale and amax must be float32 scalars, or float32[B] for x "
+                           "[B, R, C]");
+  }
+  if (batch == 0) return ffi::Error::Success();
+  if (!TransposeBytesSupports(batch, rows, cols)) {
+    return InvalidArgument(kName, "sizes not supported: " + std::to_string(batch) + " x " +
+                                      std::to_string(rows) + " x " + std::to_string(cols));
   }
   return LaunchStatus(kName, LaunchQuantizeTranspose(
                                  stream, in_type, fp8_type, x.untyped_data(),
                                  static_cast<const float*>(scale.untyped_data()), q->untyped_data(),
                                  q_t->untyped_data(), static_cast<float*>(amax->untyped_data()),
-                                 rows, cols, fp8_max));
+                                 batch, rows, cols, fp8_max));
 }
 
 }  // namespace

@@ -70,6 +70,16 @@ if sys.argv[1:] == ["transpose"]:
                 # (Compared on the host: a comparison on the device would be an XLA
                 # kernel's output, which initcheck does not track.)
                 assert np.asarray(amax) == np.abs(np.asarray(x, np.float32)).max(), (shape, dtype)
+    # A batch (expert weights), a scale and an amax per matrix.
+    from jax_fp8.gemm import _grouped
+
+    for shape in [(3, 4, 8), (5, 132, 260)]:
+        w = jax.device_put(rng.standard_normal(shape).astype(jnp.bfloat16))
+        s = jax.device_put(np.asarray([0.5, 2.0, 1e-3, 4.0, 1.0][: shape[0]], np.float32))
+        q, q_t, amax = layout.quantize_transpose_experts(w, s, jnp.float8_e4m3fn)
+        q8 = np.asarray(q).view(np.uint8)
+        assert (np.asarray(q_t).view(np.uint8) == np.swapaxes(q8, 1, 2)).all(), shape
+        assert (np.asarray(amax) == np.asarray(_grouped.expert_amax(np.asarray(w)))).all()
     print("sanitize driver done")
     sys.exit(0)
 if sys.argv[1:] == ["split"]:

@@ -162,6 +162,47 @@ def test_quantize_transpose_bits(backend, device, in_dtype, fp8_dtype, shape):
         np.testing.assert_array_equal(got[2], helpers.run_on(device, jax_fp8.compute_amax, x))
 
 
+@pytest.mark.parametrize("in_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("shape", [(5, 4, 4), (3, 132, 260), (2, 256, 128)])
+def test_quantize_transpose_experts_bits(backend, device, in_dtype, fp8_dtype, shape):
+    """A batch of matrices (an MoE layer's expert weights [G, K, N]), each with its own
+    scale: each matrix's quantize, its transpose and its amax (one NaN expert, one all
+    zero), the bits of a per-expert `jax_fp8.quantize`, jnp.swapaxes and the grouped GEMM's
+    `expert_amax`."""
+    from jax_fp8.gemm import _grouped
+
+    rng = np.random.default_rng(shape[1])
+    w = np.array(special_values(rng, shape, np.float32, fp8_dtype))
+    w[0] = np.where(np.isnan(w[0]), 1.0, w[0])       # expert 0: no NaN
+    w[-1] = 0.0                                      # the last: all zeros (amax 0)
+    w = jnp.asarray(w, in_dtype)
+    scale = np.asarray([0.37, 3e4, 1e-3, 1.0, 2.0 ** -7][: shape[0]], np.float32)
+    got = helpers.run_on(device, lambda w, s: layout.quantize_transpose_experts(
+        w, s, fp8_dtype), w, scale)
+    state = ScalingState(jnp.zeros((shape[0], 1), jnp.float32), scale, 1 / scale,
+                         fp8_dtype=fp8_dtype)
+    cpu = helpers.backend_device("cpu")
+    want_q = helpers.run_on(cpu, jax_fp8.quantize, w, state)
+    assert_fp8_equal(got[0], want_q)
+    assert_fp8_equal(got[1], np.swapaxes(want_q, 1, 2))
+    want_amax = helpers.run_on(cpu, _grouped.expert_amax, w)
+    np.testing.assert_array_equal(got[2], want_amax)
+    assert got[2][-1] == 0 and not np.isnan(got[2][0])
+
+
+@pytest.mark.gpu
+def test_gpu_quantize_transpose_experts_is_one_kernel(gpu_device):
+    """On the GPU the batch is one custom call; a scale vector of the wrong length is a
+    trace-time error naming the primitive."""
+    w = jnp.ones((4, 128, 256), jnp.bfloat16)
+    fn = jax.jit(lambda w, s: layout.quantize_transpose_experts(w, s, jnp.float8_e4m3fn))
+    args = (jax.device_put(w, gpu_device), jax.device_put(jnp.ones(4, jnp.float32), gpu_device))
+    assert fn.lower(*args).compile().as_text().count(QT_TARGET) == 1
+    with pytest.raises(TypeError, match="jax_fp8_quantize_transpose"):
+        fn.lower(args[0], jnp.ones(3, jnp.float32))
+
+
 @pytest.mark.gpu
 def test_quantize_transpose_amax_is_nan_with_one_nan(gpu_device):
     """As XLA's max on the GPU (its vectorized CPU max can drop a NaN instead)."""

@@ -10,7 +10,9 @@ transposed. Two primitives, each one custom call on CUDA:
   prod B]; `rotate_axes` binds it.
 * `jax_fp8_quantize_transpose`: x [R, C] (f32/bf16/f16) and a scale -> the FP8 copy of
   x, that copy transposed and max |x|, from one read of x; `quantize_rotate` is the
-  [A..., B...] form that `fp8_dot_general`'s backward uses for its incoming gradient.
+  [A..., B...] form that `fp8_dot_general`'s backward uses for its incoming gradient. A
+  batch x [B, R, C] takes a scale per matrix and gives an amax per matrix:
+  `quantize_transpose_experts`, the expert weights of `fp8_ragged_dot` (one scale each).
 
 A third custom call, `jax_fp8_gather_transpose_bytes` (`_ffi_gather_rotate`), gathers the
 rows of a 1-byte matrix and transposes them in one pass: the grouped weight gradient's CUDA
@@ -40,13 +42,14 @@ from jax.sharding import PartitionSpec
 from jax.typing import ArrayLike, DTypeLike
 
 from jax_fp8 import _registration, recipe as recipe_lib
-from jax_fp8._primitives import amax as amax_lib, axis_types, base, kernel_types
+from jax_fp8._primitives import amax as amax_lib, axis_types, base, exact, kernel_types
 
 
-def kernel_supports(rows: int, cols: int) -> bool:
+def kernel_supports(rows: int, cols: int, *, batch: int = 1) -> bool:
     """Sizes the CUDA kernels take (ffi/transpose_cuda.cu's TransposeBytesSupports)."""
     module = _registration.CUDA_MODULE
-    return module is not None and module.transpose_bytes_supports(1, int(rows), int(cols))
+    return module is not None and module.transpose_bytes_supports(int(batch), int(rows),
+                                                                  int(cols))
 
 
 def _rotation(ndim: int, k: int) -> tuple[int, ...]:
@@ -141,29 +144,39 @@ def rotate_axes(x: jax.Array, k: int) -> jax.Array:
 
 def _qt_abstract_eval(x: ShapedArray, scale: ShapedArray, *, fp8_dtype: np.dtype,
                       ) -> tuple[ShapedArray, ShapedArray, ShapedArray]:
-    if x.ndim != 2 or scale.shape != () or scale.dtype != np.float32:
-        raise TypeError(f"jax_fp8_quantize_transpose: takes a matrix and a float32 scalar, "
-                        f"got {x.dtype}{list(x.shape)}, {scale.dtype}{list(scale.shape)}")
-    rows, cols = x.shape
-    return (x.update(shape=(rows, cols), dtype=fp8_dtype, weak_type=False),
-            x.update(shape=(cols, rows), dtype=fp8_dtype, weak_type=False),
-            x.update(shape=(), dtype=np.float32, weak_type=False))
+    if x.ndim not in (2, 3) or scale.shape != x.shape[:-2] or scale.dtype != np.float32:
+        raise TypeError(f"jax_fp8_quantize_transpose: takes a matrix and a float32 scalar, or "
+                        f"a batch of matrices [B, R, C] and float32[B], got "
+                        f"{x.dtype}{list(x.shape)}, {scale.dtype}{list(scale.shape)}")
+    lead, (rows, cols) = x.shape[:-2], x.shape[-2:]
+    return (x.update(shape=lead + (rows, cols), dtype=fp8_dtype, weak_type=False),
+            x.update(shape=lead + (cols, rows), dtype=fp8_dtype, weak_type=False),
+            x.update(shape=lead, dtype=np.float32, weak_type=False))
 
 
 def _qt_reference(x: jax.Array, scale: jax.Array, *, fp8_dtype: np.dtype,
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """What the kernel computes, in jax.numpy: jax_fp8.quantize's saturating cast,
     lax.transpose and compute_amax (so also its one-collective amax under a multi-device
-    jit)."""
+    jit); for a batch, each matrix with its own scale, and the largest magnitude bits of
+    each matrix as its amax (NaN where it holds one)."""
     fmax = np.float32(recipe_lib.fp8_max(fp8_dtype))
-    q = jnp.clip(x.astype(jnp.float32) * scale, -fmax, fmax).astype(fp8_dtype)
+    per_matrix = scale.astype(jnp.float32).reshape(scale.shape + (1, 1))
+    q = jnp.clip(x.astype(jnp.float32) * per_matrix, -fmax, fmax).astype(fp8_dtype)
+    q_t = jnp.swapaxes(q, -1, -2)
+    if x.ndim == 3:
+        magnitudes = exact.to_bits(exact.widen(x)) & exact.U32(0x7FFFFFFF)
+        return q, q_t, exact.from_bits(jnp.max(magnitudes, axis=(1, 2),
+                                               initial=exact.U32(0)))
     amax = jnp.zeros((), jnp.float32) if x.size == 0 else amax_lib.amax(x)
-    return q, _swap(q), amax
+    return q, q_t, amax
 
 
 def _qt_takes(x: ShapedArray, scale: ShapedArray, *, fp8_dtype: np.dtype) -> bool:
     del scale
-    return (kernel_supports(*x.shape) and np.dtype(x.dtype) in kernel_types.WIDE_INPUTS
+    batch = x.shape[0] if x.ndim == 3 else 1
+    return (kernel_supports(*x.shape[-2:], batch=batch)
+            and np.dtype(x.dtype) in kernel_types.WIDE_INPUTS
             and np.dtype(fp8_dtype) in kernel_types.FP8_OUTPUTS)
 
 
@@ -186,6 +199,17 @@ def quantize_rotate_applies(x: jax.Array, fp8_dtype: DTypeLike) -> bool:
     return (x.ndim >= 2 and np.dtype(x.dtype) in kernel_types.WIDE_INPUTS
             and np.dtype(fp8_dtype) in kernel_types.FP8_OUTPUTS
             and not axis_types.varying_axes(x) and not axis_types.on_explicit_mesh(x))
+
+
+def quantize_transpose_experts(w: jax.Array, scale: ArrayLike, fp8_dtype: DTypeLike,
+                               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """For expert weights w [G, K, N] and per-expert scales [G]: (q [G, K, N], q swapped to
+    [G, N, K], each expert's amax [G]) in one pass over w on CUDA (ffi/transpose_cuda.cu),
+    the bits of a per-expert `jax_fp8.quantize`, ``jnp.swapaxes(q, 1, 2)`` and the largest
+    magnitude bits of each expert anywhere. Where `quantize_rotate_applies` holds."""
+    q, q_t, amax = quantize_transpose_p.bind(w, jnp.asarray(scale, np.float32),
+                                             fp8_dtype=np.dtype(fp8_dtype))
+    return q, q_t, amax
 
 
 def quantize_rotate(x: jax.Array, k: int, scale: ArrayLike, fp8_dtype: DTypeLike,

@@ -291,13 +291,22 @@ def _quantize_rows(x: jax.Array, state: ScalingState, group: jax.Array) -> jax.A
 
 
 def _ragged_fwd(lhs: jax.Array, rhs: jax.Array, ends: jax.Array, meta: Any,
-                ) -> tuple[jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
+                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array,
+                           tuple[jax.Array, jax.Array]]:
+    """(q_lhs, q_rhs [G, K, N], q_rhs swapped [G, N, K], each row's group, the amaxes)."""
     group = _grouped.row_groups(ends, lhs.shape[0])
     groups = ends.shape[0]
     q_lhs = _quantize_rows(lhs, meta.input, group)
+    amax_lhs = _grouped.group_amax(lhs, group, groups)
+    if layout.quantize_rotate_applies(rhs, meta.kernel.fp8_dtype):
+        # the expert weights quantized, transposed for the forward GEMM (K-major) and their
+        # amaxes taken in one pass (one kernel on CUDA): the same bits as the three below
+        q_rhs, q_rhs_t, amax_rhs = layout.quantize_transpose_experts(
+            rhs, meta.kernel.scale, meta.kernel.fp8_dtype)
+        return q_lhs, q_rhs, q_rhs_t, group, (amax_lhs, amax_rhs)
     q_rhs = quantize(rhs, meta.kernel)                               # [G, K, N]
-    return q_lhs, q_rhs, group, (_grouped.group_amax(lhs, group, groups),
-                                 _grouped.expert_amax(rhs))
+    return (q_lhs, q_rhs, jnp.swapaxes(q_rhs, 1, 2), group,
+            (amax_lhs, _grouped.expert_amax(rhs)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -310,8 +319,8 @@ def _fp8_ragged(lhs: jax.Array, rhs: jax.Array, ends: jax.Array, meta: Fp8Meta, 
 def _fp8_ragged_fwd_rule_impl(lhs: jax.Array, rhs: jax.Array, ends: jax.Array, meta: Any,
                               out_dtype: np.dtype,
                               ) -> tuple[tuple[jax.Array, Fp8Meta], tuple[Any, ...]]:
-    q_lhs, q_rhs, group, (amax_lhs, amax_rhs) = _ragged_fwd(lhs, rhs, ends, meta)
-    out = _grouped.grouped(q_lhs, jnp.swapaxes(q_rhs, 1, 2), ends,
+    q_lhs, q_rhs, q_rhs_t, group, (amax_lhs, amax_rhs) = _ragged_fwd(lhs, rhs, ends, meta)
+    out = _grouped.grouped(q_lhs, q_rhs_t, ends,
                            _dequantization_factor(meta.input),
                            _dequantization_factor(meta.kernel), out_dtype)
     return (out, meta), (q_lhs, q_rhs, ends, group, meta, amax_lhs, amax_rhs,
