@@ -45,6 +45,14 @@ def recipe_variant_cases(variants, every_recipe_with) -> list[tuple[str, str]]:
             + [("delayed", v) for v in sorted(variants) if v != every_recipe_with])
 
 
+# The FP8 GEMMs have two custom VJPs: delayed scaling's (jax_fp8/recipes/delayed.py) and the
+# one the recipes without state share (jax_fp8/gemm/scaled_dot.py, where the recipe only
+# picks the quantization). Where a test checks what that VJP does under a further
+# transformation (remat without jit, a second-order derivative) and the same contract is
+# checked for every recipe in another case of the file, it runs one recipe of each VJP.
+VJP_RECIPES = ["current", "delayed"]
+
+
 def _test_dirs() -> list[str]:
     """tests/, then each folder directly under it that holds Python files, sorted."""
     subs = [e.path for e in os.scandir(TESTS_DIR)

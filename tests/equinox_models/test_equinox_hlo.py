@@ -68,5 +68,7 @@ def test_every_recipe_trains(name):
         jfe.check_fp8_updated(trained)
     else:
         assert all(s.meta.stateless for _, s in jfe.fp8_states(trained))
-    out = jax.vmap(trained)(tokens)
+    # Inference with the trained model, compiled (run eagerly, its FP8 GEMMs and attention go
+    # op by op: seconds; eager calls of converted models are test_equinox_layers.py's).
+    out = eqx.filter_jit(lambda m, t: jax.vmap(m)(t))(trained, tokens)
     assert out.shape == (2, 9, 64) and out.dtype == jnp.float32

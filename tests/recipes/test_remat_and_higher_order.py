@@ -1,13 +1,20 @@
 """The FP8 custom VJPs under JAX's remat policies and under second-order differentiation.
 
 Remat: every ``jax.checkpoint_policies`` policy (and linen ``nn.remat`` / ``nnx.remat`` with
-``policy=``) gives, bit for bit, the gradient of the un-rematerialized function for all
-three recipes, with quantized values at fp8_max, at 288 and at the smallest normals (the
+``policy=``) gives, bit for bit, the gradient of the un-rematerialized function for every
+recipe, with quantized values at fp8_max, at 288 and at the smallest normals (the
 values JAX's ``reduce_precision`` on saved FP8 residuals would turn into NaN or 0).
 
 Second order: differentiating an FP8 GEMM's gradient again (``jax.hessian``,
 ``jax.jacfwd(jax.grad)``, ``jax.grad(jax.grad)``, a Hessian-vector product, also through
 ``jax.jit``) raises at trace time, through every public GEMM and for every recipe.
+
+The recipe matrices: every recipe under every policy through ``jax.checkpoint`` (jitted),
+under vmap and scan, and through every public GEMM under ``jax.hessian``; a further
+framework (linen's ``nn.remat``, ``nnx.remat``) runs delayed scaling, the recipe whose FP8
+state those lift (helpers.E2E_RECIPES); remat without jit, the other second-order
+transformations and the second order of other variables run one recipe per custom VJP
+(helpers.VJP_RECIPES): they check the VJP, not the recipe's quantization.
 """
 
 import functools
@@ -136,7 +143,7 @@ def test_every_remat_policy_gives_the_gradient_without_remat(recipe, policy):
     assert_trees_equal(got, want)
 
 
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@pytest.mark.parametrize("recipe", helpers.VJP_RECIPES)   # every recipe: the jitted test above
 def test_remat_policy_without_jit(recipe):
     x, w, c = operands()
     meta = meta_for(recipe, x, w, c)
@@ -215,8 +222,6 @@ class _LinenBlock(nn.Module):
         return self.dense(128)(jnp.tanh(self.dense(256)(x)))
 
 
-@pytest.mark.parametrize("policy", ["everything_saveable", "save_anything_except_these_names",
-                                    "dots_saveable", "nothing_saveable"])
 def _linen_grads(model, variables):
     x, _, c = operands()
 
@@ -228,18 +233,20 @@ def _linen_grads(model, variables):
 
 
 @functools.cache
-def _linen_without_remat(recipe):
+def _linen_without_remat(name):
     """(variables, gradients) of the linen MLP without remat: once for all the policies."""
-    plain = _LinenMlp(recipe, None)
+    plain = _LinenMlp(RECIPES[name], None)
     variables = jax.jit(plain.init)(jax.random.key(0), operands()[0])
     return variables, _linen_grads(plain, variables)
 
 
 @pytest.mark.parametrize("policy", ["everything_saveable", "save_anything_except_these_names",
                                     "dots_saveable", "nothing_saveable"])
-def test_linen_remat_with_policy(recipe, policy):
+@pytest.mark.parametrize("name", helpers.E2E_RECIPES)   # every recipe: jax.checkpoint's test
+def test_linen_remat_with_policy(name, policy):
+    recipe = RECIPES[name]
     x = operands()[0]
-    variables, want = _linen_without_remat(recipe)
+    variables, want = _linen_without_remat(name)
     remat = _LinenMlp(recipe, POLICIES[policy])
     # the remat'd module's variables sit under the same names
     assert (jax.tree.structure(jax.eval_shape(remat.init, jax.random.key(0), x))
@@ -258,9 +265,10 @@ class _NnxBlock(nnx.Module):
 
 @pytest.mark.parametrize("policy", ["everything_saveable", "save_anything_except_these_names",
                                     "nothing_saveable"])
-def test_nnx_remat_with_policy(recipe, policy):
+@pytest.mark.parametrize("name", helpers.E2E_RECIPES)   # every recipe: jax.checkpoint's test
+def test_nnx_remat_with_policy(name, policy):
     x, _, c = operands()
-    model = _NnxBlock(recipe, nnx.Rngs(0))
+    model = _NnxBlock(RECIPES[name], nnx.Rngs(0))
 
     def plain(model, x):
         return jnp.sum(model(x) * c)
@@ -349,12 +357,19 @@ SECOND_ORDER = {
 }
 
 
-@pytest.mark.parametrize("how", sorted(SECOND_ORDER))
-@pytest.mark.parametrize("gemm", sorted(GEMMS))
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def _second_order_cases():
+    """(recipe, gemm, how): every recipe through every public GEMM under jax.hessian, and
+    each other way of differentiating a gradient again with one recipe per custom VJP
+    (helpers.VJP_RECIPES; the guard sits in the VJP, the recipe only picks the
+    quantization). scaled_dot_general takes the recipes without state only."""
+    takes = lambda recipe, gemm: gemm != "scaled_dot_general" or recipe != "delayed"  # noqa: E731
+    return ([(r, g, "hessian") for r in sorted(RECIPES) for g in sorted(GEMMS) if takes(r, g)]
+            + [(r, g, h) for r in helpers.VJP_RECIPES for g in sorted(GEMMS)
+               for h in sorted(SECOND_ORDER) if h != "hessian" and takes(r, g)])
+
+
+@pytest.mark.parametrize("recipe, gemm, how", _second_order_cases())
 def test_second_order_ad_raises_at_trace_time(recipe, gemm, how):
-    if gemm == "scaled_dot_general" and recipe == "delayed":
-        pytest.skip("scaled_dot_general takes the current and block recipes only")
     x, w, c = operands(16, 128, 16)
     meta = meta_for(recipe, x, w, c)
     fn = GEMMS[gemm]
@@ -376,7 +391,7 @@ def test_second_order_names_the_op_and_the_fix(recipe):
     assert "fp8_dot_general" in str(e.value) and "jax.lax.dot_general" in str(e.value)
 
 
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@pytest.mark.parametrize("recipe", helpers.VJP_RECIPES)
 def test_first_order_and_second_order_of_other_variables_still_work(recipe):
     """Only a derivative of the FP8 GEMM's own derivative is refused: the Hessian of a
     loss w.r.t. a parameter applied after the GEMM (which never differentiates the GEMM
