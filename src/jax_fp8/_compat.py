@@ -154,6 +154,6 @@ def numpy_contractions() -> ModuleType:
     return _contractions
 
 
-def axis_names() -> tuple:
+def axis_names() -> tuple[Any, ...]:
     """The named axes in scope (``pmap``, ``shard_map``, ``vmap(axis_name=...)``)."""
     return tuple(_core.get_axis_env().axis_names())

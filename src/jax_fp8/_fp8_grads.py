@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.export  # noqa: F401  (register_pytree_node_serialization)
@@ -110,12 +110,12 @@ _AMAX_IMPL = jax.extend.random.define_prng_impl(
 
 def _encode_amax(amax: ArrayLike) -> jax.Array:
     bits = jax.lax.bitcast_convert_type(jnp.asarray(amax, jnp.float32), jnp.uint32)
-    return jax.random.wrap_key_data(bits[..., None], impl=_AMAX_IMPL)
+    return cast(jax.Array, jax.random.wrap_key_data(bits[..., None], impl=_AMAX_IMPL))
 
 
 def _is_amax_array(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
-    return (dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    return (dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
             and jax.random.key_impl(x) == _AMAX_IMPL)
 
 

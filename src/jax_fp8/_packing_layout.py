@@ -67,21 +67,21 @@ class _Layout:
     """Static: where each state of the original tree lives in the packed groups."""
 
     treedef: Any                      # of the original tree, ScalingStates as leaves
-    slots: tuple                      # per leaf: (group index, first row, lead shape) or None
-    groups: tuple                     # per group: (fp8_dtype, history_len)
-    paths: tuple                      # per leaf: its path text (`path_name`)
+    slots: tuple[Any, ...]            # per leaf: (group index, first row, lead shape) or None
+    groups: tuple[Any, ...]           # per group: (fp8_dtype, history_len)
+    paths: tuple[str, ...]            # per leaf: its path text (`path_name`)
 
     @functools.cached_property
-    def rows(self) -> tuple:
+    def rows(self) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]:
         """Per group: its states' (path text, lead shape), in row order."""
-        out: list[list] = [[] for _ in self.groups]
+        out: list[list[tuple[str, tuple[int, ...]]]] = [[] for _ in self.groups]
         for slot, path in zip(self.slots, self.paths):
             if slot is not None:
                 out[slot[0]].append((path, slot[2]))
         return tuple(tuple(r) for r in out)
 
     @functools.cached_property
-    def top_keys(self) -> tuple | None:
+    def top_keys(self) -> tuple[str, ...] | None:
         """The keys of the unpacked tree when it is a dict with string keys (a Flax
         collection), in its order; else None."""
         skeleton = jax.tree.unflatten(self.treedef, [None] * self.treedef.num_leaves)
@@ -90,7 +90,7 @@ class _Layout:
         return tuple(skeleton)
 
     @functools.cached_property
-    def keys(self) -> tuple:
+    def keys(self) -> tuple[str, ...]:
         """The tree keys of the groups, then of the other leaves."""
         return (tuple(group_key(d, n, r) for (d, n), r in zip(self.groups, self.rows))
                 + tuple(other_key(p) for slot, p in zip(self.slots, self.paths)

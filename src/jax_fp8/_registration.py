@@ -23,7 +23,7 @@ class Target:
     """One row of ffi/module.cc's table: a custom-call target, the platforms ("cpu",
     "cuda") a full build has a handler for, and the CUDA kernel it launches."""
     name: str
-    platforms: tuple
+    platforms: tuple[str, ...]
     cuda_kernel: str
 
 
@@ -57,7 +57,7 @@ def has_kernel(name: str, platform: str | None) -> bool:
                                              "cuda": CUDA_TARGETS}.get(platform, frozenset())
 
 
-def export_disabled_checks() -> list:
+def export_disabled_checks() -> list[jax.export.DisabledSafetyCheck]:
     """The ``disabled_checks`` that ``jax.export.export`` needs for programs using jax_fp8.
 
     jax.export refuses custom calls it does not know to be stable; jax_fp8's are stable

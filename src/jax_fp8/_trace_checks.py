@@ -25,7 +25,7 @@ from jax_fp8._primitives import amax as amax_lib
 LOOPS = ("scan", "fori_loop", "while_body", "while_cond", "while_loop")
 BRANCHES = ("cond", "switch")
 # Tracers already handed to an FP8 op as (part of) a meta: id -> (tracer, trace under it).
-_consumed: dict = {}
+_consumed: dict[int, tuple[weakref.ref[Any], weakref.ref[Any] | None]] = {}
 
 
 def _chain(leaf: Any) -> list[Any] | None:
@@ -191,13 +191,13 @@ def claim(meta: Any, op: str, operands: Iterable[Any] = ()) -> None:
             if not both_branches:  # the two branches of a cond never both run
                 raise ValueError(_reuse(op))
         key = id(leaf)
-        def forget(_: weakref.ref, k: int = key) -> None:
+        def forget(_: weakref.ref[Any], k: int = key) -> None:
             _consumed.pop(k, None)
 
         _consumed[key] = (weakref.ref(leaf, forget), None if top is None else weakref.ref(top))
 
 
-def unreduced_device_axes() -> tuple:
+def unreduced_device_axes() -> tuple[Any, ...]:
     """The mapped axes of a ``jax.pmap`` (or ``shard_map(check_vma=False)``) being traced:
     there JAX keeps no record of which values differ across devices, so the FP8 ops
     cannot max-reduce the amaxes of a replicated state, and each device observes its

@@ -35,9 +35,12 @@ import json
 import math
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 __all__ = ["MARGIN", "MEASURED", "conservative", "decide", "decide_on", "deciding_for",
            "speedup", "table_for"]
@@ -49,13 +52,13 @@ MARGIN = 1.05
 
 
 @functools.cache
-def table_for(arch: str) -> dict | None:
+def table_for(arch: str) -> dict[str, Any] | None:
     """The measured table of a GPU architecture ("sm_90"), or None."""
     name = f"gemm_speedup_{arch.replace('_', '')}.json"
     resource = importlib.resources.files("jax_fp8") / "tables" / name
     if not resource.is_file():
         return None
-    return json.loads(resource.read_text())
+    return cast("dict[str, Any]", json.loads(resource.read_text()))
 
 
 def _arch(device: Any) -> str | None:
@@ -66,7 +69,7 @@ def _arch(device: Any) -> str | None:
     return f"sm_{major}{minor or '0'}"
 
 
-def _axis(grid, value):
+def _axis(grid: Sequence[float], value: float) -> tuple[int, float] | None:
     """(i, weight of grid[i + 1]) of log2(value) on the log2 grid; None below it."""
     if value < grid[0]:
         return None
@@ -78,7 +81,7 @@ def _axis(grid, value):
     return i, (x - pts[i]) / (pts[i + 1] - pts[i])
 
 
-def speedup(table: dict, recipe: Any, m: int, k: int, n: int) -> float | None:
+def speedup(table: dict[str, Any], recipe: Any, m: int, k: int, n: int) -> float | None:
     """The speedup `table` gives a GEMM [m, k] . [k, n] in `recipe`, interpolated in log2 of
     each size (the largest sizes' past the grid); None below the grid or for a recipe the
     table does not measure."""
@@ -92,7 +95,7 @@ def speedup(table: dict, recipe: Any, m: int, k: int, n: int) -> float | None:
     for corner in range(8):
         w, v = 1.0, values
         for bit, axis in enumerate(axes):
-            i, t = axis
+            i, t = cast("tuple[int, float]", axis)  # not None: checked above
             hi = (corner >> bit) & 1
             w *= t if hi else 1 - t
             v = v[i + hi]

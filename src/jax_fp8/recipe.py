@@ -9,11 +9,14 @@ import enum
 import math
 import typing
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
+
+if TYPE_CHECKING:
+    from jax_fp8.meta import Fp8Meta
 
 ALGORITHMS = ("max", "most_recent")
 
@@ -27,7 +30,7 @@ FP8_DTYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2),
 def canonical_fp8_dtype(fp8_dtype: Any, name: str = "fp8_dtype") -> np.dtype:
     """`fp8_dtype` as a NumPy dtype, or a TypeError naming `name`."""
     try:
-        dtype = np.dtype(fp8_dtype)
+        dtype: np.dtype | None = np.dtype(fp8_dtype)
     except TypeError:
         dtype = None
     if dtype is None or dtype not in FP8_DTYPES:
@@ -38,7 +41,8 @@ def canonical_fp8_dtype(fp8_dtype: Any, name: str = "fp8_dtype") -> np.dtype:
 
 def fp8_max(fp8_dtype: DTypeLike) -> float:
     """Largest finite value of an FP8 dtype: 448 for e4m3fn, 57344 for e5m2, ..."""
-    return float(jnp.finfo(canonical_fp8_dtype(fp8_dtype)).max)
+    # jnp.finfo is unannotated in JAX.
+    return float(jnp.finfo(canonical_fp8_dtype(fp8_dtype)).max)  # type: ignore[no-untyped-call]
 
 
 def check_margin(margin: Any) -> float:
@@ -71,7 +75,7 @@ def check_algorithm(amax_compute_algo: Any) -> str:
     if amax_compute_algo not in ALGORITHMS:
         raise ValueError(f"amax_compute_algo must be one of {ALGORITHMS}, "
                          f"got {amax_compute_algo!r}")
-    return amax_compute_algo
+    return cast(str, amax_compute_algo)
 
 
 class Format(enum.Enum):
@@ -82,11 +86,12 @@ class Format(enum.Enum):
 
     @property
     def fwd_dtype(self) -> np.dtype:
-        return np.dtype(jnp.float8_e4m3fn)
+        return cast(np.dtype, np.dtype(jnp.float8_e4m3fn))
 
     @property
     def bwd_dtype(self) -> np.dtype:
-        return np.dtype(jnp.float8_e5m2 if self is Format.HYBRID else jnp.float8_e4m3fn)
+        return cast(np.dtype,
+                    np.dtype(jnp.float8_e5m2 if self is Format.HYBRID else jnp.float8_e4m3fn))
 
 
 def _check_bool(obj: Any, *names: str) -> None:
@@ -170,11 +175,12 @@ class Recipe(abc.ABC):
                       for name, value in fields.items()})
 
     @abc.abstractmethod
-    def create_meta(self, shape: Sequence[int] = (), history_len: int | None = None) -> Any:
+    def create_meta(self, shape: Sequence[int] = (), history_len: int | None = None
+                    ) -> Fp8Meta:
         """The `jax_fp8.Fp8Meta` of one GEMM (``shape``: leading axes of its states)."""
 
     @abc.abstractmethod
-    def check_meta(self, meta: Any, name: str = "meta", shape: tuple = ()) -> None:
+    def check_meta(self, meta: Any, name: str = "meta", shape: tuple[int, ...] = ()) -> None:
         """Raises TypeError / ValueError when ``meta`` is not a meta of this recipe for a
         GEMM whose states have leading axes ``shape`` (``(G,)`` for a grouped GEMM)."""
 
@@ -298,7 +304,7 @@ def _names() -> str:
     return spoken([f"jax_fp8.{n}" if i == 0 else n for i, n in enumerate(_REGISTRY)])
 
 
-def check_recipe(recipe: Any, name: str = "recipe") -> Any:
+def check_recipe(recipe: Any, name: str = "recipe") -> Recipe:
     """`recipe` if it is an instance of a registered recipe, else a TypeError naming `name`."""
     if isinstance(recipe, type) and issubclass(recipe, Recipe):
         raise TypeError(f"{name} must be a recipe instance, got the class {recipe.__name__}: "

@@ -77,7 +77,7 @@ class Fp8Rule:
     min_fp8_flops: float | str = "measured"
     activations: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.path, str):
             raise TypeError(f"Fp8Rule.path must be a regular expression (str), got "
                             f"{self.path!r}")
@@ -105,7 +105,7 @@ class Fp8Rule:
         return re.fullmatch(self.path, path) is not None
 
 
-def as_rules(rules, name: str = "rules") -> tuple[Fp8Rule, ...]:
+def as_rules(rules: Any, name: str = "rules") -> tuple[Fp8Rule, ...]:
     """``rules`` (None, one `Fp8Rule` or a sequence of them) as a tuple; None: every GEMM
     with a parameter operand in delayed scaling (``(Fp8Rule(),)``)."""
     if rules is None:

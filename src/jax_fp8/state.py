@@ -6,7 +6,7 @@ import dataclasses
 import sys
 from collections.abc import Iterable, Sequence
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +16,8 @@ from jax.typing import DTypeLike
 
 from jax_fp8 import _hints, recipe as recipe_lib
 
-_CANONICAL: dict = {}  # fp8_dtype as given -> np.dtype (only valid FP8 dtypes are stored)
+# fp8_dtype as given -> np.dtype (only valid FP8 dtypes are stored)
+_CANONICAL: dict[Any, np.dtype] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +67,7 @@ class ScalingState:
 
     @property
     def history_len(self) -> int:
-        return self.amax_history.shape[-1]
+        return cast(int, self.amax_history.shape[-1])
 
     def replace(self, **changes: Any) -> ScalingState:
         """A copy with the given fields replaced (as ``dataclasses.replace``)."""
@@ -86,7 +87,8 @@ def field_key(field: str, fp8_dtype: DTypeLike) -> str:
     return f"{field}_{np.dtype(fp8_dtype).name}"
 
 
-_KEYS: dict = {}  # fp8_dtype -> the GetAttrKeys of its three fields
+# fp8_dtype -> the GetAttrKeys of its three fields
+_KEYS: dict[np.dtype, tuple[jax.tree_util.GetAttrKey, ...]] = {}
 
 def optax_refuses() -> str:
     """The message of an optax function given FP8 states or FP8 gradients, naming the fix

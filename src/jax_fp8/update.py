@@ -7,7 +7,7 @@ Both validate at trace time (errors name the argument) and bind the
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +68,8 @@ def _bind(histories: Sequence[jax.Array], scales: Sequence[jax.Array],
           in_place: bool = True) -> tuple[Any, Any, Any]:
     operands = [*histories, *scales, *(scale_invs or ()), *(amaxes or ())]
     g = len(histories)
-    outs = fp8_update_p.bind(
+    # Primitive.bind is unannotated in JAX.
+    outs = fp8_update_p.bind(  # type: ignore[no-untyped-call]
         *operands, scaled_max=tuple(scaled_maxes),
         amax_compute_algo=ALGOS[amax_compute_algo],
         power_of_2_scale=bool(power_of_2_scale), skip_unused=bool(skip_unused),
@@ -128,7 +129,8 @@ def reduce_amaxes(amaxes: Any, axis_name: AxisName) -> Any:
     for x in leaves:
         _check_array(x, "amaxes leaf")
     flat = jnp.concatenate([jnp.ravel(x) for x in leaves])
-    flat = jax.lax.pmax(jnp.where(jnp.isnan(flat), -jnp.inf, flat), axis_name)
+    # jax.lax.pmax is unannotated in JAX.
+    flat = jax.lax.pmax(jnp.where(jnp.isnan(flat), -jnp.inf, flat), axis_name)  # type: ignore[no-untyped-call]
     flat = jnp.where(flat == -jnp.inf, jnp.nan, flat)  # only all-NaN gives -inf
     out, start = [], 0
     for x in leaves:
@@ -146,7 +148,7 @@ def _where(paths: list[Any], i: int, tree: Any) -> str:
     if paths[0] is None:
         paths[0] = [jax.tree_util.keystr(p) for p, _ in
                     jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_state)[0]]
-    return paths[0][i]
+    return cast(str, paths[0][i])
 
 
 def update_states(tree: Any, amaxes: Any = None, *, recipe: Any = recipe_lib.DEFAULT_RECIPE,

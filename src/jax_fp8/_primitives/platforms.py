@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import jax
 from jax import lax
@@ -27,7 +27,7 @@ class Variant:
     """One platform's version of a `ByPlatform` computation: ``fn(*operands, **params)``,
     with the same results (shapes, types) as the reference, and what it does differently,
     in words."""
-    fn: Callable
+    fn: Callable[..., Any]
     what: str
 
 
@@ -42,7 +42,7 @@ class ByPlatform:
     variants: {platform ("cuda", ...): Variant}.
     """
     name: str
-    reference: Callable
+    reference: Callable[..., Any]
     variants: Mapping[str, Variant] = dataclasses.field(default_factory=dict)
 
 
@@ -68,7 +68,7 @@ def device_platform(device: Any) -> str:
     if device.platform == "gpu":
         version = str(getattr(device.client, "platform_version", "")).lower()
         return "rocm" if "rocm" in version else "cuda"
-    return device.platform
+    return cast(str, device.platform)
 
 
 def _concrete_platform(x: Any) -> str | None:

@@ -65,7 +65,7 @@ class GemmSize(NamedTuple):
         return 2 * self.batch * self.m * self.n * self.k
 
 
-def _dots(mod: Module, name: str, seen: set) -> list[bool]:
+def _dots(mod: Module, name: str, seen: set[str]) -> list[bool]:
     """FP8-ness of every dot in computation ``name`` and the computations it calls."""
     if name in seen:
         return []

@@ -27,7 +27,7 @@ __all__ = ["orbax_restore", "tree_deserialise_leaves", "tree_serialise_leaves"]
 _MAGIC = b"jax_fp8.equinox checkpoint 1\n"
 
 
-def _layout(tree: Any) -> list[list]:
+def _layout(tree: Any) -> list[list[Any]]:
     leaves = jax.tree_util.tree_flatten_with_path(eqx.filter(tree, eqx.is_array))[0]
     return [[jax.tree_util.keystr(p), list(np.shape(x)), np.dtype(x.dtype).name]
             for p, x in leaves]
@@ -78,7 +78,8 @@ def tree_deserialise_leaves(path_or_file: str | pathlib.Path | BinaryIO, like: A
         return eqx.tree_deserialise_leaves(f, like)
 
 
-def _compare(saved_by_path: dict, want_by_path: dict) -> None:
+def _compare(saved_by_path: dict[str, tuple[Any, Any]],
+             want_by_path: dict[str, tuple[Any, Any]]) -> None:
     for p, (shape, dtype) in want_by_path.items():
         if p not in saved_by_path:
             raise ValueError(f"checkpoint has no variable {p} (shape {tuple(shape)}, "

@@ -38,12 +38,13 @@ def fp8_states(tree: Any) -> list[tuple[str, Fp8State]]:
     return [(jax.tree_util.keystr(p), x) for p, x in leaves if isinstance(x, Fp8State)]
 
 
-def _parts(model: Any, grads: Any) -> tuple[list, list[Fp8Part], list[str]]:
+def _parts(model: Any, grads: Any
+           ) -> tuple[list[tuple[str, Fp8State]], list[Fp8Part], list[str]]:
     """The model's FP8 states (path, state), its delayed-scaling ones as one `Fp8Part` per
     recipe (states and gradients by path), and the paths without a gradient."""
     held = fp8_states(model)
     got = dict(fp8_states(grads))
-    by_recipe: dict = {}
+    by_recipe: dict[Any, list[str]] = {}
     for p, s in held:
         if not s.meta.stateless:
             by_recipe.setdefault(s.recipe, []).append(p)

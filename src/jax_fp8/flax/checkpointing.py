@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from jax_fp8.packing import PackedStates
 from jax_fp8.state import ScalingState
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = ["orbax_restore"]
 
@@ -91,7 +94,9 @@ def _flat(tree: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
             for p, x in jax.tree_util.tree_flatten_with_path(tree)[0] if x is not None}
 
 
-def _compare(saved: dict, want: dict, rows: dict, fresh_fp8: bool) -> None:
+def _compare(saved: dict[tuple[str, ...], tuple[int, ...]],
+             want: dict[tuple[str, ...], tuple[int, ...]], rows: dict[str, list[str]],
+             fresh_fp8: bool) -> None:
     fp8_problems, others = [], []
     for parts, shape in want.items():
         fp8 = _is_fp8(parts)
@@ -184,7 +189,8 @@ def orbax_restore(checkpointer: Any, directory: Any, target: Any, *,
     if not fresh_fp8:
         return _restore(checkpointer, directory, target)
     # Everything but the FP8 state: restored as saved, then put in target's structure.
-    is_state = lambda x: isinstance(x, (ScalingState, PackedStates))  # noqa: E731
+    is_state: Callable[[Any], bool] = \
+        lambda x: isinstance(x, (ScalingState, PackedStates))  # noqa: E731
     raw = checkpointer.restore(directory)
     by_path = {_parts(p): x for p, x in jax.tree_util.tree_flatten_with_path(raw)[0]}
 

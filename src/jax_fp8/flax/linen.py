@@ -154,8 +154,8 @@ class _WeightFp8(nn.Module):
     min_fp8_flops: float | str = 0
 
     @nn.compact
-    def __call__(self, kind: str, args: tuple[Any, Any, Any], precision=None,
-                 preferred_element_type=None):
+    def __call__(self, kind: str, args: tuple[Any, Any, Any], precision: Any = None,
+                 preferred_element_type: Any = None) -> jax.Array:
         op = {"dot_general": "Fp8DotGeneral", "einsum": "Fp8Einsum"}.get(kind, "fp8_ragged_dot")
         shape = (args[1].shape[0],) if kind == "ragged_dot" else ()
         vs = _meta_variables(self, self.recipe, self.collection, op, shape)

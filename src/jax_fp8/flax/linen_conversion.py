@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import flax.linen as nn
 from flax import errors as flax_errors
@@ -42,7 +42,7 @@ def _linen_path(module: nn.Module) -> str | None:
 def _linen_weights(module: nn.Module) -> tuple[tuple[str, Any], ...]:
     """(name, array) of the module's parameters: the arrays its ``self.param`` calls
     returned in this converted call, then those of its params collection (unboxed)."""
-    weights = []
+    weights: list[tuple[str, Any]] = []
     recorded = (recorded_params() or {}).get(id(module))
     if recorded is not None and recorded[0] is module:
         weights.extend(recorded[1].items())
@@ -180,7 +180,7 @@ def _raw_method(cls: type, name: str) -> Callable[..., Any]:
     method = getattr(cls, name)
     while hasattr(method, "method_handler_wrapped"):
         method = method.__wrapped__
-    return method
+    return cast(Callable[..., Any], method)
 
 
 @functools.cache
@@ -226,4 +226,4 @@ def convert(model: nn.Module, rules: tuple[Fp8Rule, ...], methods: Sequence[str]
     new_cls = _converted_class(cls, rules, tuple(methods))
     fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
               if f.init and f.name not in ("parent", "name")}
-    return new_cls(**fields, name=model.name, parent=model.parent)
+    return cast(nn.Module, new_cls(**fields, name=model.name, parent=model.parent))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -93,7 +93,8 @@ def _raw_convert(module: nnx.Module, rule: rules_lib.Fp8Rule, counts: dict[str, 
         # the FP8 layer is made for this call only.
         groups = {"num_groups": args[1].shape[0]} if cls is Fp8RaggedDot else {}
         layer = cls(rule.recipe, min_fp8_flops=rule.min_fp8_flops, **groups)
-        return layer(*args, precision=precision, preferred_element_type=preferred_element_type)
+        return cast(jax.Array, layer(*args, precision=precision,
+                                     preferred_element_type=preferred_element_type))
     if layer is None:
         if traced:
             raise ValueError(
@@ -112,7 +113,8 @@ def _raw_convert(module: nnx.Module, rule: rules_lib.Fp8Rule, counts: dict[str, 
             f"the name of the FP8 state of its parameter {weight!r}. Rename it, or exclude "
             f"the module with Fp8Rule(path=..., recipe=None) before the other rules")
     if isinstance(layer, cls):
-        return layer(*args, precision=precision, preferred_element_type=preferred_element_type)
+        return cast(jax.Array, layer(*args, precision=precision,
+                                     preferred_element_type=preferred_element_type))
     if isinstance(layer, Fp8RaggedDot) or cls is Fp8RaggedDot:
         raise TypeError(
             f"jax_fp8.flax.fp8_model: {type(module).__name__} multiplies its parameter "

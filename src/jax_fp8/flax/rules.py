@@ -45,7 +45,7 @@ def _recording_param(module: nn.Module, name: str, *args: Any, **kwargs: Any) ->
     return value
 
 
-def recorded_params() -> dict | None:
+def recorded_params() -> dict[int, tuple[nn.Module, dict[str, Any]]] | None:
     """``{id(module): (module, {name: array})}``: the parameters linen modules' ``self.param``
     returned in this thread's converting call (`jax_fp8.interception.converting`), for
     that call only; None outside one."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +52,7 @@ def group_sizes_of(ends: jax.Array) -> jax.Array:
 
 def _mag_bits(x: jax.Array) -> jax.Array:
     """The bits of |x| in float32 (NaN kept: its bits exceed every number's)."""
-    return to_bits(widen(x)) & _MAG
+    return cast(jax.Array, to_bits(widen(x)) & _MAG)
 
 
 def group_amax(x: jax.Array, group: jax.Array, groups: int) -> jax.Array:

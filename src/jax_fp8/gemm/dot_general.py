@@ -24,7 +24,7 @@ from jax_fp8.meta import Fp8Meta
 __all__ = ["fp8_dot_general", "gemm_flops"]
 
 
-def check_meta(meta: Any, name: str = "meta", shape: tuple = ()) -> recipe_lib.Recipe:
+def check_meta(meta: Any, name: str = "meta", shape: tuple[int, ...] = ()) -> recipe_lib.Recipe:
     """The recipe that runs `meta` (its own, or for a meta of states the recipe that keeps
     state), once that recipe has checked it (states of leading axes ``shape``); TypeError /
     ValueError otherwise."""

@@ -58,7 +58,7 @@ class StatelessRecipe(recipe_lib.Recipe):
         del shape, history_len  # nothing to keep
         return Fp8Meta(recipe=self)
 
-    def check_meta(self, meta: Any, name: str = "meta", shape: tuple = ()) -> None:
+    def check_meta(self, meta: Any, name: str = "meta", shape: tuple[int, ...] = ()) -> None:
         del shape  # no states
         for field in Fp8Meta.STATES:
             if getattr(meta, field) is not None:
@@ -293,4 +293,5 @@ def explicit_type(a: jax.Array) -> Any:
 def typed(grad: jax.Array, sharding: Any) -> jax.Array:
     """`grad` resharded as its primal (`explicit_type`) where that is not None: e.g. a
     slice of a weight gradient the GEMM summed over the sharded batch."""
-    return grad if sharding is None else jax.sharding.reshard(grad, sharding)
+    # jax.sharding.reshard is unannotated in JAX.
+    return grad if sharding is None else jax.sharding.reshard(grad, sharding)  # type: ignore[no-untyped-call]

@@ -92,7 +92,7 @@ def track(*arrays: Any) -> None:
             tracked[id(x)] = (x, None, None)
 
 
-def chain(x: Any) -> list:
+def chain(x: Any) -> list[Any]:
     """``x`` and the arrays it was made from through `FOLLOWED` operations or as the
     argument of a traced body, nearest first (``[x]`` for an array made otherwise)."""
     tracked = getattr(local, "tracked", None) or {}

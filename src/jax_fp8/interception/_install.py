@@ -41,7 +41,7 @@ conversion_key = _compat.jit_key_state(
 _lock = threading.Lock()
 # (id(owner), attribute) -> [count, owner, replacement, function found at install, owned]
 # ("owned": the attribute was the owner's own, not found on its class).
-_installed: dict[tuple[int, str], list] = {}
+_installed: dict[tuple[int, str], list[Any]] = {}
 # (id(owner), attribute) -> the function a call left alone goes to (the one found when the
 # replacement last went in; kept after it came out, for wrappers that hold the replacement).
 _through: dict[tuple[int, str], Any] = {}

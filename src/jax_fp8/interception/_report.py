@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _lock = threading.Lock()
-_warned: set = set()   # (owner, path, reason) already reported in this process
+_warned: set[tuple[Any, ...]] = set()  # (owner, path, reason) already reported in this process
 # The reason of a GEMM kept because FP8 is not faster at its sizes (dot_general's
 # MEASURED_SCOPE): reported for the whole model at once.
 MEASURED = "fp8_not_faster"

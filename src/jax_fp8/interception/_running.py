@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 from jax_fp8.interception._follow import chain, local
 from jax_fp8.interception._install import conversion_key
@@ -30,10 +30,10 @@ def weight_of(site: Site, x: Any) -> str | None:
     return None
 
 
-def _frames() -> list:
+def _frames() -> list[Any]:
     if not hasattr(local, "frames"):
         local.frames = []
-    return local.frames
+    return cast("list[Any]", local.frames)
 
 
 _SITE_KEY: Any = object()   # `running`'s default key: the site's own (`Site.key`)
@@ -73,13 +73,13 @@ class Conversion:
     owner: Any
     label: str
     tag: Any = None
-    data: dict = dataclasses.field(default_factory=dict)
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _conversions() -> list[Conversion]:
     if not hasattr(local, "conversions"):
         local.conversions = []
-    return local.conversions
+    return cast("list[Conversion]", local.conversions)
 
 
 def current() -> Conversion | None:

@@ -22,7 +22,8 @@ class Site:
 
     rule: Fp8Rule
     convert: Any
-    weights: tuple = ()          # (name, array) of the module's parameters (by identity)
+    # (name, array) of the module's parameters (by identity)
+    weights: tuple[tuple[str, Any], ...] = ()
     rhs_is_weight: bool = False  # a layer whose GEMM's rhs is its kernel (nn.Dense, ...)
     path: str | None = None      # the module's path and type, for the report; None: no
     module_type: str = ""        # report (e.g. while linen initializes)
@@ -31,7 +32,7 @@ class Site:
                                   # error gives (also while linen initializes)
 
     @property
-    def key(self) -> tuple:
+    def key(self) -> tuple[Fp8Rule, bool]:
         """What decides how a GEMM of this site converts when its operands are not the
         module's weights (a ``jax.jit`` helper's arguments): part of ``jax.jit``'s cache
         key while it runs (`jax_fp8.interception.running`)."""
