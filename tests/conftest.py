@@ -85,7 +85,8 @@ def _run_slow(config):
 # The cases marked `long`: tests that run fresh Python processes (the multi-device
 # workers but sharding_worker.py's, the examples, the benchmarks' smoke runs, the
 # documentation's snippets), each paying an interpreter, jax's import and its compiles,
-# and the long runs (100,000 updates in a scan). README.md's test command
+# the long runs (100,000 updates in a scan) and the property test whose every example
+# builds and compiles a model of its own (test_flax_use_patterns.py). README.md's test command
 # deselects them (pyproject.toml's addopts: -m "not long"); .ci/run runs them in a step of
 # their own (pytest -m long). By file (under tests/), and by test function.
 LONG_FILES = frozenset({
@@ -106,6 +107,13 @@ LONG_FILES = frozenset({
 LONG_FUNCTIONS = frozenset({
     "test_snippet_runs_on_its_own", "test_section_runs_as_one_program",   # tools/test_docs.py
     "test_mxfp8_partitions_on_8_devices", "test_eight_devices_equal_one_device",  # recipes/
+    # recipes/test_trust.py: trust_worker.py's 8 devices
+    "test_shard_map_type_check_sees_a_varying_amax",
+    "test_axis_name_reduces_the_staged_amaxes_without_explicit_amaxes",
+    "test_sharded_programs_export_and_run_with_the_same_bits",
+    # flax_models/test_conversion_cases.py: its 8-device worker
+    "test_linen_partitioned_params_under_a_mesh_equal_the_hand_written_model",
+    "test_staged_amaxes_are_the_max_over_all_uses",     # flax_models/test_flax_use_patterns.py
 })
 
 

@@ -136,9 +136,9 @@ def _xent(logits, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def _train(model, x, y, steps=3, **apply_kwargs):
-    """Losses and final state of `steps` Fp8TrainState steps (adam) from model.init."""
-    state = Fp8TrainState.create(apply_fn=model.apply, variables=jax.jit(model.init)(KEY, x),
+def _train(model, variables, x, y, steps=3, **apply_kwargs):
+    """Losses and final state of `steps` Fp8TrainState steps (adam) from `variables`."""
+    state = Fp8TrainState.create(apply_fn=model.apply, variables=variables,
                                  tx=optax.adam(1e-2), recipe=RECIPE)
     losses, state = train_steps(state, x, y, steps, loss=_xent, **apply_kwargs)
     return np.asarray(jnp.stack(losses)), state
@@ -155,8 +155,8 @@ def _check_same_as_by_hand(converted, by_hand, x, y, n_states, **kwargs):
     assert_trees_equal(v, vh)
     assert _n_states(v[FP8_COLLECTION]) == n_states
     np.testing.assert_array_equal(converted.apply(v, x, **kwargs), by_hand.apply(vh, x, **kwargs))
-    losses, state = _train(converted, x, y, **kwargs)
-    losses_h, state_h = _train(by_hand, x, y, **kwargs)
+    losses, state = _train(converted, v, x, y, **kwargs)      # from the variables compared above
+    losses_h, state_h = _train(by_hand, vh, x, y, **kwargs)
     np.testing.assert_array_equal(losses, losses_h)
     assert_trees_equal(state.params, state_h.params)
     assert_trees_equal(state.fp8, state_h.fp8)
