@@ -68,8 +68,7 @@ def _bind(histories: Sequence[jax.Array], scales: Sequence[jax.Array],
           in_place: bool = True) -> tuple[Any, Any, Any]:
     operands = [*histories, *scales, *(scale_invs or ()), *(amaxes or ())]
     g = len(histories)
-    # Primitive.bind is unannotated in JAX.
-    outs = fp8_update_p.bind(  # type: ignore[no-untyped-call]
+    outs = fp8_update_p.bind(
         *operands, scaled_max=tuple(scaled_maxes),
         amax_compute_algo=ALGOS[amax_compute_algo],
         power_of_2_scale=bool(power_of_2_scale), skip_unused=bool(skip_unused),

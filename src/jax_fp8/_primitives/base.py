@@ -57,35 +57,35 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jax_fp8 import _registration
 from jax_fp8._primitives import axis_types, jax_compat
 from jax_fp8._primitives.decision import (  # noqa: F401 (the frame's names, re-exported)
-    choose,
-    decide,
-    jnp_reason,
-    needs_partitioning,
-    partition_devices,
+    choose as choose,
+    decide as decide,
+    jnp_reason as jnp_reason,
+    needs_partitioning as needs_partitioning,
+    partition_devices as partition_devices,
 )
 from jax_fp8._primitives.platforms import (  # noqa: F401
-    BY_PLATFORM,
-    VARIANT,
-    ByPlatform,
-    Variant,
-    by_platform,
-    decide_platform,
-    device_platform,
+    BY_PLATFORM as BY_PLATFORM,
+    VARIANT as VARIANT,
+    ByPlatform as ByPlatform,
+    Variant as Variant,
+    by_platform as by_platform,
+    decide_platform as decide_platform,
+    device_platform as device_platform,
 )
 from jax_fp8._primitives.spec import (  # noqa: F401
-    DEFAULT,
-    ENV,
-    IMPLEMENTATIONS,
-    KERNEL,
-    PARTITIONED,
-    PER_DEVICE,
-    REFERENCE,
-    SPECS,
-    Kernel,
-    Partitioning,
-    Spec,
-    kernels_on,
-    static_params,
+    DEFAULT as DEFAULT,
+    ENV as ENV,
+    IMPLEMENTATIONS as IMPLEMENTATIONS,
+    KERNEL as KERNEL,
+    PARTITIONED as PARTITIONED,
+    PER_DEVICE as PER_DEVICE,
+    REFERENCE as REFERENCE,
+    SPECS as SPECS,
+    Kernel as Kernel,
+    Partitioning as Partitioning,
+    Spec as Spec,
+    kernels_on as kernels_on,
+    static_params as static_params,
 )
 
 
@@ -163,7 +163,7 @@ def _per_device(spec: Spec, prim: Primitive, params: dict[str, Any], mesh: jax.s
     return part.combine(outs, mesh) if part.combine else outs
 
 
-def register(spec: Spec) -> Primitive:
+def register(spec: Spec) -> _Primitive:
     """The JAX primitive of `spec`, with all its rules registered."""
     if spec.name in SPECS:
         raise ValueError(f"primitive {spec.name} is already registered")

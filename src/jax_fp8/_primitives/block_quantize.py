@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -42,12 +42,12 @@ from jax_fp8._primitives.exact import (
     F32,
     U32,
     abs_bits,
-    cast_scaled,
+    cast_scaled as cast_scaled,
     from_bits,
-    pow2_inverse,
-    scale_from_amax_f32,
-    scale_inverse,
-    widen,
+    pow2_inverse as pow2_inverse,
+    scale_from_amax_f32 as scale_from_amax_f32,
+    scale_inverse as scale_inverse,
+    widen as widen,
 )
 
 BLOCK = 128
@@ -134,7 +134,8 @@ TARGET = "jax_fp8_block_quantize"
 
 
 def _like(x: ShapedArray, shape: tuple[int, ...], dtype: DTypeLike) -> ShapedArray:
-    return x.update(shape=shape, dtype=dtype, weak_type=False)
+    # ShapedArray.update is unannotated in JAX.
+    return cast(ShapedArray, x.update(shape=shape, dtype=dtype, weak_type=False))  # type: ignore[no-untyped-call]
 
 
 def _abstract_eval(x: ShapedArray, *, block_rows: int, fp8_dtype: np.dtype, power_of_2_scale: bool,
@@ -247,7 +248,9 @@ def _shardings(params: dict[str, Any], mesh: jax.sharding.Mesh, arg_shapes: Sequ
                ) -> tuple[tuple[NamedSharding], tuple[NamedSharding, ...]]:
     (x,) = arg_shapes
     kept = _kept_axes(params, x.shape, specs.padded_spec(x.sharding, x.ndim), mesh)
-    named = lambda spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
+    # PartitionSpec's constructor is unannotated in JAX.
+    named: Callable[[Any], NamedSharding] = \
+        lambda spec: NamedSharding(mesh, PartitionSpec(*spec))  # type: ignore[no-untyped-call]  # noqa: E731
     return (named(kept),), tuple(named(spec) for spec in _result_specs(params, kept))
 
 
@@ -301,8 +304,8 @@ def block_quantize(x: jax.Array, *, block_rows: int, fp8_dtype: DTypeLike, power
                    implementation: str = "auto", scale_layout: str = "spec") -> list[jax.Array]:
     """Binds the primitive (see the module docstring for the results); `implementation`
     is one of base.IMPLEMENTATIONS."""
-    return block_quantize_p.bind(
+    return cast("list[jax.Array]", block_quantize_p.bind(
         x, block_rows=int(block_rows), fp8_dtype=np.dtype(fp8_dtype),
         power_of_2_scale=bool(power_of_2_scale), amax_epsilon=float(amax_epsilon),
         rowwise=bool(rowwise), colwise=bool(colwise), implementation=implementation,
-        scale_layout=scale_layout)
+        scale_layout=scale_layout))

@@ -12,7 +12,7 @@ the slices themselves; the bits are a copy's everywhere.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +28,8 @@ def _abstract_eval(a: ShapedArray, *, sizes: tuple[int, ...]) -> list[ShapedArra
     if a.ndim != 1 or a.dtype != np.float32 or sum(sizes) != a.shape[0] or min(sizes) < 0:
         raise TypeError(f"jax_fp8_split_rows: takes float32[R] and sizes summing to R, got "
                         f"{a.dtype}{list(a.shape)} and {sizes}")
-    return [a.update(shape=(n,), weak_type=False) for n in sizes]
+    # ShapedArray.update is unannotated in JAX.
+    return [a.update(shape=(n,), weak_type=False) for n in sizes]  # type: ignore[no-untyped-call]
 
 
 def _slices(a: jax.Array, *, sizes: Sequence[int]) -> list[jax.Array]:
@@ -73,4 +74,4 @@ def split_rows(a: jax.Array, sizes: Iterable[int]) -> list[jax.Array]:
     sizes = tuple(int(n) for n in sizes)
     if getattr(a, "ndim", None) != 1 or jnp.result_type(a) != np.float32 or not sizes:
         return _slices(a, sizes=sizes)
-    return split_rows_p.bind(a, sizes=sizes)
+    return cast("list[jax.Array]", split_rows_p.bind(a, sizes=sizes))

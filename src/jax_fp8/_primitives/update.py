@@ -148,8 +148,9 @@ def _shardings(params: dict[str, Any], mesh: jax.sharding.Mesh, arg_shapes: Sequ
     g, kinds = _layout(params)
     lead = [specs.padded_spec(arg_shapes[i].sharding, arg_shapes[i].ndim)[:-1]
             for i in range(g)]
-    hist = [NamedSharding(mesh, PartitionSpec(*lead[i], None)) for i in range(g)]
-    small = [NamedSharding(mesh, PartitionSpec(*lead[i])) for i in range(g)]
+    # PartitionSpec's constructor is unannotated in JAX.
+    hist = [NamedSharding(mesh, PartitionSpec(*lead[i], None)) for i in range(g)]  # type: ignore[no-untyped-call]
+    small = [NamedSharding(mesh, PartitionSpec(*lead[i])) for i in range(g)]  # type: ignore[no-untyped-call]
     args = [hist[k % g] if kind == "history" else small[k % g] for k, kind in enumerate(kinds)]
     return tuple(args), tuple(hist + small + small)
 

@@ -25,7 +25,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.extend.core
@@ -65,7 +65,7 @@ class Row:
     kind: str
     name: str
     where: str
-    operands: tuple
+    operands: tuple[str, ...]
     lowering: str
     why: str
     flops: int = 0
@@ -109,7 +109,7 @@ def _platform(leaves: Iterable[Any]) -> str:
 def _num_devices(leaves: Iterable[Any]) -> int:
     counts = [len(getattr(getattr(x, "sharding", None), "device_set", ()) or ()) for x in leaves]
     mesh = jax.sharding.get_abstract_mesh()
-    return max(counts + [1 if mesh.empty else mesh.size])
+    return cast(int, max(counts + [1 if mesh.empty else mesh.size]))
 
 
 def _sub_jaxprs(value: Any) -> Iterator[jax.extend.core.Jaxpr]:
@@ -158,7 +158,8 @@ def _walk(jaxpr: jax.extend.core.Jaxpr, where: str, platform: str, num_devices: 
             for sub in subs:
                 branches.append([])
                 _walk(sub, here, platform, inner, branches[-1])
-            key = lambda rs: [(r.kind, r.name, r.operands, r.lowering) for r in rs]  # noqa: E731
+            key: Callable[[list[Row]], list[Any]] = \
+                lambda rs: [(r.kind, r.name, r.operands, r.lowering) for r in rs]  # noqa: E731
             same = all(key(b) == key(branches[0]) for b in branches)
             rows.extend(r for b in (branches[:1] if same else branches) for r in b)
             continue
@@ -183,8 +184,9 @@ def _gemm_row(where: str, avals: Sequence[Any], dimension_numbers: Any,
              name: str = "dot_general") -> Row:
     (lc, rc), (lb, rb) = dimension_numbers
     lhs, rhs = avals
-    free = lambda a, c, b: math.prod(d for i, d in enumerate(a.shape)  # noqa: E731
-                                     if i not in c and i not in b)
+    free: Callable[[Any, Any, Any], int] = \
+        lambda a, c, b: math.prod(d for i, d in enumerate(a.shape)  # noqa: E731
+                                  if i not in c and i not in b)
     if name == "ragged_dot_general":
         # each row (each value along the ragged axis) meets one group: the group axis of
         # rhs ([G, K, N]) is not counted; ragged along the contraction, nothing is.

@@ -22,11 +22,11 @@ from jax_fp8.gemm.ragged_fp8 import fp8_ragged_dot
 from jax_fp8.meta import Fp8Meta
 
 
-class Fp8State(nnx.Variable):
+class Fp8State(nnx.Variable):  # type: ignore[type-arg]  # a subscripted base: another class
     """The delayed-scaling state (a `ScalingState`) of one FP8 tensor."""
 
 
-class Fp8Grad(nnx.Param):
+class Fp8Grad(nnx.Param):  # type: ignore[type-arg]  # a subscripted base: another class
     """In the gradients `fp8_value_and_grad` returns: the gradient w.r.t. one `Fp8State`,
     a `jax_fp8.AmaxGrad` holding the amaxes the step observed (a leaf that refuses
     arithmetic).
@@ -42,11 +42,11 @@ class Fp8Grad(nnx.Param):
 _FP8_GRADS = nnx.Any(Fp8Grad, Fp8State)  # the FP8 part of a gradient nnx.State
 
 
-def _get(var: nnx.Variable) -> Any:
+def _get(var: nnx.Variable[Any]) -> Any:
     return var.get_value() if hasattr(var, "get_value") else var.value
 
 
-def _set(var: nnx.Variable, value: Any) -> None:
+def _set(var: nnx.Variable[Any], value: Any) -> None:
     if hasattr(var, "set_value"):
         var.set_value(value)
     else:

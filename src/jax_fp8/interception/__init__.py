@@ -51,10 +51,10 @@ import numpy as np
 from jax_fp8 import _compat
 from jax_fp8.interception._decide import (
     KEPT_SCOPES,
-    _kept,
+    _kept as _kept,
     _weight_side,
     check_body,
-    einsum_dimension_numbers,
+    einsum_dimension_numbers as einsum_dimension_numbers,
     einsum_flops,
     note_gemm,
 )
@@ -72,7 +72,7 @@ from jax_fp8.interception._running import (
     _SITE_KEY,
     Conversion,
     _conversions,
-    _innermost,
+    _innermost as _innermost,
     current,
     running,
     weight_of,

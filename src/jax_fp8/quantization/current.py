@@ -10,7 +10,7 @@ arithmetic after it is the exact one (docs/semantics.md, "Scale from an amax").
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,7 @@ from jax_fp8._primitives import base, block_quantize as bq
 __all__ = ["quantize_current", "scale_from_amax", "scale_inverse"]
 
 
-def _options(fp8_dtype: DTypeLike, power_of_2_scale: Any, amax_epsilon: Any) -> dict:
+def _options(fp8_dtype: DTypeLike, power_of_2_scale: Any, amax_epsilon: Any) -> dict[str, Any]:
     if not isinstance(power_of_2_scale, (bool, np.bool_)):
         raise TypeError(f"power_of_2_scale must be a bool, got {power_of_2_scale!r}")
     recipe_lib._check_epsilon(amax_epsilon)
@@ -77,7 +77,7 @@ def quantize_current(x: ArrayLike, fp8_dtype: DTypeLike = jnp.float8_e4m3fn, *,
     opts = _options(fp8_dtype, power_of_2_scale, amax_epsilon)
     amax = quantization.compute_amax(x)
     # one compiled program also when eager (as the primitives)
-    return base.compiled_call(_cast_current, x, amax, **opts)
+    return cast("tuple[jax.Array, jax.Array]", base.compiled_call(_cast_current, x, amax, **opts))
 
 
 def _cast_current(x: jax.Array, amax: jax.Array, *, fp8_dtype: np.dtype,

@@ -15,7 +15,7 @@ whole tensor).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,9 @@ from jax_fp8.gemm import _gemms, _grouped
 from jax_fp8.gemm.scaled_dot import StatelessRecipe
 from jax_fp8.quantization import current
 from jax_fp8.recipe import Format
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = ["Float8CurrentScaling"]
 
@@ -133,7 +136,8 @@ def _product_sharding(x: jax.Array, w: jax.Array) -> jax.sharding.NamedSharding 
     if rows is None or cols is None:
         return None
     m, n = rows.spec[0] if rows.spec else None, cols.spec[1] if len(cols.spec) > 1 else None
-    names = lambda a: set(a if isinstance(a, tuple) else (a,)) - {None}  # noqa: E731
+    names: Callable[[Any], set[Any]] = lambda a: set(a if isinstance(a, tuple) else (a,)) - {None}  # noqa: E731
     if names(m) & names(n):
         n = None   # one mesh axis cannot shard both
-    return rows.update(spec=jax.sharding.PartitionSpec(m, n))
+    # PartitionSpec's constructor is unannotated in JAX.
+    return rows.update(spec=jax.sharding.PartitionSpec(m, n))  # type: ignore[no-untyped-call]
