@@ -24,7 +24,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from jax_fp8 import _registration
 from jax_fp8.devtools.hlo import kernel_name
@@ -60,7 +60,7 @@ def load(logdir: str) -> list[Event]:
         raise FileNotFoundError(f"no *perfetto_trace.json.gz under {logdir}")
     with gzip.open(files[-1], "rb") as fp:
         data = json.load(fp)
-    return data["traceEvents"] if isinstance(data, dict) else data
+    return cast("list[Event]", data["traceEvents"] if isinstance(data, dict) else data)
 
 
 def _start(logdir: str) -> None:
@@ -86,21 +86,22 @@ def capture(step: Callable[[Any], Any], carry: Any, steps: int = 1,
     tmp = logdir is None
     logdir = tempfile.mkdtemp(prefix="jax_fp8_trace_") if logdir is None else logdir
     try:
-        jax.block_until_ready(carry)
+        # jax.block_until_ready and jax.profiler.stop_trace are unannotated in JAX.
+        jax.block_until_ready(carry)  # type: ignore[no-untyped-call]
         _start(logdir)
         try:
             for _ in range(steps):
                 carry = step(carry)
-            jax.block_until_ready(carry)
+            jax.block_until_ready(carry)  # type: ignore[no-untyped-call]
         finally:
-            jax.profiler.stop_trace()
+            jax.profiler.stop_trace()  # type: ignore[no-untyped-call]
         return carry, load(logdir)
     finally:
         if tmp:
             shutil.rmtree(logdir, ignore_errors=True)
 
 
-def _names(events: Iterable[Event]) -> tuple[dict, dict]:
+def _names(events: Iterable[Event]) -> tuple[dict[Any, str], dict[tuple[Any, Any], str]]:
     procs, threads = {}, {}
     for e in events:
         if e.get("ph") == "M":
@@ -140,7 +141,7 @@ def total_us(events: Iterable[Event]) -> float:
 
 def by_name(events: Iterable[Event]) -> dict[str, tuple[int, float]]:
     """``{kernel name: (count, total µs)}``, the largest total first."""
-    acc: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+    acc: dict[str, list[Any]] = collections.defaultdict(lambda: [0, 0.0])
     for e in events:
         slot = acc[str(e.get("name", "?"))]
         slot[0] += 1

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import string
 import weakref
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -54,10 +54,10 @@ def fp8_gemm(kind: str, spec: Any, lhs: ArrayLike, rhs: ArrayLike, meta: Fp8Meta
 
 # The meta returned by the last use of a meta value (differentiated, a tracer): id of its
 # first leaf -> (weak reference to that leaf, the returned meta).
-_last_use: dict = {}
+_last_use: dict[int, tuple[weakref.ref[Any], Fp8Meta]] = {}
 
 
-def _key_leaf(meta: Fp8Meta) -> jax.core.Tracer | None:
+def _key_leaf(meta: Fp8Meta) -> jax.core.Tracer[Any] | None:
     leaves = jax.tree.leaves(meta)
     return leaves[0] if leaves and isinstance(leaves[0], jax.core.Tracer) else None
 
@@ -113,7 +113,8 @@ def _with_batch_axis(static: tuple[Any, ...]) -> tuple[tuple[Any, ...], int]:
     kind, spec, *rest = static
     if kind == "dot_general":
         (lc, rc), (lb, rb) = spec
-        shift = lambda axes: tuple(int(a) + 1 for a in axes)  # noqa: E731
+        shift: Callable[[Sequence[Any]], tuple[int, ...]] = \
+            lambda axes: tuple(int(a) + 1 for a in axes)  # noqa: E731
         # dot_general's result is (batch axes, lhs free axes, rhs free axes).
         return (kind, ((shift(lc), tuple(rc)), (shift(lb), tuple(rb))), *rest), len(lb)
     # An explicit equation ("ab,bc->ac"; the interception spells its GEMMs so).
@@ -161,4 +162,4 @@ def _gemm(static: tuple[Any, ...], lhs: ArrayLike, rhs: ArrayLike, meta: Fp8Meta
         return ((out, jax.tree.unflatten(treedef, new_leaves)),
                 (True, jax.tree.unflatten(treedef, meta_flags)))
 
-    return gemm(lhs, rhs, meta)
+    return cast("tuple[jax.Array, Fp8Meta]", gemm(lhs, rhs, meta))

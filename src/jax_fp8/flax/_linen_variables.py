@@ -38,7 +38,7 @@ _LIFT_FIX = ("Add it, e.g. nn.scan(..., variable_axes={{'params': 0, {c!r}: 0}})
              "iteration) or nn.vmap(..., variable_axes={{'params': None, {c!r}: None}}).")
 
 
-def _module_stack() -> list:
+def _module_stack() -> list[nn.Module]:
     """The modules whose methods are running, outermost first (Flax keeps them in
     ``flax.linen.module._context.module_stack``, which it does not make public; checked
     at import)."""
@@ -69,7 +69,7 @@ def _check_collection_reaches(module: nn.Module, collection: str, op: str) -> No
 
 def _meta_variables(module: nn.Module, recipe: recipe_lib.Recipe, collection: str,
                     op: str | None = None, shape: tuple[int, ...] = ()
-                    ) -> list[nn.Variable] | None:
+                    ) -> list[nn.Variable[Any]] | None:
     recipe_lib.check_recipe(recipe, "recipe")
     if not recipe.keeps_state:
         return None  # scales from the operands: no state
@@ -86,7 +86,7 @@ def _meta_variables(module: nn.Module, recipe: recipe_lib.Recipe, collection: st
 _THREADED = "_jax_fp8_threaded"
 
 
-def _live_traces() -> set:
+def _live_traces() -> set[int]:
     """ids of the current trace and of every trace it is nested in."""
     ids, trace = set(), _compat.current_trace()
     while trace is not None:
@@ -111,7 +111,7 @@ def _scope(module: nn.Module) -> Any:
     return scope
 
 
-def _threaded(module: nn.Module) -> dict:
+def _threaded(module: nn.Module) -> dict[tuple[str, Any], tuple[Any, Fp8Meta]]:
     root = _scope(module).root
     store = getattr(root, _THREADED, None)
     if store is None:
@@ -284,7 +284,7 @@ def _check_not_carried_read_only(module: nn.Module, meta: Fp8Meta, collection: s
                 op=op, where=_scope(module).path_text, c=collection))
 
 
-def _read(module: nn.Module, vs: list[nn.Variable] | None,
+def _read(module: nn.Module, vs: list[nn.Variable[Any]] | None,
           recipe: recipe_lib.Recipe, collection: str, op: str) -> Fp8Meta:
     if vs is None:
         return Fp8Meta(recipe=recipe)
@@ -303,7 +303,7 @@ def _read(module: nn.Module, vs: list[nn.Variable] | None,
     return meta
 
 
-def _write(module: nn.Module, vs: list[nn.Variable] | None, meta: Fp8Meta,
+def _write(module: nn.Module, vs: list[nn.Variable[Any]] | None, meta: Fp8Meta,
            collection: str) -> None:
     # Thread the meta: the next call of this module consumes what this one returned, so
     # the amaxes of all calls combine by max.

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -39,9 +39,9 @@ T = TypeVar("T")
 class Hidden:
     """A pytree whose floating leaves are stored as unsigned integers of the same width."""
 
-    leaves: tuple
+    leaves: tuple[Any, ...]
     treedef: Any
-    dtypes: tuple
+    dtypes: tuple[Any, ...]
 
 
 jax.tree_util.register_dataclass(Hidden, data_fields=["leaves"], meta_fields=["treedef", "dtypes"])
@@ -86,10 +86,10 @@ def first_order_only(tree: T, op: str) -> T:
     guarded = _guard(op)(*[leaves[i] for i in arrays])
     for i, x in zip(arrays, guarded):
         leaves[i] = x
-    return jax.tree.unflatten(treedef, leaves)
+    return cast(T, jax.tree.unflatten(treedef, leaves))
 
 
-_GUARDS: dict = {}
+_GUARDS: dict[str, Callable[..., tuple[Any, ...]]] = {}
 
 
 def _guard(op: str) -> Callable[..., tuple[Any, ...]]:

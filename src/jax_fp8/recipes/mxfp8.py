@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -181,17 +181,20 @@ def quantize_mxfp8(x: ArrayLike, fp8_dtype: DTypeLike = jnp.float8_e4m3fn,
         # along their last axis).
         spec = _spec(x)
         shardings = (_named(x, spec), _named(x, spec[:-1] + (None,)))
-        return jax.sharding.auto_axes(_quantize(fp8_dtype), out_sharding=shardings)(x)
+        return cast("tuple[jax.Array, jax.Array]",
+                    jax.sharding.auto_axes(_quantize(fp8_dtype), out_sharding=shardings)(x))
 
 
 def _spec(x: Any) -> tuple[Any, ...]:
     """x's PartitionSpec as a tuple of one entry per axis."""
     spec = tuple(jax.typeof(x).sharding.spec)
-    return spec + (None,) * (x.ndim - len(spec))
+    return cast("tuple[Any, ...]", spec + (None,) * (x.ndim - len(spec)))
 
 
 def _named(x: Any, spec: Sequence[Any]) -> jax.sharding.NamedSharding:
-    return jax.typeof(x).sharding.update(spec=jax.sharding.PartitionSpec(*spec))
+    # PartitionSpec's constructor is unannotated in JAX.
+    return cast(jax.sharding.NamedSharding,
+                jax.typeof(x).sharding.update(spec=jax.sharding.PartitionSpec(*spec)))  # type: ignore[no-untyped-call]
 
 
 @functools.cache
@@ -261,12 +264,13 @@ def _gemm(a: jax.Array, sa: jax.Array, b: jax.Array, sb: jax.Array,
         # Explicit axes: XLA partitions the GEMM; the product is typed with a's rows and
         # b's rows as its columns (a mesh axis sharding both is dropped from the columns).
         rows, cols = _spec(a)[0], _spec(b)[0]
-        names = lambda s: set(s if isinstance(s, tuple) else (s,)) - {None}  # noqa: E731
+        names: Callable[[Any], set[Any]] = \
+            lambda s: set(s if isinstance(s, tuple) else (s,)) - {None}  # noqa: E731
         if names(rows) & names(cols):
             cols = None
-        return jax.sharding.auto_axes(
+        return cast(jax.Array, jax.sharding.auto_axes(
             lambda a, sa, b, sb: _local_gemm(a, sa, b, sb, out_dtype),
-            out_sharding=_named(a, (rows, cols)))(a, sa, b, sb)
+            out_sharding=_named(a, (rows, cols)))(a, sa, b, sb))
     return _local_gemm(a, sa, b, sb, out_dtype)
 
 
