@@ -71,7 +71,14 @@ TXS = {
 }
 
 
-@pytest.mark.parametrize("recipe, tx", recipe_variant_cases(TXS, "chain"))
+# Every recipe trains through Fp8TrainState in tests/recipes/test_recipes.py
+# (test_the_same_model_trains_with_each_recipe); here delayed scaling with every wrapper,
+# and current scaling for the one-call path without FP8 state (the recipes without state
+# differ only in their quantization there). NNX's Fp8Optimizer below: the same cases.
+WRAPPER_CASES = [("current", "chain")] + [("delayed", tx) for tx in sorted(TXS)]
+
+
+@pytest.mark.parametrize("recipe, tx", WRAPPER_CASES)
 def test_linen_fp8_train_state_with_optax_wrappers_updates_params_and_fp8(recipe, tx):
     _, _, state, x, y = _linen(RECIPES[recipe], TXS[tx]())
     start = state
@@ -105,9 +112,10 @@ def test_linen_flax_train_state_over_all_variables_is_refused_at_create():
             state, jax.tree.map(jnp.zeros_like, variables))
 
 
-@pytest.mark.parametrize("recipe", ["current", "block"])
+@pytest.mark.parametrize("recipe", ["current"])   # the recipes without state: as WRAPPER_CASES
 def test_linen_flax_train_state_over_all_variables_without_fp8_state_trains(recipe):
-    """Current and block scaling keep no state: Flax's own TrainState is right as is."""
+    """The recipes without state (current, block, MXFP8) keep none: Flax's own TrainState is
+    right as is."""
     model, variables, _, x, y = _linen(RECIPES[recipe], optax.adam(1e-2))
     assert FP8_COLLECTION not in variables
     state = train_state.TrainState.create(apply_fn=model.apply, params=variables,
@@ -211,10 +219,10 @@ def _loss(model, x, y):
     return jnp.mean((model(x) - y) ** 2)
 
 
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@pytest.mark.parametrize("recipe", ["current", "delayed"])   # as WRAPPER_CASES
 def test_nnx_plain_optimizer_with_fp8_gradients(recipe):
     """Delayed: the FP8 gradients (Fp8Grad, an nnx.Param) reach optax, which refuses them
-    at trace time. Current / block: there are none, and the plain loop is right."""
+    at trace time. A recipe without state: there are none, and the plain loop is right."""
     x, y = rand(0, (16, D)), rand(1, (16, 4))
     model = _net(RECIPES[recipe])
     opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
@@ -248,11 +256,7 @@ def test_nnx_optimizers_that_would_take_the_fp8_state_are_refused():
         opt.update(grads)
 
 
-# The recipe matrix (every recipe with optax.chain) is linen's test above; NNX, a further
-# framework, runs delayed scaling with every wrapper and current scaling, for Fp8Optimizer's
-# path without state (the recipes without state differ only in their quantization there).
-@pytest.mark.parametrize("recipe, tx", [("current", "chain")]
-                         + [("delayed", tx) for tx in sorted(TXS)])
+@pytest.mark.parametrize("recipe, tx", WRAPPER_CASES)     # as linen's test above
 def test_nnx_fp8_optimizer_with_optax_wrappers_updates_params_and_fp8(recipe, tx):
     x, y = rand(0, (16, D)), rand(1, (16, 4))
     model = _net(RECIPES[recipe])
