@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -70,7 +70,7 @@ def find(opt_state: Any, owner: str) -> Any:
     optax = sys.modules.get("optax")   # not imported: no optimizer state holds one
     if optax is None or opt_state is None:
         return None
-    is_ms = lambda x: isinstance(x, optax.MultiStepsState)  # noqa: E731
+    is_ms: Callable[[Any], bool] = lambda x: isinstance(x, optax.MultiStepsState)  # noqa: E731
     found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_ms) if is_ms(x)]
     if len(found) > 1:
         raise ValueError(f"{owner}: the optimizer holds {len(found)} optax.MultiSteps; the "
@@ -87,7 +87,7 @@ def gradient_step(opt_state: Any, owner: str) -> jax.Array:
                          "state keeps pending amaxes for one (build it with the optimizer "
                          "it is used with)")
     count = found.gradient_step
-    return count[...] if hasattr(count, "get_value") else count
+    return cast(jax.Array, count[...] if hasattr(count, "get_value") else count)
 
 
 def _amax_slots(states: Any) -> Any:
@@ -96,7 +96,7 @@ def _amax_slots(states: Any) -> Any:
                         is_leaf=state_lib.is_state)
 
 
-def zero_pending(states: Any, opt_state: Any, owner: str) -> list | None:
+def zero_pending(states: Any, opt_state: Any, owner: str) -> list[Any] | None:
     """Zero pending amaxes for the delayed-scaling states of `states` when `opt_state`
     accumulates (`find`), else None (no accumulation, or nothing to update)."""
     if not state_lib.states_info(states) or find(opt_state, owner) is None:
@@ -104,8 +104,8 @@ def zero_pending(states: Any, opt_state: Any, owner: str) -> list | None:
     return [jnp.zeros_like(a) for a in jax.tree.leaves(_amax_slots(states))]
 
 
-def accumulate(states: Any, fp8_grads: Any, pending: list, applied: Any, recipe: Any,
-               axis_name: Any = None) -> tuple[Any, list]:
+def accumulate(states: Any, fp8_grads: Any, pending: list[Any], applied: Any, recipe: Any,
+               axis_name: Any = None) -> tuple[Any, list[Any]]:
     """One call under accumulation: `fp8_grads`' amaxes combined into `pending` by max;
     where `applied` (a traced bool: the optimizer applied on this call) the states
     updated from them (max-reduced over ``axis_name`` first, when given) and the pending
@@ -132,7 +132,7 @@ def check_recipes(hints: StepHints, parts: Sequence[Fp8Part], name: str) -> None
         state_lib.check_states_follow(part.recipe, part.states, name, hints)
 
 
-def fused_update(hints: StepHints, parts: Sequence[Fp8Part], axis_name: Any = None) -> list:
+def fused_update(hints: StepHints, parts: Sequence[Fp8Part], axis_name: Any = None) -> list[Any]:
     """Steps 4 and 5: the devices' amaxes reduced where they must be, then each part's new
     states from ONE ``update_states`` call (`new_fp8_state`)."""
     _trace_checks.check_amaxes_reduced(axis_name, hints)
@@ -156,9 +156,10 @@ def _multi_steps(hints: StepHints) -> str:
                "(docs/semantics.md, \"Gradient accumulation\")."))
 
 
-def step(hints: StepHints, parts: Sequence[Fp8Part], optimizer_step: Callable[[], tuple],
+def step(hints: StepHints, parts: Sequence[Fp8Part], optimizer_step: Callable[[], tuple[Any, ...]],
          *, name: str, missing: Sequence[str] = (), opt_state: Any = None,
-         pending: list | None = None, axis_name: Any = None) -> tuple[Any, list, Any]:
+         pending: list[Any] | None = None, axis_name: Any = None
+         ) -> tuple[Any, list[Any], Any]:
     """One training step: the checks in the module's order, ``optimizer_step`` (the
     optimizer on the parameters), and the FP8 update.
 

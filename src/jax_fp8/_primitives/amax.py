@@ -13,7 +13,7 @@ replica groups, and XLA combines them into one all-reduce.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +32,8 @@ def _local_amax(x: jax.Array) -> jax.Array:
 def _shardings(params: dict[str, Any], mesh: jax.sharding.Mesh, arg_shapes: Sequence[Any],
                ) -> tuple[tuple[Any], NamedSharding]:
     del params
-    return (arg_shapes[0].sharding,), NamedSharding(mesh, PartitionSpec())
+    # PartitionSpec's constructor is unannotated in JAX.
+    return (arg_shapes[0].sharding,), NamedSharding(mesh, PartitionSpec())  # type: ignore[no-untyped-call]
 
 
 def _sharding_rule(params: dict[str, Any], operand_types: Sequence[Any],
@@ -48,9 +49,11 @@ def _abstract_eval(x: ShapedArray) -> ShapedArray:
     # (x.update keeps shard_map's manual-axis type of x on the result; on a mesh with
     # Explicit axes the scalar is typed replicated on it, as jnp.max's is.)
     if axis_types.on_explicit_mesh(x):
-        return x.update(shape=(), dtype=np.float32, weak_type=False,
-                        sharding=NamedSharding(x.sharding.mesh, PartitionSpec()))
-    return x.update(shape=(), dtype=np.float32, weak_type=False)
+        # ShapedArray.update and PartitionSpec's constructor are unannotated in JAX.
+        return cast(ShapedArray, x.update(  # type: ignore[no-untyped-call]
+            shape=(), dtype=np.float32, weak_type=False,
+            sharding=NamedSharding(x.sharding.mesh, PartitionSpec())))  # type: ignore[no-untyped-call]
+    return cast(ShapedArray, x.update(shape=(), dtype=np.float32, weak_type=False))  # type: ignore[no-untyped-call]
 
 
 def _reference_where(x: ShapedArray) -> str | None:
@@ -70,7 +73,9 @@ amax_p = base.register(base.Spec(
     "jax_fp8_amax", _abstract_eval, _local_amax, batch="reference", jvp="reference",
     reference_where=_reference_where,
     partitioning=base.Partitioning(
-        _shardings, _sharding_rule, combine=lambda m, mesh: jax.lax.pmax(m, mesh.axis_names),
+        # (jax.lax.pmax is unannotated in JAX.)
+        _shardings, _sharding_rule,
+        combine=lambda m, mesh: jax.lax.pmax(m, mesh.axis_names),  # type: ignore[no-untyped-call]
         supports=lambda x: x.ndim > 0, needs_kernel=False)))
 
 varying_axes = axis_types.varying_axes
@@ -81,7 +86,7 @@ def amax(x: ArrayLike) -> jax.Array:
 
     Inside shard_map a per-device value (the user, or fp8_dot_general's backward, reduces
     it across devices); on a mesh with Explicit axes typed replicated (`_reference_where`)."""
-    return amax_p.bind(x)
+    return cast(jax.Array, amax_p.bind(x))
 
 
 # --------------------------------------------------------------- amax for a state under vmap
@@ -93,7 +98,7 @@ def amax_for_state(amax: jax.Array, like: jax.Array) -> jax.Array:
     (one meta shared by every example): then the max over the batch axis. JAX would
     otherwise *sum* the batch's cotangents into the unbatched meta.
     """
-    return amax_for_state_p.bind(amax, like)
+    return cast(jax.Array, amax_for_state_p.bind(amax, like))
 
 
 def _afs_abstract_eval(amax: ShapedArray, like: ShapedArray) -> ShapedArray:

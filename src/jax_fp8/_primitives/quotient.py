@@ -21,7 +21,7 @@ of the primitive ``quotient_bits_p``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +41,7 @@ def quotient_bits(a: ArrayLike, b: ArrayLike, *, subnormal: bool = True) -> jax.
     operations, for quotients known to be normal or to overflow (others unspecified).
     Shapes: a, b [...] float32 (broadcast against each other) -> [...] uint32."""
     a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-    return quotient_bits_p.bind(a, b, subnormal=bool(subnormal))
+    return cast(jax.Array, quotient_bits_p.bind(a, b, subnormal=bool(subnormal)))
 
 
 def divide_rn(a: ArrayLike, b: ArrayLike) -> jax.Array:
@@ -56,33 +56,36 @@ def product_bits(a: ArrayLike, b: ArrayLike, c: ArrayLike) -> jax.Array:
     subnormal up by a power of two in c) whose float64 product is exact (a * b: 48
     significand bits; c a power of two). Shapes: a, b, c broadcast -> [...] uint32."""
     a, b, c = jnp.broadcast_arrays(*(jnp.asarray(v, jnp.float32) for v in (a, b, c)))
-    return product_bits_p.bind(a, b, c)
+    return cast(jax.Array, product_bits_p.bind(a, b, c))
 
 
 def _abstract_eval(a: ShapedArray, *others: ShapedArray, **params: Any) -> ShapedArray:
     del others, params
-    return a.update(dtype=np.dtype(np.uint32), weak_type=False)
+    # ShapedArray.update is unannotated in JAX.
+    return cast(ShapedArray, a.update(dtype=np.dtype(np.uint32), weak_type=False))  # type: ignore[no-untyped-call]
 
 
-def _lowering(ctx: Any, a: ir.Value, b: ir.Value, *, subnormal: bool) -> list[ir.Value]:
+def _lowering(ctx: Any, a: ir.Value[Any], b: ir.Value[Any], *, subnormal: bool
+              ) -> list[ir.Value[Any]]:
     f64 = ir.RankedTensorType.get(ctx.avals_out[0].shape, ir.F64Type.get())
     return _rounded(ctx, hlo.divide(hlo.convert(f64, a), hlo.convert(f64, b)), subnormal)
 
 
-def _product_lowering(ctx: Any, a: ir.Value, b: ir.Value, c: ir.Value) -> list[ir.Value]:
+def _product_lowering(ctx: Any, a: ir.Value[Any], b: ir.Value[Any], c: ir.Value[Any]
+                      ) -> list[ir.Value[Any]]:
     f64 = ir.RankedTensorType.get(ctx.avals_out[0].shape, ir.F64Type.get())
     ab = hlo.multiply(hlo.convert(f64, a), hlo.convert(f64, b))
     return _rounded(ctx, hlo.multiply(ab, hlo.convert(f64, c)), True)
 
 
-def _rounded(ctx: Any, q: ir.Value, subnormal: bool) -> list[ir.Value]:
+def _rounded(ctx: Any, q: ir.Value[Any], subnormal: bool) -> list[ir.Value[Any]]:
     """The float64 value q as float32 bits (uint32), rounded to nearest even in integers."""
     (aval,) = ctx.avals_out
     shape = aval.shape
     u64 = ir.IntegerType.get_unsigned(64)
     u32 = ir.RankedTensorType.get(shape, ir.IntegerType.get_unsigned(32))
 
-    def c(v: int) -> ir.Value:
+    def c(v: int) -> ir.Value[Any]:
         return hlo.constant(ir.DenseElementsAttr.get_splat(
             ir.RankedTensorType.get(shape, u64), ir.IntegerAttr.get(u64, int(v))))
 

@@ -15,13 +15,16 @@ from __future__ import annotations
 import dataclasses
 import sys
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 
 from jax_fp8 import _hints, state as state_lib
 from jax_fp8.meta import Fp8Meta
 from jax_fp8.recipe import check_recipe, default as default_recipe
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
 
 __all__ = ["EQUINOX", "FIX", "Fp8Placeholder", "Fp8State", "is_fp8_node"]
 
@@ -75,7 +78,7 @@ def _caller() -> str:
             return ""
         module = frame.f_globals.get("__name__", "")
         if not module.startswith("jax"):
-            return module
+            return cast(str, module)
         frame = frame.f_back
     return ""
 
@@ -94,7 +97,7 @@ class Fp8State:
     recipe: Any = default_recipe()
 
     @classmethod
-    def create(cls, recipe=None, shape=()) -> Fp8State:
+    def create(cls, recipe: Any = None, shape: Sequence[int] = ()) -> Fp8State:
         """A fresh state for ``recipe`` (default ``DelayedScaling()``); ``shape``: the
         leading axes of stacked layers."""
         recipe = default_recipe() if recipe is None else recipe
@@ -110,17 +113,18 @@ def _refuse_optimizers() -> None:
         raise ValueError(_EQX_UPDATE)
 
 
-def _flatten_with_keys(state: Fp8State):
+def _flatten_with_keys(state: Fp8State
+                       ) -> tuple[tuple[tuple[jax.tree_util.GetAttrKey, Fp8Meta]], Any]:
     _refuse_optimizers()
     return ((jax.tree_util.GetAttrKey("meta"), state.meta),), state.recipe
 
 
-def _flatten(state: Fp8State):
+def _flatten(state: Fp8State) -> tuple[tuple[Fp8Meta], Any]:
     _refuse_optimizers()
     return (state.meta,), state.recipe
 
 
-def _unflatten(recipe, children) -> Fp8State:
+def _unflatten(recipe: Any, children: Iterable[Any]) -> Fp8State:
     (meta,) = children
     return Fp8State(meta, recipe)
 
@@ -136,14 +140,14 @@ class Fp8Placeholder:
     def __repr__(self) -> str:
         return "Fp8Placeholder()"
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, Fp8Placeholder)
 
     def __hash__(self) -> int:
         return hash(Fp8Placeholder)
 
 
-def _flatten_placeholder(node: Fp8Placeholder):
+def _flatten_placeholder(node: Fp8Placeholder) -> tuple[tuple[()], None]:
     if _caller() == "equinox._update":
         raise ValueError(_EQX_UPDATE)
     return (), None
@@ -153,6 +157,6 @@ jax.tree_util.register_pytree_node(Fp8Placeholder, _flatten_placeholder,
                                    lambda aux, children: Fp8Placeholder())
 
 
-def is_fp8_node(x) -> bool:
+def is_fp8_node(x: Any) -> bool:
     """An `Fp8State` or an `Fp8Placeholder` (the ``is_leaf`` of the helpers here)."""
     return isinstance(x, (Fp8State, Fp8Placeholder))

@@ -17,12 +17,16 @@ Registered when ``jax_fp8.flax`` is imported.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from flax import serialization
 
 from jax_fp8.packing import PackedCollection, PackedStates
 from jax_fp8.state import FIELDS, ScalingState
+
+if TYPE_CHECKING:
+    from typing import Any
 
 # FP8 states are scaling statistics, not weights: when the model changed, training can
 # start from fresh ones.
@@ -32,7 +36,8 @@ _FIX = ("Restore into a target made from the model that wrote the checkpoint (th
 
 
 def _where() -> str:
-    path = serialization.current_path()  # "./fp8/Dense_0/..."; "." at the top
+    # flax.serialization's functions are unannotated.
+    path = serialization.current_path()  # type: ignore[no-untyped-call]  # "./fp8/Dense_0/..."; "." at the top
     return path.removeprefix(".").removeprefix("/") or "the top level"
 
 
@@ -40,13 +45,13 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _state_dict(st: ScalingState) -> dict:
+def _state_dict(st: ScalingState) -> dict[str, Any]:
     out = {f: serialization.to_state_dict(getattr(st, f)) for f in FIELDS}
     out["fp8_dtype"] = st.fp8_dtype.name
     return out
 
 
-def _from_state_dict(target: ScalingState, state: dict) -> ScalingState:
+def _from_state_dict(target: ScalingState, state: dict[str, Any]) -> ScalingState:
     if not isinstance(state, dict) or "fp8_dtype" not in state:
         raise ValueError(f"restoring the ScalingState at {_where()}: the checkpoint holds "
                          f"no ScalingState there. {_FIX}")
@@ -83,7 +88,7 @@ def _target_rows(p: PackedStates) -> list[tuple[str, int, str, tuple[int, ...]]]
             for path, lead in rows]
 
 
-def _saved_rows(state: dict) -> list[tuple[str, int, str, tuple[int, ...]]]:
+def _saved_rows(state: dict[str, Any]) -> list[tuple[str, int, str, tuple[int, ...]]]:
     """The rows a packed state dict was saved with, or raises naming why there are none."""
     out = []
     for key, entry in state.items():
@@ -137,7 +142,7 @@ def _layout_error(saved: Sequence[tuple[str, int, str, tuple[int, ...]]],
     return ValueError(head + what + counts + ". " + _FIX)
 
 
-def _packed_state_dict(p: PackedStates) -> dict:
+def _packed_state_dict(p: PackedStates) -> dict[str, Any]:
     keys = p.layout.keys
     out = {}
     for key, group, rows in zip(keys, p.groups, p.layout.rows):
@@ -148,7 +153,7 @@ def _packed_state_dict(p: PackedStates) -> dict:
     return out
 
 
-def _packed_from_state_dict(target: PackedStates, state: dict) -> PackedStates:
+def _packed_from_state_dict(target: PackedStates, state: dict[str, Any]) -> PackedStates:
     if not isinstance(state, dict):
         raise ValueError(f"restoring the packed FP8 states at {_where()}: the checkpoint "
                          f"holds a {type(state).__name__} there. {_FIX}")
@@ -170,8 +175,8 @@ def _packed_from_state_dict(target: PackedStates, state: dict) -> PackedStates:
     return PackedStates(groups, tuple(others), target.layout)
 
 
-serialization.register_serialization_state(ScalingState, _state_dict, _from_state_dict,
-                                           override=True)
+serialization.register_serialization_state(  # type: ignore[no-untyped-call]
+    ScalingState, _state_dict, _from_state_dict, override=True)
 for _cls in (PackedStates, PackedCollection):  # flax looks the exact type up
-    serialization.register_serialization_state(_cls, _packed_state_dict,
-                                               _packed_from_state_dict, override=True)
+    serialization.register_serialization_state(  # type: ignore[no-untyped-call]
+        _cls, _packed_state_dict, _packed_from_state_dict, override=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -84,10 +84,13 @@ def permuted_sharding(x: Any, axes: Sequence[int],
         for other in like:
             other_mesh = getattr(_sharding_of(other), "mesh", None)
             if other_mesh is not None and not other_mesh.empty:
-                return jax.sharding.NamedSharding(other_mesh, jax.sharding.PartitionSpec())
+                # PartitionSpec's constructor is unannotated in JAX.
+                return jax.sharding.NamedSharding(
+                    other_mesh, jax.sharding.PartitionSpec())  # type: ignore[no-untyped-call]
         return None
     spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
-    return sharding.update(spec=jax.sharding.PartitionSpec(*(spec[a] for a in axes)))
+    return cast(jax.sharding.NamedSharding, sharding.update(
+        spec=jax.sharding.PartitionSpec(*(spec[a] for a in axes))))  # type: ignore[no-untyped-call]
 
 
 def untransposed_aval(x_t: jax.Array, perm: Sequence[int]) -> Any:
@@ -155,7 +158,8 @@ def keep_fp8(q_a: jax.Array, q_b: jax.Array, dimension_numbers: lax.DotDimension
     16) go straight in."""
     if widens(q_a.dtype, q_b.dtype, q_a.shape, q_b.shape, dimension_numbers):
         wide = jnp.bfloat16 if np.dtype(out_dtype) == np.dtype(jnp.bfloat16) else jnp.float32
-        q_a, q_b = lax.optimization_barrier((q_a, q_b))
+        # lax.optimization_barrier is unannotated in JAX.
+        q_a, q_b = lax.optimization_barrier((q_a, q_b))  # type: ignore[no-untyped-call]
         return q_a.astype(wide), q_b.astype(wide)
     return q_a, q_b
 
@@ -184,8 +188,9 @@ def gemm(q_a: jax.Array, q_b: jax.Array, dimension_numbers: lax.DotDimensionNumb
         with jax.named_scope(WIDENED_SCOPE):
             return _scaled_product(q_a, q_b, factor, dimension_numbers, precision, out_dtype,
                                    out_sharding)
-    return _fp8_product(q_a, q_b, factor, dimension_numbers=dimension_numbers,
-                        precision=precision, out_dtype=out_dtype, out_sharding=out_sharding)
+    return cast(jax.Array, _fp8_product(
+        q_a, q_b, factor, dimension_numbers=dimension_numbers, precision=precision,
+        out_dtype=out_dtype, out_sharding=out_sharding))
 
 
 _TWO_63 = np.float32(2.0 ** 63)
@@ -207,11 +212,12 @@ def dequantization_factors(scale_inv_a: ArrayLike,
     sa, sb = (jnp.asarray(s, jnp.float32) for s in (scale_inv_a, scale_inv_b))
     # The barriers keep XLA from reassociating the powers of two into one constant
     # factor (which would bring back the flushed product) or into the GEMM's scale.
-    sa_up, sb_up = lax.optimization_barrier((sa * _TWO_63, sb * _TWO_63))
+    # (lax.optimization_barrier is unannotated in JAX.)
+    sa_up, sb_up = lax.optimization_barrier((sa * _TWO_63, sb * _TWO_63))  # type: ignore[no-untyped-call]
     lifted = sa_up * sb_up
     tiny = jnp.abs(lifted) < 1   # the product is below FLT_MIN
-    return lax.optimization_barrier((jnp.where(tiny, lifted, sa * sb),
-                                     jnp.where(tiny, _TWO_M126, np.float32(1))))
+    return cast("tuple[jax.Array, jax.Array]", lax.optimization_barrier(  # type: ignore[no-untyped-call]
+        (jnp.where(tiny, lifted, sa * sb), jnp.where(tiny, _TWO_M126, np.float32(1)))))
 
 
 def _is_fp8(x: jax.Array) -> bool:
