@@ -35,7 +35,7 @@ import functools
 import importlib
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -84,7 +84,9 @@ def _abstract_eval(a: ShapedArray, a_scale: ShapedArray, b: ShapedArray, b_scale
         if s.shape != want or s.dtype != np.float32:
             raise ValueError(f"jax_fp8_block_gemm: {name}_scale_inv must be float32{list(want)}, "
                              f"got {s.dtype}{list(s.shape)}")
-    return a.update(shape=a.shape[:-1] + (b.shape[-2],), dtype=out_dtype, weak_type=False)
+    # ShapedArray.update is unannotated in JAX.
+    return cast(ShapedArray, a.update(  # type: ignore[no-untyped-call]
+        shape=a.shape[:-1] + (b.shape[-2],), dtype=out_dtype, weak_type=False))
 
 
 def dequantize(q: Any, scale_inv: jax.Array, block_rows: int) -> jax.Array:
@@ -177,10 +179,10 @@ def cublas_supports(a: Any, b: Any, a_block_rows: int, b_block_rows: int,
     if module is None or not 0 <= batch < 2 ** 63:
         return False
     m, k = a.shape[-2:]
-    return module.block_gemm_supports(
+    return cast(bool, module.block_gemm_supports(
         np.dtype(a.dtype).name, np.dtype(b.dtype).name, kernel_types.gemm_output(out_dtype).name,
         a_block_rows == BLOCK, b_block_rows == BLOCK, int(batch), int(m), int(b.shape[-2]),
-        int(k))
+        int(k)))
 
 
 # The custom call's `kernel` attribute (ffi/block_gemm_cuda.cc).
@@ -212,10 +214,11 @@ def _ffi_gemm(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array
     if scale_layout == "spec":
         a_scale = to_gemm_layout(a_scale, a_block_rows)
         b_scale = to_gemm_layout(b_scale, b_block_rows)
+    # jax.ShapeDtypeStruct's constructor is unannotated in JAX.
     call = jax.ffi.ffi_call(TARGET, (
-        jax.ShapeDtypeStruct(a.shape[:-2] + (m, n), kernel_dtype),
+        jax.ShapeDtypeStruct(a.shape[:-2] + (m, n), kernel_dtype),  # type: ignore[no-untyped-call]
         jax.ShapeDtypeStruct((256 if code == _KERNEL_CODES["fallback"] else WORKSPACE_BYTES,),
-                             jnp.uint8)))
+                             jnp.uint8)))  # type: ignore[no-untyped-call]
     out, _ = call(a, a_scale, b, b_scale, a_block_rows=np.int32(a_block_rows),
                   b_block_rows=np.int32(b_block_rows), kernel=np.int32(code))
     return out.astype(out_dtype)
@@ -253,7 +256,7 @@ def _gemm_specs(params: dict[str, Any], mesh: jax.sharding.Mesh, a_shape: Sequen
     *lead_shape, m, k = a_shape
     n = b_shape[-2]
     kb = -(-k // BLOCK)
-    used: set = set()
+    used: set[str] = set()
 
     def take(entry: Any, size: int, whole: bool, padded: int | None) -> Any:
         axes = specs.spec_axes(entry)
@@ -287,7 +290,9 @@ def _gemm_shardings(params: dict[str, Any], mesh: jax.sharding.Mesh, arg_shapes:
     gemm = params["scale_layout"] == "gemm"
     operand_specs = (lead + (m, k), _scale_spec(lead, m, k, params["a_block_rows"], gemm),
                      lead + (n, k), _scale_spec(lead, n, k, params["b_block_rows"], gemm))
-    named = lambda spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
+    # PartitionSpec's constructor is unannotated in JAX.
+    named: Callable[[Any], NamedSharding] = \
+        lambda spec: NamedSharding(mesh, PartitionSpec(*spec))  # type: ignore[no-untyped-call]  # noqa: E731
     return tuple(named(s) for s in operand_specs), named(lead + (m, n))
 
 
@@ -307,9 +312,11 @@ def _gemm_local(bind: Callable[..., Any], operands: Sequence[jax.Array], *,
         sb = pad_scales(sb)
     k_axes = specs.spec_axes(specs.padded_spec(shardings[0], a.ndim)[-1])
     if not k_axes:
-        return bind(a, sa, b, sb, **params)
+        return cast(jax.Array, bind(a, sa, b, sb, **params))
     partial = bind(a, sa, b, sb, **dict(params, out_dtype=np.dtype(np.float32)))
-    return jax.lax.psum(partial, k_axes).astype(params["out_dtype"])
+    # jax.lax.psum is unannotated in JAX.
+    return cast(jax.Array,
+                jax.lax.psum(partial, k_axes).astype(params["out_dtype"]))  # type: ignore[no-untyped-call]
 
 
 def _gemm_rule(params: dict[str, Any], operand_types: Sequence[Any],
@@ -337,6 +344,7 @@ def block_gemm(a: jax.Array, a_scale_inv: jax.Array, b: jax.Array, b_scale_inv: 
                implementation: str = "auto", scale_layout: str = "spec") -> jax.Array:
     """Binds the primitive: a [..., M, K], b [..., N, K] (with their scale_inv) -> [..., M, N];
     `implementation` is one of base.IMPLEMENTATIONS."""
-    return block_gemm_p.bind(a, a_scale_inv, b, b_scale_inv, a_block_rows=int(a_block_rows),
-                             b_block_rows=int(b_block_rows), out_dtype=np.dtype(out_dtype),
-                             implementation=implementation, scale_layout=scale_layout)
+    return cast(jax.Array, block_gemm_p.bind(
+        a, a_scale_inv, b, b_scale_inv, a_block_rows=int(a_block_rows),
+        b_block_rows=int(b_block_rows), out_dtype=np.dtype(out_dtype),
+        implementation=implementation, scale_layout=scale_layout))

@@ -41,9 +41,9 @@ class Kernel:
     it; ``supports(*avals, **params)`` says whether it applies (else the reference runs);
     ``refuses(*avals, **params)``: None where it may run, else why not, in words (the
     reason `decide` gives: a kernel switched off, or the operands it does not take)."""
-    lower: Callable
-    supports: Callable = _always
-    refuses: Callable = _no_reason
+    lower: Callable[..., Any]
+    supports: Callable[..., Any] = _always
+    refuses: Callable[..., Any] = _no_reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,12 +62,12 @@ class Partitioning:
     ``explicit``: on meshes with Explicit axes run per device under shard_map with the
     same shardings (else the primitive sees the Explicit-typed operands itself).
     """
-    shardings: Callable
-    rule: Callable
-    combine: Callable | None = None
-    supports: Callable = _always
+    shardings: Callable[..., Any]
+    rule: Callable[..., Any]
+    combine: Callable[..., Any] | None = None
+    supports: Callable[..., Any] = _always
     needs_kernel: bool = True
-    local: Callable | None = None
+    local: Callable[..., Any] | None = None
     explicit: bool = False
 
 
@@ -95,18 +95,18 @@ class Spec:
       every platform and under any jit (asked by `decide` before kernels and partitioning).
     """
     name: str
-    abstract_eval: Callable
-    reference: Callable | None = None
-    reference_lowering: Callable | None = None
+    abstract_eval: Callable[..., Any]
+    reference: Callable[..., Any] | None = None
+    reference_lowering: Callable[..., Any] | None = None
     kernels: Mapping[str, Kernel] = dataclasses.field(default_factory=dict)
     multiple_results: bool = False
-    batch: str | Callable = "leading_axes"
+    batch: str | Callable[..., Any] = "leading_axes"
     jvp: str = "zero"
-    transpose: Callable | None = None
+    transpose: Callable[..., Any] | None = None
     partitioning: Partitioning | None = None
     same_varying: bool = False
     cache_reference: bool = False
-    reference_where: Callable = _no_reason
+    reference_where: Callable[..., Any] = _no_reason
 
 
 SPECS: dict[str, Spec] = {}
