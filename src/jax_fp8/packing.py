@@ -37,7 +37,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -75,11 +75,11 @@ class PackedStates(HoldsStates):
       layout: static; how to rebuild the original tree (`unpack`).
     """
 
-    groups: tuple
-    others: tuple
+    groups: tuple[Any, ...]
+    others: tuple[Any, ...]
     layout: _Layout
 
-    def __new__(cls, groups: tuple = (), others: tuple = (),
+    def __new__(cls, groups: tuple[Any, ...] = (), others: tuple[Any, ...] = (),
                 layout: Any = None) -> PackedStates:
         del groups, others
         # A packed Flax collection (a dict with string keys) is also a read-only mapping
@@ -154,7 +154,8 @@ def _read_only_message(op: str) -> str:
             "unpack it into a dict of its own: dict(packed) or jax_fp8.unpack_states(packed).")
 
 
-class PackedCollection(PackedStates, dict):
+# dict, not dict[str, Any]: a subscripted base would be another class statement.
+class PackedCollection(PackedStates, dict):  # type: ignore[type-arg]
     """A `PackedStates` of a Flax collection (a dict with string keys), which is also a
     read-only mapping of the unpacked collection, so Flax's ``apply`` takes it where the
     collection goes: ``model.apply({"params": params, "fp8_meta": state.fp8}, x)`` runs
@@ -168,14 +169,14 @@ class PackedCollection(PackedStates, dict):
     Methods that would change it in place raise TypeError.
     """
 
-    def _view(self) -> dict:
+    def _view(self) -> dict[str, Any]:
         """The unpacked collection, made once per trace: Flax reads it once per top-level
         module. A concrete state's is computed eagerly (it holds no tracer); a traced
         state's is kept while its own trace is the current one; anything else is made
         anew (so no traced value outlives its trace)."""
         leaves = jax.tree.leaves((self.groups, self.others))
         traces = {id(_compat.trace_of(x)) for x in leaves if isinstance(x, jax.core.Tracer)}
-        cached = self.__dict__.get("_view_cache")
+        cached: tuple[Any, dict[str, Any]] | None = self.__dict__.get("_view_cache")
         if not traces:
             if cached is None:
                 with jax.ensure_compile_time_eval():
@@ -183,13 +184,13 @@ class PackedCollection(PackedStates, dict):
             return cached[1]
         trace = _compat.current_trace()
         if traces != {id(trace)}:
-            return self.unpack()
+            return cast("dict[str, Any]", self.unpack())
         if cached is None or cached[0] is not trace:
             cached = self.__dict__["_view_cache"] = (trace, self.unpack())
         return cached[1]
 
     @property
-    def _keys(self) -> tuple:
+    def _keys(self) -> tuple[str, ...]:
         keys = self.layout.top_keys
         assert keys is not None, "a PackedCollection's layout is a collection's"
         return keys
@@ -221,14 +222,14 @@ class PackedCollection(PackedStates, dict):
     def get(self, key: str, default: Any = None) -> Any:
         return self._view().get(key, default)
 
-    def copy(self) -> dict:
+    def copy(self) -> dict[str, Any]:
         """The unpacked collection, as a new dict."""
         return dict(self._view())
 
-    def __or__(self, other: Any) -> dict:
+    def __or__(self, other: Any) -> dict[Any, Any]:
         return {**self._view(), **other}
 
-    def __ror__(self, other: Any) -> dict:
+    def __ror__(self, other: Any) -> dict[Any, Any]:
         return {**other, **self._view()}
 
     def __eq__(self, other: object) -> bool:
@@ -240,7 +241,8 @@ class PackedCollection(PackedStates, dict):
 
     __hash__ = None
 
-    def __reduce__(self) -> tuple[type[PackedStates], tuple[tuple, tuple, _Layout]]:
+    def __reduce__(self) -> tuple[type[PackedStates],
+                                  tuple[tuple[Any, ...], tuple[Any, ...], _Layout]]:
         # Pickle and copy as a PackedStates, not as the dict of its unpacked states.
         return (PackedStates, (self.groups, self.others, self.layout))
 
@@ -318,11 +320,11 @@ def pack_states(tree: Any) -> PackedStates:
       states once (concatenation); call it outside the train step, once.
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_state)
-    keys: list = []
-    rows_of: dict = {}
-    parts: dict = {}
-    slots: list = []
-    others: list = []
+    keys: list[tuple[Any, int]] = []
+    rows_of: dict[tuple[Any, int], int] = {}
+    parts: dict[tuple[Any, int], list[ScalingState]] = {}
+    slots: list[tuple[int, int, tuple[int, ...]] | None] = []
+    others: list[Any] = []
     for _, leaf in flat:
         if not _is_state(leaf):
             slots.append(None)
