@@ -103,18 +103,20 @@ class _Primitive(Primitive):
         if (part is not None and part.explicit and params["implementation"] in IMPLEMENTATIONS
                 and any(axis_types.on_explicit_mesh(a) for a in args)):
             return _explicit_mesh_bind(spec, self, args, params)
-        return super().bind(*args, **params)
+        # JAX's Primitive.bind is unannotated.
+        return super().bind(*args, **params)  # type: ignore[no-untyped-call]
 
 
 def _spec_of(aval: Any, mesh: jax.sharding.Mesh) -> NamedSharding:
     """aval's sharding on `mesh` (replicated where its type names no mesh)."""
     sharding: Any = getattr(aval, "sharding", None)
     if getattr(getattr(sharding, "mesh", None), "empty", True):
-        return NamedSharding(mesh, PartitionSpec())
+        # PartitionSpec's constructor is unannotated in JAX.
+        return NamedSharding(mesh, PartitionSpec())  # type: ignore[no-untyped-call]
     return NamedSharding(mesh, sharding.spec)
 
 
-def _explicit_mesh_bind(spec: Spec, prim: Primitive, args: Sequence[Any],
+def _explicit_mesh_bind(spec: Spec, prim: _Primitive, args: Sequence[Any],
                         params: dict[str, Any]) -> Any:
     """`prim` on operands typed on a mesh with Explicit axes: resharded to the shardings
     its Partitioning asks for, then each device's computation (as under
@@ -125,14 +127,17 @@ def _explicit_mesh_bind(spec: Spec, prim: Primitive, args: Sequence[Any],
     local = PER_DEVICE if params.pop("implementation") == "auto" else "jnp"
     avals = [jax.typeof(a) for a in args]
     mesh = next(a.sharding.mesh for a in avals if axis_types.on_explicit_mesh(a))
-    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_spec_of(a, mesh)) for a in avals]
+    # jax.ShapeDtypeStruct's constructor and jax.sharding.reshard are unannotated in JAX.
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_spec_of(a, mesh))  # type: ignore[no-untyped-call]
+              for a in avals]
     arg_shardings, result_shardings = part.shardings(params, mesh, shapes)
-    args = [jax.sharding.reshard(a, s) for a, s in zip(args, arg_shardings)]
+    args = [jax.sharding.reshard(a, s) for a, s in zip(args, arg_shardings)]  # type: ignore[no-untyped-call]
 
     def per_device(*operands: Any) -> Any:
         return _per_device(spec, prim, params, mesh, arg_shardings, operands, local)
 
-    specs = lambda shardings: tuple(s.spec for s in shardings)  # noqa: E731
+    specs: Callable[[Any], tuple[Any, ...]] = \
+        lambda shardings: tuple(s.spec for s in shardings)  # noqa: E731
     out_specs = specs(result_shardings) if spec.multiple_results else result_shardings.spec
     with jax.named_scope(per_device_scope(spec.name)):
         return jax.shard_map(per_device, mesh=mesh, in_specs=specs(arg_shardings),
@@ -145,7 +150,7 @@ def per_device_scope(name: str) -> str:
     return f"{name}_per_device"
 
 
-def _per_device(spec: Spec, prim: Primitive, params: dict[str, Any], mesh: jax.sharding.Mesh,
+def _per_device(spec: Spec, prim: _Primitive, params: dict[str, Any], mesh: jax.sharding.Mesh,
                 arg_shardings: Any, operands: Sequence[Any],
                 implementation: str = PER_DEVICE) -> Any:
     """One device's computation of a partitioned `prim` on the shards it holds (with
@@ -171,8 +176,9 @@ def register(spec: Spec) -> _Primitive:
     prim = _Primitive(spec.name)
     prim.multiple_results = spec.multiple_results
     rules = _Rules(spec, prim)
-    prim.def_abstract_eval(rules.abstract_eval)
-    prim.def_impl(eager_impl(prim))
+    # Primitive.def_abstract_eval and def_impl are unannotated in JAX.
+    prim.def_abstract_eval(rules.abstract_eval)  # type: ignore[no-untyped-call]
+    prim.def_impl(eager_impl(prim))  # type: ignore[no-untyped-call]
     mlir.register_lowering(prim, functools.partial(rules.lowering, platform=None))
     for platform in spec.kernels:
         if _registration.has_kernel(spec.name, platform):
@@ -182,7 +188,7 @@ def register(spec: Spec) -> _Primitive:
     batching.primitive_batchers[prim] = (batch[spec.batch] if isinstance(spec.batch, str)
                                          else spec.batch)
     if spec.jvp == "linear":
-        ad.deflinear2(prim, spec.transpose)
+        ad.deflinear2(prim, spec.transpose)  # type: ignore[no-untyped-call]  # unannotated in JAX
     else:
         ad.primitive_jvps[prim] = {"zero": rules.jvp_zero,
                                    "reference": rules.jvp_reference}[spec.jvp]
@@ -214,7 +220,7 @@ def _compiled(fn: Callable[..., Any], static: tuple[Any, ...]) -> Callable[..., 
 class _Rules:
     """The rules `register` generates for one Spec."""
     spec: Spec
-    prim: Primitive
+    prim: _Primitive
 
     def _results(self, outs: Any, value: Any) -> Any:
         return [value] * len(outs) if self.spec.multiple_results else value
@@ -254,7 +260,7 @@ class _Rules:
 
     @functools.cache  # noqa: B019 (one _Rules per primitive, alive as long as the process)
     def _reference(self, static: tuple[Any, ...]) -> Callable[..., Any]:
-        fn = functools.partial(cast(Callable, self.spec.reference), **dict(static))
+        fn = functools.partial(cast("Callable[..., Any]", self.spec.reference), **dict(static))
         return jax.jit(fn) if self.spec.cache_reference else fn
 
     @functools.cache  # noqa: B019
@@ -285,8 +291,9 @@ class _Rules:
             del mesh, result_types
             return part.rule(dict(static), operand_types)
 
-        fn = custom_partitioning(per_device, static_argnums=(0,))
-        fn.def_partition(partition=partition, infer_sharding_from_operands=infer,
+        # custom_partitioning and its def_partition are unannotated in JAX.
+        fn = custom_partitioning(per_device, static_argnums=(0,))  # type: ignore[no-untyped-call]
+        fn.def_partition(partition=partition, infer_sharding_from_operands=infer,  # type: ignore[no-untyped-call]
                          sharding_rule=rule)
         return fn
 
@@ -295,15 +302,17 @@ class _Rules:
     def batch_leading_axes(self, args: Sequence[Any], dims: Sequence[int | None],
                            **params: Any) -> tuple[Any, Any]:
         size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-        args = [batching.bdim_at_front(a, d, size) for a, d in zip(args, dims)]
+        # batching.bdim_at_front is unannotated in JAX.
+        args = [batching.bdim_at_front(a, d, size) for a, d in zip(args, dims)]  # type: ignore[no-untyped-call]
         outs = self.prim.bind(*args, **params)
         return outs, self._results(outs, 0)
 
     def batch_reference(self, args: Sequence[Any], dims: Sequence[int | None], *,
                         implementation: str, **params: Any) -> tuple[Any, Any]:
         del implementation
-        outs = jax.vmap(functools.partial(cast(Callable, self.spec.reference), **params),
-                        in_axes=tuple(dims))(*args)
+        outs = jax.vmap(
+            functools.partial(cast("Callable[..., Any]", self.spec.reference), **params),
+            in_axes=tuple(dims))(*args)
         return outs, self._results(outs, 0)
 
     # ---------------------------------------------------------------------------- JVP
@@ -319,6 +328,6 @@ class _Rules:
     def jvp_reference(self, primals: Sequence[Any], tangents: Sequence[Any], *,
                       implementation: str, **params: Any) -> tuple[Any, Any]:
         del implementation
-        tangents = [ad.instantiate_zeros(t) for t in tangents]
-        reference = cast(Callable, self.spec.reference)
+        tangents = [ad.instantiate_zeros(t) for t in tangents]  # type: ignore[no-untyped-call]  # unannotated in JAX
+        reference = cast("Callable[..., Any]", self.spec.reference)
         return jax.jvp(functools.partial(reference, **params), tuple(primals), tuple(tangents))
