@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 from flax import nnx
@@ -53,7 +53,7 @@ _hints.register(("flax.nnx", "jax_fp8.flax.nnx", "jax_fp8.flax.nnx_conversion",
                  "jax_fp8.flax._nnx_layers", "jax_fp8.flax._nnx_training"), NNX)
 
 
-def fp8_state(model: nnx.Module | nnx.State) -> nnx.State:
+def fp8_state(model: nnx.Module | nnx.State[Any, Any]) -> nnx.State[Any, Any]:
     """The model's FP8 state (every `Fp8State`), as an ``nnx.State``; of a gradient
     ``nnx.State``, its FP8 part (its `Fp8Grad`s as `Fp8State`s, the structure of the
     model's FP8 state)."""
@@ -63,7 +63,7 @@ def fp8_state(model: nnx.Module | nnx.State) -> nnx.State:
 
 
 def update_fp8(model: nnx.Module, fp8_grads: Any, recipe: recipe_lib.Recipe | None = None,
-               *, axis_name: Any = None) -> nnx.State:
+               *, axis_name: Any = None) -> nnx.State[Any, Any]:
     """Replaces every `Fp8State` of ``model`` with ONE fused ``update_states`` call.
 
     Args:
@@ -88,10 +88,10 @@ def update_fp8(model: nnx.Module, fp8_grads: Any, recipe: recipe_lib.Recipe | No
     _training_step.check_recipes(hints, parts, type(model).__name__)
     (new,) = _training_step.fused_update(hints, parts, axis_name)
     nnx.update(model, new)
-    return new
+    return cast("nnx.State[Any, Any]", new)
 
 
-def _split(grads: nnx.State) -> tuple[nnx.State, ...]:
+def _split(grads: nnx.State[Any, Any]) -> tuple[nnx.State[Any, Any], ...]:
     """(the FP8 part, the rest) of a gradient ``nnx.State``."""
     if hasattr(nnx, "split_state"):
         return nnx.split_state(grads, _FP8_GRADS, ...)
@@ -102,19 +102,19 @@ def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def _retyped(tree: nnx.State, cls: type[nnx.Variable]) -> nnx.State:
+def _retyped(tree: nnx.State[Any, Any], cls: type[nnx.Variable[Any]]) -> nnx.State[Any, Any]:
     """``tree`` (an ``nnx.State``) with each variable as a ``cls`` of the same value."""
-    return jax.tree.map(lambda v: cls(_get(v)) if _is_variable(v) else v, tree,
-                        is_leaf=_is_variable)
+    return cast("nnx.State[Any, Any]", jax.tree.map(
+        lambda v: cls(_get(v)) if _is_variable(v) else v, tree, is_leaf=_is_variable))
 
 
-def _as_states(fp8_grads: nnx.State) -> nnx.State:
+def _as_states(fp8_grads: nnx.State[Any, Any]) -> nnx.State[Any, Any]:
     """The FP8 part of a gradient, typed as the model's `Fp8State`s (its structure)."""
     return _retyped(fp8_grads, Fp8State)
 
 
-def fp8_value_and_grad(loss_fn: Callable, has_aux: bool = False, wrt: Any = nnx.Param,
-                       ) -> Callable[..., tuple[Any, nnx.State]]:
+def fp8_value_and_grad(loss_fn: Callable[..., Any], has_aux: bool = False, wrt: Any = nnx.Param,
+                       ) -> Callable[..., tuple[Any, nnx.State[Any, Any]]]:
     """``loss_fn(model, *args)`` -> f(model, *args) = ``(loss[, aux]), grads``.
 
     ``grads`` is the ``nnx.State`` of the gradients w.r.t. the ``wrt`` variables and the
@@ -129,7 +129,7 @@ def fp8_value_and_grad(loss_fn: Callable, has_aux: bool = False, wrt: Any = nnx.
     value_and_grad = nnx.value_and_grad(loss_fn, argnums=diff, has_aux=has_aux)
 
     @functools.wraps(loss_fn)
-    def f(*args: Any, **kwargs: Any) -> tuple[Any, nnx.State]:
+    def f(*args: Any, **kwargs: Any) -> tuple[Any, nnx.State[Any, Any]]:
         value, grads = value_and_grad(*args, **kwargs)
         return value, jax.tree.map(
             lambda v: Fp8Grad(_fp8_grads.fp8_grads_from_cotangents(_get(v)))
@@ -138,7 +138,7 @@ def fp8_value_and_grad(loss_fn: Callable, has_aux: bool = False, wrt: Any = nnx.
     return f
 
 
-def apply_gradients(model: nnx.Module, optimizer: nnx.Optimizer, grads: nnx.State,
+def apply_gradients(model: nnx.Module, optimizer: nnx.Optimizer[Any], grads: nnx.State[Any, Any],
                     recipe: recipe_lib.Recipe | None = None, *, axis_name: Any = None,
                     **kwargs: Any) -> None:
     """``optimizer.update(model, <param gradients>)`` and `update_fp8` with the FP8 ones.
@@ -163,7 +163,7 @@ def apply_gradients(model: nnx.Module, optimizer: nnx.Optimizer, grads: nnx.Stat
     _step(model, optimizer, grads, recipe, "apply_gradients", kwargs, axis_name)
 
 
-def _step(model: nnx.Module, optimizer: nnx.Optimizer, grads: nnx.State,
+def _step(model: nnx.Module, optimizer: nnx.Optimizer[Any], grads: nnx.State[Any, Any],
           recipe: recipe_lib.Recipe | None, call: str, kwargs: dict[str, Any],
           axis_name: Any = None, pending: list[jax.Array] | None = None
           ) -> list[jax.Array] | None:
@@ -190,12 +190,12 @@ def _step(model: nnx.Module, optimizer: nnx.Optimizer, grads: nnx.State,
     return pending
 
 
-class Fp8Pending(nnx.Variable):
+class Fp8Pending(nnx.Variable):  # type: ignore[type-arg]  # a subscripted base: another class
     """Under ``optax.MultiSteps``: the max of the staged amaxes since the optimizer last
     applied (a list of float32 arrays, one per FP8 state in tree order)."""
 
 
-class Fp8Optimizer(nnx.Optimizer):
+class Fp8Optimizer(nnx.Optimizer):  # type: ignore[type-arg]  # a subscripted base: another class
     """``nnx.Optimizer`` whose ``update(model, grads)`` is `apply_gradients`.
 
     ``Fp8Optimizer(model, tx, wrt=nnx.Param, recipe=None)``: ``recipe`` is the one the
@@ -219,7 +219,7 @@ class Fp8Optimizer(nnx.Optimizer):
                                              "Fp8Optimizer")
         self.fp8_pending = None if pending is None else Fp8Pending(pending)
 
-    def update(self, model: nnx.Module, grads: nnx.State, /, *, axis_name: Any = None,
+    def update(self, model: nnx.Module, grads: nnx.State[Any, Any], /, *, axis_name: Any = None,
                **kwargs: Any) -> None:
         """The optimizer step on the ``wrt`` gradients and `update_fp8` on the FP8 ones
         (errors and ``axis_name`` as `apply_gradients`; under MultiSteps, see the class)."""
