@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -61,14 +61,14 @@ def split_fp8(variables: Mapping[str, Any], collection: str = FP8_COLLECTION,
     return variables, fp8
 
 
-def _is_combined(grads, params, collection) -> bool:
+def _is_combined(grads: Any, params: Any, collection: str) -> bool:
     """True for the gradient of `fp8_value_and_grad`: {"params": ..., collection: ...}:
     its parameter part of the structure of ``params``, or its FP8 part FP8 gradients
     (`jax_fp8.AmaxGrad`s; the parameter part then is what the optimizer takes, e.g. the
     gradient of ``optax.LookaheadParams``' fast parameters)."""
     if not (isinstance(grads, Mapping) and set(grads) == {"params", collection}):
         return False
-    is_grad = lambda x: isinstance(x, _fp8_grads.AmaxGrad)  # noqa: E731
+    is_grad: Callable[[Any], bool] = lambda x: isinstance(x, _fp8_grads.AmaxGrad)  # noqa: E731
     return (jax.tree.structure(grads["params"]) == jax.tree.structure(params)  # type: ignore[operator]
             or any(is_grad(x) for x in jax.tree.leaves(grads[collection], is_leaf=is_grad)))
 
@@ -91,7 +91,9 @@ def _check_params_alone(params: Any, recipe: Recipe, collection: str) -> None:
             f"(fp8={{}} for a model without FP8 layers)")
 
 
-class Fp8TrainState(train_state.TrainState):
+# flax.struct's dataclass machinery (__init_subclass__, struct.field, TrainState.create and
+# apply_gradients) is unannotated.
+class Fp8TrainState(train_state.TrainState):  # type: ignore[no-untyped-call]
     """``flax.training.train_state.TrainState`` plus the FP8 state, outside the optimizer.
 
     ``params`` and ``opt_state`` are exactly those of a plain TrainState (the FP8
@@ -107,9 +109,9 @@ class Fp8TrainState(train_state.TrainState):
     # restore into a state of another FP8 format fails on the keys instead of relabelling.
     fp8_formats: Any = None
     fp8_pending: Any = None
-    recipe: Recipe = struct.field(
+    recipe: Recipe = struct.field(  # type: ignore[no-untyped-call]
         pytree_node=False, default=default_recipe())
-    fp8_collection: str = struct.field(pytree_node=False, default=FP8_COLLECTION)
+    fp8_collection: str = struct.field(pytree_node=False, default=FP8_COLLECTION)  # type: ignore[no-untyped-call]
     # The texts of its errors, and of jax_fp8.check_fp8_updated(state).
     fp8_hints = LINEN
 
@@ -162,21 +164,21 @@ class Fp8TrainState(train_state.TrainState):
             _check_params_alone(params, recipe, fp8_collection)
         fp8 = {} if fp8 is None else fp8
         state_lib.check_states_follow(recipe, fp8, "fp8", LINEN.at("Fp8TrainState.create"))
-        counts: dict = {}
+        counts: dict[str, int] = {}
         for _, dtype, _ in state_lib.states_info(fp8):
             counts[dtype.name] = counts.get(dtype.name, 0) + 1
         formats = {name: jnp.int32(n) for name, n in sorted(counts.items())}
         if pack_fp8 and not isinstance(fp8, PackedStates):
             fp8 = pack_states(fp8)
-        new = super().create(apply_fn=apply_fn, params=params, tx=tx, fp8=fp8,
-                             fp8_formats=formats, recipe=recipe,
-                             fp8_collection=fp8_collection, **kwargs)
+        new: Fp8TrainState = super().create(  # type: ignore[no-untyped-call]
+            apply_fn=apply_fn, params=params, tx=tx, fp8=fp8, fp8_formats=formats,
+            recipe=recipe, fp8_collection=fp8_collection, **kwargs)
         if counts:
             new = new.replace(fp8_pending=_training_step.zero_pending(fp8, new.opt_state,
                                                                       "Fp8TrainState"))
         return new
 
-    def variables(self, params: Any = None, fp8: Any = None) -> dict:
+    def variables(self, params: Any = None, fp8: Any = None) -> dict[str, Any]:
         """The model's variables; a packed FP8 state is handed to the layers unpacked."""
         fp8 = self.fp8 if fp8 is None else fp8
         return {"params": self.params if params is None else params,
@@ -209,8 +211,8 @@ class Fp8TrainState(train_state.TrainState):
             return out, updates
         return out
 
-    def value_and_grad(self, loss_fn: Callable, has_aux: bool = False,
-                       ) -> Callable[..., tuple[Any, dict]]:
+    def value_and_grad(self, loss_fn: Callable[..., Any], has_aux: bool = False,
+                       ) -> Callable[..., tuple[Any, dict[str, Any]]]:
         """``loss_fn(params, fp8, *args)`` -> f(*args) = ``(loss[, aux]), grads``.
 
         The gradient is w.r.t. ``self.params`` and ``self.fp8``: ``grads`` is
@@ -250,8 +252,8 @@ class Fp8TrainState(train_state.TrainState):
                                  "alone, without fp8_grads")
             grads, fp8_grads = grads["params"], grads[self.fp8_collection]
 
-        def optimizer_step():
-            new = super(Fp8TrainState, self).apply_gradients(grads=grads, **kwargs)
+        def optimizer_step() -> tuple[Any, Any]:
+            new = super(Fp8TrainState, self).apply_gradients(grads=grads, **kwargs)  # type: ignore[no-untyped-call]
             return new, new.opt_state
 
         missing = _training_step.paths(self.fp8) if fp8_grads is None else []
@@ -260,11 +262,12 @@ class Fp8TrainState(train_state.TrainState):
             [Fp8Part(self.recipe, self.fp8, fp8_grads)], optimizer_step, name="fp8",
             missing=missing, opt_state=self.opt_state, pending=self.fp8_pending,
             axis_name=axis_name)
-        return new.replace(fp8=fp8, fp8_pending=pending)
+        return cast("Fp8TrainState", new.replace(fp8=fp8, fp8_pending=pending))
 
 
-def fp8_value_and_grad(loss_fn: Callable, has_aux: bool = False,
-                       collection: str = FP8_COLLECTION) -> Callable[..., tuple[Any, dict]]:
+def fp8_value_and_grad(loss_fn: Callable[..., Any], has_aux: bool = False,
+                       collection: str = FP8_COLLECTION
+                       ) -> Callable[..., tuple[Any, dict[str, Any]]]:
     """``loss_fn(params, fp8, *args)`` -> f(params, fp8, *args) = ``(loss[, aux]), grads``.
 
     ``grads`` is ``{"params": <gradient w.r.t. params>, collection: <FP8 gradients>}``,
@@ -277,7 +280,7 @@ def fp8_value_and_grad(loss_fn: Callable, has_aux: bool = False,
     """
     vg = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=has_aux)
 
-    def f(params, fp8, *args, **kwargs):
+    def f(params: Any, fp8: Any, *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
         value, (grads, fp8_grads) = vg(params, fp8, *args, **kwargs)
         return value, {"params": grads,
                        collection: _fp8_grads.fp8_grads_from_cotangents(fp8_grads)}
