@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -109,17 +109,20 @@ def _abstract_eval(lhs: ShapedArray, rhs: ShapedArray, group_sizes: ShapedArray,
         raise ValueError(f"{TARGET}: M = {m} rows exceed int32 group sizes")
     shape = (g, k, n) if mode == WEIGHT_GRAD else (m, n)
     sharding = getattr(lhs, "sharding", None)
+    # PartitionSpec's constructor and ShapedArray.update are unannotated in JAX.
     extra = {} if sharding is None or mode != WEIGHT_GRAD else {
-        "sharding": NamedSharding(sharding.mesh, PartitionSpec())}
-    return lhs.update(shape=shape, dtype=np.dtype(out_dtype), weak_type=False, **extra)
+        "sharding": NamedSharding(sharding.mesh, PartitionSpec())}  # type: ignore[no-untyped-call]
+    return cast(ShapedArray, lhs.update(  # type: ignore[no-untyped-call]
+        shape=shape, dtype=np.dtype(out_dtype), weak_type=False, **extra))
 
 
 def _numbers(mode: int) -> lax.RaggedDotDimensionNumbers:
+    # lax.RaggedDotDimensionNumbers' constructor is unannotated in JAX.
     if mode == WEIGHT_GRAD:
-        return lax.RaggedDotDimensionNumbers(
+        return lax.RaggedDotDimensionNumbers(  # type: ignore[no-untyped-call]
             dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=(0,),
             rhs_group_dimensions=())
-    return lax.RaggedDotDimensionNumbers(
+    return lax.RaggedDotDimensionNumbers(  # type: ignore[no-untyped-call]
         dot_dimension_numbers=(((1,), (1 if mode == FORWARD else 2,)), ((), ())),
         lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
 
@@ -157,10 +160,10 @@ def reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, mode: i
             return jnp.where((group == i)[:, None], prod, acc)
         n = rhs.shape[2] if mode == FORWARD else rhs.shape[1]
         init = axis_types.vary_like([jnp.zeros((m, n), acc_type), lhs, rhs])[0]
-        return lax.fori_loop(0, g, body, init)
+        return cast(jax.Array, lax.fori_loop(0, g, body, init))
 
     acc = lax.cond(jnp.all(jnp.isfinite(rhs)), ragged, per_group, None)
-    return acc.astype(out_dtype)
+    return cast(jax.Array, acc.astype(out_dtype))
 
 
 # ---------------------------------------------------------------------------- the kernel
@@ -187,8 +190,8 @@ def kernel_supports(lhs: Any, rhs: Any, group_sizes: Any, *, mode: int,
     if np.dtype(rhs.dtype) != in_type or (in_type, out) not in _KERNEL_TYPES[mode]:
         return False
     m, k, n, g = _shapes(lhs, rhs, group_sizes.shape[0], mode)
-    return module.ragged_dot_supports(mode, in_type.name, out.name, int(m), int(k), int(n),
-                                      int(g))
+    return cast(bool, module.ragged_dot_supports(mode, in_type.name, out.name, int(m), int(k),
+                                                 int(n), int(g)))
 
 
 def _refuses(lhs: ShapedArray, rhs: ShapedArray, group_sizes: ShapedArray, *, mode: int,
@@ -208,8 +211,10 @@ def _ffi_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, m
     shape = _abstract_eval(jax.typeof(lhs), jax.typeof(rhs), jax.typeof(group_sizes),
                            mode=mode, out_dtype=out_dtype).shape
     g = group_sizes.shape[0]
-    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct(shape, out_dtype),
-                                     jax.ShapeDtypeStruct((gg.workspace_bytes(g),), jnp.uint8)))
+    # jax.ShapeDtypeStruct's constructor is unannotated in JAX.
+    call = jax.ffi.ffi_call(TARGET, (
+        jax.ShapeDtypeStruct(shape, out_dtype),  # type: ignore[no-untyped-call]
+        jax.ShapeDtypeStruct((gg.workspace_bytes(g),), jnp.uint8)))  # type: ignore[no-untyped-call]
     out, _ = call(lhs, rhs, group_sizes, mode=np.int64(mode))
     return out
 
@@ -226,12 +231,13 @@ def _kernel_lowering(ctx: Any, *operands: Any, **params: Any) -> Any:
 def _transpose(ct: Any, lhs: Any, rhs: Any, group_sizes: Any, *, mode: int,
                out_dtype: np.dtype, implementation: str) -> list[Any]:
     del out_dtype
+    # ad.is_undefined_primal is unannotated in JAX.
     if type(ct) is ad.Zero:
-        return [None if not ad.is_undefined_primal(x) else ad.Zero(x.aval) for x in (lhs, rhs)] \
-            + [None]
+        return [None if not ad.is_undefined_primal(x) else ad.Zero(x.aval)  # type: ignore[no-untyped-call]
+                for x in (lhs, rhs)] + [None]
     kw = {"implementation": implementation}
     ct_lhs = ct_rhs = None
-    if ad.is_undefined_primal(lhs):
+    if ad.is_undefined_primal(lhs):  # type: ignore[no-untyped-call]
         lhs_dtype = lhs.aval.dtype
         if mode == FORWARD:        # [M, N] . rhs[g]^T ([G, K, N] read as [G, N', K'])
             ct_lhs = ragged_dot_p.bind(ct, rhs, group_sizes, mode=TRANSPOSED,
@@ -242,7 +248,7 @@ def _transpose(ct: Any, lhs: Any, rhs: Any, group_sizes: Any, *, mode: int,
         else:                      # rhs [M, N] . ct[g]^T ([G, K, N])
             ct_lhs = ragged_dot_p.bind(rhs, ct, group_sizes, mode=TRANSPOSED,
                                        out_dtype=lhs_dtype, **kw)
-    if ad.is_undefined_primal(rhs):
+    if ad.is_undefined_primal(rhs):  # type: ignore[no-untyped-call]
         rhs_dtype = rhs.aval.dtype
         if mode == FORWARD:        # sum over each group's rows of lhs^T ct
             ct_rhs = ragged_dot_p.bind(lhs, ct, group_sizes, mode=WEIGHT_GRAD,
@@ -285,7 +291,9 @@ def _m_entry(mesh: jax.sharding.Mesh, x: Any) -> Any:
 def _shardings(params: dict[str, Any], mesh: jax.sharding.Mesh, arg_shapes: Sequence[Any],
                ) -> tuple[tuple[NamedSharding, ...], NamedSharding]:
     lhs, rhs = arg_shapes[:2]
-    named = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
+    # PartitionSpec's constructor is unannotated in JAX.
+    named: Callable[..., NamedSharding] = \
+        lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))  # type: ignore[no-untyped-call]  # noqa: E731
     m = _m_entry(mesh, lhs)
     if params["mode"] == WEIGHT_GRAD:
         return (named(m, None), named(m, None), named()), named(None, None, None)
@@ -304,7 +312,7 @@ def _local(bind: Callable[..., Any], operands: Sequence[jax.Array], *,
     if params["mode"] != WEIGHT_GRAD:
         return bind(lhs, rhs, local, **params)
     acc = bind(lhs, rhs, local, **dict(params, out_dtype=np.dtype(np.float32)))
-    return lax.psum(acc, m_axes).astype(params["out_dtype"])
+    return lax.psum(acc, m_axes).astype(params["out_dtype"])  # type: ignore[no-untyped-call]  # unannotated in JAX
 
 
 def _rule(params: dict[str, Any], operand_types: Sequence[Any],
@@ -336,5 +344,6 @@ def ragged_product(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, mo
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{TARGET}: implementation must be one of {IMPLEMENTATIONS}, got "
                          f"{implementation!r}")
-    return ragged_dot_p.bind(lhs, rhs, group_sizes, mode=int(mode),
-                             out_dtype=np.dtype(out_dtype), implementation=implementation)
+    return cast(jax.Array, ragged_dot_p.bind(lhs, rhs, group_sizes, mode=int(mode),
+                                             out_dtype=np.dtype(out_dtype),
+                                             implementation=implementation))
