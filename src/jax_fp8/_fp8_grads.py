@@ -115,7 +115,7 @@ def _encode_amax(amax: ArrayLike) -> jax.Array:
 
 def _is_amax_array(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
-    return (dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+    return (dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
             and jax.random.key_impl(x) == _AMAX_IMPL)
 
 
