@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import string
 import weakref
-from collections.abc import Callable, Sequence
-from typing import Any, cast
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,9 @@ from jax_fp8 import _compat, interception
 from jax_fp8.gemm.dot_general import check_min_fp8_flops, fp8_dot_general
 from jax_fp8.gemm.einsum import fp8_einsum
 from jax_fp8.meta import Fp8Meta
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = ["fp8_gemm"]
 
