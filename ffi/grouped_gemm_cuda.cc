@@ -8,7 +8,6 @@
 
 #include <cstdint>
 #include <string>
-#include <utility>
 
 #include "cuda_handler_util.h"
 #include "cutlass_handler.h"
@@ -49,11 +48,15 @@ ffi::ErrorOr<Call> Decode(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer
   if (ot != ffi::DataType::BF16 && ot != ffi::DataType::F32) {
     return ffi::Unexpected(Invalid("out must be bf16 or f32"));
   }
-  if (auto err = CheckGroupSizes(kName, group_sizes, g, "G = rhs.shape[0]"); err.failure()) {
-    return ffi::Unexpected(std::move(err));
+  auto vector = [g](ffi::AnyBuffer b, ffi::DataType t) {
+    return b.element_type() == t && b.dimensions().size() == 1 && b.dimensions()[0] == g;
+  };
+  if (!vector(group_sizes, ffi::DataType::S32)) {
+    return ffi::Unexpected(
+        Invalid("group_sizes must be int32[G], G = rhs.shape[0] = " + std::to_string(g) + ", got " +
+                ShapeString(group_sizes.dimensions())));
   }
-  if (!IsVector(lhs_scale_inv, ffi::DataType::F32, g) ||
-      !IsVector(rhs_scale_inv, ffi::DataType::F32, g)) {
+  if (!vector(lhs_scale_inv, ffi::DataType::F32) || !vector(rhs_scale_inv, ffi::DataType::F32)) {
     return ffi::Unexpected(
         Invalid("lhs_scale_inv and rhs_scale_inv must be float32[G], G = " + std::to_string(g)));
   }
@@ -64,18 +67,27 @@ ffi::ErrorOr<Call> Decode(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer
                 "1 <= G <= 2^20, sizes below 2^31), got lhs " +
                 ShapeString(ld) + ", rhs " + ShapeString(rd)));
   }
+  const int64_t need = GroupedGemmWorkspaceBytes(g);
+  if (!WorkspaceIs(*workspace, need)) {
+    return ffi::Unexpected(Invalid("the workspace must be uint8[" + std::to_string(need) + "]"));
+  }
+  if (!Aligned16({lhs.untyped_data(), rhs.untyped_data(), out->untyped_data(),
+                  workspace->untyped_data()})) {
+    return ffi::Unexpected(Invalid("lhs, rhs, out and the workspace must be 16-byte aligned"));
+  }
   const int config =
       GroupedGemmFind(lhs.element_type() == ffi::DataType::F8E5M2, ot == ffi::DataType::BF16);
-  const auto need = CheckGroupedRun(kName, g, *workspace,
-                                    {lhs.untyped_data(), rhs.untyped_data(), out->untyped_data()},
-                                    "lhs, rhs, out", config, "these types");
-  if (!need.has_value()) return ffi::Unexpected(need.error());
+  if (config < 0) {
+    return ffi::Unexpected(Invalid(
+        "no kernel compiled for these types (the module was built without CUTLASS's headers, "
+        "or JAX_FP8_CUTLASS=OFF)"));
+  }
   return Call{
       GroupedGemmCall{m, n, k, g, lhs.untyped_data(), rhs.untyped_data(),
                       static_cast<const int32_t*>(group_sizes.untyped_data()),
                       static_cast<const float*>(lhs_scale_inv.untyped_data()),
                       static_cast<const float*>(rhs_scale_inv.untyped_data()), out->untyped_data(),
-                      workspace->untyped_data(), static_cast<size_t>(*need)},
+                      workspace->untyped_data(), static_cast<size_t>(need)},
       config};
 }
 

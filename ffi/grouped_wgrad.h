@@ -1,7 +1,7 @@
 #pragma once
 // The grouped FP8 weight-gradient GEMM of jax_fp8_grouped_wgrad (grouped_wgrad_cuda.cc): a
 // grouped GEMM ragged along its contraction, run as CUTLASS's SM90 ptr-array grouped GEMM
-// (grouped_sm90.cuh's FP8 kernel, one configuration per operand and output type:
+// (grouped_gemm_sm90.cuh's kernel, one configuration per operand and output type:
 // grouped_wgrad_sm90_*.cu, built only for sm_90a and only where CUTLASS's headers were
 // found: JAX_FP8_HAS_CUTLASS; else the table is empty and the custom call is never emitted).
 //

@@ -1,6 +1,6 @@
 #pragma once
-// One configuration of jax_fp8_grouped_wgrad's kernel (grouped_wgrad.h): the FP8 grouped
-// GEMM of grouped_sm90.cuh (CUTLASS's SM90 ptr-array grouped GEMM, the FP8 mainloop that
+// One configuration of jax_fp8_grouped_wgrad's kernel (grouped_wgrad.h): the grouped GEMM
+// of grouped_gemm_sm90.cuh (CUTLASS's SM90 ptr-array grouped GEMM, the FP8 mainloop that
 // promotes into float32, alpha_g per group in the epilogue) on per-group problems
 // (M, N, K) = (k, n, ceil16(size_g)): A_g = lhs_t + pstart_g (row-major [k, K], row stride
 // mp), B_g = grad_t + pstart_g (column-major [K, n]: each of the n rows of grad_t holds the
@@ -13,7 +13,7 @@
 // Every group writes its whole out[g]: an empty group's problem reads the 16 zero columns at
 // the end of the padded operands (K = 16), so its output is alpha_g * 0 from the same
 // epilogue, not a contraction of length 0.
-#include "grouped_sm90.cuh"
+#include "grouped_gemm_sm90.cuh"
 #include "grouped_wgrad.h"
 
 namespace jax_fp8 {
@@ -21,71 +21,130 @@ namespace sm90 {
 // This unit's own (cutlass_launch.cuh says why).
 namespace {
 
-// Group g's tokens (ForEachGroupRows: sizes clamped to [0, m], their saturating prefix sums)
-// and the columns of the padded operands: pstart_g = sum over h < g of ceil16(size_h) (a
-// second scan, not saturating: at most m + 15 * groups <= mp - 16, the handler checks
-// m <= mp - 16 * (groups + 1)).
-template <class Arrays>
+// Group g's tokens: sizes clamped to [0, m] and their saturating (at m) prefix sums, as
+// GroupedGemmSetupKernel computes them (one block, Hillis-Steele scans of kSetupThreads
+// groups at a time, carries between chunks); and the columns of the padded operands:
+// pstart_g = sum over h < g of ceil16(size_h) (a second scan, not saturating: at most
+// m + 15 * groups <= mp - 16, the handler checks m <= mp - 16 * (groups + 1)).
+template <class Shape3, class EA, class EB, class ED, class SA, class SB, class SD>
 __global__ void __launch_bounds__(kSetupThreads)
-    GroupedWgradSetupKernel(GroupedWgradCall c, Arrays a) {
-  using Shape3 = typename Arrays::Shape3;
+    GroupedWgradSetupKernel(GroupedWgradCall c, GroupArrays<Shape3, EA, EB, ED, SA, SB, SD> a) {
+  __shared__ int64_t scan[kSetupThreads];
   __shared__ int64_t padded[kSetupThreads];
-  __shared__ int64_t padded_carry;
+  __shared__ int64_t carry, padded_carry;
   const int t = threadIdx.x;
+  const int64_t cap = c.m;  // <= mp - 16 * (groups + 1) (grouped_wgrad_cuda.cc)
   const int64_t zero_column = c.mp - 16;
-  if (t == 0) padded_carry = 0;
-  ForEachGroupRows(
-      c.group_sizes, c.groups, c.m, a.rows, [&](int64_t g, int64_t start, int64_t end) {
-        const int64_t size = end - start;
-        const int64_t padded_size = (size + 15) / 16 * 16;
-        padded[t] = padded_size;
-        __syncthreads();
-        for (int d = 1; d < kSetupThreads; d <<= 1) {
-          const int64_t add = t >= d ? padded[t - d] : 0;
-          __syncthreads();
-          padded[t] += add;
-          __syncthreads();
-        }
-        const int64_t pstart = padded_carry + (t == 0 ? 0 : padded[t - 1]);
-        if (g < c.groups) {
-          // K = ceil16(size): the group's padding columns are 0, so the contraction is the
-          // same and every group's K is a multiple of 16 FP8 values (16 bytes), the operands'
-          // alignment; an empty group reads the last 16 columns, which are 0.
-          const int64_t column = size > 0 ? pstart : zero_column;
-          a.shapes[g] = Shape3{static_cast<int>(c.k), static_cast<int>(c.n),
-                               static_cast<int>(size > 0 ? padded_size : 16)};
-          a.ptr_a[g] = static_cast<const typename Arrays::ElementA*>(c.lhs_t) + column;
-          a.ptr_b[g] = static_cast<const typename Arrays::ElementB*>(c.grad_t) + column;
-          a.ptr_d[g] = static_cast<typename Arrays::ElementD*>(c.out) + g * c.k * c.n;
-          a.stride_a[g] = PackedStride<typename Arrays::StrideA>(c.mp);
-          a.stride_b[g] = PackedStride<typename Arrays::StrideB>(c.mp);
-          a.stride_d[g] = PackedStride<typename Arrays::StrideD>(c.n);
-          a.alpha[g] = c.lhs_scale_inv[g] * c.grad_scale_inv[g];
-          a.alpha_ptr[g] = a.alpha + g;
-        }
-        // Every thread has read padded_carry (ForEachGroupRows synchronizes the block again
-        // before the next chunk).
-        __syncthreads();
-        if (t == kSetupThreads - 1) padded_carry += padded[t];
-      });
+  if (t == 0) {
+    carry = 0;
+    padded_carry = 0;
+  }
+  __syncthreads();
+  for (int64_t base = 0; base < c.groups; base += kSetupThreads) {
+    const int64_t g = base + t;
+    int64_t v = 0;
+    if (g < c.groups) {
+      const int64_t raw = c.group_sizes[g];
+      v = raw < 0 ? 0 : (raw > cap ? cap : raw);
+    }
+    scan[t] = v;
+    __syncthreads();
+    for (int d = 1; d < kSetupThreads; d <<= 1) {
+      const int64_t add = t >= d ? scan[t - d] : 0;
+      __syncthreads();
+      const int64_t s = scan[t] + add;
+      scan[t] = s > cap ? cap : s;
+      __syncthreads();
+    }
+    const int64_t before = t == 0 ? 0 : scan[t - 1];
+    const int64_t start = carry + before > cap ? cap : carry + before;
+    const int64_t end = carry + scan[t] > cap ? cap : carry + scan[t];
+    const int64_t size = end - start;
+    const int64_t padded_size = (size + 15) / 16 * 16;
+    padded[t] = padded_size;
+    __syncthreads();
+    for (int d = 1; d < kSetupThreads; d <<= 1) {
+      const int64_t add = t >= d ? padded[t - d] : 0;
+      __syncthreads();
+      padded[t] += add;
+      __syncthreads();
+    }
+    const int64_t pstart = padded_carry + (t == 0 ? 0 : padded[t - 1]);
+    if (g < c.groups) {
+      // K = ceil16(size): the group's padding columns are 0, so the contraction is the
+      // same and every group's K is a multiple of 16 FP8 values (16 bytes), the operands'
+      // alignment; an empty group reads the last 16 columns, which are 0.
+      const int64_t column = size > 0 ? pstart : zero_column;
+      a.shapes[g] = Shape3{static_cast<int>(c.k), static_cast<int>(c.n),
+                           static_cast<int>(size > 0 ? padded_size : 16)};
+      a.ptr_a[g] = static_cast<const EA*>(c.lhs_t) + column;
+      a.ptr_b[g] = static_cast<const EB*>(c.grad_t) + column;
+      a.ptr_d[g] = static_cast<ED*>(c.out) + g * c.k * c.n;
+      a.stride_a[g] = SA{c.mp, Int<1>{}, Int<0>{}};
+      a.stride_b[g] = SB{c.mp, Int<1>{}, Int<0>{}};
+      a.stride_d[g] = SD{c.n, Int<1>{}, Int<0>{}};
+      a.alpha[g] = c.lhs_scale_inv[g] * c.grad_scale_inv[g];
+      a.alpha_ptr[g] = a.alpha + g;
+    }
+    __syncthreads();
+    if (t == kSetupThreads - 1) {
+      carry = end;
+      padded_carry += padded[t];
+    }
+    __syncthreads();
+  }
+  if (t == 0) *a.rows = carry;
 }
 
-// The weight gradient of one operand / output type: the grouped GEMM's CUTLASS kernel
-// (Fp8PtrArrayGemm: E4M3 A, ElementB B, both K-major), its per-device preparation and
-// workspace layout.
+// The weight gradient of one operand / output type: GroupedGemm's CUTLASS kernel (E4M3 A,
+// ElementB B, both K-major), its per-device preparation and workspace layout.
 template <class ElementA, class ElementB, class ElementD>
 struct GroupedWgrad {
-  using Base = Fp8PtrArrayGemm<ElementA, ElementB, ElementD>;
+  using Base = GroupedGemm<ElementA, ElementD, ElementB>;
+  using Gemm = typename Base::Gemm;
+  using Kernel = typename Base::Kernel;
+  using OnDevice = typename Base::OnDevice;
 
-  static int Prepare(int32_t device) { return Base::Prepare(device); }
+  static int Prepare(int32_t device) { return OnDevice::Prepare(device); }
 
   static int Run(const GroupedWgradCall& c, int32_t device, cudaStream_t stream) {
-    if (int err = Base::Prepare(device)) return err;
+    if (int err = OnDevice::Prepare(device)) return err;
     if (c.k == 0 || c.n == 0 || c.groups == 0) return 0;
-    return Base::Run(c, /*alpha_per_group=*/true, device, stream, [&](auto& a) -> int {
-      GroupedWgradSetupKernel<<<1, kSetupThreads, 0, stream>>>(c, a);
-      return static_cast<int>(cudaGetLastError());
-    });
+    typename Base::Arrays a;
+    const size_t arrays = Base::Carve(c.workspace, c.groups, &a);
+    if (arrays > c.workspace_bytes) return -1;
+
+    GroupedWgradSetupKernel<<<1, kSetupThreads, 0, stream>>>(c, a);
+    if (cudaError_t err = cudaGetLastError()) return err;
+
+    typename Gemm::Arguments args;
+    args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+    args.problem_shape = {static_cast<int>(c.groups), a.shapes, nullptr};  // on the device only
+    args.mainloop = {a.ptr_a, a.stride_a, a.ptr_b, a.stride_b};
+    auto& fusion = args.epilogue.thread;
+    fusion.alpha = 0.0f;
+    fusion.beta = 0.0f;
+    fusion.alpha_ptr = nullptr;
+    fusion.beta_ptr = nullptr;
+    fusion.alpha_ptr_array = a.alpha_ptr;
+    fusion.beta_ptr_array = nullptr;
+    fusion.dAlpha = {_0{}, _0{}, 1};
+    fusion.dBeta = {_0{}, _0{}, 0};
+    args.epilogue.ptr_C = nullptr;
+    args.epilogue.dC = a.stride_d;
+    args.epilogue.ptr_D = a.ptr_d;
+    args.epilogue.dD = a.stride_d;
+    args.hw_info = OnDevice::hw[device];
+
+    void* cutlass_workspace = static_cast<char*>(c.workspace) + arrays;
+    if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return -1;
+    if (Gemm::get_workspace_size(args) > c.workspace_bytes - arrays) return -1;
+    if (Kernel::initialize_workspace(args, cutlass_workspace, stream) !=
+        cutlass::Status::kSuccess) {
+      return cudaErrorUnknown;
+    }
+    const typename Kernel::Params params = Kernel::to_underlying_arguments(args, cutlass_workspace);
+    return OnDevice::Launch(params, stream);
   }
 };
 

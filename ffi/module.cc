@@ -73,8 +73,6 @@ const Target kTargets[] = {
      "UpdateKernel"},
     {"jax_fp8_transpose_bytes", JAX_FP8_NONE, JAX_FP8_CUDA(JaxFp8TransposeBytesCuda), JAX_FP8_NONE,
      "TransposeBytesKernel"},
-    {"jax_fp8_gather_transpose_bytes", JAX_FP8_NONE, JAX_FP8_CUDA(JaxFp8GatherTransposeBytesCuda),
-     JAX_FP8_NONE, "RowGatherTransposeKernel"},
     {"jax_fp8_quantize_transpose", JAX_FP8_NONE, JAX_FP8_CUDA(JaxFp8QuantizeTransposeCuda),
      JAX_FP8_NONE, "QuantizeTransposeKernel"},
     {"jax_fp8_block_quantize", JAX_FP8_NONE, JAX_FP8_CUDA(JaxFp8BlockQuantizeCuda), JAX_FP8_NONE,

@@ -8,10 +8,10 @@
 
 #include <cstdint>
 #include <string>
-#include <utility>
 
 #include "cuda_handler_util.h"
 #include "cutlass_handler.h"
+#include "grouped_gemm_workspace.h"
 #include "ragged_dot.h"
 #include "ragged_dot_limits.h"
 
@@ -68,8 +68,10 @@ ffi::ErrorOr<Call> Decode(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer
   if (rhs.element_type() != it) {
     return ffi::Unexpected(Invalid("lhs and rhs must have one element type"));
   }
-  if (auto err = CheckGroupSizes(kName, group_sizes, g, "G"); err.failure()) {
-    return ffi::Unexpected(std::move(err));
+  if (group_sizes.element_type() != ffi::DataType::S32 || group_sizes.dimensions().size() != 1 ||
+      group_sizes.dimensions()[0] != g) {
+    return ffi::Unexpected(Invalid("group_sizes must be int32[G], G = " + std::to_string(g) +
+                                   ", got " + ShapeString(group_sizes.dimensions())));
   }
   if (!RaggedDotSupports(static_cast<int>(mode), it, ot, m, k, n, g)) {
     return ffi::Unexpected(Invalid(
@@ -79,16 +81,25 @@ ffi::ErrorOr<Call> Decode(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer
         "got " +
         shapes));
   }
+  const int64_t need = GroupedGemmWorkspaceBytes(g);
+  if (!WorkspaceIs(*workspace, need)) {
+    return ffi::Unexpected(Invalid("the workspace must be uint8[" + std::to_string(need) + "]"));
+  }
+  if (!Aligned16({lhs.untyped_data(), rhs.untyped_data(), out->untyped_data(),
+                  workspace->untyped_data()})) {
+    return ffi::Unexpected(Invalid("lhs, rhs, out and the workspace must be 16-byte aligned"));
+  }
   const int config =
       RaggedDotFind(static_cast<int>(mode), it == ffi::DataType::F16, ot == ffi::DataType::F32);
-  const auto need = CheckGroupedRun(kName, g, *workspace,
-                                    {lhs.untyped_data(), rhs.untyped_data(), out->untyped_data()},
-                                    "lhs, rhs, out", config, "this product and these types");
-  if (!need.has_value()) return ffi::Unexpected(need.error());
+  if (config < 0) {
+    return ffi::Unexpected(
+        Invalid("no kernel compiled for this product and these types (the module was built without "
+                "CUTLASS's headers, or JAX_FP8_CUTLASS=OFF)"));
+  }
   return Call{
       RaggedDotCall{m, k, n, g, lhs.untyped_data(), rhs.untyped_data(),
                     static_cast<const int32_t*>(group_sizes.untyped_data()), out->untyped_data(),
-                    workspace->untyped_data(), static_cast<size_t>(*need)},
+                    workspace->untyped_data(), static_cast<size_t>(need)},
       config};
 }
 

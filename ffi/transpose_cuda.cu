@@ -1,5 +1,4 @@
-// FP8 transposes, one 128 x 128-byte tile per block (see transpose_cuda.h): the plain one,
-// the one that gathers its rows first, and the one that quantizes on the way in.
+// FP8 transposes, one 128 x 128-byte tile per block (see transpose_cuda.h).
 //
 // Why not XLA's own: its transpose of 1-byte elements runs well below a copy of the same
 // bytes (docs/benchmarks.md), and it reads the quantized tensor back from memory. Here
@@ -61,56 +60,30 @@ __device__ __forceinline__ void WriteTile(const Tile& tile, uint32_t* dst, int64
   }
 }
 
-// One tile of out [cols, rows] = (the rows of in) transposed. kGather: row r of the
-// transposed matrix is row src_rows[r] of in [in_rows, cols], or zeros where src_rows[r] is
-// outside [0, in_rows); else row r of in (in_rows = rows).
-template <bool kGather>
-__device__ __forceinline__ void TransposeTile(Tile& tile, const uint32_t* __restrict__ src,
-                                              const int32_t* __restrict__ src_rows,
-                                              uint32_t* __restrict__ dst, int64_t rows,
-                                              int64_t cols, int64_t in_rows) {
+__global__ void __launch_bounds__(kThreads)
+    TransposeBytesKernel(const uint32_t* __restrict__ in, uint32_t* __restrict__ out, int64_t rows,
+                         int64_t cols) {
+  __shared__ Tile tile;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t in_words = cols / 4;
+  const int64_t batch = blockIdx.z;
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTileBytes;
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTileBytes;
+  const uint32_t* src = in + batch * rows * in_words;
   const int64_t in_word = col0 / 4 + lane;
   uint32_t v[kQuadsPerWarp][4];  // all loads first: 16 words in flight per thread
 #pragma unroll
   for (int i = 0; i < kQuadsPerWarp; ++i) {
     const int64_t r = row0 + 4 * (warp + i * kWarps);
     const bool inside = r < rows && in_word < in_words;  // rows % 4 == 0: r + 3 < rows
+    const uint32_t* p = src + r * in_words + in_word;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      int64_t s = r + k;
-      bool take = inside;
-      if constexpr (kGather) {
-        s = inside ? src_rows[r + k] : -1;
-        take = inside && s >= 0 && s < in_rows;
-      }
-      v[i][k] = take ? src[s * in_words + in_word] : 0u;
-    }
+    for (int k = 0; k < 4; ++k) v[i][k] = inside ? p[k * in_words] : 0u;
   }
 #pragma unroll
   for (int i = 0; i < kQuadsPerWarp; ++i) StoreTransposed4x4(tile, v[i], warp + i * kWarps, lane);
   __syncthreads();
-  WriteTile(tile, dst, row0, col0, rows, cols, warp, lane);
-}
-
-__global__ void __launch_bounds__(kThreads)
-    TransposeBytesKernel(const uint32_t* __restrict__ in, uint32_t* __restrict__ out, int64_t rows,
-                         int64_t cols) {
-  __shared__ Tile tile;
-  const int64_t batch = blockIdx.z;
-  TransposeTile<false>(tile, in + batch * rows * (cols / 4), nullptr,
-                       out + batch * cols * (rows / 4), rows, cols, rows);
-}
-
-__global__ void __launch_bounds__(kThreads)
-    RowGatherTransposeKernel(const uint32_t* __restrict__ in, const int32_t* __restrict__ src_rows,
-                             uint32_t* __restrict__ out, int64_t in_rows, int64_t rows,
-                             int64_t cols) {
-  __shared__ Tile tile;
-  TransposeTile<true>(tile, in, src_rows, out, rows, cols, in_rows);
+  WriteTile(tile, out + batch * cols * (rows / 4), row0, col0, rows, cols, warp, lane);
 }
 
 // Four consecutive elements of a row: loaded as one vector (Raw), then widened to
@@ -247,14 +220,6 @@ cudaError_t LaunchTransposeBytes(cudaStream_t stream, const void* in, void* out,
   if (!TransposeBytesSupports(batch, rows, cols)) return cudaErrorInvalidValue;
   TransposeBytesKernel<<<TileGrid(batch, rows, cols), kThreads, 0, stream>>>(
       static_cast<const uint32_t*>(in), static_cast<uint32_t*>(out), rows, cols);
-  return cudaGetLastError();
-}
-
-cudaError_t LaunchRowGatherTranspose(cudaStream_t stream, const void* in, const int32_t* src_rows,
-                                     void* out, int64_t in_rows, int64_t rows, int64_t cols) {
-  if (in_rows < 0 || !TransposeBytesSupports(1, rows, cols)) return cudaErrorInvalidValue;
-  RowGatherTransposeKernel<<<TileGrid(1, rows, cols), kThreads, 0, stream>>>(
-      static_cast<const uint32_t*>(in), src_rows, static_cast<uint32_t*>(out), in_rows, rows, cols);
   return cudaGetLastError();
 }
 

@@ -19,12 +19,6 @@ bool TransposeBytesSupports(int64_t batch, int64_t rows, int64_t cols);
 cudaError_t LaunchTransposeBytes(cudaStream_t stream, const void* in, void* out, int64_t batch,
                                  int64_t rows, int64_t cols);
 
-// out[c, r] = in[src_rows[r], c] for 1-byte elements, in [in_rows, cols] and out [cols, rows],
-// 0 where src_rows[r] is outside [0, in_rows): rows gathered (and zero rows inserted) and
-// the result transposed in one pass. The sizes as TransposeBytesSupports(1, rows, cols).
-cudaError_t LaunchRowGatherTranspose(cudaStream_t stream, const void* in, const int32_t* src_rows,
-                                     void* out, int64_t in_rows, int64_t rows, int64_t cols);
-
 // For x [batch, rows, cols] of `in_type` and the float32 scale[batch], in one pass, for
 // each matrix b of the batch:
 //   q[b]   [rows, cols] = saturate_cast<fp8>(float32(x[b]) * scale[b])   (NaN stays NaN)

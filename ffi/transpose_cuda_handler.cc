@@ -1,5 +1,4 @@
-// XLA FFI handlers "jax_fp8_transpose_bytes", "jax_fp8_gather_transpose_bytes" and
-// "jax_fp8_quantize_transpose" (CUDA):
+// XLA FFI handlers "jax_fp8_transpose_bytes" and "jax_fp8_quantize_transpose" (CUDA):
 // check the buffers, then enqueue on XLA's stream (command-buffer compatible).
 #include "transpose_cuda_handler.h"
 
@@ -47,35 +46,6 @@ ffi::Error TransposeBytesImpl(cudaStream_t stream, ffi::AnyBuffer in,
   return LaunchStatus(
       "jax_fp8_transpose_bytes",
       LaunchTransposeBytes(stream, in.untyped_data(), out->untyped_data(), batch, rows, cols));
-}
-
-ffi::Error RowGatherTransposeImpl(cudaStream_t stream, ffi::AnyBuffer in, ffi::AnyBuffer src_rows,
-                                  ffi::Result<ffi::AnyBuffer> out) {
-  constexpr const char* kName = "jax_fp8_gather_transpose_bytes";
-  const auto in_dims = in.dimensions(), out_dims = out->dimensions();
-  if (ffi::ByteWidth(in.element_type()) != 1 || out->element_type() != in.element_type()) {
-    return InvalidArgument(kName, "operand and result must have the same 1-byte type");
-  }
-  if (src_rows.element_type() != ffi::DataType::S32 || src_rows.dimensions().size() != 1) {
-    return InvalidArgument(kName, "src_rows must be int32[R]");
-  }
-  const int64_t rows = src_rows.dimensions()[0];
-  if (in_dims.size() != 2 || out_dims.size() != 2 || out_dims[0] != in_dims[1] ||
-      out_dims[1] != rows) {
-    return InvalidArgument(kName, "need in [M, C], src_rows [R] and out [C, R], got in " +
-                                      ShapeString(in_dims) + ", src_rows [" + std::to_string(rows) +
-                                      "], out " + ShapeString(out_dims));
-  }
-  const int64_t in_rows = in_dims[0], cols = in_dims[1];
-  if (rows == 0 || cols == 0) return ffi::Error::Success();
-  if (!TransposeBytesSupports(1, rows, cols)) {
-    return InvalidArgument(kName, "sizes not supported (R and C must be multiples of 4): R = " +
-                                      std::to_string(rows) + ", C = " + std::to_string(cols));
-  }
-  return LaunchStatus(kName,
-                      LaunchRowGatherTranspose(stream, in.untyped_data(),
-                                               static_cast<const int32_t*>(src_rows.untyped_data()),
-                                               out->untyped_data(), in_rows, rows, cols));
 }
 
 ffi::Error QuantizeTransposeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer scale,
@@ -140,14 +110,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp8QuantizeTransposeCuda, QuantizeTransposeImpl
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("fp8_max"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp8GatherTransposeBytesCuda, RowGatherTransposeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()   // in
-                                  .Arg<ffi::AnyBuffer>()   // src_rows
-                                  .Ret<ffi::AnyBuffer>(),  // out
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp8TransposeBytesCuda, TransposeBytesImpl,

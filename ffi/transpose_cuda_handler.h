@@ -5,9 +5,6 @@ namespace jax_fp8 {
 // XLA FFI handler "jax_fp8_transpose_bytes" for the CUDA platform: [..., R, C] ->
 // [..., C, R] for 1-byte element types (FP8).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp8TransposeBytesCuda);
-// "jax_fp8_gather_transpose_bytes": in [M, C] (1-byte), src_rows int32[R] -> out [C, R],
-// out[c, r] = in[src_rows[r], c] (0 where src_rows[r] is outside [0, M)), in one pass.
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFp8GatherTransposeBytesCuda);
 // "jax_fp8_quantize_transpose": x [R, C] (f32/bf16/f16), scale f32[] -> the FP8 q [R, C],
 // q transposed [C, R] and max |x| (f32[]), in one pass over x; or a batch of matrices,
 // x [B, R, C] and scale f32[B] -> q [B, R, C], q_t [B, C, R], amax f32[B].

@@ -12,7 +12,7 @@ mkdir -p "$out"
 here=$(cd "$(dirname "$0")" && pwd)
 status=0
 # SANITIZE_TARGETS: "update" (UpdateKernel), "transpose" (TransposeBytesKernel,
-# RowGatherTransposeKernel, QuantizeTransposeKernel), "block" (BlockQuantizeKernel, BlockGemmFallbackKernel),
+# QuantizeTransposeKernel), "block" (BlockQuantizeKernel, BlockGemmFallbackKernel),
 # "block_all" (memcheck of every kernel the block driver runs: cuBLASLt's block-scaled GEMM
 # kernels reading and writing the buffers our handler passes them), "split"
 # (SplitRowsKernel: a packed state's scale vectors cut into one buffer per state), "grouped"

@@ -27,7 +27,7 @@ import pytest
 import helpers
 import test_grouped_gemm as tgg
 from jax_fp8 import _registration
-from jax_fp8._primitives import base, grouped_gemm as gg, grouped_wgrad as gw, layout
+from jax_fp8._primitives import base, grouped_gemm as gg, grouped_wgrad as gw
 from jax_fp8.devtools import explain
 from test_grouped_gemm import exact_values, integer_values, scales
 
@@ -472,64 +472,20 @@ def test_gpu_kernel_nan_and_inf(gpu_device):
     (4096, 2048, (500, 0, 1200, 3, 2000, 393)),
     (1000, 768, (17,) * 50 + (0,) * 14),
 ])
-@pytest.mark.parametrize("form", ["one_pass", "gather_then_transpose"])
-def test_gpu_padded_transpose_layout(gpu_device, m, c, sizes, form):
-    """The kernel's operands as its CUDA lowering builds them (`kernel_pad_transpose`: one
-    pass of ffi/transpose_cuda.cu's gather-transpose kernel where C % 4 == 0; the fallback
-    form: rows gathered in XLA, the bytes transposed by the byte-transpose kernel): the
-    NumPy layout, byte for byte, and the custom call each form says it emits."""
+def test_gpu_padded_transpose_layout(gpu_device, m, c, sizes):
+    """The kernel's operands as its CUDA lowering builds them (rows gathered in XLA, the
+    bytes transposed by ffi/transpose_cuda.cu where it takes the sizes): the NumPy layout,
+    byte for byte."""
     rng = np.random.default_rng(m + c)
     x = rng.integers(0, 256, (m, c)).astype(np.uint8).view(np.dtype(E4M3))
     mp = gw.padded_columns(m, len(sizes))
-    if form == "one_pass":
-        fn = jax.jit(lambda x, ends: gw.kernel_pad_transpose(x, ends, mp))
-        target = "jax_fp8_gather_transpose_bytes"
-    else:
-        fn = jax.jit(lambda x, ends: gw.pad_transpose(x, ends, mp, transpose=gw._transpose_bytes))
-        target = "jax_fp8_transpose_bytes"
+    fn = jax.jit(lambda x, ends: gw.pad_transpose(x, ends, mp, transpose=gw._transpose_bytes))
     ends = gg.clamped_group_ends(jnp.asarray(sizes, jnp.int32), m)
     x_gpu, ends_gpu = jax.device_put(x, gpu_device), jax.device_put(ends, gpu_device)
     text = fn.lower(x_gpu, ends_gpu).as_text()
-    assert (target in text) == (c % 4 == 0), text[-2000:]
+    assert ("jax_fp8_transpose_bytes" in text) == (c % 4 == 0), text[-2000:]
     got = np.asarray(fn(x_gpu, ends_gpu)).view(np.uint8)
     np.testing.assert_array_equal(got, padded_oracle(x, sizes, mp))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m, c, r", [(0, 8, 16), (5, 4, 4), (300, 132, 260), (1000, 2048, 1104)])
-def test_gpu_gather_transpose_kernel(gpu_device, m, c, r):
-    """`layout._ffi_gather_rotate`, the one-pass kernel, on any row map: out[:, j] = x[rows[j]]
-    and zeros where rows[j] is outside [0, M) (negative, M, far past it), tile edges on both
-    axes, repeated rows; byte for byte against NumPy."""
-    rng = np.random.default_rng(m + c + r)
-    x = rng.integers(0, 256, (m, c)).astype(np.uint8)
-    rows = rng.integers(-3, m + 3, r).astype(np.int32)
-    rows[: min(r, 3)] = [-(2 ** 31), 2 ** 31 - 1, m][: min(r, 3)]
-    want = np.zeros((c, r), np.uint8)
-    inside = (rows >= 0) & (rows < m)
-    want[:, inside] = x[rows[inside]].T
-    fn = jax.jit(layout._ffi_gather_rotate)
-    got = fn(jax.device_put(x.view(np.dtype(E4M3)), gpu_device), jax.device_put(rows, gpu_device))
-    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want)
-
-
-@pytest.mark.gpu
-def test_gpu_gather_transpose_refuses_what_it_does_not_take(gpu_device):
-    """The custom call's strict checks: a 2-byte operand, rows not int32, sizes off the
-    4-byte grid, a result of the wrong shape: each an error naming the target."""
-    f8 = jnp.float8_e4m3fn
-    cases = [
-        (np.zeros((8, 8), jnp.bfloat16), np.zeros(8, np.int32), (8, 8), jnp.bfloat16, "1-byte"),
-        (np.zeros((8, 8), f8), np.zeros(8, np.uint32), (8, 8), f8, "int32"),
-        (np.zeros((8, 6), f8), np.zeros(8, np.int32), (6, 8), f8, "multiples of 4"),
-        (np.zeros((8, 8), f8), np.zeros(8, np.int32), (8, 4), f8, "out \\[C, R\\]"),
-    ]
-    for x, rows, out_shape, out_dtype, match in cases:
-        call = jax.ffi.ffi_call("jax_fp8_gather_transpose_bytes",
-                                jax.ShapeDtypeStruct(out_shape, out_dtype))
-        with pytest.raises(Exception, match="jax_fp8_gather_transpose_bytes.*" + match):
-            np.asarray(jax.jit(call)(jax.device_put(x, gpu_device),
-                                     jax.device_put(rows, gpu_device)))
 
 
 @pytest.mark.gpu

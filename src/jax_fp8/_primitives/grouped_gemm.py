@@ -24,14 +24,13 @@ XLA flushes float32 subnormal results to zero (a subnormal alpha_g, or a subnorm
 acc * alpha_g, reads as a zero of its sign in the reference); the kernel keeps them.
 
 On CUDA the kernel (ffi/grouped_gemm_cuda.cc: CUTLASS's SM90 ptr-array grouped GEMM,
-ffi/grouped_gemm_sm90.cuh and ffi/grouped_sm90.cuh) computes steps 1-4 on the device from
-`group_sizes` (no host synchronization): the tensor cores sum each 128 values of K (4 wgmma
-steps) and add them to a float32 accumulator, alpha_g is read per group from device memory,
-and one float32 multiply and one rounding write the output (a float16 output: the kernel's
-float32, rounded once by XLA). It takes E4M3 or E5M2 lhs x E4M3 rhs, K % 16 == 0, N % 8 == 0
-(bf16 out) or N % 4 == 0 (float32 / float16 out), 1 <= G <= 2**20
-(ffi/grouped_gemm_limits.h): TMA needs every group's rows on 16-byte boundaries. Elsewhere
-the reference runs, and `explain` says why.
+ffi/grouped_gemm_sm90.cuh) computes steps 1-4 on the device from `group_sizes` (no host
+synchronization): the tensor cores sum each 128 values of K (4 wgmma steps) and add them to a
+float32 accumulator, alpha_g is read per group from device memory, and one float32 multiply
+and one rounding write the output (a float16 output: the kernel's float32, rounded once by
+XLA). It takes E4M3 or E5M2 lhs x E4M3 rhs, K % 16 == 0, N % 8 == 0 (bf16 out) or
+N % 4 == 0 (float32 / float16 out), 1 <= G <= 2**20 (ffi/grouped_gemm_limits.h): TMA needs
+every group's rows on 16-byte boundaries. Elsewhere the reference runs, and `explain` says why.
 
 The weight gradient of a grouped GEMM (ragged along the contraction: lhs_g^T . grad_g per
 group) is not this primitive but `grouped_wgrad`'s. FP8 wgmma reads both operands K-major,

@@ -20,18 +20,17 @@ The reference is a float32-accumulated ``jax.lax.ragged_dot_general`` of the FP8
 ragged along the contraction (`ragged_contract`), which XLA:GPU lowers by expanding the
 operands into zero-padded dense [M, G, .] tensors: memory G times the operands'.
 
-The CUDA kernel (ffi/grouped_wgrad_cuda.cc: the grouped GEMM's CUTLASS SM90 ptr-array
-kernel, ffi/grouped_wgrad_sm90.cuh) takes each group as one GEMM of (M, N, K) = (K, N,
-ceil16(m_g)) (the columns past its tokens are 0). FP8 wgmma reads both operands K-major (the
-tokens contiguous), and TMA loads each group's operands only from 16-byte boundaries, so the
-wrapper below first builds (`kernel_pad_transpose`: ffi/transpose_cuda.cu's kernel that
-gathers the rows and transposes the bytes in one pass, where C % 4 == 0; else a gather in
-XLA and a transpose) lhs_t [K, Mp] and grad_t [N, Mp]: group g's tokens in columns
-[pstart_g, pstart_g + m_g), pstart_g = sum over h < g of ceil16(m_h), every other column 0,
-Mp = round16(M) + 16 * (G + 1) (`padded_columns`: the last 16 columns always 0; an empty
-group's GEMM reads those, a contraction of 16 zeros). The tensor cores sum each 128 tokens
-(4 wgmma steps) and add them to a float32 accumulator; alpha_g is read per group in the
-epilogue; one rounding writes bf16 or float32 (a float16 output: the kernel's float32,
+The CUDA kernel (ffi/grouped_wgrad_cuda.cc: the grouped GEMM's CUTLASS SM90 ptr-array kernel,
+ffi/grouped_wgrad_sm90.cuh) takes each group as one GEMM of (M, N, K) = (K, N,
+ceil16(m_g)) (the columns past its tokens are 0). FP8 wgmma reads both operands K-major
+(the tokens contiguous), and TMA loads each group's operands only from 16-byte boundaries,
+so the wrapper below first builds (`pad_transpose`: a gather of rows in XLA, then
+ffi/transpose_cuda.cu's transpose of the bytes) lhs_t [K, Mp] and grad_t [N, Mp]: group g's tokens
+in columns [pstart_g, pstart_g + m_g), pstart_g = sum over h < g of ceil16(m_h), every other
+column 0, Mp = round16(M) + 16 * (G + 1) (`padded_columns`: the last 16 columns always 0; an
+empty group's GEMM reads those, a contraction of 16 zeros). The tensor cores sum each 128
+tokens (4 wgmma steps) and add them to a float32 accumulator; alpha_g is read per group in
+the epilogue; one rounding writes bf16 or float32 (a float16 output: the kernel's float32,
 rounded once by XLA). It takes E4M3 lhs x E4M3 or E5M2 grad (the E4M3 and HYBRID formats),
 N % 8 == 0 (bf16 out) or N % 4 == 0 (float32 / float16 out), 1 <= G <= 2**20
 (ffi/grouped_wgrad_limits.h); elsewhere the reference runs, and ``explain`` says why.
@@ -178,18 +177,6 @@ def _transpose_bytes(x: jax.Array) -> jax.Array:
     return x.T
 
 
-def kernel_pad_transpose(x: jax.Array, ends: jax.Array, mp: int) -> jax.Array:
-    """`pad_transpose` as the CUDA lowering runs it: one custom call that gathers the rows
-    and transposes the bytes (layout.py's ``jax_fp8_gather_transpose_bytes``) where the
-    kernel takes the sizes (C % 4 == 0), else the gather in XLA and `_transpose_bytes`.
-    Only called from the CUDA lowering."""
-    m, c = x.shape
-    if m == 0 or ends.shape[0] == 0 or not layout.kernel_supports(mp, c):
-        return pad_transpose(x, ends, mp, transpose=_transpose_bytes)
-    rows, inside = padded_rows(ends, mp)
-    return layout._ffi_gather_rotate(x, jnp.where(inside, rows, -1))
-
-
 def pad_transpose(x: jax.Array, ends: jax.Array, mp: int, *,
                   transpose: Callable[[jax.Array], jax.Array] = lambda t: t.T) -> jax.Array:
     """x [M, C] (FP8) -> [C, mp]: group g's rows (the clamped `ends`) in columns
@@ -262,8 +249,8 @@ def _ffi_grouped_wgrad(lhs: jax.Array, grad: jax.Array, group_sizes: jax.Array,
     m, k, n, g = lhs.shape[0], lhs.shape[1], grad.shape[1], group_sizes.shape[0]
     ends = gg.clamped_group_ends(group_sizes, m)
     mp = padded_columns(m, g)
-    lhs_t = kernel_pad_transpose(lhs, ends, mp)
-    grad_t = kernel_pad_transpose(grad, ends, mp)
+    lhs_t = pad_transpose(lhs, ends, mp, transpose=_transpose_bytes)
+    grad_t = pad_transpose(grad, ends, mp, transpose=_transpose_bytes)
     # float16 out: the kernel writes float32, one convert rounds it (as the reference does)
     kernel_dtype = out_dtype if np.dtype(out_dtype) in _KERNEL_OUT else np.dtype(np.float32)
     call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((g, k, n), kernel_dtype),

@@ -14,10 +14,6 @@ transposed. Two primitives, each one custom call on CUDA:
   batch x [B, R, C] takes a scale per matrix and gives an amax per matrix:
   `quantize_transpose_experts`, the expert weights of `fp8_ragged_dot` (one scale each).
 
-A third custom call, `jax_fp8_gather_transpose_bytes` (`_ffi_gather_rotate`), gathers the
-rows of a 1-byte matrix and transposes them in one pass: the grouped weight gradient's CUDA
-lowering builds its padded operands with it (grouped_wgrad.py), which is its primitive.
-
 The bits are those of `lax.transpose`, `jax_fp8.quantize` and `compute_amax` (a NaN's
 payload aside). Every other platform, a jit over several devices (whose partitioner
 handles XLA's ops and the amax's one all-reduce), meshes with Explicit axes, and sizes or
@@ -85,17 +81,6 @@ def _ffi_rotate(x: jax.Array, *, k: int) -> jax.Array:
     rows, cols = math.prod(lead), math.prod(trail)
     call = jax.ffi.ffi_call("jax_fp8_transpose_bytes", jax.ShapeDtypeStruct((cols, rows), x.dtype))
     return call(x.reshape(rows, cols)).reshape(trail + lead)
-
-
-def _ffi_gather_rotate(x: jax.Array, src_rows: jax.Array) -> jax.Array:
-    """x [M, C] (1 byte), src_rows int32 [R] -> [C, R], column r = row src_rows[r] of x (0
-    where src_rows[r] is outside [0, M)): the rows gathered and the bytes transposed in one
-    pass, the custom call ``jax_fp8_gather_transpose_bytes`` (ffi/transpose_cuda.cu's
-    RowGatherTransposeKernel). For CUDA lowerings only, on sizes `kernel_supports(R, C)`
-    takes."""
-    call = jax.ffi.ffi_call("jax_fp8_gather_transpose_bytes",
-                            jax.ShapeDtypeStruct((x.shape[1], src_rows.shape[0]), x.dtype))
-    return call(x, src_rows)
 
 
 def _transpose_lowering(ctx: Any, x: Any, *, k: int = 1) -> Any:
