@@ -55,7 +55,7 @@ import functools
 import importlib
 import os
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -81,7 +81,7 @@ MAX_ROWS = 2 ** 31 - 1   # group sizes are int32
 
 
 def is_fp8(dtype: DTypeLike) -> bool:
-    return np.dtype(dtype).name.startswith("float8")
+    return cast(bool, np.dtype(dtype).name.startswith("float8"))
 
 
 def check_scales_and_out(name: str, g: int, scales: Iterable[tuple[str, Any]],
@@ -117,8 +117,8 @@ def _abstract_eval(lhs: ShapedArray, rhs: ShapedArray, group_sizes: ShapedArray,
                          f"rhs), got {group_sizes.dtype}{list(group_sizes.shape)}")
     check_scales_and_out(name, g, (("lhs_scale_inv", lhs_scale_inv),
                                    ("rhs_scale_inv", rhs_scale_inv)), out_dtype)
-    return lhs.update(shape=(lhs.shape[0], rhs.shape[1]), dtype=np.dtype(out_dtype),
-                      weak_type=False)
+    return cast(ShapedArray, lhs.update(  # type: ignore[no-untyped-call]
+        shape=(lhs.shape[0], rhs.shape[1]), dtype=np.dtype(out_dtype), weak_type=False))
 
 
 def clamped_group_ends(group_sizes: jax.Array, m: int) -> jax.Array:
@@ -127,7 +127,7 @@ def clamped_group_ends(group_sizes: jax.Array, m: int) -> jax.Array:
     sizes = jnp.clip(group_sizes, 0, m).astype(jnp.uint32)
     cap = jnp.uint32(m)
     ends = lax.associative_scan(lambda a, b: jnp.minimum(a + b, cap), sizes)
-    return ends.astype(jnp.int32)
+    return cast(jax.Array, ends.astype(jnp.int32))
 
 
 def row_groups(ends: jax.Array, m: int) -> jax.Array:
@@ -147,7 +147,7 @@ def ragged_product(lhs: jax.Array, rhs: jax.Array, ends: jax.Array,
 
     def ragged(_: None) -> jax.Array:
         sizes = jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
-        numbers = lax.RaggedDotDimensionNumbers(
+        numbers = lax.RaggedDotDimensionNumbers(  # type: ignore[no-untyped-call]
             dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=(0,),
             rhs_group_dimensions=(0,))
         return lax.ragged_dot_general(lhs, rhs, sizes, numbers, precision=precision,
@@ -161,13 +161,13 @@ def ragged_product(lhs: jax.Array, rhs: jax.Array, ends: jax.Array,
             return jnp.where((group == g)[:, None], prod, acc)
         # (inside shard_map the carry varies as the operands do)
         init = axis_types.vary_like([jnp.zeros((m, n), jnp.float32), lhs, rhs])[0]
-        return lax.fori_loop(0, rhs.shape[0], body, init)
+        return cast(jax.Array, lax.fori_loop(0, rhs.shape[0], body, init))
 
     # jax's ragged_dot computes every row against every group's weights (masking the rows of
     # lhs, not the products), so an infinite or NaN weight of one expert would reach every
     # group's rows as 0 * inf = NaN; such weights take the per-group loop (G times the
     # FLOPs, only then).
-    return lax.cond(jnp.all(jnp.isfinite(rhs)), ragged, per_group, None)
+    return cast(jax.Array, lax.cond(jnp.all(jnp.isfinite(rhs)), ragged, per_group, None))
 
 
 def reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
@@ -234,9 +234,9 @@ def kernel_supports(lhs: Any, rhs: Any, out_dtype: DTypeLike) -> bool:
         return False
     m, k = lhs.shape
     g, n, _ = rhs.shape
-    return module.grouped_gemm_supports(np.dtype(lhs.dtype).name, np.dtype(rhs.dtype).name,
-                                        kernel_types.gemm_output(out_dtype).name, int(m),
-                                        int(n), int(k), int(g))
+    return cast(bool, module.grouped_gemm_supports(
+        np.dtype(lhs.dtype).name, np.dtype(rhs.dtype).name,
+        kernel_types.gemm_output(out_dtype).name, int(m), int(n), int(k), int(g)))
 
 
 def workspace_bytes(groups: int) -> int:
@@ -267,8 +267,9 @@ def _ffi_grouped_gemm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
     del kernel
     m, n, g = lhs.shape[0], rhs.shape[1], rhs.shape[0]
     kernel_dtype = kernel_types.gemm_output(out_dtype)
-    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((m, n), kernel_dtype),
-                                     jax.ShapeDtypeStruct((workspace_bytes(g),), jnp.uint8)))
+    call = jax.ffi.ffi_call(TARGET, (
+        jax.ShapeDtypeStruct((m, n), kernel_dtype),  # type: ignore[no-untyped-call]
+        jax.ShapeDtypeStruct((workspace_bytes(g),), jnp.uint8)))  # type: ignore[no-untyped-call]
     out, _ = call(lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv)
     return out.astype(out_dtype)
 
@@ -290,7 +291,7 @@ def _grouped_specs(mesh: jax.sharding.Mesh, lhs_shape: Sequence[int], lhs_spec: 
                    rhs_shape: Sequence[int], rhs_spec: Sequence[Any]) -> tuple[Any, Any]:
     """(m, n) PartitionSpec entries: lhs's M where its shards are even, rhs's N where they
     are and its mesh axes are not M's."""
-    used: set = set()
+    used: set[str] = set()
 
     def take(entry: Any, size: int) -> Any:
         axes = specs.spec_axes(entry)
@@ -308,7 +309,9 @@ def _grouped_shardings(params: dict[str, Any], mesh: jax.sharding.Mesh, arg_shap
     lhs, rhs = arg_shapes[:2]
     m, n = _grouped_specs(mesh, lhs.shape, specs.padded_spec(lhs.sharding, 2), rhs.shape,
                           specs.padded_spec(rhs.sharding, 3))
-    named = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
+    # PartitionSpec's constructor is unannotated in JAX.
+    named: Callable[..., NamedSharding] = \
+        lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))  # type: ignore[no-untyped-call]  # noqa: E731
     return ((named(m, None), named(None, n, None), named(), named(), named()),
             named(m, n))
 
@@ -379,6 +382,6 @@ def grouped_gemm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
         raise ValueError(f"{TARGET}: implementation must be one of {IMPLEMENTATIONS}, got "
                          f"{implementation!r}")
     kernel = implementation == "cuda" or (implementation == "auto" and kernel_switch())
-    return grouped_gemm_p.bind(
+    return cast(jax.Array, grouped_gemm_p.bind(
         lhs, rhs, group_sizes, lhs_scale_inv, rhs_scale_inv, out_dtype=np.dtype(out_dtype),
-        kernel=kernel, implementation="jnp" if implementation == "jnp" else "auto")
+        kernel=kernel, implementation="jnp" if implementation == "jnp" else "auto"))

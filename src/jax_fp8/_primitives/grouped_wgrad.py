@@ -53,7 +53,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -103,10 +103,12 @@ def _abstract_eval(lhs: ShapedArray, grad: ShapedArray, group_sizes: ShapedArray
                                       ("grad_scale_inv", grad_scale_inv)), out_dtype)
     # Not sharded along any axis (a jit over several devices partitions the reference).
     sharding = getattr(lhs, "sharding", None)
-    extra = {} if sharding is None else {"sharding": NamedSharding(sharding.mesh,
-                                                                   PartitionSpec())}
-    return lhs.update(shape=(g, lhs.shape[1], grad.shape[1]), dtype=np.dtype(out_dtype),
-                      weak_type=False, **extra)
+    # PartitionSpec's constructor and ShapedArray.update are unannotated in JAX.
+    extra = {} if sharding is None else {
+        "sharding": NamedSharding(sharding.mesh, PartitionSpec())}  # type: ignore[no-untyped-call]
+    return cast(ShapedArray, lhs.update(  # type: ignore[no-untyped-call]
+        shape=(g, lhs.shape[1], grad.shape[1]), dtype=np.dtype(out_dtype), weak_type=False,
+        **extra))
 
 
 def ragged_contract(a: jax.Array, b: jax.Array, ends: jax.Array,
@@ -115,7 +117,7 @@ def ragged_contract(a: jax.Array, b: jax.Array, ends: jax.Array,
     b [M, N] (FP8 or float32), the groups ending at the clamped `ends`; the rows past the last
     group take part in none. Both operands are masked per group, so a NaN stays in its
     group."""
-    numbers = lax.RaggedDotDimensionNumbers(
+    numbers = lax.RaggedDotDimensionNumbers(  # type: ignore[no-untyped-call]
         dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=(0,),
         rhs_group_dimensions=())
     sizes = jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
@@ -221,9 +223,9 @@ def kernel_supports(lhs: Any, grad: Any, groups: int, out_dtype: DTypeLike) -> b
     call_out = np.float32 if np.dtype(out_dtype) == np.float16 else out_dtype
     m, k = lhs.shape
     n = grad.shape[1]
-    return module.grouped_wgrad_supports(
+    return cast(bool, module.grouped_wgrad_supports(
         np.dtype(lhs.dtype).name, np.dtype(grad.dtype).name, np.dtype(call_out).name, int(k),
-        int(n), int(padded_columns(m, groups)), int(groups))
+        int(n), int(padded_columns(m, groups)), int(groups)))
 
 
 def _refuses(lhs: ShapedArray, grad: ShapedArray, group_sizes: ShapedArray,
@@ -253,8 +255,9 @@ def _ffi_grouped_wgrad(lhs: jax.Array, grad: jax.Array, group_sizes: jax.Array,
     grad_t = pad_transpose(grad, ends, mp, transpose=_transpose_bytes)
     # float16 out: the kernel writes float32, one convert rounds it (as the reference does)
     kernel_dtype = out_dtype if np.dtype(out_dtype) in _KERNEL_OUT else np.dtype(np.float32)
-    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((g, k, n), kernel_dtype),
-                                     jax.ShapeDtypeStruct((gg.workspace_bytes(g),), jnp.uint8)))
+    call = jax.ffi.ffi_call(TARGET, (
+        jax.ShapeDtypeStruct((g, k, n), kernel_dtype),  # type: ignore[no-untyped-call]
+        jax.ShapeDtypeStruct((gg.workspace_bytes(g),), jnp.uint8)))  # type: ignore[no-untyped-call]
     # the kernel clamps group_sizes to m rows as clamped_group_ends does (the same columns)
     out, _ = call(lhs_t, grad_t, group_sizes, lhs_scale_inv, grad_scale_inv, m=np.int64(m))
     return out.astype(out_dtype)
@@ -289,7 +292,9 @@ def _wgrad_shardings(params: dict[str, Any], mesh: jax.sharding.Mesh, arg_shapes
                      ) -> tuple[tuple[NamedSharding, ...], NamedSharding]:
     del params
     m = _m_entry(mesh, arg_shapes[0])
-    named = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
+    # PartitionSpec's constructor is unannotated in JAX.
+    named: Callable[..., NamedSharding] = \
+        lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))  # type: ignore[no-untyped-call]  # noqa: E731
     return ((named(m, None), named(m, None), named(), named(), named()),
             named(None, None, None))
 
@@ -308,7 +313,7 @@ def _wgrad_local(bind: Callable[..., Any], operands: Sequence[jax.Array], *,
     ones = jnp.ones_like(lhs_scale_inv)
     acc = bind(lhs, grad, local, ones, ones,
                **dict(params, out_dtype=np.dtype(np.float32)))     # acc * (1 * 1): exact
-    acc = lax.psum(acc, m_axes)
+    acc = lax.psum(acc, m_axes)  # type: ignore[no-untyped-call]  # unannotated in JAX
     alpha = lhs_scale_inv * grad_scale_inv
     return (acc * alpha[:, None, None]).astype(params["out_dtype"])
 
@@ -351,6 +356,6 @@ def grouped_wgrad(lhs: jax.Array, grad: jax.Array, group_sizes: jax.Array,
         raise ValueError(f"{TARGET}: implementation must be one of {IMPLEMENTATIONS}, got "
                          f"{implementation!r}")
     kernel = implementation == "cuda" or (implementation == "auto" and KERNEL_ON)
-    return grouped_wgrad_p.bind(
+    return cast(jax.Array, grouped_wgrad_p.bind(
         lhs, grad, group_sizes, lhs_scale_inv, grad_scale_inv, out_dtype=np.dtype(out_dtype),
-        kernel=kernel, implementation="jnp" if implementation == "jnp" else "auto")
+        kernel=kernel, implementation="jnp" if implementation == "jnp" else "auto"))

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.core import ShapedArray
-from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jax.sharding import PartitionSpec
 from jax.typing import ArrayLike, DTypeLike
@@ -44,8 +43,8 @@ from jax_fp8._primitives import amax as amax_lib, axis_types, base, exact, kerne
 def kernel_supports(rows: int, cols: int, *, batch: int = 1) -> bool:
     """Sizes the CUDA kernels take (ffi/transpose_cuda.cu's TransposeBytesSupports)."""
     module = _registration.CUDA_MODULE
-    return module is not None and module.transpose_bytes_supports(int(batch), int(rows),
-                                                                  int(cols))
+    return module is not None and cast(bool, module.transpose_bytes_supports(
+        int(batch), int(rows), int(cols)))
 
 
 def _rotation(ndim: int, k: int) -> tuple[int, ...]:
@@ -62,9 +61,12 @@ def _abstract_eval(x: ShapedArray, *, k: int = 1) -> ShapedArray:
     shape = tuple(x.shape[i] for i in perm)
     if axis_types.on_explicit_mesh(x):   # the sharding rotates with the axes
         spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
-        sharding = x.sharding.update(spec=PartitionSpec(*(spec[i] for i in perm)))
-        return x.update(shape=shape, sharding=sharding, weak_type=False)
-    return x.update(shape=shape, weak_type=False)
+        # PartitionSpec's constructor and ShapedArray.update are unannotated in JAX.
+        sharding = x.sharding.update(
+            spec=PartitionSpec(*(spec[i] for i in perm)))  # type: ignore[no-untyped-call]
+        return cast(ShapedArray, x.update(  # type: ignore[no-untyped-call]
+            shape=shape, sharding=sharding, weak_type=False))
+    return cast(ShapedArray, x.update(shape=shape, weak_type=False))  # type: ignore[no-untyped-call]
 
 
 def _rotate(x: jax.Array, *, k: int = 1) -> jax.Array:
@@ -79,7 +81,9 @@ def _ffi_rotate(x: jax.Array, *, k: int) -> jax.Array:
     """The custom call on x seen as the matrix [prod A, prod B]."""
     lead, trail = x.shape[:k], x.shape[k:]
     rows, cols = math.prod(lead), math.prod(trail)
-    call = jax.ffi.ffi_call("jax_fp8_transpose_bytes", jax.ShapeDtypeStruct((cols, rows), x.dtype))
+    call = jax.ffi.ffi_call(
+        "jax_fp8_transpose_bytes",
+        jax.ShapeDtypeStruct((cols, rows), x.dtype))  # type: ignore[no-untyped-call]
     return call(x.reshape(rows, cols)).reshape(trail + lead)
 
 
@@ -105,7 +109,7 @@ def _transpose_transpose(ct: Any, x: Any, *, k: int = 1, **params: Any) -> list[
 
 
 # A transpose is linear: its tangent is rotated the same way, its cotangent back.
-transpose_bytes_p: Primitive = base.register(base.Spec(
+transpose_bytes_p = base.register(base.Spec(
     "jax_fp8_transpose_bytes", _abstract_eval, _rotate, batch="reference", jvp="linear",
     transpose=_transpose_transpose, reference_where=_transpose_reference_where,
     kernels={"cuda": base.Kernel(_transpose_lowering, supports=_transpose_supports)}))
@@ -121,7 +125,7 @@ def rotate_axes(x: jax.Array, k: int) -> jax.Array:
         return x
     if np.dtype(x.dtype).itemsize != 1:
         return lax.transpose(x, _rotation(n, k))
-    return transpose_bytes_p.bind(x, k=int(k))
+    return cast(jax.Array, transpose_bytes_p.bind(x, k=int(k)))
 
 
 # --------------------------------------------------------------------------- quantize
@@ -134,9 +138,10 @@ def _qt_abstract_eval(x: ShapedArray, scale: ShapedArray, *, fp8_dtype: np.dtype
                         f"a batch of matrices [B, R, C] and float32[B], got "
                         f"{x.dtype}{list(x.shape)}, {scale.dtype}{list(scale.shape)}")
     lead, (rows, cols) = x.shape[:-2], x.shape[-2:]
-    return (x.update(shape=lead + (rows, cols), dtype=fp8_dtype, weak_type=False),
-            x.update(shape=lead + (cols, rows), dtype=fp8_dtype, weak_type=False),
-            x.update(shape=lead, dtype=np.float32, weak_type=False))
+    # ShapedArray.update is unannotated in JAX.
+    return (x.update(shape=lead + (rows, cols), dtype=fp8_dtype, weak_type=False),  # type: ignore[no-untyped-call]
+            x.update(shape=lead + (cols, rows), dtype=fp8_dtype, weak_type=False),  # type: ignore[no-untyped-call]
+            x.update(shape=lead, dtype=np.float32, weak_type=False))  # type: ignore[no-untyped-call]
 
 
 def _qt_reference(x: jax.Array, scale: jax.Array, *, fp8_dtype: np.dtype,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -178,7 +178,8 @@ def _to_primal_vma(ct: Any, primal_like: Any, reduce: Callable[[Any, tuple[str, 
 def _pmax_ignoring_nan(x: Any, axes: tuple[str, ...]) -> Any:
     # As reduce_amaxes: a NaN amax on one device is ignored, not spread to all. ``x`` an
     # array or a tuple of arrays (one all-reduce for all of them).
-    return lax.pmax(jax.tree.map(lambda a: jnp.where(jnp.isnan(a), -jnp.inf, a), x), axes)
+    return lax.pmax(  # type: ignore[no-untyped-call]  # unannotated in JAX
+        jax.tree.map(lambda a: jnp.where(jnp.isnan(a), -jnp.inf, a), x), axes)
 
 
 def _bwd_tail(grad_lhs: jax.Array, grad_rhs: jax.Array, lhs_like: jax.Array, rhs_like: jax.Array,
@@ -200,7 +201,7 @@ def _bwd_tail(grad_lhs: jax.Array, grad_rhs: jax.Array, lhs_like: jax.Array, rhs
         # leaves each record's amax as it is (`jax_fp8._fp8_grads.recorded_amax`).
         amaxes = _pmax_ignoring_nan(tuple(amaxes), devices)
     def to_state(amax: jax.Array, primal: ScalingState) -> jax.Array:
-        return _to_primal_vma(amax, primal.scale, _pmax_ignoring_nan)
+        return cast(jax.Array, _to_primal_vma(amax, primal.scale, _pmax_ignoring_nan))
 
     amax_lhs, amax_rhs, amax_g = amaxes
     ct_meta_in = Fp8Meta(
