@@ -93,7 +93,8 @@ class Fp8Meta:
         """Fresh states for one GEMM (``shape``: leading axes, e.g. stacked layers), or the
         stateless meta of a current/blockwise recipe."""
         recipe = recipe_lib.default() if recipe is None else recipe
-        return recipe_lib.check_recipe(recipe, "recipe").create_meta(shape, history_len)
+        meta: Fp8Meta = recipe_lib.check_recipe(recipe, "recipe").create_meta(shape, history_len)
+        return meta
 
     @property
     def stateless(self) -> bool:

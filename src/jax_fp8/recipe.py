@@ -9,14 +9,11 @@ import enum
 import math
 import typing
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
+from typing import Any, ClassVar, TypeVar, cast
 
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
-
-if TYPE_CHECKING:
-    from jax_fp8.meta import Fp8Meta
 
 ALGORITHMS = ("max", "most_recent")
 
@@ -176,7 +173,7 @@ class Recipe(abc.ABC):
 
     @abc.abstractmethod
     def create_meta(self, shape: Sequence[int] = (), history_len: int | None = None
-                    ) -> Fp8Meta:
+                    ) -> Any:
         """The `jax_fp8.Fp8Meta` of one GEMM (``shape``: leading axes of its states)."""
 
     @abc.abstractmethod
